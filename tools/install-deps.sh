@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages rdmavirt builds, tests and runs its lab with.
+# Idempotent: runs `apt-get update` at most once per call and only when
+# something is missing; installs only what is missing.
+set -euo pipefail
+
+packages=(
+  # build
+  build-essential cmake pkg-config git
+  # verbs
+  libibverbs-dev librdmacm-dev rdma-core ibverbs-utils rdmacm-utils
+  ibverbs-providers perftest
+  # protos and RPC
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev
+  # checkpoint/restore and VMs
+  criu libvirt-dev libvirt-daemon-system libvirt-clients
+  # tests and benchmarks
+  libgtest-dev libgmock-dev libbenchmark-dev valgrind
+  # the lab: TCG VMs on a VDE switch, booted from an initramfs
+  qemu-system-x86 vde2 busybox-static cpio kmod iproute2 coreutils procps
+  python3
+)
+
+if [[ $(id -u) -ne 0 ]]; then
+  echo "install-deps: must run as root (apt-get install)" >&2
+  exit 1
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "install-deps: installing ${#missing[@]} missing packages: ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+# libvirt-daemon-system's postinst tries to start services; without systemd
+# that only warns, the lab starts the daemons itself.
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/tmp/rdmavirt-apt.log 2>&1 || {
+  tail -n 30 /tmp/rdmavirt-apt.log >&2
+  echo "install-deps: apt-get install failed (full log: /tmp/rdmavirt-apt.log)" >&2
+  exit 1
+}
+echo "install-deps: done"

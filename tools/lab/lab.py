@@ -1,0 +1,515 @@
+"""The rdmavirt lab: real Soft-RoCE hosts in TCG VMs on one L2 fabric.
+
+A lab is a directory (default /tmp/rdmavirt-lab) holding one supervisor
+process, a VDE switch and 1..8 QEMU guests. Each guest boots Debian 12's own
+kernel (it has rdma_rxe; the build machine's kernel has no RDMA) with the
+build machine's / shared read-only under a tmpfs overlay, so every installed
+program and the project's build tree run in the guest unchanged. hostN has
+10.77.0.N on eth0 and rxe0 on top of it; the lab share is /lab in every host.
+
+Commands reach a guest through a spool directory on the lab share (see
+guest/stage2). Every call has a timeout; a host whose heartbeat stops, or
+whose QEMU exits, is reported as down instead of being waited on.
+
+The supervisor owns everything: the switch and the VMs die with it (parent
+death signal), it tears the lab down on SIGTERM/SIGINT, and, when given an
+owner pid, as soon as that process is gone (so a killed test run leaves
+nothing behind).
+
+Only the standard library is used: the lab must run before anything else
+is built.
+"""
+
+import ctypes
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+GUEST_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guest")
+DEFAULT_DIR = os.environ.get("RDMAVIRT_LAB_DIR", "/tmp/rdmavirt-lab")
+CACHE_DIR = os.environ.get("RDMAVIRT_LAB_CACHE", "/var/cache/rdmavirt-lab")
+MAX_HOSTS = 8
+
+# Load order matters; LAB.md says why each is there. The *_diag modules let
+# CRIU dump sockets; they are taken when the kernel has them as modules.
+MODULES = [
+    "crc32c_generic", "nf_tables", "crc32_generic", "virtio_pci",
+    "9pnet_virtio", "9p", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm",
+    "overlay", "veth",
+]
+OPTIONAL_MODULES = [
+    "unix_diag", "netlink_diag", "inet_diag", "tcp_diag", "udp_diag",
+    "packet_diag", "af_packet_diag", "nft_compat", "nf_conntrack", "tun",
+]
+
+
+class LabError(Exception):
+    """Anything the caller should report and stop on."""
+
+
+class HostDown(LabError):
+    """A host stopped answering (its heartbeat or its QEMU stopped)."""
+
+
+class Result:
+    def __init__(self, rc, out, err):
+        self.rc, self.out, self.err = rc, out, err
+
+    def __repr__(self):
+        return f"Result(rc={self.rc}, out={self.out[-400:]!r}, err={self.err[-400:]!r})"
+
+
+def log(msg):
+    print(f"rdmavirt-lab: {msg}", file=sys.stderr, flush=True)
+
+
+def _run(cmd, **kw):
+    return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)
+
+
+# ---------------------------------------------------------------- the kernel
+
+def kernel_dir():
+    """Fetches (once, cached) Debian's kernel and the initramfs modules.
+
+    Returns the cache directory holding vmlinuz, modules/ (the .ko files in
+    load order) and modules.order.
+    """
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    try:
+        deps = _run(["apt-cache", "depends", "linux-image-amd64"]).stdout
+    except subprocess.CalledProcessError:
+        deps = ""
+    pkg = next((l.split()[-1] for l in deps.splitlines()
+                if "Depends:" in l and "linux-image-" in l), None)
+    if pkg is None:
+        _run(["apt-get", "update", "-qq"])
+        deps = _run(["apt-cache", "depends", "linux-image-amd64"]).stdout
+        pkg = next((l.split()[-1] for l in deps.splitlines()
+                    if "Depends:" in l and "linux-image-" in l), None)
+    if pkg is None:
+        raise LabError("cannot find the kernel package linux-image-amd64 depends on")
+    kdir = os.path.join(CACHE_DIR, pkg)
+    if os.path.exists(os.path.join(kdir, "modules.order")):
+        return kdir
+
+    log(f"fetching kernel {pkg} (once; cached in {kdir})")
+    tmp = kdir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        _run(["apt-get", "download", "-q", pkg], cwd=tmp)
+    except subprocess.CalledProcessError:
+        _run(["apt-get", "update", "-qq"])
+        _run(["apt-get", "download", "-q", pkg], cwd=tmp)
+    deb = next(f for f in os.listdir(tmp) if f.endswith(".deb"))
+    root = os.path.join(tmp, "root")
+    _run(["dpkg", "-x", os.path.join(tmp, deb), root])
+    version = os.listdir(os.path.join(root, "lib/modules"))[0]
+    _run(["depmod", "-b", root, version])
+    ordered = []
+    for mod in MODULES + OPTIONAL_MODULES:
+        p = subprocess.run(["modprobe", "-d", root, "-S", version,
+                            "--show-depends", mod],
+                           text=True, capture_output=True)
+        if p.returncode != 0:
+            if mod in MODULES:
+                raise LabError(f"kernel {version} lacks module {mod}: {p.stderr.strip()}")
+            continue
+        for line in p.stdout.splitlines():
+            parts = line.split()
+            if parts and parts[0] == "insmod" and parts[1] not in ordered:
+                ordered.append(parts[1])
+    mods = os.path.join(tmp, "modules")
+    os.makedirs(mods)
+    names = []
+    for path in ordered:
+        name = os.path.basename(path)
+        if name.endswith(".xz"):
+            _run(["xz", "-dk", path])
+            path, name = path[:-3], name[:-3]
+        shutil.copy(path, os.path.join(mods, name))
+        names.append("modules/" + name)
+    with open(os.path.join(tmp, "modules.order"), "w") as f:
+        f.write("\n".join(names) + "\n")
+    shutil.copy(os.path.join(root, "boot", f"vmlinuz-{version}"),
+                os.path.join(tmp, "vmlinuz"))
+    with open(os.path.join(tmp, "version"), "w") as f:
+        f.write(version + "\n")
+    shutil.rmtree(root)
+    os.remove(os.path.join(tmp, deb))
+    shutil.rmtree(kdir, ignore_errors=True)
+    os.rename(tmp, kdir)
+    return kdir
+
+
+def build_initramfs(kdir, out):
+    """A busybox initramfs with the lab's modules and both init stages."""
+    busybox = "/bin/busybox"
+    if not os.path.exists(busybox):
+        raise LabError("/bin/busybox missing: run tools/install-deps.sh")
+    stage = out + ".d"
+    shutil.rmtree(stage, ignore_errors=True)
+    for d in ("bin", "proc", "sys", "dev", "tmp"):
+        os.makedirs(os.path.join(stage, d))
+    shutil.copy(busybox, os.path.join(stage, "bin/busybox"))
+    shutil.copytree(os.path.join(kdir, "modules"), os.path.join(stage, "modules"))
+    shutil.copy(os.path.join(kdir, "modules.order"), stage)
+    shutil.copy(os.path.join(GUEST_DIR, "init"), os.path.join(stage, "init"))
+    shutil.copy(os.path.join(GUEST_DIR, "stage2"), os.path.join(stage, "stage2"))
+    os.chmod(os.path.join(stage, "init"), 0o755)
+    files = _run(["find", "."], cwd=stage).stdout
+    with open(out, "wb") as f:
+        subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=stage,
+                       input=files.encode(), stdout=f, check=True)
+    shutil.rmtree(stage)
+
+
+# ---------------------------------------------------------------- the lab
+
+class Lab:
+    """Client of a lab directory: boot it, run commands in its hosts, stop it."""
+
+    def __init__(self, directory=DEFAULT_DIR):
+        self.dir = os.path.abspath(directory)
+        self.shared = os.path.join(self.dir, "shared")
+        self.state_path = os.path.join(self.dir, "state.json")
+
+    # -- state
+
+    def state(self):
+        try:
+            with open(self.state_path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+
+    def running(self):
+        st = self.state()
+        return st is not None and _alive(st.get("supervisor", 0))
+
+    def hosts(self):
+        st = self.state()
+        return st["hosts"] if st else 0
+
+    def ctl(self, n):
+        return os.path.join(self.shared, "ctl", f"host{n}")
+
+    # -- lifecycle
+
+    def up(self, hosts=2, memory_mb=2048, cpus=2, owner=None, boot_timeout=120):
+        """Boots `hosts` hosts in parallel; returns when all are ready."""
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise LabError(f"hosts must be 1..{MAX_HOSTS}, got {hosts}")
+        if self.running():
+            raise LabError(f"a lab is already running in {self.dir} "
+                           f"(rdmavirt-lab down, or --dir elsewhere)")
+        for tool in ("qemu-system-x86_64", "vde_switch", "cpio", "depmod"):
+            if shutil.which(tool) is None:
+                raise LabError(f"{tool} not found: run tools/install-deps.sh")
+        kdir = kernel_dir()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.shared)
+        os.makedirs(os.path.join(self.shared, "ctl"))
+        initrd = os.path.join(self.dir, "initrd.img")
+        build_initramfs(kdir, initrd)
+        config = {"hosts": hosts, "memory_mb": memory_mb, "cpus": cpus,
+                  "kernel": os.path.join(kdir, "vmlinuz"), "initrd": initrd,
+                  "owner": owner, "dir": self.dir}
+        with open(os.path.join(self.dir, "config.json"), "w") as f:
+            json.dump(config, f)
+        started = time.monotonic()
+        # The supervisor is a daemon of its own: it outlives this call.
+        logf = open(os.path.join(self.dir, "supervisor.log"), "ab")
+        subprocess.Popen([sys.executable, os.path.abspath(__file__),
+                          "_supervise", self.dir],
+                         stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                         start_new_session=True, close_fds=True)
+        logf.close()
+        deadline = started + boot_timeout
+        pending = set(range(1, hosts + 1))
+        while pending:
+            if time.monotonic() > deadline:
+                self.down()
+                raise LabError(f"host(s) {sorted(pending)} not ready after "
+                               f"{boot_timeout}s" + self._console_tails(pending))
+            st = self.state()
+            if st and st.get("failed"):
+                self.down()
+                raise LabError(f"lab failed: {st['failed']}"
+                               + self._console_tails(pending))
+            for n in list(pending):
+                err = os.path.join(self.ctl(n), "boot-error")
+                if os.path.exists(err):
+                    msg = open(err).read().strip()
+                    self.down()
+                    raise LabError(f"host{n}: {msg}" + self._console_tails([n]))
+                if os.path.exists(os.path.join(self.ctl(n), "ready")):
+                    pending.discard(n)
+            time.sleep(0.2)
+        return time.monotonic() - started
+
+    def down(self, timeout=15):
+        """Stops the supervisor, which kills the VMs and the switch."""
+        st = self.state()
+        if st is None:
+            return False
+        pid = st.get("supervisor", 0)
+        if _alive(pid):
+            os.kill(pid, signal.SIGTERM)
+            end = time.monotonic() + timeout
+            while _alive(pid) and time.monotonic() < end:
+                time.sleep(0.1)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        # Whatever is left (a supervisor killed with SIGKILL takes its
+        # children with it through the parent death signal; this is the belt).
+        for p in st.get("pids", []):
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        return True
+
+    def _console_tails(self, hosts):
+        out = ""
+        for n in hosts:
+            path = os.path.join(self.dir, f"host{n}.console")
+            try:
+                tail = open(path, errors="replace").read()[-1500:]
+            except FileNotFoundError:
+                tail = "(no console output)"
+            out += f"\n--- host{n} console (tail) ---\n{tail}"
+        return out
+
+    # -- commands
+
+    def _check_host(self, n):
+        st = self.state()
+        if st is None or not _alive(st.get("supervisor", 0)):
+            raise LabError(f"no lab running in {self.dir}")
+        if not 1 <= n <= st["hosts"]:
+            raise LabError(f"host{n} does not exist (the lab has {st['hosts']})")
+
+    def submit(self, n, script, timeout):
+        """Queues `script` (bash) on hostN; returns the job id."""
+        self._check_host(n)
+        job = uuid.uuid4().hex[:12]
+        ctl = self.ctl(n)
+        with open(os.path.join(ctl, job + ".sh"), "w") as f:
+            f.write(script + "\n")
+        tmp = os.path.join(ctl, job + ".cmd.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{int(timeout)}\n")
+        os.rename(tmp, os.path.join(ctl, job + ".cmd"))
+        return job
+
+    def wait(self, n, job, timeout, stale_after=20):
+        """Waits for a job; returns its Result.
+
+        Raises HostDown when the host stops answering, LabError on timeout
+        (after killing the job).
+        """
+        ctl = self.ctl(n)
+        rc_path = os.path.join(ctl, job + ".rc")
+        end = time.monotonic() + timeout
+        beat = self._beat(n)
+        beat_seen = time.monotonic()
+        delay = 0.02
+        while not os.path.exists(rc_path):
+            now = time.monotonic()
+            if now > end:
+                self.kill(n, job)
+                raise LabError(f"host{n}: command timed out after {timeout}s")
+            b = self._beat(n)
+            if b != beat:
+                beat, beat_seen = b, now
+            elif now - beat_seen > stale_after:
+                raise HostDown(f"host{n} is not responding (no heartbeat for "
+                               f"{stale_after}s)" + self._console_tails([n]))
+            st = self.state()
+            if st is None or not _alive(st.get("supervisor", 0)):
+                raise HostDown("the lab is gone (supervisor exited)")
+            if n in st.get("dead", []):
+                raise HostDown(f"host{n}'s VM exited" + self._console_tails([n]))
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
+        rc = int(open(rc_path).read().strip() or 255)
+        out = _read(os.path.join(ctl, job + ".out"))
+        err = _read(os.path.join(ctl, job + ".err"))
+        for ext in (".sh", ".cmd.run", ".pid", ".out", ".err", ".rc"):
+            _unlink(os.path.join(ctl, job + ext))
+        return Result(rc, out, err)
+
+    def done(self, n, job):
+        return os.path.exists(os.path.join(self.ctl(n), job + ".rc"))
+
+    def kill(self, n, job):
+        with open(os.path.join(self.ctl(n), job + ".kill"), "w"):
+            pass
+
+    def run(self, n, script, timeout=60):
+        """Runs `script` on hostN and returns its Result."""
+        # The guest-side timeout fires first, so a slow command is reported
+        # with rc 124 and its partial output rather than as a lost host.
+        job = self.submit(n, script, timeout)
+        return self.wait(n, job, timeout + 15)
+
+    def _beat(self, n):
+        return _read(os.path.join(self.ctl(n), "heartbeat"))
+
+
+def _read(path):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _alive(pid):
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is not alive.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---------------------------------------------------------------- supervisor
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def supervise(directory):
+    lab = Lab(directory)
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    state = {"supervisor": os.getpid(), "hosts": cfg["hosts"], "pids": [],
+             "dead": [], "started": time.time()}
+
+    def save():
+        tmp = lab.state_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.rename(tmp, lab.state_path)
+
+    stopping = []
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+
+    procs = {}
+    # The switch's stdin is a pipe that only we hold: it sees EOF and exits
+    # when we are gone, however we went.
+    sock = os.path.join(directory, "sw")
+    switch = subprocess.Popen(["vde_switch", "-s", sock, "-n", "16"],
+                              stdin=subprocess.PIPE,
+                              stdout=open(os.path.join(directory, "switch.log"), "wb"),
+                              stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    state["pids"].append(switch.pid)
+    for _ in range(100):
+        if os.path.exists(os.path.join(sock, "ctl")):
+            break
+        time.sleep(0.05)
+    else:
+        state["failed"] = "vde_switch did not create its socket"
+        save()
+        switch.kill()
+        return 1
+
+    for n in range(1, cfg["hosts"] + 1):
+        cmd = qemu_command(cfg, directory, n)
+        with open(os.path.join(directory, f"host{n}.cmdline"), "w") as f:
+            f.write(shlex.join(cmd) + "\n")
+        procs[n] = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL,
+            stdout=open(os.path.join(directory, f"host{n}.qemu.log"), "wb"),
+            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        state["pids"].append(procs[n].pid)
+    save()
+
+    owner = cfg.get("owner")
+    while not stopping:
+        if owner and not _alive(owner):
+            print(f"owner {owner} is gone: tearing down", flush=True)
+            break
+        for n, p in procs.items():
+            if p.poll() is not None and n not in state["dead"]:
+                state["dead"].append(n)
+                print(f"host{n}: qemu exited with {p.returncode}", flush=True)
+                save()
+        if switch.poll() is not None:
+            state["failed"] = f"vde_switch exited with {switch.returncode}"
+            save()
+            break
+        time.sleep(0.5)
+
+    for p in list(procs.values()) + [switch]:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + 5
+    for p in list(procs.values()) + [switch]:
+        try:
+            p.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    state["supervisor"] = 0
+    state["stopped"] = time.time()
+    save()
+    return 0
+
+
+def qemu_command(cfg, directory, n):
+    mac = f"52:54:00:77:00:{n:02x}"
+    append = (f"console=ttyS0 panic=-1 rdmavirt.host={n} "
+              "loglevel=4 net.ifnames=0 biosdevname=0")
+    return [
+        "qemu-system-x86_64", "-name", f"host{n}",
+        "-nodefaults", "-no-user-config", "-no-reboot",
+        "-machine", "pc", "-accel", "tcg,thread=multi", "-cpu", "max",
+        "-smp", str(cfg["cpus"]), "-m", str(cfg["memory_mb"]),
+        "-kernel", cfg["kernel"], "-initrd", cfg["initrd"], "-append", append,
+        "-display", "none", "-monitor", "none",
+        "-serial", f"file:{os.path.join(directory, f'host{n}.console')}",
+        "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,"
+                   "readonly=on,multidevs=remap",
+        "-virtfs", f"local,path={os.path.join(directory, 'shared')},"
+                   "mount_tag=lab,security_model=none,multidevs=remap",
+        "-netdev", f"vde,id=n0,sock={os.path.join(directory, 'sw')}",
+        "-device", f"virtio-net-pci,netdev=n0,mac={mac}",
+    ]
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "_supervise":
+    os.setsid() if os.getsid(0) != os.getpid() else None
+    sys.exit(supervise(sys.argv[2]))

@@ -1,0 +1,88 @@
+// VerbsBackend: the control-path verbs the shim calls underneath its shadow
+// objects. RealBackend (real_backend.cc) reaches the next libibverbs in the
+// link chain; unit tests use FakeBackend (tests/shim/fake_backend.h).
+//
+// The data path is deliberately not here: post/poll go straight through the
+// function pointers of the objects a backend returns (ctx->ops.post_send,
+// qp_ex->wr_*, cq_ex->start_poll), so the shim adds no virtual call on it and
+// works the same over any backend.
+//
+// Every method has the contract of the libibverbs function of the same name
+// (return values and errno). Thread-safe as libibverbs is.
+#ifndef RDMAVIRT_SHIM_BACKEND_H_
+#define RDMAVIRT_SHIM_BACKEND_H_
+
+#include <infiniband/verbs.h>
+
+namespace rdmavirt::shim {
+
+class VerbsBackend {
+ public:
+  virtual ~VerbsBackend() = default;
+
+  virtual ibv_device** GetDeviceList(int* num) = 0;
+  virtual void FreeDeviceList(ibv_device** list) = 0;
+  virtual ibv_context* OpenDevice(ibv_device* device) = 0;
+  virtual int CloseDevice(ibv_context* ctx) = 0;
+  virtual int GetAsyncEvent(ibv_context* ctx, ibv_async_event* event) = 0;
+  virtual void AckAsyncEvent(ibv_async_event* event) = 0;
+
+  virtual int QueryDevice(ibv_context* ctx, ibv_device_attr* attr) = 0;
+  virtual int QueryPort(ibv_context* ctx, uint8_t port, ibv_port_attr* attr) = 0;
+  virtual int QueryGid(ibv_context* ctx, uint8_t port, int index, ibv_gid* gid) = 0;
+  virtual int QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index,
+                         ibv_gid_entry* entry, uint32_t flags, size_t size) = 0;
+  virtual ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries,
+                                size_t max, uint32_t flags, size_t size) = 0;
+  virtual int QueryPkey(ibv_context* ctx, uint8_t port, int index, __be16* pkey) = 0;
+  virtual int GetPkeyIndex(ibv_context* ctx, uint8_t port, __be16 pkey) = 0;
+
+  virtual ibv_pd* AllocPd(ibv_context* ctx) = 0;
+  virtual int DeallocPd(ibv_pd* pd) = 0;
+  virtual ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
+                        unsigned int access) = 0;
+  virtual int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr,
+                      size_t length, int access) = 0;
+  virtual int DeregMr(ibv_mr* mr) = 0;
+
+  virtual ibv_comp_channel* CreateCompChannel(ibv_context* ctx) = 0;
+  virtual int DestroyCompChannel(ibv_comp_channel* channel) = 0;
+  virtual ibv_cq* CreateCq(ibv_context* ctx, int cqe, void* cq_context,
+                           ibv_comp_channel* channel, int comp_vector) = 0;
+  // nullptr with errno EOPNOTSUPP when the device has no extended CQs.
+  virtual ibv_cq_ex* CreateCqEx(ibv_context* ctx, ibv_cq_init_attr_ex* attr) = 0;
+  virtual int ResizeCq(ibv_cq* cq, int cqe) = 0;
+  virtual int DestroyCq(ibv_cq* cq) = 0;
+  virtual int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq,
+                         void** cq_context) = 0;
+  virtual void AckCqEvents(ibv_cq* cq, unsigned int nevents) = 0;
+
+  virtual ibv_srq* CreateSrq(ibv_pd* pd, ibv_srq_init_attr* attr) = 0;
+  virtual int ModifySrq(ibv_srq* srq, ibv_srq_attr* attr, int mask) = 0;
+  virtual int QuerySrq(ibv_srq* srq, ibv_srq_attr* attr) = 0;
+  virtual int DestroySrq(ibv_srq* srq) = 0;
+
+  virtual ibv_qp* CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) = 0;
+  // nullptr with errno EOPNOTSUPP when the device has no extended QPs.
+  virtual ibv_qp* CreateQpEx(ibv_context* ctx, ibv_qp_init_attr_ex* attr) = 0;
+  virtual ibv_qp_ex* QpToQpEx(ibv_qp* qp) = 0;
+  virtual int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask) = 0;
+  virtual int QueryQp(ibv_qp* qp, ibv_qp_attr* attr, int mask,
+                      ibv_qp_init_attr* init) = 0;
+  virtual int DestroyQp(ibv_qp* qp) = 0;
+
+  virtual ibv_ah* CreateAh(ibv_pd* pd, ibv_ah_attr* attr) = 0;
+  virtual int InitAhFromWc(ibv_context* ctx, uint8_t port, ibv_wc* wc,
+                           ibv_grh* grh, ibv_ah_attr* attr) = 0;
+  virtual int DestroyAh(ibv_ah* ah) = 0;
+  virtual int AttachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid) = 0;
+  virtual int DetachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid) = 0;
+};
+
+// The libibverbs that the shim interposes on (the next definition of each
+// symbol after the shim's own). nullptr if libibverbs cannot be found.
+VerbsBackend* RealBackend();
+
+}  // namespace rdmavirt::shim
+
+#endif  // RDMAVIRT_SHIM_BACKEND_H_

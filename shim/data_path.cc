@@ -1,0 +1,438 @@
+#include "shim/data_path.h"
+
+#include <errno.h>
+
+#include <cstdint>
+
+#include "shim/log.h"
+#include "shim/shim.h"
+#include "shim/tables.h"
+
+namespace rdmavirt::shim {
+namespace {
+
+inline Qp* AsQp(ibv_qp* q) { return reinterpret_cast<Qp*>(q); }
+inline Qp* AsQp(ibv_qp_ex* q) { return reinterpret_cast<Qp*>(q); }
+inline Cq* AsCq(ibv_cq* c) { return reinterpret_cast<Cq*>(c); }
+inline Cq* AsCq(ibv_cq_ex* c) { return reinterpret_cast<Cq*>(c); }
+inline Srq* AsSrq(ibv_srq* s) { return reinterpret_cast<Srq*>(s); }
+
+// Fields rewritten in the application's work requests for the length of
+// one call into the provider, and put back afterwards. On the stack: a
+// chain needing more is posted in pieces.
+class Patches {
+ public:
+  static constexpr int kKeys = 64;
+  static constexpr int kPtrs = 16;
+
+  bool Fits(int keys, int ptrs) const {
+    return nkeys_ + keys <= kKeys && nptrs_ + ptrs <= kPtrs;
+  }
+  void Key(uint32_t* where, uint32_t value) {
+    keys_[nkeys_++] = {where, *where};
+    *where = value;
+  }
+  template <typename T>
+  void Ptr(T** where, T* value) {
+    ptrs_[nptrs_++] = {reinterpret_cast<void**>(where), *where};
+    *where = value;
+  }
+  void Restore() {
+    for (int i = nkeys_ - 1; i >= 0; --i) *keys_[i].where = keys_[i].old;
+    for (int i = nptrs_ - 1; i >= 0; --i) *ptrs_[i].where = ptrs_[i].old;
+  }
+
+ private:
+  struct KeyPatch {
+    uint32_t* where;
+    uint32_t old;
+  };
+  struct PtrPatch {
+    void** where;
+    void* old;
+  };
+  KeyPatch keys_[kKeys];
+  PtrPatch ptrs_[kPtrs];
+  int nkeys_ = 0;
+  int nptrs_ = 0;
+};
+
+// Rewrites one send WR to physical identities; false if it does not fit.
+inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
+  const int nsge = wr->num_sge;
+  if (!p->Fits(nsge + 2, 1)) return false;
+  for (int i = 0; i < nsge; ++i) {
+    uint32_t* lkey = &wr->sg_list[i].lkey;
+    p->Key(lkey, qp->mrs->ToPhysical(*lkey));
+  }
+  switch (wr->opcode) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+    case IBV_WR_RDMA_READ:
+      p->Key(&wr->wr.rdma.rkey, qp->mode.PhysicalRkey(wr->wr.rdma.rkey));
+      break;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      p->Key(&wr->wr.atomic.rkey, qp->mode.PhysicalRkey(wr->wr.atomic.rkey));
+      break;
+    default:
+      break;
+  }
+  if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
+    p->Ptr(&wr->wr.ud.ah, reinterpret_cast<Ah*>(wr->wr.ud.ah)->real);
+    p->Key(&wr->wr.ud.remote_qpn, qp->mode.PhysicalQpn(wr->wr.ud.remote_qpn));
+  }
+  return true;
+}
+
+int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  ibv_qp* real = qp->real;
+  while (wr != nullptr) {
+    Patches p;
+    ibv_send_wr* first = wr;
+    ibv_send_wr* last = nullptr;
+    for (; wr != nullptr && PatchSendWr(qp, wr, &p); wr = wr->next) last = wr;
+    if (last == nullptr) {
+      // More SGEs than any HCA takes: the provider would refuse it too.
+      *bad = first;
+      return EINVAL;
+    }
+    if (wr != nullptr) p.Ptr(&last->next, static_cast<ibv_send_wr*>(nullptr));
+    const int rc = real->context->ops.post_send(real, first, bad);
+    p.Restore();
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+
+// Receive WRs: only their SGEs' lkeys are identities.
+template <typename Owner>
+int PostRecvChain(const Owner* owner, ibv_recv_wr* wr, ibv_recv_wr** bad, auto post) {
+  while (wr != nullptr) {
+    Patches p;
+    ibv_recv_wr* first = wr;
+    ibv_recv_wr* last = nullptr;
+    for (; wr != nullptr && p.Fits(wr->num_sge, 1); wr = wr->next) {
+      for (int i = 0; i < wr->num_sge; ++i) {
+        uint32_t* lkey = &wr->sg_list[i].lkey;
+        p.Key(lkey, owner->mrs->ToPhysical(*lkey));
+      }
+      last = wr;
+    }
+    if (last == nullptr) {
+      *bad = first;
+      return EINVAL;
+    }
+    if (wr != nullptr) p.Ptr(&last->next, static_cast<ibv_recv_wr*>(nullptr));
+    const int rc = post(first, bad);
+    p.Restore();
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+
+int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  ibv_qp* real = qp->real;
+  return PostRecvChain(qp, wr, bad, [real](ibv_recv_wr* w, ibv_recv_wr** b) {
+    return real->context->ops.post_recv(real, w, b);
+  });
+}
+
+int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  Srq* srq = AsSrq(ibsrq);
+  ibv_srq* real = srq->real;
+  return PostRecvChain(srq, wr, bad, [real](ibv_recv_wr* w, ibv_recv_wr** b) {
+    return real->context->ops.post_srq_recv(real, w, b);
+  });
+}
+
+// A completion's qp_num is the local QP's physical number; src_qp (UD) is
+// the sender's.
+inline void VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
+  const Qp* qp = qps->Find(wc->qp_num);
+  if (qp == nullptr) [[unlikely]] return;
+  wc->qp_num = qp->shadow.qp_base.qp_num;
+  if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) wc->src_qp = qp->mode.VirtualQpn(wc->src_qp);
+}
+
+int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
+  Cq* cq = AsCq(ibcq);
+  ibv_cq* real = cq->real;
+  const int got = real->context->ops.poll_cq(real, n, wc);
+  for (int i = 0; i < got; ++i) VirtualizeWc(cq->qps, &wc[i]);
+  return got;
+}
+
+int ReqNotifyCq(ibv_cq* ibcq, int solicited_only) {
+  ibv_cq* real = AsCq(ibcq)->real;
+  return real->context->ops.req_notify_cq(real, solicited_only);
+}
+
+ibv_mw* AllocMwUnsupported(ibv_pd*, ibv_mw_type) {
+  LogOnce("memory windows are not supported (ibv_alloc_mw: EOPNOTSUPP)");
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+
+// ---------------------------------------------------------------- ibv_qp_ex
+
+// Providers read wr_id and wr_flags from their own ibv_qp_ex in every
+// builder: copy the application's values there first.
+inline ibv_qp_ex* Sync(ibv_qp_ex* q) {
+  ibv_qp_ex* real = AsQp(q)->real_ex;
+  real->wr_id = q->wr_id;
+  real->wr_flags = q->wr_flags;
+  return real;
+}
+inline uint32_t Rkey(ibv_qp_ex* q, uint32_t rkey) { return AsQp(q)->mode.PhysicalRkey(rkey); }
+
+void WrStart(ibv_qp_ex* q) {
+  ibv_qp_ex* real = AsQp(q)->real_ex;
+  real->wr_start(real);
+}
+int WrComplete(ibv_qp_ex* q) {
+  ibv_qp_ex* real = AsQp(q)->real_ex;
+  return real->wr_complete(real);
+}
+void WrAbort(ibv_qp_ex* q) {
+  ibv_qp_ex* real = AsQp(q)->real_ex;
+  real->wr_abort(real);
+}
+void WrSend(ibv_qp_ex* q) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_send(real);
+}
+void WrSendImm(ibv_qp_ex* q, __be32 imm) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_send_imm(real, imm);
+}
+void WrSendInv(ibv_qp_ex* q, uint32_t rkey) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_send_inv(real, Rkey(q, rkey));
+}
+void WrRdmaWrite(ibv_qp_ex* q, uint32_t rkey, uint64_t addr) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_rdma_write(real, Rkey(q, rkey), addr);
+}
+void WrRdmaWriteImm(ibv_qp_ex* q, uint32_t rkey, uint64_t addr, __be32 imm) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_rdma_write_imm(real, Rkey(q, rkey), addr, imm);
+}
+void WrRdmaRead(ibv_qp_ex* q, uint32_t rkey, uint64_t addr) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_rdma_read(real, Rkey(q, rkey), addr);
+}
+void WrAtomicCmpSwp(ibv_qp_ex* q, uint32_t rkey, uint64_t addr, uint64_t compare,
+                    uint64_t swap) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_atomic_cmp_swp(real, Rkey(q, rkey), addr, compare, swap);
+}
+void WrAtomicFetchAdd(ibv_qp_ex* q, uint32_t rkey, uint64_t addr, uint64_t add) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_atomic_fetch_add(real, Rkey(q, rkey), addr, add);
+}
+void WrAtomicWrite(ibv_qp_ex* q, uint32_t rkey, uint64_t addr, const void* data) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_atomic_write(real, Rkey(q, rkey), addr, data);
+}
+void WrLocalInv(ibv_qp_ex* q, uint32_t rkey) {
+  ibv_qp_ex* real = Sync(q);
+  real->wr_local_inv(real, Rkey(q, rkey));
+}
+void WrSetUdAddr(ibv_qp_ex* q, ibv_ah* ah, uint32_t remote_qpn, uint32_t remote_qkey) {
+  ibv_qp_ex* real = AsQp(q)->real_ex;
+  real->wr_set_ud_addr(real, reinterpret_cast<Ah*>(ah)->real,
+                       AsQp(q)->mode.PhysicalQpn(remote_qpn), remote_qkey);
+}
+void WrSetInlineData(ibv_qp_ex* q, void* addr, size_t length) {
+  ibv_qp_ex* real = AsQp(q)->real_ex;
+  real->wr_set_inline_data(real, addr, length);
+}
+void WrSetInlineDataList(ibv_qp_ex* q, size_t n, const ibv_data_buf* list) {
+  ibv_qp_ex* real = AsQp(q)->real_ex;
+  real->wr_set_inline_data_list(real, n, list);
+}
+void WrSetSge(ibv_qp_ex* q, uint32_t lkey, uint64_t addr, uint32_t length) {
+  Qp* qp = AsQp(q);
+  qp->real_ex->wr_set_sge(qp->real_ex, qp->mrs->ToPhysical(lkey), addr, length);
+}
+void WrSetSgeList(ibv_qp_ex* q, size_t n, const ibv_sge* list) {
+  Qp* qp = AsQp(q);
+  constexpr size_t kMax = 64;  // beyond any HCA's max_send_sge
+  ibv_sge copy[kMax];
+  const size_t m = n < kMax ? n : kMax;
+  for (size_t i = 0; i < m; ++i) {
+    copy[i] = list[i];
+    copy[i].lkey = qp->mrs->ToPhysical(list[i].lkey);
+  }
+  // A longer list than any HCA takes goes through as it is; the provider refuses it.
+  qp->real_ex->wr_set_sge_list(qp->real_ex, n, n <= kMax ? copy : list);
+}
+
+// ---------------------------------------------------------------- ibv_cq_ex
+
+inline void CopyCursor(ibv_cq_ex* shadow, const ibv_cq_ex* real) {
+  shadow->wr_id = real->wr_id;
+  shadow->status = real->status;
+}
+int StartPoll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
+  ibv_cq_ex* real = AsCq(c)->real_ex;
+  const int rc = real->start_poll(real, attr);
+  if (rc == 0) CopyCursor(c, real);
+  return rc;
+}
+int NextPoll(ibv_cq_ex* c) {
+  ibv_cq_ex* real = AsCq(c)->real_ex;
+  const int rc = real->next_poll(real);
+  if (rc == 0) CopyCursor(c, real);
+  return rc;
+}
+void EndPoll(ibv_cq_ex* c) {
+  ibv_cq_ex* real = AsCq(c)->real_ex;
+  real->end_poll(real);
+}
+uint32_t ReadQpNum(ibv_cq_ex* c) {
+  Cq* cq = AsCq(c);
+  const uint32_t pqpn = cq->real_ex->read_qp_num(cq->real_ex);
+  const Qp* qp = cq->qps->Find(pqpn);
+  return qp != nullptr ? qp->shadow.qp_base.qp_num : pqpn;
+}
+uint32_t ReadSrcQp(ibv_cq_ex* c) {
+  Cq* cq = AsCq(c);
+  return cq->ctx->mode.VirtualQpn(cq->real_ex->read_src_qp(cq->real_ex));
+}
+
+// The other readers carry no identity: forward to the real CQ.
+#define RDMAVIRT_FORWARD_READ(name, type)             \
+  type name(ibv_cq_ex* c) {                           \
+    ibv_cq_ex* real = AsCq(c)->real_ex;               \
+    return real->name(real);                          \
+  }
+RDMAVIRT_FORWARD_READ(read_opcode, ibv_wc_opcode)
+RDMAVIRT_FORWARD_READ(read_vendor_err, uint32_t)
+RDMAVIRT_FORWARD_READ(read_byte_len, uint32_t)
+RDMAVIRT_FORWARD_READ(read_imm_data, __be32)
+RDMAVIRT_FORWARD_READ(read_wc_flags, unsigned int)
+RDMAVIRT_FORWARD_READ(read_slid, uint32_t)
+RDMAVIRT_FORWARD_READ(read_sl, uint8_t)
+RDMAVIRT_FORWARD_READ(read_dlid_path_bits, uint8_t)
+RDMAVIRT_FORWARD_READ(read_completion_ts, uint64_t)
+RDMAVIRT_FORWARD_READ(read_completion_wallclock_ns, uint64_t)
+RDMAVIRT_FORWARD_READ(read_cvlan, uint16_t)
+RDMAVIRT_FORWARD_READ(read_flow_tag, uint32_t)
+#undef RDMAVIRT_FORWARD_READ
+
+// ---------------------------------------------------------------- context
+
+int QueryPortOp(ibv_context* c, uint8_t port, ibv_port_attr* attr, size_t size) {
+  return AsContext(c)->shim->QueryPort(c, port, attr, size);
+}
+int QueryDeviceExOp(ibv_context* c, const ibv_query_device_ex_input* input,
+                    ibv_device_attr_ex* attr, size_t size) {
+  return AsContext(c)->shim->QueryDeviceEx(c, input, attr, size);
+}
+ibv_cq_ex* CreateCqExOp(ibv_context* c, ibv_cq_init_attr_ex* attr) {
+  return AsContext(c)->shim->CreateCqEx(c, attr);
+}
+ibv_qp* CreateQpExOp(ibv_context* c, ibv_qp_init_attr_ex* attr) {
+  return AsContext(c)->shim->CreateQpEx(c, attr);
+}
+ibv_xrcd* OpenXrcdUnsupported(ibv_context*, ibv_xrcd_init_attr*) {
+  LogOnce("XRC is not supported (ibv_open_xrcd: EOPNOTSUPP)");
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+int CloseXrcdUnsupported(ibv_xrcd*) { return EOPNOTSUPP; }
+ibv_srq* CreateSrqExUnsupported(ibv_context*, ibv_srq_init_attr_ex*) {
+  LogOnce("XRC and tag-matching SRQs are not supported (ibv_create_srq_ex: EOPNOTSUPP)");
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+ibv_qp* OpenQpUnsupported(ibv_context*, ibv_qp_open_attr*) {
+  LogOnce("ibv_open_qp (XRC) is not supported");
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+
+}  // namespace
+
+void InstallContextOps(Context* ctx) {
+  ibv_context* s = Shadow(ctx);
+  s->ops.post_send = PostSend;
+  s->ops.post_recv = PostRecv;
+  s->ops.post_srq_recv = PostSrqRecv;
+  s->ops.poll_cq = PollCq;
+  s->ops.req_notify_cq = ReqNotifyCq;
+  s->ops.alloc_mw = AllocMwUnsupported;
+  // Extended verbs find these through verbs_get_ctx_op(); ops left null
+  // make the inline verbs fail with EOPNOTSUPP, as on a device without them.
+  s->abi_compat = __VERBS_ABI_IS_EXTENDED;
+  verbs_context& v = ctx->vctx;
+  v.sz = sizeof(verbs_context);
+  v.query_port = QueryPortOp;
+  v.query_device_ex = QueryDeviceExOp;
+  v.create_cq_ex = CreateCqExOp;
+  v.create_qp_ex = CreateQpExOp;
+  v.create_srq_ex = CreateSrqExUnsupported;
+  v.open_xrcd = OpenXrcdUnsupported;
+  v.close_xrcd = CloseXrcdUnsupported;
+  v.open_qp = OpenQpUnsupported;
+}
+
+void InstallQpExOps(Qp* qp) {
+  const ibv_qp_ex* r = qp->real_ex;
+  ibv_qp_ex& s = qp->shadow;
+  s.comp_mask = r->comp_mask;
+  // Only what the provider implements: a null entry stays null, as it is.
+#define RDMAVIRT_SET(field, fn) s.field = r->field ? fn : nullptr
+  RDMAVIRT_SET(wr_start, WrStart);
+  RDMAVIRT_SET(wr_complete, WrComplete);
+  RDMAVIRT_SET(wr_abort, WrAbort);
+  RDMAVIRT_SET(wr_send, WrSend);
+  RDMAVIRT_SET(wr_send_imm, WrSendImm);
+  RDMAVIRT_SET(wr_send_inv, WrSendInv);
+  RDMAVIRT_SET(wr_rdma_write, WrRdmaWrite);
+  RDMAVIRT_SET(wr_rdma_write_imm, WrRdmaWriteImm);
+  RDMAVIRT_SET(wr_rdma_read, WrRdmaRead);
+  RDMAVIRT_SET(wr_atomic_cmp_swp, WrAtomicCmpSwp);
+  RDMAVIRT_SET(wr_atomic_fetch_add, WrAtomicFetchAdd);
+  RDMAVIRT_SET(wr_atomic_write, WrAtomicWrite);
+  RDMAVIRT_SET(wr_local_inv, WrLocalInv);
+  RDMAVIRT_SET(wr_set_ud_addr, WrSetUdAddr);
+  RDMAVIRT_SET(wr_set_inline_data, WrSetInlineData);
+  RDMAVIRT_SET(wr_set_inline_data_list, WrSetInlineDataList);
+  RDMAVIRT_SET(wr_set_sge, WrSetSge);
+  RDMAVIRT_SET(wr_set_sge_list, WrSetSgeList);
+#undef RDMAVIRT_SET
+  // Memory windows, TSO and XRC are not supported: left null.
+}
+
+void InstallCqExOps(Cq* cq) {
+  const ibv_cq_ex* r = cq->real_ex;
+  ibv_cq_ex& s = cq->shadow;
+  s.comp_mask = r->comp_mask;
+#define RDMAVIRT_SET(field, fn) s.field = r->field ? fn : nullptr
+  RDMAVIRT_SET(start_poll, StartPoll);
+  RDMAVIRT_SET(next_poll, NextPoll);
+  RDMAVIRT_SET(end_poll, EndPoll);
+  RDMAVIRT_SET(read_qp_num, ReadQpNum);
+  RDMAVIRT_SET(read_src_qp, ReadSrcQp);
+  RDMAVIRT_SET(read_opcode, read_opcode);
+  RDMAVIRT_SET(read_vendor_err, read_vendor_err);
+  RDMAVIRT_SET(read_byte_len, read_byte_len);
+  RDMAVIRT_SET(read_imm_data, read_imm_data);
+  RDMAVIRT_SET(read_wc_flags, read_wc_flags);
+  RDMAVIRT_SET(read_slid, read_slid);
+  RDMAVIRT_SET(read_sl, read_sl);
+  RDMAVIRT_SET(read_dlid_path_bits, read_dlid_path_bits);
+  RDMAVIRT_SET(read_completion_ts, read_completion_ts);
+  RDMAVIRT_SET(read_completion_wallclock_ns, read_completion_wallclock_ns);
+  RDMAVIRT_SET(read_cvlan, read_cvlan);
+  RDMAVIRT_SET(read_flow_tag, read_flow_tag);
+#undef RDMAVIRT_SET
+  // Tag matching (read_tm_info) is not supported: left null.
+}
+
+}  // namespace rdmavirt::shim

@@ -1,0 +1,24 @@
+// The data path: the function pointers the inline verbs (ibv_post_send,
+// ibv_poll_cq, ibv_wr_*, ibv_start_poll ...) find in shadow objects.
+//
+// Each translates virtual identities to physical ones in place, calls the
+// real object's own function pointer, and restores what it changed, so the
+// application's work requests are untouched when the call returns. No lock,
+// no allocation, no syscall of the shim's own.
+#ifndef RDMAVIRT_SHIM_DATA_PATH_H_
+#define RDMAVIRT_SHIM_DATA_PATH_H_
+
+#include "shim/objects.h"
+
+namespace rdmavirt::shim {
+
+// Fills a new shadow context's ops and verbs_context entry points.
+void InstallContextOps(Context* ctx);
+// Fills a shadow QP's ibv_qp_ex function pointers where the real QP has them.
+void InstallQpExOps(Qp* qp);
+// Fills a shadow CQ's ibv_cq_ex function pointers where the real CQ has them.
+void InstallCqExOps(Cq* cq);
+
+}  // namespace rdmavirt::shim
+
+#endif  // RDMAVIRT_SHIM_DATA_PATH_H_

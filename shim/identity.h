@@ -1,0 +1,85 @@
+// Virtual identities: how the shim turns the HCA's QP numbers, keys and
+// GIDs into the stable ones the application sees, and back.
+//
+// Two kinds:
+// - lkeys never leave the process: they are dense slot numbers, so the data
+//   path translates them with one array index (MrTable).
+// - QP numbers, rkeys and GIDs are sent to peers out of band. Their virtual
+//   value is a fixed function of the physical value at creation, so a peer
+//   can translate them with no lookup while the owner has not moved: in the
+//   default mode the function is the identity, in offset mode
+//   (RDMAVIRT_ID_MODE=offset) it sets a marker the hardware never uses, so
+//   tests see virtual != physical from the first resource on. After a move
+//   the owner's migrator publishes an explicit map (RemoteEndpoint) to its
+//   peers, which overrides the function.
+//
+// Everything here is constexpr/inline and lock-free: it runs on post/poll.
+#ifndef RDMAVIRT_SHIM_IDENTITY_H_
+#define RDMAVIRT_SHIM_IDENTITY_H_
+
+#include <infiniband/verbs.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace rdmavirt::shim {
+
+// QPNs are 24 bits; rxe and mlx hand out numbers far below 2^23.
+inline constexpr uint32_t kQpnMarker = 0x800000;
+// rxe keys are index << 8 | 8 random bits, with index < 2^18.
+inline constexpr uint32_t kRkeyMarker = 0x80000000;
+// Offset-mode virtual GIDs start with fd52: (a ULA prefix, "R") in place of
+// the two zero bytes an IPv4-mapped or ::/96 GID starts with.
+inline constexpr uint8_t kGidMarker0 = 0xfd;
+inline constexpr uint8_t kGidMarker1 = 0x52;
+
+struct IdentityMode {
+  bool offset = false;
+
+  uint32_t VirtualQpn(uint32_t physical) const {
+    return offset ? (physical | kQpnMarker) : physical;
+  }
+  // A number without the marker is not a virtual QPN of an unmoved peer
+  // (for example a physical QPN handed out by the kernel's CM): unchanged.
+  uint32_t PhysicalQpn(uint32_t virt) const {
+    return offset ? (virt & ~kQpnMarker) : virt;
+  }
+  uint32_t VirtualRkey(uint32_t physical) const {
+    return offset ? (physical | kRkeyMarker) : physical;
+  }
+  uint32_t PhysicalRkey(uint32_t virt) const {
+    return offset ? (virt & ~kRkeyMarker) : virt;
+  }
+  ibv_gid VirtualGid(const ibv_gid& physical) const {
+    ibv_gid v = physical;
+    if (offset && v.raw[0] == 0 && v.raw[1] == 0) {
+      v.raw[0] = kGidMarker0;
+      v.raw[1] = kGidMarker1;
+    }
+    return v;
+  }
+  ibv_gid PhysicalGid(const ibv_gid& virt) const {
+    ibv_gid p = virt;
+    if (offset && p.raw[0] == kGidMarker0 && p.raw[1] == kGidMarker1) {
+      p.raw[0] = 0;
+      p.raw[1] = 0;
+    }
+    return p;
+  }
+};
+
+// Local lkeys: slot << 8 | tag. The tag is the low byte of the physical key
+// at registration, so a stale or forged key rarely matches a live slot.
+inline constexpr uint32_t kMaxMrs = 1u << 16;
+inline constexpr uint32_t kLkeyOffsetBit = 0x40000000;
+
+inline uint32_t MakeVirtualLkey(uint32_t slot, uint32_t physical, bool offset) {
+  return (offset ? kLkeyOffsetBit : 0) | ((slot + 1) << 8) | (physical & 0xff);
+}
+inline uint32_t LkeySlot(uint32_t vlkey) {
+  return ((vlkey >> 8) - 1) & (kMaxMrs - 1);
+}
+
+}  // namespace rdmavirt::shim
+
+#endif  // RDMAVIRT_SHIM_IDENTITY_H_

@@ -1,0 +1,115 @@
+// Shadow verbs objects: what the application holds instead of the HCA's.
+//
+// Each embeds the public libibverbs struct first (the application's pointer
+// is to it; inline verbs dereference its fields and function pointers) and
+// keeps the real object, the owning shadows and the journal of how it was
+// made. A Context embeds a full verbs_context so the extended inline verbs
+// (ibv_create_qp_ex, ibv_create_cq_ex, ibv_query_port ...) find the shim's
+// entries; a Qp is a full ibv_qp_ex and a Cq a full ibv_cq_ex for the same
+// reason.
+//
+// Fields read on the data path are set before the object is published and
+// not changed while the application may post or poll on it.
+#ifndef RDMAVIRT_SHIM_OBJECTS_H_
+#define RDMAVIRT_SHIM_OBJECTS_H_
+
+#include <infiniband/verbs.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "shim/backend.h"
+#include "shim/identity.h"
+
+namespace rdmavirt::shim {
+
+class Shim;
+class MrTable;
+class QpIndex;
+
+struct Context {
+  verbs_context vctx;  // the application gets &vctx.context
+  ibv_context* real = nullptr;
+  Shim* shim = nullptr;
+  IdentityMode mode;
+};
+
+inline Context* AsContext(ibv_context* c) {
+  return reinterpret_cast<Context*>(reinterpret_cast<char*>(c) -
+                                    offsetof(Context, vctx.context));
+}
+inline ibv_context* Shadow(Context* c) { return &c->vctx.context; }
+
+struct Pd {
+  ibv_pd shadow;
+  ibv_pd* real = nullptr;
+  Context* ctx = nullptr;
+};
+
+struct Mr {
+  ibv_mr shadow;  // lkey: virtual slot key; rkey: virtual (identity.h)
+  ibv_mr* real = nullptr;
+  Pd* pd = nullptr;
+  uint32_t slot = 0;
+  uint64_t iova = 0;
+  unsigned int access = 0;
+};
+
+struct Channel {
+  ibv_comp_channel shadow;
+  ibv_comp_channel* real = nullptr;
+};
+
+struct Cq {
+  ibv_cq_ex shadow;  // ibv_cq is its prefix (ibv_cq_ex_to_cq is a cast)
+  ibv_cq* real = nullptr;
+  ibv_cq_ex* real_ex = nullptr;  // when created with ibv_create_cq_ex
+  Context* ctx = nullptr;
+  const QpIndex* qps = nullptr;  // for completions' qp_num
+  Channel* channel = nullptr;
+  int comp_vector = 0;
+  uint64_t wc_flags = 0;
+};
+
+struct Srq {
+  ibv_srq shadow;
+  ibv_srq* real = nullptr;
+  const MrTable* mrs = nullptr;
+  Pd* pd = nullptr;
+  ibv_srq_init_attr init{};
+};
+
+// One successful ibv_modify_qp, with the virtual identities the
+// application gave: replayed in order to rebuild the QP elsewhere.
+struct QpTransition {
+  ibv_qp_attr attr;
+  int mask;
+};
+
+struct Qp {
+  ibv_qp_ex shadow;  // ibv_qp is its prefix; qp_num is the virtual QPN
+  ibv_qp* real = nullptr;
+  ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
+  const MrTable* mrs = nullptr;
+  IdentityMode mode;
+  Context* ctx = nullptr;
+  Pd* pd = nullptr;
+  Cq* send_cq = nullptr;
+  Cq* recv_cq = nullptr;
+  Srq* srq = nullptr;
+  uint32_t physical_qpn = 0;
+  ibv_qp_init_attr_ex init{};
+  std::vector<QpTransition> transitions;
+};
+
+struct Ah {
+  ibv_ah shadow;
+  ibv_ah* real = nullptr;
+  Pd* pd = nullptr;
+  ibv_ah_attr attr{};  // virtual GID, as the application gave it
+};
+
+}  // namespace rdmavirt::shim
+
+#endif  // RDMAVIRT_SHIM_OBJECTS_H_

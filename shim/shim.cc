@@ -1,0 +1,791 @@
+#include "shim/shim.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <new>
+
+#include "shim/data_path.h"
+#include "shim/log.h"
+
+namespace rdmavirt::shim {
+namespace {
+
+template <typename T>
+T* NewZeroed() {
+  T* p = new (std::nothrow) T();
+  if (p == nullptr) errno = ENOMEM;
+  return p;
+}
+
+void InitMutexCond(pthread_mutex_t* m, pthread_cond_t* c) {
+  pthread_mutex_init(m, nullptr);
+  if (c != nullptr) pthread_cond_init(c, nullptr);
+}
+
+bool IsQpEvent(ibv_event_type t) {
+  switch (t) {
+    case IBV_EVENT_QP_FATAL:
+    case IBV_EVENT_QP_REQ_ERR:
+    case IBV_EVENT_QP_ACCESS_ERR:
+    case IBV_EVENT_COMM_EST:
+    case IBV_EVENT_SQ_DRAINED:
+    case IBV_EVENT_PATH_MIG:
+    case IBV_EVENT_PATH_MIG_ERR:
+    case IBV_EVENT_QP_LAST_WQE_REACHED:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+Shim* Shim::Process() {
+  // Leaked on purpose: the application may call verbs from its own
+  // destructors, after ours would have run.
+  static Shim* shim = [] () -> Shim* {
+    VerbsBackend* backend = RealBackend();
+    if (backend == nullptr) return nullptr;
+    IdentityMode mode;
+    const char* m = getenv("RDMAVIRT_ID_MODE");
+    mode.offset = m != nullptr && strcmp(m, "offset") == 0;
+    return new (std::nothrow) Shim(backend, mode);
+  }();
+  return shim;
+}
+
+Shim::Shim(VerbsBackend* backend, IdentityMode mode) : backend_(backend), mode_(mode) {}
+
+template <typename T>
+T* Shim::Find(const void* p, Kind kind) const {
+  if (p == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = shadows_.find(p);
+  return it != shadows_.end() && it->second == kind
+             ? reinterpret_cast<T*>(const_cast<void*>(p))
+             : nullptr;
+}
+
+Context* Shim::FindContext(ibv_context* c) const {
+  if (c == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = shadows_.find(c);
+  return it != shadows_.end() && it->second == Kind::kContext ? AsContext(c) : nullptr;
+}
+// Each shadow struct starts with its ibv_* struct, so the pointer the
+// application holds is the shadow's address.
+Pd* Shim::FindPd(ibv_pd* p) const { return Find<Pd>(p, Kind::kPd); }
+Cq* Shim::FindCq(ibv_cq* c) const { return Find<Cq>(c, Kind::kCq); }
+Srq* Shim::FindSrq(ibv_srq* s) const { return Find<Srq>(s, Kind::kSrq); }
+Qp* Shim::FindQp(ibv_qp* q) const { return Find<Qp>(q, Kind::kQp); }
+Channel* Shim::FindChannel(ibv_comp_channel* c) const {
+  return Find<Channel>(c, Kind::kChannel);
+}
+
+// ---------------------------------------------------------------- devices
+
+ibv_device** Shim::GetDeviceList(int* num) {
+  // Devices are not shadowed: librdmacm matches them by pointer and GUID
+  // across calls, and they carry no identity the shim virtualizes.
+  return backend_->GetDeviceList(num);
+}
+
+void Shim::FreeDeviceList(ibv_device** list) { backend_->FreeDeviceList(list); }
+
+ibv_context* Shim::OpenDevice(ibv_device* device) {
+  ibv_context* real = backend_->OpenDevice(device);
+  if (real == nullptr) return nullptr;
+  Context* ctx = NewZeroed<Context>();
+  if (ctx == nullptr) {
+    backend_->CloseDevice(real);
+    errno = ENOMEM;
+    return nullptr;
+  }
+  ctx->real = real;
+  ctx->shim = this;
+  ctx->mode = mode_;
+  ibv_context* s = Shadow(ctx);
+  s->device = real->device;
+  s->cmd_fd = real->cmd_fd;
+  s->async_fd = real->async_fd;
+  s->num_comp_vectors = real->num_comp_vectors;
+  InitMutexCond(&s->mutex, nullptr);
+  InstallContextOps(ctx);
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_[s] = Kind::kContext;
+  return s;
+}
+
+int Shim::CloseDevice(ibv_context* c) {
+  Context* ctx = FindContext(c);
+  if (ctx == nullptr) return backend_->CloseDevice(c);
+  const int rc = backend_->CloseDevice(ctx->real);
+  if (rc != 0) return rc;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shadows_.erase(c);
+  }
+  pthread_mutex_destroy(&c->mutex);
+  delete ctx;
+  return 0;
+}
+
+int Shim::GetAsyncEvent(ibv_context* c, ibv_async_event* event) {
+  Context* ctx = FindContext(c);
+  const int rc = backend_->GetAsyncEvent(ctx ? ctx->real : c, event);
+  if (rc != 0 || ctx == nullptr) return rc;
+  // The kernel returns the real objects; their user context is the shadow.
+  if (IsQpEvent(event->event_type)) {
+    event->element.qp = &static_cast<Qp*>(event->element.qp->qp_context)->shadow.qp_base;
+  } else if (event->event_type == IBV_EVENT_CQ_ERR) {
+    event->element.cq = reinterpret_cast<ibv_cq*>(
+        &static_cast<Cq*>(event->element.cq->cq_context)->shadow);
+  } else if (event->event_type == IBV_EVENT_SRQ_ERR ||
+             event->event_type == IBV_EVENT_SRQ_LIMIT_REACHED) {
+    event->element.srq = &static_cast<Srq*>(event->element.srq->srq_context)->shadow;
+  }
+  return 0;
+}
+
+void Shim::AckAsyncEvent(ibv_async_event* event) {
+  ibv_async_event real = *event;
+  if (IsQpEvent(event->event_type)) {
+    if (Qp* qp = FindQp(event->element.qp)) real.element.qp = qp->real;
+  } else if (event->event_type == IBV_EVENT_CQ_ERR) {
+    if (Cq* cq = FindCq(event->element.cq)) real.element.cq = cq->real;
+  } else if (event->event_type == IBV_EVENT_SRQ_ERR ||
+             event->event_type == IBV_EVENT_SRQ_LIMIT_REACHED) {
+    if (Srq* srq = FindSrq(event->element.srq)) real.element.srq = srq->real;
+  }
+  backend_->AckAsyncEvent(&real);
+}
+
+// ---------------------------------------------------------------- queries
+
+int Shim::QueryDevice(ibv_context* c, ibv_device_attr* attr) {
+  Context* ctx = FindContext(c);
+  return backend_->QueryDevice(ctx ? ctx->real : c, attr);
+}
+
+int Shim::QueryDeviceEx(ibv_context* c, const ibv_query_device_ex_input* input,
+                        ibv_device_attr_ex* attr, size_t size) {
+  Context* ctx = FindContext(c);
+  ibv_context* real = ctx ? ctx->real : c;
+  auto* vctx = verbs_get_ctx_op(real, query_device_ex);
+  if (vctx == nullptr) return EOPNOTSUPP;
+  return vctx->query_device_ex(real, input, attr, size);
+}
+
+int Shim::QueryPort(ibv_context* c, uint8_t port, ibv_port_attr* attr, size_t size) {
+  Context* ctx = FindContext(c);
+  ibv_port_attr full{};
+  const int rc = backend_->QueryPort(ctx ? ctx->real : c, port, &full);
+  if (rc == 0) memcpy(attr, &full, size < sizeof(full) ? size : sizeof(full));
+  return rc;
+}
+
+int Shim::QueryGid(ibv_context* c, uint8_t port, int index, ibv_gid* gid) {
+  Context* ctx = FindContext(c);
+  const int rc = backend_->QueryGid(ctx ? ctx->real : c, port, index, gid);
+  if (rc == 0 && ctx != nullptr) *gid = mode_.VirtualGid(*gid);
+  return rc;
+}
+
+int Shim::QueryGidEx(ibv_context* c, uint32_t port, uint32_t index,
+                     ibv_gid_entry* entry, uint32_t flags, size_t size) {
+  Context* ctx = FindContext(c);
+  const int rc = backend_->QueryGidEx(ctx ? ctx->real : c, port, index, entry, flags, size);
+  if (rc == 0 && ctx != nullptr) entry->gid = mode_.VirtualGid(entry->gid);
+  return rc;
+}
+
+ssize_t Shim::QueryGidTable(ibv_context* c, ibv_gid_entry* entries, size_t max,
+                            uint32_t flags, size_t size) {
+  Context* ctx = FindContext(c);
+  const ssize_t n =
+      backend_->QueryGidTable(ctx ? ctx->real : c, entries, max, flags, size);
+  if (ctx != nullptr) {
+    for (ssize_t i = 0; i < n; ++i) {
+      auto* e = reinterpret_cast<ibv_gid_entry*>(reinterpret_cast<char*>(entries) + i * size);
+      e->gid = mode_.VirtualGid(e->gid);
+    }
+  }
+  return n;
+}
+
+int Shim::QueryPkey(ibv_context* c, uint8_t port, int index, __be16* pkey) {
+  Context* ctx = FindContext(c);
+  return backend_->QueryPkey(ctx ? ctx->real : c, port, index, pkey);
+}
+
+int Shim::GetPkeyIndex(ibv_context* c, uint8_t port, __be16 pkey) {
+  Context* ctx = FindContext(c);
+  return backend_->GetPkeyIndex(ctx ? ctx->real : c, port, pkey);
+}
+
+// ---------------------------------------------------------------- PD, MR
+
+ibv_pd* Shim::AllocPd(ibv_context* c) {
+  Context* ctx = FindContext(c);
+  if (ctx == nullptr) return backend_->AllocPd(c);
+  ibv_pd* real = backend_->AllocPd(ctx->real);
+  if (real == nullptr) return nullptr;
+  Pd* pd = NewZeroed<Pd>();
+  if (pd == nullptr) {
+    backend_->DeallocPd(real);
+    errno = ENOMEM;
+    return nullptr;
+  }
+  pd->real = real;
+  pd->ctx = ctx;
+  pd->shadow.context = c;
+  pd->shadow.handle = real->handle;
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_[pd] = Kind::kPd;
+  return &pd->shadow;
+}
+
+int Shim::DeallocPd(ibv_pd* p) {
+  Pd* pd = FindPd(p);
+  if (pd == nullptr) return backend_->DeallocPd(p);
+  const int rc = backend_->DeallocPd(pd->real);
+  if (rc != 0) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_.erase(pd);
+  delete pd;
+  return 0;
+}
+
+ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova,
+                    unsigned int access) {
+  Pd* pd = FindPd(p);
+  if (pd == nullptr) return backend_->RegMr(p, addr, length, iova, access);
+  uint32_t slot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!mrs_.Allocate(&slot)) {
+      errno = ENOMEM;
+      return nullptr;
+    }
+    mrs_.Set(slot, 0xffffffffu, 0);  // reserved until published
+  }
+  ibv_mr* real = backend_->RegMr(pd->real, addr, length, iova, access);
+  Mr* mr = real ? NewZeroed<Mr>() : nullptr;
+  if (mr == nullptr) {
+    const int err = errno;
+    if (real != nullptr) backend_->DeregMr(real);
+    std::lock_guard<std::mutex> lock(mu_);
+    mrs_.Clear(slot);
+    errno = err;
+    return nullptr;
+  }
+  mr->real = real;
+  mr->pd = pd;
+  mr->slot = slot;
+  mr->iova = iova;
+  mr->access = access;
+  mr->shadow.context = p->context;
+  mr->shadow.pd = p;
+  mr->shadow.addr = real->addr;
+  mr->shadow.length = real->length;
+  mr->shadow.handle = real->handle;
+  mr->shadow.lkey = MakeVirtualLkey(slot, real->lkey, mode_.offset);
+  mr->shadow.rkey = mode_.VirtualRkey(real->rkey);
+  std::lock_guard<std::mutex> lock(mu_);
+  mrs_.Set(slot, mr->shadow.lkey, real->lkey);
+  shadows_[mr] = Kind::kMr;
+  return &mr->shadow;
+}
+
+int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length,
+                  int access) {
+  Mr* mr = Find<Mr>(m, Kind::kMr);
+  if (mr == nullptr) return backend_->ReregMr(m, flags, p, addr, length, access);
+  Pd* pd = nullptr;
+  if (flags & IBV_REREG_MR_CHANGE_PD) {
+    pd = FindPd(p);
+    if (pd == nullptr) return EINVAL;
+  }
+  const int rc = backend_->ReregMr(mr->real, flags, pd ? pd->real : nullptr, addr,
+                                   length, access);
+  if (rc != 0) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pd != nullptr) {
+    mr->pd = pd;
+    mr->shadow.pd = p;
+  }
+  if (flags & IBV_REREG_MR_CHANGE_ACCESS) mr->access = access;
+  if (flags & IBV_REREG_MR_CHANGE_TRANSLATION) {
+    mr->shadow.addr = mr->real->addr;
+    mr->shadow.length = mr->real->length;
+    mr->iova = reinterpret_cast<uintptr_t>(addr);
+  }
+  // The virtual lkey stays; the rkey follows the hardware, as it would.
+  mrs_.Set(mr->slot, mr->shadow.lkey, mr->real->lkey);
+  mr->shadow.rkey = mode_.VirtualRkey(mr->real->rkey);
+  return 0;
+}
+
+int Shim::DeregMr(ibv_mr* m) {
+  Mr* mr = Find<Mr>(m, Kind::kMr);
+  if (mr == nullptr) return backend_->DeregMr(m);
+  const int rc = backend_->DeregMr(mr->real);
+  if (rc != 0) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  mrs_.Clear(mr->slot);
+  shadows_.erase(mr);
+  delete mr;
+  return 0;
+}
+
+// ---------------------------------------------------------------- CQ
+
+ibv_comp_channel* Shim::CreateCompChannel(ibv_context* c) {
+  Context* ctx = FindContext(c);
+  if (ctx == nullptr) return backend_->CreateCompChannel(c);
+  ibv_comp_channel* real = backend_->CreateCompChannel(ctx->real);
+  if (real == nullptr) return nullptr;
+  Channel* ch = NewZeroed<Channel>();
+  if (ch == nullptr) {
+    backend_->DestroyCompChannel(real);
+    errno = ENOMEM;
+    return nullptr;
+  }
+  ch->real = real;
+  ch->shadow.context = c;
+  ch->shadow.fd = real->fd;  // the application polls it
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_[ch] = Kind::kChannel;
+  return &ch->shadow;
+}
+
+int Shim::DestroyCompChannel(ibv_comp_channel* c) {
+  Channel* ch = FindChannel(c);
+  if (ch == nullptr) return backend_->DestroyCompChannel(c);
+  const int rc = backend_->DestroyCompChannel(ch->real);
+  if (rc != 0) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_.erase(ch);
+  delete ch;
+  return 0;
+}
+
+ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch,
+                      void* user_context, int comp_vector, uint64_t wc_flags) {
+  Cq* cq = NewZeroed<Cq>();
+  if (cq == nullptr) return nullptr;
+  cq->real = real;
+  cq->real_ex = real_ex;
+  cq->ctx = ctx;
+  cq->qps = &qp_index_;
+  cq->channel = ch;
+  cq->comp_vector = comp_vector;
+  cq->wc_flags = wc_flags;
+  ibv_cq_ex& s = cq->shadow;
+  s.context = Shadow(ctx);
+  s.channel = ch ? &ch->shadow : nullptr;
+  s.cq_context = user_context;
+  s.handle = real->handle;
+  s.cqe = real->cqe;
+  InitMutexCond(&s.mutex, &s.cond);
+  // Completion events carry the real CQ; its user context leads back here.
+  real->cq_context = cq;
+  if (real_ex != nullptr) InstallCqExOps(cq);
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_[cq] = Kind::kCq;
+  return reinterpret_cast<ibv_cq*>(&cq->shadow);
+}
+
+ibv_cq* Shim::CreateCq(ibv_context* c, int cqe, void* cq_context,
+                       ibv_comp_channel* channel, int comp_vector) {
+  Context* ctx = FindContext(c);
+  if (ctx == nullptr) return backend_->CreateCq(c, cqe, cq_context, channel, comp_vector);
+  Channel* ch = FindChannel(channel);
+  if (channel != nullptr && ch == nullptr) {
+    errno = EINVAL;
+    return nullptr;
+  }
+  ibv_cq* real = backend_->CreateCq(ctx->real, cqe, nullptr, ch ? ch->real : nullptr,
+                                    comp_vector);
+  if (real == nullptr) return nullptr;
+  ibv_cq* s = AdoptCq(ctx, real, nullptr, ch, cq_context, comp_vector, 0);
+  if (s == nullptr) {
+    backend_->DestroyCq(real);
+    errno = ENOMEM;
+  }
+  return s;
+}
+
+ibv_cq_ex* Shim::CreateCqEx(ibv_context* c, ibv_cq_init_attr_ex* attr) {
+  Context* ctx = FindContext(c);
+  if (ctx == nullptr) return backend_->CreateCqEx(c, attr);
+  if (attr->comp_mask & IBV_CQ_INIT_ATTR_MASK_PD) {
+    LogOnce("ibv_create_cq_ex with a parent domain is not supported");
+    errno = EOPNOTSUPP;
+    return nullptr;
+  }
+  Channel* ch = FindChannel(attr->channel);
+  if (attr->channel != nullptr && ch == nullptr) {
+    errno = EINVAL;
+    return nullptr;
+  }
+  ibv_cq_init_attr_ex real_attr = *attr;
+  real_attr.channel = ch ? ch->real : nullptr;
+  real_attr.cq_context = nullptr;
+  ibv_cq_ex* real = backend_->CreateCqEx(ctx->real, &real_attr);
+  if (real == nullptr) return nullptr;
+  ibv_cq* s = AdoptCq(ctx, ibv_cq_ex_to_cq(real), real, ch, attr->cq_context,
+                      attr->comp_vector, attr->wc_flags);
+  if (s == nullptr) {
+    backend_->DestroyCq(ibv_cq_ex_to_cq(real));
+    errno = ENOMEM;
+    return nullptr;
+  }
+  return reinterpret_cast<ibv_cq_ex*>(s);
+}
+
+int Shim::ResizeCq(ibv_cq* c, int cqe) {
+  Cq* cq = FindCq(c);
+  if (cq == nullptr) return backend_->ResizeCq(c, cqe);
+  const int rc = backend_->ResizeCq(cq->real, cqe);
+  if (rc == 0) cq->shadow.cqe = cq->real->cqe;
+  return rc;
+}
+
+int Shim::DestroyCq(ibv_cq* c) {
+  Cq* cq = FindCq(c);
+  if (cq == nullptr) return backend_->DestroyCq(c);
+  const int rc = backend_->DestroyCq(cq->real);
+  if (rc != 0) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_.erase(cq);
+  delete cq;
+  return 0;
+}
+
+int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) {
+  Channel* ch = FindChannel(channel);
+  if (ch == nullptr) return backend_->GetCqEvent(channel, cq, cq_context);
+  ibv_cq* real = nullptr;
+  void* real_context = nullptr;
+  const int rc = backend_->GetCqEvent(ch->real, &real, &real_context);
+  if (rc != 0) return rc;
+  Cq* shadow = static_cast<Cq*>(real->cq_context);
+  *cq = reinterpret_cast<ibv_cq*>(&shadow->shadow);
+  *cq_context = shadow->shadow.cq_context;
+  return 0;
+}
+
+void Shim::AckCqEvents(ibv_cq* c, unsigned int nevents) {
+  Cq* cq = FindCq(c);
+  backend_->AckCqEvents(cq ? cq->real : c, nevents);
+}
+
+// ---------------------------------------------------------------- SRQ
+
+ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
+  Pd* pd = FindPd(p);
+  if (pd == nullptr) return backend_->CreateSrq(p, attr);
+  Srq* srq = NewZeroed<Srq>();
+  if (srq == nullptr) return nullptr;
+  ibv_srq_init_attr real_attr = *attr;
+  real_attr.srq_context = srq;  // async events lead back to the shadow
+  ibv_srq* real = backend_->CreateSrq(pd->real, &real_attr);
+  if (real == nullptr) {
+    delete srq;
+    return nullptr;
+  }
+  attr->attr = real_attr.attr;  // the provider reports the actual sizes
+  srq->real = real;
+  srq->mrs = &mrs_;
+  srq->pd = pd;
+  srq->init = *attr;
+  srq->shadow.context = p->context;
+  srq->shadow.srq_context = attr->srq_context;
+  srq->shadow.pd = p;
+  srq->shadow.handle = real->handle;
+  InitMutexCond(&srq->shadow.mutex, &srq->shadow.cond);
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_[srq] = Kind::kSrq;
+  return &srq->shadow;
+}
+
+int Shim::ModifySrq(ibv_srq* s, ibv_srq_attr* attr, int mask) {
+  Srq* srq = FindSrq(s);
+  if (srq == nullptr) return backend_->ModifySrq(s, attr, mask);
+  const int rc = backend_->ModifySrq(srq->real, attr, mask);
+  if (rc == 0 && (mask & IBV_SRQ_LIMIT)) srq->init.attr.srq_limit = attr->srq_limit;
+  return rc;
+}
+
+int Shim::QuerySrq(ibv_srq* s, ibv_srq_attr* attr) {
+  Srq* srq = FindSrq(s);
+  return backend_->QuerySrq(srq ? srq->real : s, attr);
+}
+
+int Shim::DestroySrq(ibv_srq* s) {
+  Srq* srq = FindSrq(s);
+  if (srq == nullptr) return backend_->DestroySrq(s);
+  const int rc = backend_->DestroySrq(srq->real);
+  if (rc != 0) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_.erase(srq);
+  delete srq;
+  return 0;
+}
+
+// ---------------------------------------------------------------- QP
+
+ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr_ex& init) {
+  Qp* qp = NewZeroed<Qp>();
+  if (qp == nullptr) return nullptr;
+  qp->real = real;
+  qp->mrs = &mrs_;
+  qp->mode = mode_;
+  qp->ctx = ctx;
+  qp->pd = pd;
+  qp->send_cq = FindCq(init.send_cq);
+  qp->recv_cq = FindCq(init.recv_cq);
+  qp->srq = FindSrq(init.srq);
+  qp->physical_qpn = real->qp_num;
+  qp->init = init;
+  if (init.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS) qp->real_ex = backend_->QpToQpEx(real);
+  ibv_qp& s = qp->shadow.qp_base;
+  s.context = Shadow(ctx);
+  s.qp_context = init.qp_context;
+  s.pd = &pd->shadow;
+  s.send_cq = init.send_cq;
+  s.recv_cq = init.recv_cq;
+  s.srq = init.srq;
+  s.handle = real->handle;
+  s.qp_num = mode_.VirtualQpn(real->qp_num);
+  s.state = real->state;
+  s.qp_type = real->qp_type;
+  InitMutexCond(&s.mutex, &s.cond);
+  // Async events carry the real QP; its user context leads back here.
+  real->qp_context = qp;
+  if (qp->real_ex != nullptr) InstallQpExOps(qp);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!qp_index_.Insert(real->qp_num, qp)) {
+    delete qp;
+    errno = ENOMEM;
+    return nullptr;
+  }
+  shadows_[qp] = Kind::kQp;
+  return &qp->shadow.qp_base;
+}
+
+ibv_qp* Shim::CreateQp(ibv_pd* p, ibv_qp_init_attr* attr) {
+  Pd* pd = FindPd(p);
+  if (pd == nullptr) return backend_->CreateQp(p, attr);
+  ibv_qp_init_attr_ex ex{};
+  ex.qp_context = attr->qp_context;
+  ex.send_cq = attr->send_cq;
+  ex.recv_cq = attr->recv_cq;
+  ex.srq = attr->srq;
+  ex.cap = attr->cap;
+  ex.qp_type = attr->qp_type;
+  ex.sq_sig_all = attr->sq_sig_all;
+  ex.comp_mask = IBV_QP_INIT_ATTR_PD;
+  ex.pd = p;
+  ibv_qp* qp = CreateQpEx(p->context, &ex);
+  if (qp != nullptr) attr->cap = ex.cap;
+  return qp;
+}
+
+ibv_qp* Shim::CreateQpEx(ibv_context* c, ibv_qp_init_attr_ex* attr) {
+  Context* ctx = FindContext(c);
+  if (ctx == nullptr) return backend_->CreateQpEx(c, attr);
+  constexpr uint32_t kSupported = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS |
+                                  IBV_QP_INIT_ATTR_CREATE_FLAGS;
+  if (attr->comp_mask & ~kSupported) {
+    LogOnce("ibv_create_qp_ex: XRC, RSS, TSO and parent domains are not supported");
+    errno = EOPNOTSUPP;
+    return nullptr;
+  }
+  if (attr->qp_type != IBV_QPT_RC && attr->qp_type != IBV_QPT_UC &&
+      attr->qp_type != IBV_QPT_UD) {
+    LogOnce("only RC, UC and UD QPs are supported");
+    errno = EOPNOTSUPP;
+    return nullptr;
+  }
+  Pd* pd = FindPd(attr->pd);
+  Cq* send_cq = FindCq(attr->send_cq);
+  Cq* recv_cq = FindCq(attr->recv_cq);
+  Srq* srq = FindSrq(attr->srq);
+  if (pd == nullptr || (attr->send_cq && !send_cq) || (attr->recv_cq && !recv_cq) ||
+      (attr->srq && !srq)) {
+    errno = EINVAL;
+    return nullptr;
+  }
+  ibv_qp_init_attr_ex real_attr = *attr;
+  real_attr.pd = pd->real;
+  real_attr.send_cq = send_cq ? send_cq->real : nullptr;
+  real_attr.recv_cq = recv_cq ? recv_cq->real : nullptr;
+  real_attr.srq = srq ? srq->real : nullptr;
+  real_attr.qp_context = nullptr;
+  ibv_qp* real = backend_->CreateQpEx(ctx->real, &real_attr);
+  if (real == nullptr) return nullptr;
+  attr->cap = real_attr.cap;  // the provider reports the actual sizes
+  ibv_qp* s = AdoptQp(ctx, pd, real, *attr);
+  if (s == nullptr) {
+    const int err = errno;
+    backend_->DestroyQp(real);
+    errno = err;
+  }
+  return s;
+}
+
+ibv_qp_ex* Shim::QpToQpEx(ibv_qp* q) {
+  Qp* qp = FindQp(q);
+  if (qp == nullptr) return backend_->QpToQpEx(q);
+  return qp->real_ex != nullptr ? &qp->shadow : nullptr;
+}
+
+void Shim::PhysicalizeQpAttr(ibv_qp_attr* attr, int mask) const {
+  if (mask & IBV_QP_DEST_QPN) attr->dest_qp_num = mode_.PhysicalQpn(attr->dest_qp_num);
+  if ((mask & IBV_QP_AV) && attr->ah_attr.is_global)
+    attr->ah_attr.grh.dgid = mode_.PhysicalGid(attr->ah_attr.grh.dgid);
+  if ((mask & IBV_QP_ALT_PATH) && attr->alt_ah_attr.is_global)
+    attr->alt_ah_attr.grh.dgid = mode_.PhysicalGid(attr->alt_ah_attr.grh.dgid);
+}
+
+void Shim::VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const {
+  if (mask & IBV_QP_DEST_QPN) attr->dest_qp_num = mode_.VirtualQpn(attr->dest_qp_num);
+  if ((mask & IBV_QP_AV) && attr->ah_attr.is_global)
+    attr->ah_attr.grh.dgid = mode_.VirtualGid(attr->ah_attr.grh.dgid);
+  if ((mask & IBV_QP_ALT_PATH) && attr->alt_ah_attr.is_global)
+    attr->alt_ah_attr.grh.dgid = mode_.VirtualGid(attr->alt_ah_attr.grh.dgid);
+}
+
+int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
+  Qp* qp = FindQp(q);
+  if (qp == nullptr) return backend_->ModifyQp(q, attr, mask);
+  ibv_qp_attr real_attr = *attr;
+  PhysicalizeQpAttr(&real_attr, mask);
+  const int rc = backend_->ModifyQp(qp->real, &real_attr, mask);
+  if (rc != 0) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  qp->transitions.push_back({*attr, mask});
+  q->state = qp->real->state;
+  return 0;
+}
+
+int Shim::QueryQp(ibv_qp* q, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init) {
+  Qp* qp = FindQp(q);
+  if (qp == nullptr) return backend_->QueryQp(q, attr, mask, init);
+  const int rc = backend_->QueryQp(qp->real, attr, mask, init);
+  if (rc != 0) return rc;
+  // What the provider fills regardless of the mask is translated too.
+  VirtualizeQpAttr(attr, mask | IBV_QP_DEST_QPN | IBV_QP_AV | IBV_QP_ALT_PATH);
+  init->qp_context = q->qp_context;
+  init->send_cq = q->send_cq;
+  init->recv_cq = q->recv_cq;
+  init->srq = q->srq;
+  return 0;
+}
+
+int Shim::DestroyQp(ibv_qp* q) {
+  Qp* qp = FindQp(q);
+  if (qp == nullptr) return backend_->DestroyQp(q);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    qp_index_.Remove(qp->physical_qpn, qp);
+  }
+  const int rc = backend_->DestroyQp(qp->real);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rc != 0) {
+    qp_index_.Insert(qp->physical_qpn, qp);
+    return rc;
+  }
+  shadows_.erase(qp);
+  delete qp;
+  return 0;
+}
+
+// ---------------------------------------------------------------- AH
+
+ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
+  Pd* pd = FindPd(p);
+  if (pd == nullptr) return backend_->CreateAh(p, attr);
+  ibv_ah_attr real_attr = *attr;
+  if (real_attr.is_global) real_attr.grh.dgid = mode_.PhysicalGid(real_attr.grh.dgid);
+  ibv_ah* real = backend_->CreateAh(pd->real, &real_attr);
+  if (real == nullptr) return nullptr;
+  Ah* ah = NewZeroed<Ah>();
+  if (ah == nullptr) {
+    backend_->DestroyAh(real);
+    errno = ENOMEM;
+    return nullptr;
+  }
+  ah->real = real;
+  ah->pd = pd;
+  ah->attr = *attr;
+  ah->shadow.context = p->context;
+  ah->shadow.pd = p;
+  ah->shadow.handle = real->handle;
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_[ah] = Kind::kAh;
+  return &ah->shadow;
+}
+
+int Shim::InitAhFromWc(ibv_context* c, uint8_t port, ibv_wc* wc, ibv_grh* grh,
+                       ibv_ah_attr* attr) {
+  Context* ctx = FindContext(c);
+  if (ctx == nullptr) return backend_->InitAhFromWc(c, port, wc, grh, attr);
+  const int rc = backend_->InitAhFromWc(ctx->real, port, wc, grh, attr);
+  if (rc == 0 && attr->is_global) attr->grh.dgid = mode_.VirtualGid(attr->grh.dgid);
+  return rc;
+}
+
+ibv_ah* Shim::CreateAhFromWc(ibv_pd* pd, ibv_wc* wc, ibv_grh* grh, uint8_t port) {
+  ibv_ah_attr attr{};
+  const int rc = InitAhFromWc(pd->context, port, wc, grh, &attr);
+  if (rc != 0) {
+    errno = rc;  // as libibverbs: the error of ibv_init_ah_from_wc
+    return nullptr;
+  }
+  return CreateAh(pd, &attr);
+}
+
+int Shim::DestroyAh(ibv_ah* a) {
+  Ah* ah = Find<Ah>(a, Kind::kAh);
+  if (ah == nullptr) return backend_->DestroyAh(a);
+  const int rc = backend_->DestroyAh(ah->real);
+  if (rc != 0) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  shadows_.erase(ah);
+  delete ah;
+  return 0;
+}
+
+int Shim::AttachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
+  Qp* qp = FindQp(q);
+  return backend_->AttachMcast(qp ? qp->real : q, gid, lid);
+}
+
+int Shim::DetachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
+  Qp* qp = FindQp(q);
+  return backend_->DetachMcast(qp ? qp->real : q, gid, lid);
+}
+
+std::vector<const Qp*> Shim::Qps() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<const Qp*> out;
+  for (const auto& [p, kind] : shadows_)
+    if (kind == Kind::kQp) out.push_back(static_cast<const Qp*>(p));
+  return out;
+}
+
+std::vector<const Mr*> Shim::Mrs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<const Mr*> out;
+  for (const auto& [p, kind] : shadows_)
+    if (kind == Kind::kMr) out.push_back(static_cast<const Mr*>(p));
+  return out;
+}
+
+}  // namespace rdmavirt::shim

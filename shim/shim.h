@@ -1,0 +1,134 @@
+// Shim: the verbs the application calls, over shadow objects.
+//
+// Every method mirrors the libibverbs function of the same name, with the
+// same return values and errno. It accepts shadow objects (the ones it
+// handed out) and also real ones: libibverbs and providers call exported
+// verbs on their own objects (rxe's create_ah calls ibv_query_gid), and
+// with the shim preloaded those calls land here; they pass straight to the
+// backend.
+//
+// Thread-safety: control-path methods may be called from any thread; they
+// serialize on mu_. The data path (data_path.cc) takes no lock.
+#ifndef RDMAVIRT_SHIM_SHIM_H_
+#define RDMAVIRT_SHIM_SHIM_H_
+
+#include <infiniband/verbs.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "shim/backend.h"
+#include "shim/identity.h"
+#include "shim/objects.h"
+#include "shim/tables.h"
+
+namespace rdmavirt::shim {
+
+class Shim {
+ public:
+  // The process-wide shim over the real libibverbs, configured from the
+  // environment (RDMAVIRT_ID_MODE=offset). nullptr if libibverbs is missing.
+  static Shim* Process();
+
+  Shim(VerbsBackend* backend, IdentityMode mode);
+  Shim(const Shim&) = delete;
+  Shim& operator=(const Shim&) = delete;
+
+  const IdentityMode& mode() const { return mode_; }
+  VerbsBackend* backend() const { return backend_; }
+
+  ibv_device** GetDeviceList(int* num);
+  void FreeDeviceList(ibv_device** list);
+  ibv_context* OpenDevice(ibv_device* device);
+  int CloseDevice(ibv_context* ctx);
+  int GetAsyncEvent(ibv_context* ctx, ibv_async_event* event);
+  void AckAsyncEvent(ibv_async_event* event);
+
+  int QueryDevice(ibv_context* ctx, ibv_device_attr* attr);
+  int QueryDeviceEx(ibv_context* ctx, const ibv_query_device_ex_input* input,
+                    ibv_device_attr_ex* attr, size_t size);
+  int QueryPort(ibv_context* ctx, uint8_t port, ibv_port_attr* attr, size_t size);
+  int QueryGid(ibv_context* ctx, uint8_t port, int index, ibv_gid* gid);
+  int QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index,
+                 ibv_gid_entry* entry, uint32_t flags, size_t size);
+  ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries, size_t max,
+                        uint32_t flags, size_t size);
+  int QueryPkey(ibv_context* ctx, uint8_t port, int index, __be16* pkey);
+  int GetPkeyIndex(ibv_context* ctx, uint8_t port, __be16 pkey);
+
+  ibv_pd* AllocPd(ibv_context* ctx);
+  int DeallocPd(ibv_pd* pd);
+  ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
+                unsigned int access);
+  int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length,
+              int access);
+  int DeregMr(ibv_mr* mr);
+
+  ibv_comp_channel* CreateCompChannel(ibv_context* ctx);
+  int DestroyCompChannel(ibv_comp_channel* channel);
+  ibv_cq* CreateCq(ibv_context* ctx, int cqe, void* cq_context,
+                   ibv_comp_channel* channel, int comp_vector);
+  ibv_cq_ex* CreateCqEx(ibv_context* ctx, ibv_cq_init_attr_ex* attr);
+  int ResizeCq(ibv_cq* cq, int cqe);
+  int DestroyCq(ibv_cq* cq);
+  int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context);
+  void AckCqEvents(ibv_cq* cq, unsigned int nevents);
+
+  ibv_srq* CreateSrq(ibv_pd* pd, ibv_srq_init_attr* attr);
+  int ModifySrq(ibv_srq* srq, ibv_srq_attr* attr, int mask);
+  int QuerySrq(ibv_srq* srq, ibv_srq_attr* attr);
+  int DestroySrq(ibv_srq* srq);
+
+  ibv_qp* CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr);
+  ibv_qp* CreateQpEx(ibv_context* ctx, ibv_qp_init_attr_ex* attr);
+  ibv_qp_ex* QpToQpEx(ibv_qp* qp);
+  int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask);
+  int QueryQp(ibv_qp* qp, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init);
+  int DestroyQp(ibv_qp* qp);
+
+  ibv_ah* CreateAh(ibv_pd* pd, ibv_ah_attr* attr);
+  int InitAhFromWc(ibv_context* ctx, uint8_t port, ibv_wc* wc, ibv_grh* grh,
+                   ibv_ah_attr* attr);
+  ibv_ah* CreateAhFromWc(ibv_pd* pd, ibv_wc* wc, ibv_grh* grh, uint8_t port);
+  int DestroyAh(ibv_ah* ah);
+  int AttachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid);
+  int DetachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid);
+
+  // Read-only views for the migration side and tests.
+  std::vector<const Qp*> Qps() const;
+  std::vector<const Mr*> Mrs() const;
+
+  // The data path's tables (data_path.cc).
+  const MrTable& mr_table() const { return mrs_; }
+  const QpIndex& qp_index() const { return qp_index_; }
+
+ private:
+  enum class Kind { kContext, kPd, kMr, kChannel, kCq, kSrq, kQp, kAh };
+
+  template <typename T>
+  T* Find(const void* p, Kind kind) const;  // requires mu_
+  Context* FindContext(ibv_context* c) const;
+  Pd* FindPd(ibv_pd* p) const;
+  Cq* FindCq(ibv_cq* c) const;
+  Srq* FindSrq(ibv_srq* s) const;
+  Qp* FindQp(ibv_qp* q) const;
+  Channel* FindChannel(ibv_comp_channel* c) const;
+
+  ibv_qp* AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr_ex& init);
+  ibv_cq* AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch,
+                  void* user_context, int comp_vector, uint64_t wc_flags);
+  void VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const;
+  void PhysicalizeQpAttr(ibv_qp_attr* attr, int mask) const;
+
+  VerbsBackend* const backend_;
+  const IdentityMode mode_;
+  mutable std::mutex mu_;
+  std::unordered_map<const void*, Kind> shadows_;  // guarded by mu_
+  MrTable mrs_;                                    // writes under mu_
+  QpIndex qp_index_;                               // writes under mu_
+};
+
+}  // namespace rdmavirt::shim
+
+#endif  // RDMAVIRT_SHIM_SHIM_H_

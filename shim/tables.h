@@ -1,0 +1,88 @@
+// The translation tables the data path reads: local lkeys by slot, and
+// shadow QPs by physical QPN (for completions).
+//
+// Readers (post/poll, any thread) take no lock: entries are atomics loaded
+// with relaxed order, which compiles to plain loads. Writers (the control
+// path) hold Shim's mutex. A slot is published after the object it points
+// at is complete and cleared before that object is freed.
+#ifndef RDMAVIRT_SHIM_TABLES_H_
+#define RDMAVIRT_SHIM_TABLES_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "shim/identity.h"
+#include "shim/objects.h"
+
+namespace rdmavirt::shim {
+
+class MrTable {
+ public:
+  MrTable() : entries_(new std::atomic<uint64_t>[kMaxMrs]()) {}
+
+  // Virtual lkey -> physical lkey. Unknown keys pass through unchanged,
+  // so the HCA reports them exactly as it would without the shim.
+  uint32_t ToPhysical(uint32_t vlkey) const {
+    const uint64_t e = entries_[LkeySlot(vlkey)].load(std::memory_order_relaxed);
+    return static_cast<uint32_t>(e >> 32) == vlkey ? static_cast<uint32_t>(e) : vlkey;
+  }
+
+  // Control path, under the shim's mutex. Returns false when full.
+  bool Allocate(uint32_t* slot) {
+    for (uint32_t i = 0; i < kMaxMrs; ++i) {
+      const uint32_t s = (next_ + i) % kMaxMrs;
+      if (entries_[s].load(std::memory_order_relaxed) == 0 && !reserved(s)) {
+        next_ = s + 1;
+        *slot = s;
+        return true;
+      }
+    }
+    return false;
+  }
+  void Set(uint32_t slot, uint32_t vlkey, uint32_t plkey) {
+    entries_[slot].store(uint64_t{vlkey} << 32 | plkey, std::memory_order_release);
+  }
+  void Clear(uint32_t slot) { entries_[slot].store(0, std::memory_order_release); }
+
+ private:
+  // Slot kMaxMrs-1 would make (slot+1) << 8 overflow into the next bits.
+  static bool reserved(uint32_t s) { return s == kMaxMrs - 1; }
+  std::unique_ptr<std::atomic<uint64_t>[]> entries_;
+  uint32_t next_ = 0;
+};
+
+// Shadow QP by physical QPN: direct-mapped, with a short overflow list for
+// the rare collision (QPNs that differ only above kBits).
+class QpIndex {
+ public:
+  static constexpr uint32_t kBits = 17;
+  static constexpr uint32_t kOverflow = 64;
+
+  QpIndex() : slots_(new std::atomic<Qp*>[1u << kBits]()) {}
+
+  Qp* Find(uint32_t pqpn) const {
+    Qp* qp = slots_[pqpn & kMask].load(std::memory_order_acquire);
+    if (qp != nullptr && qp->physical_qpn == pqpn) [[likely]] return qp;
+    return FindOverflow(pqpn);
+  }
+  // Control path, under the shim's mutex.
+  bool Insert(uint32_t pqpn, Qp* qp);
+  void Remove(uint32_t pqpn, Qp* qp);
+
+ private:
+  static constexpr uint32_t kMask = (1u << kBits) - 1;
+  Qp* FindOverflow(uint32_t pqpn) const {
+    for (const auto& e : overflow_) {
+      Qp* qp = e.load(std::memory_order_acquire);
+      if (qp != nullptr && qp->physical_qpn == pqpn) return qp;
+    }
+    return nullptr;
+  }
+  std::unique_ptr<std::atomic<Qp*>[]> slots_;
+  std::atomic<Qp*> overflow_[kOverflow] = {};
+};
+
+}  // namespace rdmavirt::shim
+
+#endif  // RDMAVIRT_SHIM_TABLES_H_

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "shim/grh.h"
 #include "shim/log.h"
 #include "shim/shim.h"
 #include "shim/tables.h"
@@ -106,17 +107,21 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return 0;
 }
 
-// Receive WRs: only their SGEs' lkeys are identities.
-template <typename Owner>
-int PostRecvChain(const Owner* owner, ibv_recv_wr* wr, ibv_recv_wr** bad, auto post) {
+// Receive WRs: only their SGEs' lkeys are identities. Each is recorded
+// in the queue's RecvLog (the journal of outstanding receives) first.
+template <typename Post>
+int PostRecvChain(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                  Post post) {
   while (wr != nullptr) {
     Patches p;
     ibv_recv_wr* first = wr;
     ibv_recv_wr* last = nullptr;
+    uint32_t logged = 0;
     for (; wr != nullptr && p.Fits(wr->num_sge, 1); wr = wr->next) {
+      logged += log->Push(wr);
       for (int i = 0; i < wr->num_sge; ++i) {
         uint32_t* lkey = &wr->sg_list[i].lkey;
-        p.Key(lkey, owner->mrs->ToPhysical(*lkey));
+        p.Key(lkey, mrs->ToPhysical(*lkey));
       }
       last = wr;
     }
@@ -127,7 +132,13 @@ int PostRecvChain(const Owner* owner, ibv_recv_wr* wr, ibv_recv_wr** bad, auto p
     if (wr != nullptr) p.Ptr(&last->next, static_cast<ibv_recv_wr*>(nullptr));
     const int rc = post(first, bad);
     p.Restore();
-    if (rc != 0) return rc;
+    if (rc != 0) {
+      // WRs from *bad on were not posted: forget them.
+      uint32_t refused = 0;
+      for (ibv_recv_wr* w = *bad; w != nullptr && w != last->next; w = w->next) ++refused;
+      log->Unpush(refused < logged ? refused : logged);
+      return rc;
+    }
   }
   return 0;
 }
@@ -135,7 +146,7 @@ int PostRecvChain(const Owner* owner, ibv_recv_wr* wr, ibv_recv_wr** bad, auto p
 int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
   ibv_qp* real = qp->real;
-  return PostRecvChain(qp, wr, bad, [real](ibv_recv_wr* w, ibv_recv_wr** b) {
+  return PostRecvChain(qp->mrs, qp->recvs, wr, bad, [real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return real->context->ops.post_recv(real, w, b);
   });
 }
@@ -143,9 +154,20 @@ int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
   ibv_srq* real = srq->real;
-  return PostRecvChain(srq, wr, bad, [real](ibv_recv_wr* w, ibv_recv_wr** b) {
+  return PostRecvChain(srq->mrs, &srq->recvs, wr, bad, [real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return real->context->ops.post_srq_recv(real, w, b);
   });
+}
+
+// A receive completed: take it off the journal and, for UD, show the GRH
+// with virtual addresses.
+inline void CompleteRecv(const Qp* qp, uint64_t wr_id, bool ok, bool grh) {
+  const RecvLog::Entry* e = ok ? qp->recvs->Complete(wr_id) : qp->recvs->CompleteIfHead(wr_id);
+  if (grh && e != nullptr && e->num_sge > 0 && qp->mode.offset) {
+    const IdentityMode mode = qp->mode;
+    RewriteGrh(reinterpret_cast<uint8_t*>(e->sge[0].addr),
+               [mode](const ibv_gid& g) { return mode.VirtualGid(g); });
+  }
 }
 
 // A completion's qp_num is the local QP's physical number; src_qp (UD) is
@@ -154,7 +176,12 @@ inline void VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
   const Qp* qp = qps->Find(wc->qp_num);
   if (qp == nullptr) [[unlikely]] return;
   wc->qp_num = qp->shadow.qp_base.qp_num;
-  if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) wc->src_qp = qp->mode.VirtualQpn(wc->src_qp);
+  const bool ok = wc->status == IBV_WC_SUCCESS;
+  if (!ok || (wc->opcode & IBV_WC_RECV)) {
+    const bool ud = qp->shadow.qp_base.qp_type == IBV_QPT_UD;
+    if (ud && ok) wc->src_qp = qp->mode.VirtualQpn(wc->src_qp);
+    CompleteRecv(qp, wc->wr_id, ok, ud && ok && (wc->wc_flags & IBV_WC_GRH));
+  }
 }
 
 int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
@@ -273,20 +300,31 @@ void WrSetSgeList(ibv_qp_ex* q, size_t n, const ibv_sge* list) {
 
 // ---------------------------------------------------------------- ibv_cq_ex
 
-inline void CopyCursor(ibv_cq_ex* shadow, const ibv_cq_ex* real) {
+// Each completion the cursor reaches: copy what the application reads
+// from the struct itself, and account for receives as PollCq does.
+inline void AtCompletion(Cq* cq, ibv_cq_ex* shadow, ibv_cq_ex* real) {
   shadow->wr_id = real->wr_id;
   shadow->status = real->status;
+  const bool ok = real->status == IBV_WC_SUCCESS;
+  if (ok && !(real->read_opcode(real) & IBV_WC_RECV)) return;
+  if (cq->only_recv_log != nullptr) {
+    if (ok) cq->only_recv_log->Complete(real->wr_id);
+    else cq->only_recv_log->CompleteIfHead(real->wr_id);
+  } else if (real->read_qp_num != nullptr) {
+    if (const Qp* qp = cq->qps->Find(real->read_qp_num(real)))
+      CompleteRecv(qp, real->wr_id, ok, /*grh=*/false);
+  }
 }
 int StartPoll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   ibv_cq_ex* real = AsCq(c)->real_ex;
   const int rc = real->start_poll(real, attr);
-  if (rc == 0) CopyCursor(c, real);
+  if (rc == 0) AtCompletion(AsCq(c), c, real);
   return rc;
 }
 int NextPoll(ibv_cq_ex* c) {
   ibv_cq_ex* real = AsCq(c)->real_ex;
   const int rc = real->next_poll(real);
-  if (rc == 0) CopyCursor(c, real);
+  if (rc == 0) AtCompletion(AsCq(c), c, real);
   return rc;
 }
 void EndPoll(ibv_cq_ex* c) {
@@ -299,9 +337,14 @@ uint32_t ReadQpNum(ibv_cq_ex* c) {
   const Qp* qp = cq->qps->Find(pqpn);
   return qp != nullptr ? qp->shadow.qp_base.qp_num : pqpn;
 }
+// src_qp is the sender's QPN on UD only (RC reports 0 or garbage).
 uint32_t ReadSrcQp(ibv_cq_ex* c) {
   Cq* cq = AsCq(c);
-  return cq->ctx->mode.VirtualQpn(cq->real_ex->read_src_qp(cq->real_ex));
+  ibv_cq_ex* real = cq->real_ex;
+  const uint32_t src = real->read_src_qp(real);
+  const Qp* qp = real->read_qp_num ? cq->qps->Find(real->read_qp_num(real)) : nullptr;
+  return qp != nullptr && qp->shadow.qp_base.qp_type == IBV_QPT_UD ? qp->mode.VirtualQpn(src)
+                                                                    : src;
 }
 
 // The other readers carry no identity: forward to the real CQ.

@@ -8,7 +8,7 @@
 //   value is a fixed function of the physical value at creation, so a peer
 //   can translate them with no lookup while the owner has not moved: in the
 //   default mode the function is the identity, in offset mode
-//   (RDMAVIRT_ID_MODE=offset) it sets a marker the hardware never uses, so
+//   (RDMAVIRT_ID_MODE=offset) it sets a marker the hardware does not use, so
 //   tests see virtual != physical from the first resource on. After a move
 //   the owner's migrator publishes an explicit map (RemoteEndpoint) to its
 //   peers, which overrides the function.
@@ -28,10 +28,14 @@ namespace rdmavirt::shim {
 inline constexpr uint32_t kQpnMarker = 0x800000;
 // rxe keys are index << 8 | 8 random bits, with index < 2^18.
 inline constexpr uint32_t kRkeyMarker = 0x80000000;
-// Offset-mode virtual GIDs start with fd52: (a ULA prefix, "R") in place of
-// the two zero bytes an IPv4-mapped or ::/96 GID starts with.
-inline constexpr uint8_t kGidMarker0 = 0xfd;
-inline constexpr uint8_t kGidMarker1 = 0x52;
+// Offset-mode virtual GIDs set bit 7 of byte 14: for an IPv4-mapped GID
+// (RoCE v2) that is the third octet of the address, so the virtual GID is
+// still an IPv4 address and fits the IPv4 header of a UD receive's GRH.
+// Offset mode is a test mode: it needs physical GIDs with that bit clear
+// (true of the lab fabric, 10.77.0.0/24, and of link-local GIDs from MACs
+// whose fifth byte is below 0x80).
+inline constexpr int kGidMarkerByte = 14;
+inline constexpr uint8_t kGidMarkerBit = 0x80;
 
 struct IdentityMode {
   bool offset = false;
@@ -52,18 +56,12 @@ struct IdentityMode {
   }
   ibv_gid VirtualGid(const ibv_gid& physical) const {
     ibv_gid v = physical;
-    if (offset && v.raw[0] == 0 && v.raw[1] == 0) {
-      v.raw[0] = kGidMarker0;
-      v.raw[1] = kGidMarker1;
-    }
+    if (offset) v.raw[kGidMarkerByte] |= kGidMarkerBit;
     return v;
   }
   ibv_gid PhysicalGid(const ibv_gid& virt) const {
     ibv_gid p = virt;
-    if (offset && p.raw[0] == kGidMarker0 && p.raw[1] == kGidMarker1) {
-      p.raw[0] = 0;
-      p.raw[1] = 0;
-    }
+    if (offset) p.raw[kGidMarkerByte] &= static_cast<uint8_t>(~kGidMarkerBit);
     return p;
   }
 };

@@ -21,6 +21,7 @@
 
 #include "shim/backend.h"
 #include "shim/identity.h"
+#include "shim/recv_log.h"
 
 namespace rdmavirt::shim {
 
@@ -68,6 +69,10 @@ struct Cq {
   Context* ctx = nullptr;
   const QpIndex* qps = nullptr;  // for completions' qp_num
   Channel* channel = nullptr;
+  // For extended CQs polled without qp_num: the one receive queue that
+  // completes here, if there is exactly one.
+  RecvLog* only_recv_log = nullptr;
+  int recv_users = 0;
   int comp_vector = 0;
   uint64_t wc_flags = 0;
 };
@@ -78,6 +83,7 @@ struct Srq {
   const MrTable* mrs = nullptr;
   Pd* pd = nullptr;
   ibv_srq_init_attr init{};
+  RecvLog recvs;
 };
 
 // One successful ibv_modify_qp, with the virtual identities the
@@ -99,6 +105,8 @@ struct Qp {
   Cq* recv_cq = nullptr;
   Srq* srq = nullptr;
   uint32_t physical_qpn = 0;
+  RecvLog* recvs = nullptr;  // own_recvs, or the SRQ's
+  RecvLog own_recvs;
   ibv_qp_init_attr_ex init{};
   std::vector<QpTransition> transitions;
 };

@@ -8,6 +8,7 @@
 #include <new>
 
 #include "shim/data_path.h"
+#include "shim/grh.h"
 #include "shim/log.h"
 
 namespace rdmavirt::shim {
@@ -499,6 +500,12 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
     return nullptr;
   }
   attr->attr = real_attr.attr;  // the provider reports the actual sizes
+  if (!srq->recvs.Init(attr->attr.max_wr, attr->attr.max_sge)) {
+    backend_->DestroySrq(real);
+    delete srq;
+    errno = ENOMEM;
+    return nullptr;
+  }
   srq->real = real;
   srq->mrs = &mrs_;
   srq->pd = pd;
@@ -552,6 +559,15 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   qp->srq = FindSrq(init.srq);
   qp->physical_qpn = real->qp_num;
   qp->init = init;
+  if (qp->srq != nullptr) {
+    qp->recvs = &qp->srq->recvs;
+  } else if (qp->own_recvs.Init(init.cap.max_recv_wr, init.cap.max_recv_sge)) {
+    qp->recvs = &qp->own_recvs;
+  } else {
+    delete qp;
+    errno = ENOMEM;
+    return nullptr;
+  }
   if (init.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS) qp->real_ex = backend_->QpToQpEx(real);
   ibv_qp& s = qp->shadow.qp_base;
   s.context = Shadow(ctx);
@@ -573,6 +589,15 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
     delete qp;
     errno = ENOMEM;
     return nullptr;
+  }
+  if (Cq* rcq = qp->recv_cq) {
+    // Extended CQs polled without qp_num can still account receives when
+    // only one receive queue completes on them.
+    if (rcq->recv_users++ == 0) {
+      rcq->only_recv_log = qp->recvs;
+    } else if (rcq->only_recv_log != qp->recvs) {
+      rcq->only_recv_log = nullptr;
+    }
   }
   shadows_[qp] = Kind::kQp;
   return &qp->shadow.qp_base;
@@ -701,6 +726,7 @@ int Shim::DestroyQp(ibv_qp* q) {
     qp_index_.Insert(qp->physical_qpn, qp);
     return rc;
   }
+  if (qp->recv_cq != nullptr) --qp->recv_cq->recv_users;
   shadows_.erase(qp);
   delete qp;
   return 0;
@@ -736,7 +762,18 @@ int Shim::InitAhFromWc(ibv_context* c, uint8_t port, ibv_wc* wc, ibv_grh* grh,
                        ibv_ah_attr* attr) {
   Context* ctx = FindContext(c);
   if (ctx == nullptr) return backend_->InitAhFromWc(c, port, wc, grh, attr);
-  const int rc = backend_->InitAhFromWc(ctx->real, port, wc, grh, attr);
+  // The application's GRH shows virtual addresses; the provider matches
+  // them against the port's physical GID table.
+  ibv_grh physical_grh;
+  ibv_grh* g = grh;
+  if (grh != nullptr && (wc->wc_flags & IBV_WC_GRH)) {
+    memcpy(&physical_grh, grh, sizeof(physical_grh));
+    const IdentityMode mode = mode_;
+    RewriteGrh(reinterpret_cast<uint8_t*>(&physical_grh),
+               [mode](const ibv_gid& gid) { return mode.PhysicalGid(gid); });
+    g = &physical_grh;
+  }
+  const int rc = backend_->InitAhFromWc(ctx->real, port, wc, g, attr);
   if (rc == 0 && attr->is_global) attr->grh.dgid = mode_.VirtualGid(attr->grh.dgid);
   return rc;
 }

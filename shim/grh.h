@@ -1,0 +1,55 @@
+// The 40 bytes in front of a UD receive: an IB/RoCE v1 or RoCE v2-over-IPv6
+// GRH (source GID at 8, destination GID at 24), or, for RoCE v2 over IPv4,
+// 20 unused bytes followed by the IPv4 header (addresses at 32 and 36).
+// The shim rewrites the addresses in place between physical and virtual,
+// as it does for every other identity the application sees.
+#ifndef RDMAVIRT_SHIM_GRH_H_
+#define RDMAVIRT_SHIM_GRH_H_
+
+#include <infiniband/verbs.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace rdmavirt::shim {
+
+inline uint16_t Ipv4HeaderChecksum(const uint8_t* h) {
+  uint32_t sum = 0;
+  for (int i = 0; i < 20; i += 2) {
+    if (i == 10) continue;  // the checksum field itself
+    sum += static_cast<uint32_t>(h[i]) << 8 | h[i + 1];
+  }
+  while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
+  return static_cast<uint16_t>(~sum);
+}
+
+// Applies `map` (ibv_gid -> ibv_gid) to both addresses of the GRH area.
+template <typename Map>
+void RewriteGrh(uint8_t* grh, Map map) {
+  uint8_t* ip = grh + 20;
+  if (ip[0] == 0x45 && (ip[10] << 8 | ip[11]) == Ipv4HeaderChecksum(ip)) {
+    for (int off : {12, 16}) {  // source, destination
+      ibv_gid g{};
+      g.raw[10] = g.raw[11] = 0xff;
+      memcpy(&g.raw[12], ip + off, 4);
+      const ibv_gid m = map(g);
+      memcpy(ip + off, &m.raw[12], 4);
+    }
+    const uint16_t sum = Ipv4HeaderChecksum(ip);
+    ip[10] = static_cast<uint8_t>(sum >> 8);
+    ip[11] = static_cast<uint8_t>(sum);
+    return;
+  }
+  if ((grh[0] >> 4) == 6) {
+    for (int off : {8, 24}) {
+      ibv_gid g;
+      memcpy(g.raw, grh + off, 16);
+      const ibv_gid m = map(g);
+      memcpy(grh + off, m.raw, 16);
+    }
+  }
+}
+
+}  // namespace rdmavirt::shim
+
+#endif  // RDMAVIRT_SHIM_GRH_H_

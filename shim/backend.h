@@ -12,6 +12,7 @@
 #ifndef RDMAVIRT_SHIM_BACKEND_H_
 #define RDMAVIRT_SHIM_BACKEND_H_
 
+#include <errno.h>
 #include <infiniband/verbs.h>
 
 namespace rdmavirt::shim {
@@ -77,6 +78,9 @@ class VerbsBackend {
   virtual int DestroyAh(ibv_ah* ah) = 0;
   virtual int AttachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid) = 0;
   virtual int DetachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid) = 0;
+  // Enhanced connection establishment (librdmacm probes it on connect).
+  virtual int QueryEce(ibv_qp*, ibv_ece*) { return EOPNOTSUPP; }
+  virtual int SetEce(ibv_qp*, ibv_ece*) { return EOPNOTSUPP; }
 };
 
 // The libibverbs that the shim interposes on (the next definition of each

@@ -64,7 +64,9 @@ class LibibverbsBackend final : public VerbsBackend {
            Resolve(h, &init_ah_from_wc_, "ibv_init_ah_from_wc", v) &&
            Resolve(h, &destroy_ah_, "ibv_destroy_ah", v) &&
            Resolve(h, &attach_mcast_, "ibv_attach_mcast", v) &&
-           Resolve(h, &detach_mcast_, "ibv_detach_mcast", v);
+           Resolve(h, &detach_mcast_, "ibv_detach_mcast", v) &&
+           Resolve(h, &query_ece_, "ibv_query_ece", "IBVERBS_1.10") &&
+           Resolve(h, &set_ece_, "ibv_set_ece", "IBVERBS_1.10");
   }
 
   ibv_device** GetDeviceList(int* num) override { return get_device_list_(num); }
@@ -164,6 +166,8 @@ class LibibverbsBackend final : public VerbsBackend {
   int DetachMcast(ibv_qp* q, const ibv_gid* g, uint16_t lid) override {
     return detach_mcast_(q, g, lid);
   }
+  int QueryEce(ibv_qp* q, ibv_ece* e) override { return query_ece_(q, e); }
+  int SetEce(ibv_qp* q, ibv_ece* e) override { return set_ece_(q, e); }
 
  private:
   decltype(&ibv_get_device_list) get_device_list_;
@@ -205,6 +209,8 @@ class LibibverbsBackend final : public VerbsBackend {
   decltype(&ibv_destroy_ah) destroy_ah_;
   decltype(&ibv_attach_mcast) attach_mcast_;
   decltype(&ibv_detach_mcast) detach_mcast_;
+  decltype(&ibv_query_ece) query_ece_;
+  decltype(&ibv_set_ece) set_ece_;
 };
 
 }  // namespace

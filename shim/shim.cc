@@ -732,6 +732,17 @@ int Shim::DestroyQp(ibv_qp* q) {
   return 0;
 }
 
+// ECE options carry no identity: the real QP's answer is the answer.
+int Shim::QueryEce(ibv_qp* q, ibv_ece* ece) {
+  Qp* qp = FindQp(q);
+  return backend_->QueryEce(qp ? qp->real : q, ece);
+}
+
+int Shim::SetEce(ibv_qp* q, ibv_ece* ece) {
+  Qp* qp = FindQp(q);
+  return backend_->SetEce(qp ? qp->real : q, ece);
+}
+
 // ---------------------------------------------------------------- AH
 
 ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {

@@ -86,6 +86,8 @@ class Shim {
   int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask);
   int QueryQp(ibv_qp* qp, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init);
   int DestroyQp(ibv_qp* qp);
+  int QueryEce(ibv_qp* qp, ibv_ece* ece);
+  int SetEce(ibv_qp* qp, ibv_ece* ece);
 
   ibv_ah* CreateAh(ibv_pd* pd, ibv_ah_attr* attr);
   int InitAhFromWc(ibv_context* ctx, uint8_t port, ibv_wc* wc, ibv_grh* grh,

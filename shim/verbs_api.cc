@@ -200,13 +200,13 @@ RDMAVIRT_API int ibv_destroy_qp(ibv_qp* qp) {
   Shim* s = S();
   return s ? s->DestroyQp(qp) : ENOSYS;
 }
-RDMAVIRT_API int ibv_query_ece(ibv_qp*, ibv_ece*) {
-  LogOnce("enhanced connection establishment is not supported (ibv_query_ece: EOPNOTSUPP)");
-  return EOPNOTSUPP;
+RDMAVIRT_API int ibv_query_ece(ibv_qp* qp, ibv_ece* ece) {
+  Shim* s = S();
+  return s ? s->QueryEce(qp, ece) : ENOSYS;
 }
-RDMAVIRT_API int ibv_set_ece(ibv_qp*, ibv_ece*) {
-  LogOnce("enhanced connection establishment is not supported (ibv_set_ece: EOPNOTSUPP)");
-  return EOPNOTSUPP;
+RDMAVIRT_API int ibv_set_ece(ibv_qp* qp, ibv_ece* ece) {
+  Shim* s = S();
+  return s ? s->SetEce(qp, ece) : ENOSYS;
 }
 
 RDMAVIRT_API ibv_ah* ibv_create_ah(ibv_pd* pd, ibv_ah_attr* attr) {

@@ -8,6 +8,7 @@
 #include <new>
 
 #include "shim/backend.h"
+#include "shim/libc_dl.h"
 #include "shim/log.h"
 
 namespace rdmavirt::shim {
@@ -15,13 +16,15 @@ namespace {
 
 template <typename Fn>
 bool Resolve(void* handle, Fn** fn, const char* name, const char* version) {
-  *fn = reinterpret_cast<Fn*>(dlvsym(handle, name, version));
+  // libc's dlvsym: the name dlvsym is the shim's own (dl_interpose.cc).
+  *fn = reinterpret_cast<Fn*>(Libc().dlvsym(handle, name, version));
   return *fn != nullptr;
 }
 
 class LibibverbsBackend final : public VerbsBackend {
  public:
   bool Load() {
+    if (Libc().dlvsym == nullptr) return false;
     void* h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (h == nullptr) h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_GLOBAL);
     if (h == nullptr) return false;

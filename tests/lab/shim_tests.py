@@ -96,6 +96,19 @@ cm_test("rdma_server_client", "rdma_server", "rdma_client -s 10.77.0.1", True)
 
 
 @lab_test
+def dlopen_dlvsym_reaches_the_shim():
+    # NCCL's way of loading libibverbs: handle lookups must land in the shim.
+    prog = f"{BUILD}/tests/apps/dlopen_verbs"
+    native = LAB.run(1, prog)
+    shim = LAB.run(1, SHIM + prog)
+    check(native.rc == 0 and shim.rc == 0, "dlopen_verbs failed", native, shim)
+    check("gid[1] ::ffff:10.77.0.1" in native.out, "native GID unexpected", native)
+    check("gid[1] ::ffff:10.77.128.1" in shim.out, "the shim's virtual GID not seen", shim)
+    for r in (native, shim):
+        check("rtld_next agrees with rtld_default: yes" in r.out, "RTLD_NEXT broken", r)
+
+
+@lab_test
 def verbs_coverage_identical():
     # Every opcode, inline and immediate data, SRQ, UD with GRH, completion
     # channels, ibv_wr_*, and the error completions of bad lkeys and rkeys:

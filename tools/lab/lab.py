@@ -32,6 +32,11 @@ import time
 import uuid
 
 GUEST_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guest")
+# The project tree is mounted into every host on its own, without the
+# overlay: the overlay caches lookups (also of files not there yet) and
+# pages of the read-only root, so a binary built while a lab runs would be
+# missing or torn in the hosts.
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(GUEST_DIR)))
 DEFAULT_DIR = os.environ.get("RDMAVIRT_LAB_DIR", "/tmp/rdmavirt-lab")
 CACHE_DIR = os.environ.get("RDMAVIRT_LAB_CACHE", "/var/cache/rdmavirt-lab")
 MAX_HOSTS = 8
@@ -492,6 +497,7 @@ def supervise(directory):
 def qemu_command(cfg, directory, n):
     mac = f"52:54:00:77:00:{n:02x}"
     append = (f"console=ttyS0 panic=-1 rdmavirt.host={n} "
+              f"rdmavirt.live={PROJECT_DIR} "
               "loglevel=4 net.ifnames=0 biosdevname=0")
     return [
         "qemu-system-x86_64", "-name", f"host{n}",
@@ -505,6 +511,8 @@ def qemu_command(cfg, directory, n):
                    "readonly=on,multidevs=remap",
         "-virtfs", f"local,path={os.path.join(directory, 'shared')},"
                    "mount_tag=lab,security_model=none,multidevs=remap",
+        "-virtfs", f"local,path={PROJECT_DIR},mount_tag=live,security_model=none,"
+                   "readonly=on,multidevs=remap",
         "-netdev", f"vde,id=n0,sock={os.path.join(directory, 'sw')}",
         "-device", f"virtio-net-pci,netdev=n0,mac={mac}",
     ]

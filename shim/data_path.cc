@@ -86,8 +86,9 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   return true;
 }
 
-int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  Qp* qp = AsQp(ibqp);
+// Posts a chain with every identity translated in place, restoring the
+// application's values afterwards.
+[[gnu::noinline]] int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   ibv_qp* real = qp->real;
   while (wr != nullptr) {
     Patches p;
@@ -100,18 +101,25 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
       return EINVAL;
     }
     if (wr != nullptr) p.Ptr(&last->next, static_cast<ibv_send_wr*>(nullptr));
-    const int rc = real->context->ops.post_send(real, first, bad);
+    const int rc = qp->real_post_send(real, first, bad);
     p.Restore();
     if (rc != 0) return rc;
   }
   return 0;
 }
 
-// Receive WRs: only their SGEs' lkeys are identities. Each is recorded
-// in the queue's RecvLog (the journal of outstanding receives) first.
+int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  if (qp->fast.load(std::memory_order_relaxed)) [[likely]]
+    return qp->real_post_send(qp->real, wr, bad);
+  return PostSendTranslated(qp, wr, bad);
+}
+
+// Receive WRs: only their SGEs' lkeys are identities. Every WR is also
+// recorded in the queue's RecvLog (the journal of recent receives).
 template <typename Post>
-int PostRecvChain(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
-                  Post post) {
+int PostRecvTranslated(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                       Post post) {
   while (wr != nullptr) {
     Patches p;
     ibv_recv_wr* first = wr;
@@ -133,8 +141,7 @@ int PostRecvChain(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr
     const int rc = post(first, bad);
     p.Restore();
     if (rc != 0) {
-      // WRs from *bad on were not posted: forget them.
-      uint32_t refused = 0;
+      uint32_t refused = 0;  // from *bad on, nothing was posted
       for (ibv_recv_wr* w = *bad; w != nullptr && w != last->next; w = w->next) ++refused;
       log->Unpush(refused < logged ? refused : logged);
       return rc;
@@ -143,53 +150,69 @@ int PostRecvChain(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr
   return 0;
 }
 
+// Nothing to translate: record, post, and forget what the provider refused.
+template <typename Post>
+inline int PostRecvLogged(RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad, Post post) {
+  uint32_t logged = 0;
+  for (ibv_recv_wr* w = wr; w != nullptr; w = w->next) logged += log->Push(w);
+  const int rc = post(wr, bad);
+  if (rc != 0) [[unlikely]] {
+    uint32_t refused = 0;
+    for (ibv_recv_wr* w = *bad; w != nullptr; w = w->next) ++refused;
+    log->Unpush(refused < logged ? refused : logged);
+  }
+  return rc;
+}
+
 int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
   ibv_qp* real = qp->real;
-  return PostRecvChain(qp->mrs, qp->recvs, wr, bad, [real](ibv_recv_wr* w, ibv_recv_wr** b) {
-    return real->context->ops.post_recv(real, w, b);
-  });
+  auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
+    return qp->real_post_recv(real, w, b);
+  };
+  if (qp->fast.load(std::memory_order_relaxed)) [[likely]]
+    return PostRecvLogged(qp->recvs, wr, bad, post);
+  return PostRecvTranslated(qp->mrs, qp->recvs, wr, bad, post);
 }
 
 int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
   ibv_srq* real = srq->real;
-  return PostRecvChain(srq->mrs, &srq->recvs, wr, bad, [real](ibv_recv_wr* w, ibv_recv_wr** b) {
-    return real->context->ops.post_srq_recv(real, w, b);
-  });
+  auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
+    return srq->real_post_srq_recv(real, w, b);
+  };
+  if (srq->fast.load(std::memory_order_relaxed)) [[likely]]
+    return PostRecvLogged(&srq->recvs, wr, bad, post);
+  return PostRecvTranslated(srq->mrs, &srq->recvs, wr, bad, post);
 }
 
-// A receive completed: take it off the journal and, for UD, show the GRH
-// with virtual addresses.
-inline void CompleteRecv(const Qp* qp, uint64_t wr_id, bool ok, bool grh) {
-  const RecvLog::Entry* e = ok ? qp->recvs->Complete(wr_id) : qp->recvs->CompleteIfHead(wr_id);
-  if (grh && e != nullptr && e->num_sge > 0 && qp->mode.offset) {
+// A completion's qp_num is the local QP's physical number; src_qp (UD) is
+// the sender's; a UD receive's GRH holds physical addresses.
+inline void VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
+  Qp* qp = qps->Find(wc->qp_num);
+  if (qp == nullptr) [[unlikely]] return;
+  wc->qp_num = qp->shadow.qp_base.qp_num;
+  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD || wc->status != IBV_WC_SUCCESS) return;
+  wc->src_qp = qp->mode.VirtualQpn(wc->src_qp);
+  const RecvLog::Entry* e = qp->recvs->Consume(wc->wr_id);
+  if ((wc->wc_flags & IBV_WC_GRH) && e != nullptr && e->num_sge > 0) {
     const IdentityMode mode = qp->mode;
     RewriteGrh(reinterpret_cast<uint8_t*>(e->sge[0].addr),
                [mode](const ibv_gid& g) { return mode.VirtualGid(g); });
   }
 }
 
-// A completion's qp_num is the local QP's physical number; src_qp (UD) is
-// the sender's.
-inline void VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
-  const Qp* qp = qps->Find(wc->qp_num);
-  if (qp == nullptr) [[unlikely]] return;
-  wc->qp_num = qp->shadow.qp_base.qp_num;
-  const bool ok = wc->status == IBV_WC_SUCCESS;
-  if (!ok || (wc->opcode & IBV_WC_RECV)) {
-    const bool ud = qp->shadow.qp_base.qp_type == IBV_QPT_UD;
-    if (ud && ok) wc->src_qp = qp->mode.VirtualQpn(wc->src_qp);
-    CompleteRecv(qp, wc->wr_id, ok, ud && ok && (wc->wc_flags & IBV_WC_GRH));
-  }
+[[gnu::noinline]] int PollCqTranslated(Cq* cq, int n, ibv_wc* wc) {
+  const int got = cq->real_poll_cq(cq->real, n, wc);
+  for (int i = 0; i < got; ++i) VirtualizeWc(cq->qps, &wc[i]);
+  return got;
 }
 
 int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
-  ibv_cq* real = cq->real;
-  const int got = real->context->ops.poll_cq(real, n, wc);
-  for (int i = 0; i < got; ++i) VirtualizeWc(cq->qps, &wc[i]);
-  return got;
+  if (cq->fast.load(std::memory_order_relaxed)) [[likely]]
+    return cq->real_poll_cq(cq->real, n, wc);
+  return PollCqTranslated(cq, n, wc);
 }
 
 int ReqNotifyCq(ibv_cq* ibcq, int solicited_only) {
@@ -300,31 +323,21 @@ void WrSetSgeList(ibv_qp_ex* q, size_t n, const ibv_sge* list) {
 
 // ---------------------------------------------------------------- ibv_cq_ex
 
-// Each completion the cursor reaches: copy what the application reads
-// from the struct itself, and account for receives as PollCq does.
-inline void AtCompletion(Cq* cq, ibv_cq_ex* shadow, ibv_cq_ex* real) {
+inline void CopyCursor(ibv_cq_ex* shadow, const ibv_cq_ex* real) {
   shadow->wr_id = real->wr_id;
   shadow->status = real->status;
-  const bool ok = real->status == IBV_WC_SUCCESS;
-  if (ok && !(real->read_opcode(real) & IBV_WC_RECV)) return;
-  if (cq->only_recv_log != nullptr) {
-    if (ok) cq->only_recv_log->Complete(real->wr_id);
-    else cq->only_recv_log->CompleteIfHead(real->wr_id);
-  } else if (real->read_qp_num != nullptr) {
-    if (const Qp* qp = cq->qps->Find(real->read_qp_num(real)))
-      CompleteRecv(qp, real->wr_id, ok, /*grh=*/false);
-  }
 }
+
 int StartPoll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   ibv_cq_ex* real = AsCq(c)->real_ex;
   const int rc = real->start_poll(real, attr);
-  if (rc == 0) AtCompletion(AsCq(c), c, real);
+  if (rc == 0) CopyCursor(c, real);
   return rc;
 }
 int NextPoll(ibv_cq_ex* c) {
   ibv_cq_ex* real = AsCq(c)->real_ex;
   const int rc = real->next_poll(real);
-  if (rc == 0) AtCompletion(AsCq(c), c, real);
+  if (rc == 0) CopyCursor(c, real);
   return rc;
 }
 void EndPoll(ibv_cq_ex* c) {

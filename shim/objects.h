@@ -15,6 +15,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -65,14 +66,14 @@ struct Channel {
 struct Cq {
   ibv_cq_ex shadow;  // ibv_cq is its prefix (ibv_cq_ex_to_cq is a cast)
   ibv_cq* real = nullptr;
+  // While no completion on this CQ needs an identity translated, polling
+  // is a tail call to the provider (data_path.cc).
+  std::atomic<bool> fast{false};
+  int (*real_poll_cq)(ibv_cq*, int, ibv_wc*) = nullptr;
   ibv_cq_ex* real_ex = nullptr;  // when created with ibv_create_cq_ex
   Context* ctx = nullptr;
   const QpIndex* qps = nullptr;  // for completions' qp_num
   Channel* channel = nullptr;
-  // For extended CQs polled without qp_num: the one receive queue that
-  // completes here, if there is exactly one.
-  RecvLog* only_recv_log = nullptr;
-  int recv_users = 0;
   int comp_vector = 0;
   uint64_t wc_flags = 0;
 };
@@ -80,6 +81,8 @@ struct Cq {
 struct Srq {
   ibv_srq shadow;
   ibv_srq* real = nullptr;
+  std::atomic<bool> fast{false};  // as Qp::fast
+  int (*real_post_srq_recv)(ibv_srq*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
   const MrTable* mrs = nullptr;
   Pd* pd = nullptr;
   ibv_srq_init_attr init{};
@@ -96,6 +99,12 @@ struct QpTransition {
 struct Qp {
   ibv_qp_ex shadow;  // ibv_qp is its prefix; qp_num is the virtual QPN
   ibv_qp* real = nullptr;
+  // While nothing this QP posts needs translating (no key or QPN differs
+  // from the hardware's, no AH to swap, not suspended), posting is a tail
+  // call to the provider (data_path.cc).
+  std::atomic<bool> fast{false};
+  int (*real_post_send)(ibv_qp*, ibv_send_wr*, ibv_send_wr**) = nullptr;
+  int (*real_post_recv)(ibv_qp*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
   ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
   const MrTable* mrs = nullptr;
   IdentityMode mode;

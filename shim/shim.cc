@@ -58,7 +58,21 @@ Shim* Shim::Process() {
   return shim;
 }
 
-Shim::Shim(VerbsBackend* backend, IdentityMode mode) : backend_(backend), mode_(mode) {}
+Shim::Shim(VerbsBackend* backend, IdentityMode mode)
+    : backend_(backend), mode_(mode), keys_identity_(!mode.offset) {}
+
+bool Shim::PostsUntranslated(const Qp& qp) const {
+  return keys_identity_ && !mode_.offset && qp.shadow.qp_base.qp_type != IBV_QPT_UD;
+}
+
+void Shim::KeysDiverged() {
+  if (!keys_identity_) return;
+  keys_identity_ = false;
+  for (const auto& [p, kind] : shadows_) {
+    if (kind == Kind::kQp) static_cast<Qp*>(const_cast<void*>(p))->fast.store(false);
+    if (kind == Kind::kSrq) static_cast<Srq*>(const_cast<void*>(p))->fast.store(false);
+  }
+}
 
 template <typename T>
 T* Shim::Find(const void* p, Kind kind) const {
@@ -264,23 +278,29 @@ ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova,
                     unsigned int access) {
   Pd* pd = FindPd(p);
   if (pd == nullptr) return backend_->RegMr(p, addr, length, iova, access);
-  uint32_t slot;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!mrs_.Allocate(&slot)) {
-      errno = ENOMEM;
-      return nullptr;
-    }
-    mrs_.Set(slot, 0xffffffffu, 0);  // reserved until published
-  }
   ibv_mr* real = backend_->RegMr(pd->real, addr, length, iova, access);
-  Mr* mr = real ? NewZeroed<Mr>() : nullptr;
-  if (mr == nullptr) {
-    const int err = errno;
-    if (real != nullptr) backend_->DeregMr(real);
+  if (real == nullptr) return nullptr;
+  Mr* mr = NewZeroed<Mr>();
+  uint32_t slot = 0;
+  bool same_lkey = false;
+  if (mr != nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
-    mrs_.Clear(slot);
-    errno = err;
+    // Default mode keeps the hardware's lkey when its slot is free: then
+    // nothing is translated until the MR moves. Otherwise (offset mode, a
+    // collision) the shim picks a slot of its own.
+    same_lkey = !mode_.offset && mrs_.Claim(LkeySlot(real->lkey));
+    if (same_lkey) {
+      slot = LkeySlot(real->lkey);
+    } else if (mrs_.Allocate(&slot)) {
+      mrs_.Set(slot, 0xffffffffu, 0);  // held until published
+    } else {
+      delete mr;
+      mr = nullptr;
+    }
+  }
+  if (mr == nullptr) {
+    backend_->DeregMr(real);
+    errno = ENOMEM;
     return nullptr;
   }
   mr->real = real;
@@ -293,10 +313,11 @@ ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova,
   mr->shadow.addr = real->addr;
   mr->shadow.length = real->length;
   mr->shadow.handle = real->handle;
-  mr->shadow.lkey = MakeVirtualLkey(slot, real->lkey, mode_.offset);
+  mr->shadow.lkey = same_lkey ? real->lkey : MakeVirtualLkey(slot, real->lkey, mode_.offset);
   mr->shadow.rkey = mode_.VirtualRkey(real->rkey);
   std::lock_guard<std::mutex> lock(mu_);
   mrs_.Set(slot, mr->shadow.lkey, real->lkey);
+  if (mr->shadow.lkey != real->lkey) KeysDiverged();
   shadows_[mr] = Kind::kMr;
   return &mr->shadow;
 }
@@ -326,6 +347,7 @@ int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length,
   }
   // The virtual lkey stays; the rkey follows the hardware, as it would.
   mrs_.Set(mr->slot, mr->shadow.lkey, mr->real->lkey);
+  if (mr->shadow.lkey != mr->real->lkey) KeysDiverged();
   mr->shadow.rkey = mode_.VirtualRkey(mr->real->rkey);
   return 0;
 }
@@ -379,6 +401,10 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   Cq* cq = NewZeroed<Cq>();
   if (cq == nullptr) return nullptr;
   cq->real = real;
+  cq->real_poll_cq = real->context->ops.poll_cq;
+  // Completions carry QPNs (and UD GRHs) that equal the virtual ones
+  // unless the mode marks them.
+  cq->fast.store(!mode_.offset);
   cq->real_ex = real_ex;
   cq->ctx = ctx;
   cq->qps = &qp_index_;
@@ -507,6 +533,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
     return nullptr;
   }
   srq->real = real;
+  srq->real_post_srq_recv = real->context->ops.post_srq_recv;
   srq->mrs = &mrs_;
   srq->pd = pd;
   srq->init = *attr;
@@ -516,6 +543,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   srq->shadow.handle = real->handle;
   InitMutexCond(&srq->shadow.mutex, &srq->shadow.cond);
   std::lock_guard<std::mutex> lock(mu_);
+  srq->fast.store(keys_identity_);
   shadows_[srq] = Kind::kSrq;
   return &srq->shadow;
 }
@@ -550,6 +578,8 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   Qp* qp = NewZeroed<Qp>();
   if (qp == nullptr) return nullptr;
   qp->real = real;
+  qp->real_post_send = real->context->ops.post_send;
+  qp->real_post_recv = real->context->ops.post_recv;
   qp->mrs = &mrs_;
   qp->mode = mode_;
   qp->ctx = ctx;
@@ -590,15 +620,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
     errno = ENOMEM;
     return nullptr;
   }
-  if (Cq* rcq = qp->recv_cq) {
-    // Extended CQs polled without qp_num can still account receives when
-    // only one receive queue completes on them.
-    if (rcq->recv_users++ == 0) {
-      rcq->only_recv_log = qp->recvs;
-    } else if (rcq->only_recv_log != qp->recvs) {
-      rcq->only_recv_log = nullptr;
-    }
-  }
+  qp->fast.store(PostsUntranslated(*qp));
   shadows_[qp] = Kind::kQp;
   return &qp->shadow.qp_base;
 }
@@ -726,7 +748,6 @@ int Shim::DestroyQp(ibv_qp* q) {
     qp_index_.Insert(qp->physical_qpn, qp);
     return rc;
   }
-  if (qp->recv_cq != nullptr) --qp->recv_cq->recv_users;
   shadows_.erase(qp);
   delete qp;
   return 0;

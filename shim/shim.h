@@ -121,6 +121,10 @@ class Shim {
   ibv_cq* AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch,
                   void* user_context, int comp_vector, uint64_t wc_flags);
   void VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const;
+  // Whether a QP/SRQ may post untranslated (data_path.cc's fast path).
+  bool PostsUntranslated(const Qp& qp) const;
+  // Some lkey now differs from the hardware's: every queue translates.
+  void KeysDiverged();  // requires mu_
   void PhysicalizeQpAttr(ibv_qp_attr* attr, int mask) const;
 
   VerbsBackend* const backend_;
@@ -128,6 +132,9 @@ class Shim {
   mutable std::mutex mu_;
   std::unordered_map<const void*, Kind> shadows_;  // guarded by mu_
   MrTable mrs_;                                    // writes under mu_
+  // Every live lkey equals the hardware's (default mode, until a key
+  // collides or changes), so posts need no key translated.
+  bool keys_identity_;                             // guarded by mu_
   QpIndex qp_index_;                               // writes under mu_
 };
 

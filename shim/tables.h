@@ -40,6 +40,12 @@ class MrTable {
     }
     return false;
   }
+  // Takes a given slot if it is free.
+  bool Claim(uint32_t slot) {
+    if (reserved(slot) || entries_[slot].load(std::memory_order_relaxed) != 0) return false;
+    entries_[slot].store(~uint64_t{0}, std::memory_order_relaxed);  // held until Set
+    return true;
+  }
   void Set(uint32_t slot, uint32_t vlkey, uint32_t plkey) {
     entries_[slot].store(uint64_t{vlkey} << 32 | plkey, std::memory_order_release);
   }

@@ -61,7 +61,9 @@ class Patches {
 // Rewrites one send WR to physical identities; false if it does not fit.
 inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   const int nsge = wr->num_sge;
-  if (!p->Fits(nsge + 2, 1)) return false;
+  // Keys: the SGEs' lkeys, an rkey or invalidate key, a UD remote QPN.
+  // Pointers: a UD AH, plus one kept for cutting the chain after this WR.
+  if (!p->Fits(nsge + 2, 2)) return false;
   for (int i = 0; i < nsge; ++i) {
     uint32_t* lkey = &wr->sg_list[i].lkey;
     p->Key(lkey, qp->mrs->ToPhysical(*lkey));
@@ -75,6 +77,9 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
     case IBV_WR_ATOMIC_CMP_AND_SWP:
     case IBV_WR_ATOMIC_FETCH_AND_ADD:
       p->Key(&wr->wr.atomic.rkey, qp->mode.PhysicalRkey(wr->wr.atomic.rkey));
+      break;
+    case IBV_WR_SEND_WITH_INV:
+      p->Key(&wr->invalidate_rkey, qp->mode.PhysicalRkey(wr->invalidate_rkey));
       break;
     default:
       break;
@@ -124,9 +129,9 @@ int PostRecvTranslated(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_re
     Patches p;
     ibv_recv_wr* first = wr;
     ibv_recv_wr* last = nullptr;
-    uint32_t logged = 0;
-    for (; wr != nullptr && p.Fits(wr->num_sge, 1); wr = wr->next) {
-      logged += log->Push(wr);
+    // A WR the log refuses (more SGEs than the queue takes) ends the piece,
+    // so every WR in a piece is logged and a refusal is undone exactly.
+    for (; wr != nullptr && p.Fits(wr->num_sge, 1) && log->Push(wr); wr = wr->next) {
       for (int i = 0; i < wr->num_sge; ++i) {
         uint32_t* lkey = &wr->sg_list[i].lkey;
         p.Key(lkey, mrs->ToPhysical(*lkey));
@@ -134,32 +139,43 @@ int PostRecvTranslated(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_re
       last = wr;
     }
     if (last == nullptr) {
-      *bad = first;
+      *bad = first;  // the provider refuses it too
       return EINVAL;
     }
-    if (wr != nullptr) p.Ptr(&last->next, static_cast<ibv_recv_wr*>(nullptr));
+    ibv_recv_wr* const rest = last->next;
+    if (rest != nullptr) p.Ptr(&last->next, static_cast<ibv_recv_wr*>(nullptr));
     const int rc = post(first, bad);
     p.Restore();
     if (rc != 0) {
       uint32_t refused = 0;  // from *bad on, nothing was posted
-      for (ibv_recv_wr* w = *bad; w != nullptr && w != last->next; w = w->next) ++refused;
-      log->Unpush(refused < logged ? refused : logged);
+      for (ibv_recv_wr* w = *bad; w != nullptr && w != rest; w = w->next) ++refused;
+      log->Unpush(refused);
       return rc;
     }
+    wr = rest;
   }
   return 0;
 }
 
-// Nothing to translate: record, post, and forget what the provider refused.
+// Nothing to translate: record, post, and forget what the provider
+// refused. A WR the log refuses sends the chain down the piecewise path,
+// which stops at it.
 template <typename Post>
-inline int PostRecvLogged(RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad, Post post) {
+inline int PostRecvLogged(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr,
+                          ibv_recv_wr** bad, Post post) {
   uint32_t logged = 0;
-  for (ibv_recv_wr* w = wr; w != nullptr; w = w->next) logged += log->Push(w);
+  for (ibv_recv_wr* w = wr; w != nullptr; w = w->next) {
+    if (!log->Push(w)) [[unlikely]] {
+      log->Unpush(logged);
+      return PostRecvTranslated(mrs, log, wr, bad, post);
+    }
+    ++logged;
+  }
   const int rc = post(wr, bad);
   if (rc != 0) [[unlikely]] {
     uint32_t refused = 0;
     for (ibv_recv_wr* w = *bad; w != nullptr; w = w->next) ++refused;
-    log->Unpush(refused < logged ? refused : logged);
+    log->Unpush(refused);
   }
   return rc;
 }
@@ -171,7 +187,7 @@ int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     return qp->real_post_recv(real, w, b);
   };
   if (qp->fast.load(std::memory_order_relaxed)) [[likely]]
-    return PostRecvLogged(qp->recvs, wr, bad, post);
+    return PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
   return PostRecvTranslated(qp->mrs, qp->recvs, wr, bad, post);
 }
 
@@ -182,7 +198,7 @@ int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     return srq->real_post_srq_recv(real, w, b);
   };
   if (srq->fast.load(std::memory_order_relaxed)) [[likely]]
-    return PostRecvLogged(&srq->recvs, wr, bad, post);
+    return PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
   return PostRecvTranslated(srq->mrs, &srq->recvs, wr, bad, post);
 }
 
@@ -192,13 +208,14 @@ inline void VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
   Qp* qp = qps->Find(wc->qp_num);
   if (qp == nullptr) [[unlikely]] return;
   wc->qp_num = qp->shadow.qp_base.qp_num;
-  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD || wc->status != IBV_WC_SUCCESS) return;
+  if (wc->status != IBV_WC_SUCCESS) return;
+  if (wc->wc_flags & IBV_WC_WITH_INV) wc->invalidated_rkey = qp->mode.VirtualRkey(wc->invalidated_rkey);
+  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return;
   wc->src_qp = qp->mode.VirtualQpn(wc->src_qp);
   const RecvLog::Entry* e = qp->recvs->Consume(wc->wr_id);
-  if ((wc->wc_flags & IBV_WC_GRH) && e != nullptr && e->num_sge > 0) {
+  if ((wc->wc_flags & IBV_WC_GRH) && e != nullptr) {
     const IdentityMode mode = qp->mode;
-    RewriteGrh(reinterpret_cast<uint8_t*>(e->sge[0].addr),
-               [mode](const ibv_gid& g) { return mode.VirtualGid(g); });
+    RewriteGrhInSges(e->sge, e->num_sge, [mode](const ibv_gid& g) { return mode.VirtualGid(g); });
   }
 }
 

@@ -50,6 +50,32 @@ void RewriteGrh(uint8_t* grh, Map map) {
   }
 }
 
+// The GRH area may be scattered over the first SGEs of the receive: rewrite
+// it where it lies (in place when the first SGE holds it all).
+template <typename Map>
+void RewriteGrhInSges(const ibv_sge* sge, uint32_t num_sge, Map map) {
+  constexpr uint32_t kGrh = 40;
+  if (num_sge > 0 && sge[0].length >= kGrh) {
+    RewriteGrh(reinterpret_cast<uint8_t*>(sge[0].addr), map);
+    return;
+  }
+  uint8_t grh[kGrh];
+  uint32_t got = 0;
+  for (uint32_t i = 0; i < num_sge && got < kGrh; ++i) {
+    const uint32_t n = sge[i].length < kGrh - got ? sge[i].length : kGrh - got;
+    memcpy(grh + got, reinterpret_cast<const void*>(sge[i].addr), n);
+    got += n;
+  }
+  if (got < kGrh) return;  // buffers too small to hold a GRH: nothing there
+  RewriteGrh(grh, map);
+  got = 0;
+  for (uint32_t i = 0; i < num_sge && got < kGrh; ++i) {
+    const uint32_t n = sge[i].length < kGrh - got ? sge[i].length : kGrh - got;
+    memcpy(reinterpret_cast<void*>(sge[i].addr), grh + got, n);
+    got += n;
+  }
+}
+
 }  // namespace rdmavirt::shim
 
 #endif  // RDMAVIRT_SHIM_GRH_H_

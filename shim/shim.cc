@@ -329,7 +329,10 @@ int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length,
   Pd* pd = nullptr;
   if (flags & IBV_REREG_MR_CHANGE_PD) {
     pd = FindPd(p);
-    if (pd == nullptr) return EINVAL;
+    if (pd == nullptr) {
+      errno = EINVAL;  // as libibverbs for bad input
+      return IBV_REREG_MR_ERR_INPUT;
+    }
   }
   const int rc = backend_->ReregMr(mr->real, flags, pd ? pd->real : nullptr, addr,
                                    length, access);
@@ -701,7 +704,9 @@ void Shim::PhysicalizeQpAttr(ibv_qp_attr* attr, int mask) const {
 }
 
 void Shim::VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const {
-  if (mask & IBV_QP_DEST_QPN) attr->dest_qp_num = mode_.VirtualQpn(attr->dest_qp_num);
+  // 0 is "not connected" (UD, or before RTR), not a QP number.
+  if ((mask & IBV_QP_DEST_QPN) && attr->dest_qp_num != 0)
+    attr->dest_qp_num = mode_.VirtualQpn(attr->dest_qp_num);
   if ((mask & IBV_QP_AV) && attr->ah_attr.is_global)
     attr->ah_attr.grh.dgid = mode_.VirtualGid(attr->ah_attr.grh.dgid);
   if ((mask & IBV_QP_ALT_PATH) && attr->alt_ah_attr.is_global)

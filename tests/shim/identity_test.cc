@@ -1,0 +1,115 @@
+#include "shim/identity.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+namespace rdmavirt::shim {
+namespace {
+
+ibv_gid MakeGid(std::initializer_list<uint8_t> bytes) {
+  ibv_gid g{};
+  int i = 0;
+  for (uint8_t b : bytes) g.raw[i++] = b;
+  return g;
+}
+
+ibv_gid Ipv4Mapped(uint8_t a, uint8_t b, uint8_t c, uint8_t d) {
+  return MakeGid({0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, a, b, c, d});
+}
+
+bool Same(const ibv_gid& a, const ibv_gid& b) { return memcmp(a.raw, b.raw, 16) == 0; }
+
+TEST(IdentityModeTest, DefaultModeIsTheIdentity) {
+  const IdentityMode mode;
+  for (uint32_t v : {0u, 17u, 0x1d1u, 0x7fffffu, kQpnMarker | 5}) {
+    EXPECT_EQ(mode.VirtualQpn(v), v);
+    EXPECT_EQ(mode.PhysicalQpn(v), v);
+  }
+  for (uint32_t v : {0u, 0x5a3f1u, kRkeyMarker | 0x100u, 0xffffffffu}) {
+    EXPECT_EQ(mode.VirtualRkey(v), v);
+    EXPECT_EQ(mode.PhysicalRkey(v), v);
+  }
+  const ibv_gid g = Ipv4Mapped(10, 77, 0, 9);
+  EXPECT_TRUE(Same(mode.VirtualGid(g), g));
+  EXPECT_TRUE(Same(mode.PhysicalGid(g), g));
+}
+
+TEST(IdentityModeTest, OffsetModeMarksQpnsAndRkeys) {
+  const IdentityMode mode{.offset = true};
+  EXPECT_EQ(mode.VirtualQpn(0x1d1), 0x1d1 | kQpnMarker);
+  EXPECT_NE(mode.VirtualQpn(0x1d1), 0x1d1u);
+  EXPECT_EQ(mode.PhysicalQpn(mode.VirtualQpn(0x1d1)), 0x1d1u);
+  EXPECT_EQ(mode.VirtualRkey(0x5a3f1), 0x5a3f1 | kRkeyMarker);
+  EXPECT_EQ(mode.PhysicalRkey(mode.VirtualRkey(0x5a3f1)), 0x5a3f1u);
+  // The result stays a 24-bit QPN.
+  EXPECT_EQ(mode.VirtualQpn(0x7fffff) >> 24, 0u);
+}
+
+TEST(IdentityModeTest, OffsetModeLeavesUnmarkedNumbersAlone) {
+  // A physical QPN handed out by someone else (kernel CM) has no marker:
+  // PhysicalQpn must not change it.
+  const IdentityMode mode{.offset = true};
+  EXPECT_EQ(mode.PhysicalQpn(0x1d1), 0x1d1u);
+  EXPECT_EQ(mode.PhysicalRkey(0x5a3f1), 0x5a3f1u);
+}
+
+TEST(IdentityModeTest, OffsetModeKeepsIpv4MappedGidsIpv4Mapped) {
+  // The marker is a bit of the third IPv4 octet, so the virtual GID still
+  // fits the IPv4 header of a RoCEv2 UD receive's GRH.
+  const IdentityMode mode{.offset = true};
+  const ibv_gid phys = Ipv4Mapped(10, 77, 0, 9);
+  const ibv_gid virt = mode.VirtualGid(phys);
+  EXPECT_FALSE(Same(virt, phys));
+  EXPECT_TRUE(Same(virt, Ipv4Mapped(10, 77, 0 | kGidMarkerBit, 9)));
+  EXPECT_TRUE(Same(mode.PhysicalGid(virt), phys));
+}
+
+TEST(IdentityModeTest, OffsetModeMarksLinkLocalGids) {
+  const IdentityMode mode{.offset = true};
+  const ibv_gid ll = MakeGid({0xfe, 0x80, 0, 0, 0, 0, 0, 0, 2, 0x16, 0x3e, 0xff, 0xfe, 0x4d, 0, 9});
+  const ibv_gid virt = mode.VirtualGid(ll);
+  EXPECT_FALSE(Same(virt, ll));
+  EXPECT_EQ(virt.raw[kGidMarkerByte], kGidMarkerBit);
+  EXPECT_EQ(memcmp(virt.raw, ll.raw, kGidMarkerByte), 0);
+  EXPECT_TRUE(Same(mode.PhysicalGid(virt), ll));
+}
+
+TEST(IdentityModeTest, OffsetModePhysicalGidOfUnmarkedGidIsItself) {
+  // A GID from outside (no marker) passes through PhysicalGid unchanged.
+  const IdentityMode mode{.offset = true};
+  const ibv_gid g = Ipv4Mapped(192, 168, 1, 1);
+  EXPECT_TRUE(Same(mode.PhysicalGid(g), g));
+}
+
+TEST(VirtualLkeyTest, SlotRoundTripsInBothModes) {
+  for (bool offset : {false, true}) {
+    for (uint32_t slot : {0u, 1u, 255u, 256u, 0x1234u, kMaxMrs - 2}) {
+      const uint32_t v = MakeVirtualLkey(slot, 0x5a3f1, offset);
+      EXPECT_EQ(LkeySlot(v), slot) << "slot " << slot << " offset " << offset;
+    }
+  }
+}
+
+TEST(VirtualLkeyTest, TagIsThePhysicalKeysLowByte) {
+  EXPECT_EQ(MakeVirtualLkey(0, 0x5a3f1, false), (1u << 8) | 0xf1);
+  EXPECT_EQ(MakeVirtualLkey(7, 0x5a3f1, false) & 0xff, 0xf1u);
+  EXPECT_EQ(MakeVirtualLkey(7, 0x5a300, false) & 0xff, 0u);
+}
+
+TEST(VirtualLkeyTest, OffsetModeSetsItsBitAndNothingElse) {
+  for (uint32_t slot : {0u, 42u, kMaxMrs - 2}) {
+    const uint32_t plain = MakeVirtualLkey(slot, 0xabcdef, false);
+    const uint32_t marked = MakeVirtualLkey(slot, 0xabcdef, true);
+    EXPECT_EQ(marked, plain | kLkeyOffsetBit);
+    EXPECT_EQ(plain & kLkeyOffsetBit, 0u);
+  }
+}
+
+TEST(VirtualLkeyTest, NeverZero) {
+  // Slot 0 is encoded as 1 << 8: a zeroed SGE lkey is never a live key.
+  EXPECT_NE(MakeVirtualLkey(0, 0, false), 0u);
+}
+
+}  // namespace
+}  // namespace rdmavirt::shim

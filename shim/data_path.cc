@@ -58,6 +58,15 @@ class Patches {
   int nptrs_ = 0;
 };
 
+// A peer's rkey: through what it published if it has moved.
+inline uint32_t PeerRkey(const Qp* qp, uint32_t rkey) {
+  const RemoteEndpoint* r = qp->remote.load(std::memory_order_acquire);
+  return r != nullptr ? r->Rkey(rkey) : qp->mode.PhysicalRkey(rkey);
+}
+inline uint32_t UdPeerQpn(const Qp* qp, const Ah* ah, uint32_t qpn) {
+  return ah->remote != nullptr ? ah->remote->Qpn(qpn) : qp->mode.PhysicalQpn(qpn);
+}
+
 // Rewrites one send WR to physical identities; false if it does not fit.
 inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   const int nsge = wr->num_sge;
@@ -72,21 +81,22 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
     case IBV_WR_RDMA_WRITE:
     case IBV_WR_RDMA_WRITE_WITH_IMM:
     case IBV_WR_RDMA_READ:
-      p->Key(&wr->wr.rdma.rkey, qp->mode.PhysicalRkey(wr->wr.rdma.rkey));
+      p->Key(&wr->wr.rdma.rkey, PeerRkey(qp, wr->wr.rdma.rkey));
       break;
     case IBV_WR_ATOMIC_CMP_AND_SWP:
     case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      p->Key(&wr->wr.atomic.rkey, qp->mode.PhysicalRkey(wr->wr.atomic.rkey));
+      p->Key(&wr->wr.atomic.rkey, PeerRkey(qp, wr->wr.atomic.rkey));
       break;
     case IBV_WR_SEND_WITH_INV:
-      p->Key(&wr->invalidate_rkey, qp->mode.PhysicalRkey(wr->invalidate_rkey));
+      p->Key(&wr->invalidate_rkey, PeerRkey(qp, wr->invalidate_rkey));
       break;
     default:
       break;
   }
   if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
-    p->Ptr(&wr->wr.ud.ah, reinterpret_cast<Ah*>(wr->wr.ud.ah)->real);
-    p->Key(&wr->wr.ud.remote_qpn, qp->mode.PhysicalQpn(wr->wr.ud.remote_qpn));
+    const Ah* ah = reinterpret_cast<Ah*>(wr->wr.ud.ah);
+    p->Key(&wr->wr.ud.remote_qpn, UdPeerQpn(qp, ah, wr->wr.ud.remote_qpn));
+    p->Ptr(&wr->wr.ud.ah, ah->real);
   }
   return true;
 }
@@ -253,7 +263,7 @@ inline ibv_qp_ex* Sync(ibv_qp_ex* q) {
   real->wr_flags = q->wr_flags;
   return real;
 }
-inline uint32_t Rkey(ibv_qp_ex* q, uint32_t rkey) { return AsQp(q)->mode.PhysicalRkey(rkey); }
+inline uint32_t Rkey(ibv_qp_ex* q, uint32_t rkey) { return PeerRkey(AsQp(q), rkey); }
 
 void WrStart(ibv_qp_ex* q) {
   ibv_qp_ex* real = AsQp(q)->real_ex;
@@ -310,8 +320,8 @@ void WrLocalInv(ibv_qp_ex* q, uint32_t rkey) {
 }
 void WrSetUdAddr(ibv_qp_ex* q, ibv_ah* ah, uint32_t remote_qpn, uint32_t remote_qkey) {
   ibv_qp_ex* real = AsQp(q)->real_ex;
-  real->wr_set_ud_addr(real, reinterpret_cast<Ah*>(ah)->real,
-                       AsQp(q)->mode.PhysicalQpn(remote_qpn), remote_qkey);
+  const Ah* a = reinterpret_cast<Ah*>(ah);
+  real->wr_set_ud_addr(real, a->real, UdPeerQpn(AsQp(q), a, remote_qpn), remote_qkey);
 }
 void WrSetInlineData(ibv_qp_ex* q, void* addr, size_t length) {
   ibv_qp_ex* real = AsQp(q)->real_ex;

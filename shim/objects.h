@@ -23,6 +23,7 @@
 #include "shim/backend.h"
 #include "shim/identity.h"
 #include "shim/recv_log.h"
+#include "shim/remote_map.h"
 
 namespace rdmavirt::shim {
 
@@ -114,6 +115,10 @@ struct Qp {
   Cq* recv_cq = nullptr;
   Srq* srq = nullptr;
   uint32_t physical_qpn = 0;
+  // The moved peer this QP is connected to, once one has published its
+  // mapping (RC/UC; set under the shim's mutex, read on the translating path).
+  std::atomic<const RemoteEndpoint*> remote{nullptr};
+  ibv_gid remote_gid{};  // the virtual GID it was connected to
   RecvLog* recvs = nullptr;  // own_recvs, or the SRQ's
   RecvLog own_recvs;
   ibv_qp_init_attr_ex init{};
@@ -125,6 +130,7 @@ struct Ah {
   ibv_ah* real = nullptr;
   Pd* pd = nullptr;
   ibv_ah_attr attr{};  // virtual GID, as the application gave it
+  const RemoteEndpoint* remote = nullptr;  // the moved peer it addresses, if any
 };
 
 }  // namespace rdmavirt::shim

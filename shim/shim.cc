@@ -695,10 +695,11 @@ ibv_qp_ex* Shim::QpToQpEx(ibv_qp* q) {
   return qp->real_ex != nullptr ? &qp->shadow : nullptr;
 }
 
-void Shim::PhysicalizeQpAttr(ibv_qp_attr* attr, int mask) const {
-  if (mask & IBV_QP_DEST_QPN) attr->dest_qp_num = mode_.PhysicalQpn(attr->dest_qp_num);
+void Shim::PhysicalizeQpAttr(ibv_qp_attr* attr, int mask, const RemoteEndpoint* remote) const {
+  if (mask & IBV_QP_DEST_QPN)
+    attr->dest_qp_num = remote ? remote->Qpn(attr->dest_qp_num) : mode_.PhysicalQpn(attr->dest_qp_num);
   if ((mask & IBV_QP_AV) && attr->ah_attr.is_global)
-    attr->ah_attr.grh.dgid = mode_.PhysicalGid(attr->ah_attr.grh.dgid);
+    attr->ah_attr.grh.dgid = remote ? remote->physical_gid() : mode_.PhysicalGid(attr->ah_attr.grh.dgid);
   if ((mask & IBV_QP_ALT_PATH) && attr->alt_ah_attr.is_global)
     attr->alt_ah_attr.grh.dgid = mode_.PhysicalGid(attr->alt_ah_attr.grh.dgid);
 }
@@ -716,11 +717,22 @@ void Shim::VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const {
 int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
   Qp* qp = FindQp(q);
   if (qp == nullptr) return backend_->ModifyQp(q, attr, mask);
+  // The peer this QP is (being) connected to: a moved one translates
+  // through what it published.
+  const RemoteEndpoint* remote = qp->remote.load(std::memory_order_acquire);
+  ibv_gid remote_gid = qp->remote_gid;
+  if ((mask & IBV_QP_AV) && attr->ah_attr.is_global) {
+    remote_gid = attr->ah_attr.grh.dgid;
+    remote = FindRemote(remote_gid);
+  }
   ibv_qp_attr real_attr = *attr;
-  PhysicalizeQpAttr(&real_attr, mask);
+  PhysicalizeQpAttr(&real_attr, mask, remote);
   const int rc = backend_->ModifyQp(qp->real, &real_attr, mask);
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
+  qp->remote_gid = remote_gid;
+  qp->remote.store(remote, std::memory_order_release);
+  if (remote != nullptr) qp->fast.store(false);
   qp->transitions.push_back({*attr, mask});
   q->state = qp->real->state;
   return 0;
@@ -733,6 +745,15 @@ int Shim::QueryQp(ibv_qp* q, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init
   if (rc != 0) return rc;
   // What the provider fills regardless of the mask is translated too.
   VirtualizeQpAttr(attr, mask | IBV_QP_DEST_QPN | IBV_QP_AV | IBV_QP_ALT_PATH);
+  if (qp->remote.load(std::memory_order_acquire) != nullptr) {
+    // A moved peer's identities are not a function of where it is now:
+    // show what the application set.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const QpTransition& t : qp->transitions) {
+      if (t.mask & IBV_QP_DEST_QPN) attr->dest_qp_num = t.attr.dest_qp_num;
+      if (t.mask & IBV_QP_AV) attr->ah_attr.grh.dgid = t.attr.ah_attr.grh.dgid;
+    }
+  }
   init->qp_context = q->qp_context;
   init->send_cq = q->send_cq;
   init->recv_cq = q->recv_cq;
@@ -775,7 +796,9 @@ ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   Pd* pd = FindPd(p);
   if (pd == nullptr) return backend_->CreateAh(p, attr);
   ibv_ah_attr real_attr = *attr;
-  if (real_attr.is_global) real_attr.grh.dgid = mode_.PhysicalGid(real_attr.grh.dgid);
+  const RemoteEndpoint* remote = attr->is_global ? FindRemote(attr->grh.dgid) : nullptr;
+  if (real_attr.is_global)
+    real_attr.grh.dgid = remote ? remote->physical_gid() : mode_.PhysicalGid(real_attr.grh.dgid);
   ibv_ah* real = backend_->CreateAh(pd->real, &real_attr);
   if (real == nullptr) return nullptr;
   Ah* ah = NewZeroed<Ah>();
@@ -787,6 +810,7 @@ ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   ah->real = real;
   ah->pd = pd;
   ah->attr = *attr;
+  ah->remote = remote;
   ah->shadow.context = p->context;
   ah->shadow.pd = p;
   ah->shadow.handle = real->handle;
@@ -844,6 +868,39 @@ int Shim::AttachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
 int Shim::DetachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
   Qp* qp = FindQp(q);
   return backend_->DetachMcast(qp ? qp->real : q, gid, lid);
+}
+
+const RemoteEndpoint* Shim::FindRemoteLocked(const ibv_gid& gid) const {
+  for (auto it = remotes_.rbegin(); it != remotes_.rend(); ++it) {
+    if (memcmp((*it)->virtual_gid().raw, gid.raw, sizeof(gid.raw)) == 0) return it->get();
+  }
+  return nullptr;
+}
+
+const RemoteEndpoint* Shim::FindRemote(const ibv_gid& gid) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return FindRemoteLocked(gid);
+}
+
+int Shim::PublishRemote(const RemoteMapping& mapping) {
+  std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
+  if (e == nullptr) return ENOMEM;
+  std::lock_guard<std::mutex> lock(mu_);
+  const RemoteEndpoint* r = e.get();
+  remotes_.push_back(std::move(e));
+  for (const auto& [p, kind] : shadows_) {
+    if (kind == Kind::kQp) {
+      Qp* qp = static_cast<Qp*>(const_cast<void*>(p));
+      if (memcmp(qp->remote_gid.raw, mapping.virtual_gid.raw, 16) != 0) continue;
+      qp->fast.store(false);
+      qp->remote.store(r, std::memory_order_release);
+    } else if (kind == Kind::kAh) {
+      Ah* ah = static_cast<Ah*>(const_cast<void*>(p));
+      if (ah->attr.is_global && memcmp(ah->attr.grh.dgid.raw, mapping.virtual_gid.raw, 16) == 0)
+        ah->remote = r;
+    }
+  }
+  return 0;
 }
 
 std::vector<const Qp*> Shim::Qps() const {

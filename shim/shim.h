@@ -14,6 +14,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "shim/backend.h"
 #include "shim/identity.h"
 #include "shim/objects.h"
+#include "shim/remote_map.h"
 #include "shim/tables.h"
 
 namespace rdmavirt::shim {
@@ -97,6 +99,15 @@ class Shim {
   int AttachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid);
   int DetachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid);
 
+  // Caches what a moved peer endpoint published (remote_map.h). QPs
+  // already connected to its virtual GID translate through it from now on;
+  // QPs and AHs created toward it later do so from the start. Re-pointing
+  // a connected QP's hardware state at the new location is the reconnect
+  // step of a migration. 0, or ENOMEM.
+  int PublishRemote(const RemoteMapping& mapping);
+  // The cached endpoint behind a virtual GID, or nullptr.
+  const RemoteEndpoint* FindRemote(const ibv_gid& virtual_gid) const;
+
   // Read-only views for the migration side and tests.
   std::vector<const Qp*> Qps() const;
   std::vector<const Mr*> Mrs() const;
@@ -125,13 +136,16 @@ class Shim {
   bool PostsUntranslated(const Qp& qp) const;
   // Some lkey now differs from the hardware's: every queue translates.
   void KeysDiverged();  // requires mu_
-  void PhysicalizeQpAttr(ibv_qp_attr* attr, int mask) const;
+  // To what the hardware takes; `remote`: the moved peer addressed, if any.
+  void PhysicalizeQpAttr(ibv_qp_attr* attr, int mask, const RemoteEndpoint* remote) const;
+  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid) const;  // requires mu_
 
   VerbsBackend* const backend_;
   const IdentityMode mode_;
   mutable std::mutex mu_;
   std::unordered_map<const void*, Kind> shadows_;  // guarded by mu_
   MrTable mrs_;                                    // writes under mu_
+  std::vector<std::unique_ptr<RemoteEndpoint>> remotes_;  // guarded by mu_; newest last
   // Every live lkey equals the hardware's (default mode, until a key
   // collides or changes), so posts need no key translated.
   bool keys_identity_;                             // guarded by mu_

@@ -1,0 +1,30 @@
+#include "shim/remote_map.h"
+
+#include <new>
+
+namespace rdmavirt::shim {
+
+bool RemoteEndpoint::Map::Init(const std::vector<std::pair<uint32_t, uint32_t>>& pairs) {
+  if (pairs.empty()) return true;
+  uint32_t cap = 2;
+  while (cap < 2 * pairs.size()) cap <<= 1;
+  slots_.reset(new (std::nothrow) Slot[cap]());
+  if (slots_ == nullptr) return false;
+  mask_ = cap - 1;
+  for (const auto& [v, p] : pairs) {
+    uint32_t i = Hash(v) & mask_;
+    while (slots_[i].used && slots_[i].v != v) i = (i + 1) & mask_;
+    slots_[i] = {v, p, true};  // a repeated virtual value: the last one wins
+  }
+  return true;
+}
+
+std::unique_ptr<RemoteEndpoint> RemoteEndpoint::Build(const RemoteMapping& m) {
+  std::unique_ptr<RemoteEndpoint> e(new (std::nothrow) RemoteEndpoint());
+  if (e == nullptr || !e->qpns_.Init(m.qpns) || !e->rkeys_.Init(m.rkeys)) return nullptr;
+  e->virtual_gid_ = m.virtual_gid;
+  e->physical_gid_ = m.physical_gid;
+  return e;
+}
+
+}  // namespace rdmavirt::shim

@@ -31,10 +31,10 @@ class VerbsBackend {
   virtual int QueryDevice(ibv_context* ctx, ibv_device_attr* attr) = 0;
   virtual int QueryPort(ibv_context* ctx, uint8_t port, ibv_port_attr* attr) = 0;
   virtual int QueryGid(ibv_context* ctx, uint8_t port, int index, ibv_gid* gid) = 0;
-  virtual int QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index,
-                         ibv_gid_entry* entry, uint32_t flags, size_t size) = 0;
-  virtual ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries,
-                                size_t max, uint32_t flags, size_t size) = 0;
+  virtual int QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index, ibv_gid_entry* entry,
+                         uint32_t flags, size_t size) = 0;
+  virtual ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries, size_t max,
+                                uint32_t flags, size_t size) = 0;
   virtual int QueryPkey(ibv_context* ctx, uint8_t port, int index, __be16* pkey) = 0;
   virtual int GetPkeyIndex(ibv_context* ctx, uint8_t port, __be16 pkey) = 0;
 
@@ -42,20 +42,18 @@ class VerbsBackend {
   virtual int DeallocPd(ibv_pd* pd) = 0;
   virtual ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
                         unsigned int access) = 0;
-  virtual int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr,
-                      size_t length, int access) = 0;
+  virtual int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length, int access) = 0;
   virtual int DeregMr(ibv_mr* mr) = 0;
 
   virtual ibv_comp_channel* CreateCompChannel(ibv_context* ctx) = 0;
   virtual int DestroyCompChannel(ibv_comp_channel* channel) = 0;
-  virtual ibv_cq* CreateCq(ibv_context* ctx, int cqe, void* cq_context,
-                           ibv_comp_channel* channel, int comp_vector) = 0;
+  virtual ibv_cq* CreateCq(ibv_context* ctx, int cqe, void* cq_context, ibv_comp_channel* channel,
+                           int comp_vector) = 0;
   // nullptr with errno EOPNOTSUPP when the device has no extended CQs.
   virtual ibv_cq_ex* CreateCqEx(ibv_context* ctx, ibv_cq_init_attr_ex* attr) = 0;
   virtual int ResizeCq(ibv_cq* cq, int cqe) = 0;
   virtual int DestroyCq(ibv_cq* cq) = 0;
-  virtual int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq,
-                         void** cq_context) = 0;
+  virtual int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) = 0;
   virtual void AckCqEvents(ibv_cq* cq, unsigned int nevents) = 0;
 
   virtual ibv_srq* CreateSrq(ibv_pd* pd, ibv_srq_init_attr* attr) = 0;
@@ -68,13 +66,12 @@ class VerbsBackend {
   virtual ibv_qp* CreateQpEx(ibv_context* ctx, ibv_qp_init_attr_ex* attr) = 0;
   virtual ibv_qp_ex* QpToQpEx(ibv_qp* qp) = 0;
   virtual int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask) = 0;
-  virtual int QueryQp(ibv_qp* qp, ibv_qp_attr* attr, int mask,
-                      ibv_qp_init_attr* init) = 0;
+  virtual int QueryQp(ibv_qp* qp, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init) = 0;
   virtual int DestroyQp(ibv_qp* qp) = 0;
 
   virtual ibv_ah* CreateAh(ibv_pd* pd, ibv_ah_attr* attr) = 0;
-  virtual int InitAhFromWc(ibv_context* ctx, uint8_t port, ibv_wc* wc,
-                           ibv_grh* grh, ibv_ah_attr* attr) = 0;
+  virtual int InitAhFromWc(ibv_context* ctx, uint8_t port, ibv_wc* wc, ibv_grh* grh,
+                           ibv_ah_attr* attr) = 0;
   virtual int DestroyAh(ibv_ah* ah) = 0;
   virtual int AttachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid) = 0;
   virtual int DetachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid) = 0;

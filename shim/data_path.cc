@@ -26,9 +26,7 @@ class Patches {
   static constexpr int kKeys = 64;
   static constexpr int kPtrs = 16;
 
-  bool Fits(int keys, int ptrs) const {
-    return nkeys_ + keys <= kKeys && nptrs_ + ptrs <= kPtrs;
-  }
+  bool Fits(int keys, int ptrs) const { return nkeys_ + keys <= kKeys && nptrs_ + ptrs <= kPtrs; }
   void Key(uint32_t* where, uint32_t value) {
     keys_[nkeys_++] = {where, *where};
     *where = value;
@@ -171,8 +169,8 @@ int PostRecvTranslated(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_re
 // refused. A WR the log refuses sends the chain down the piecewise path,
 // which stops at it.
 template <typename Post>
-inline int PostRecvLogged(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr,
-                          ibv_recv_wr** bad, Post post) {
+inline int PostRecvLogged(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                          Post post) {
   uint32_t logged = 0;
   for (ibv_recv_wr* w = wr; w != nullptr; w = w->next) {
     if (!log->Push(w)) [[unlikely]] {
@@ -216,10 +214,12 @@ int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 // the sender's; a UD receive's GRH holds physical addresses.
 inline void VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
   Qp* qp = qps->Find(wc->qp_num);
-  if (qp == nullptr) [[unlikely]] return;
+  if (qp == nullptr) [[unlikely]]
+    return;
   wc->qp_num = qp->shadow.qp_base.qp_num;
   if (wc->status != IBV_WC_SUCCESS) return;
-  if (wc->wc_flags & IBV_WC_WITH_INV) wc->invalidated_rkey = qp->mode.VirtualRkey(wc->invalidated_rkey);
+  if (wc->wc_flags & IBV_WC_WITH_INV)
+    wc->invalidated_rkey = qp->mode.VirtualRkey(wc->invalidated_rkey);
   if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return;
   wc->src_qp = qp->mode.VirtualQpn(wc->src_qp);
   const RecvLog::Entry* e = qp->recvs->Consume(wc->wr_id);
@@ -301,8 +301,7 @@ void WrRdmaRead(ibv_qp_ex* q, uint32_t rkey, uint64_t addr) {
   ibv_qp_ex* real = Sync(q);
   real->wr_rdma_read(real, Rkey(q, rkey), addr);
 }
-void WrAtomicCmpSwp(ibv_qp_ex* q, uint32_t rkey, uint64_t addr, uint64_t compare,
-                    uint64_t swap) {
+void WrAtomicCmpSwp(ibv_qp_ex* q, uint32_t rkey, uint64_t addr, uint64_t compare, uint64_t swap) {
   ibv_qp_ex* real = Sync(q);
   real->wr_atomic_cmp_swp(real, Rkey(q, rkey), addr, compare, swap);
 }
@@ -383,15 +382,14 @@ uint32_t ReadSrcQp(ibv_cq_ex* c) {
   ibv_cq_ex* real = cq->real_ex;
   const uint32_t src = real->read_src_qp(real);
   const Qp* qp = real->read_qp_num ? cq->qps->Find(real->read_qp_num(real)) : nullptr;
-  return qp != nullptr && qp->shadow.qp_base.qp_type == IBV_QPT_UD ? qp->mode.VirtualQpn(src)
-                                                                    : src;
+  return qp != nullptr && qp->shadow.qp_base.qp_type == IBV_QPT_UD ? qp->mode.VirtualQpn(src) : src;
 }
 
 // The other readers carry no identity: forward to the real CQ.
-#define RDMAVIRT_FORWARD_READ(name, type)             \
-  type name(ibv_cq_ex* c) {                           \
-    ibv_cq_ex* real = AsCq(c)->real_ex;               \
-    return real->name(real);                          \
+#define RDMAVIRT_FORWARD_READ(name, type) \
+  type name(ibv_cq_ex* c) {               \
+    ibv_cq_ex* real = AsCq(c)->real_ex;   \
+    return real->name(real);              \
   }
 RDMAVIRT_FORWARD_READ(read_opcode, ibv_wc_opcode)
 RDMAVIRT_FORWARD_READ(read_vendor_err, uint32_t)

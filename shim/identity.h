@@ -45,15 +45,11 @@ struct IdentityMode {
   }
   // A number without the marker is not a virtual QPN of an unmoved peer
   // (for example a physical QPN handed out by the kernel's CM): unchanged.
-  uint32_t PhysicalQpn(uint32_t virt) const {
-    return offset ? (virt & ~kQpnMarker) : virt;
-  }
+  uint32_t PhysicalQpn(uint32_t virt) const { return offset ? (virt & ~kQpnMarker) : virt; }
   uint32_t VirtualRkey(uint32_t physical) const {
     return offset ? (physical | kRkeyMarker) : physical;
   }
-  uint32_t PhysicalRkey(uint32_t virt) const {
-    return offset ? (virt & ~kRkeyMarker) : virt;
-  }
+  uint32_t PhysicalRkey(uint32_t virt) const { return offset ? (virt & ~kRkeyMarker) : virt; }
   ibv_gid VirtualGid(const ibv_gid& physical) const {
     ibv_gid v = physical;
     if (offset) v.raw[kGidMarkerByte] |= kGidMarkerBit;
@@ -74,9 +70,7 @@ inline constexpr uint32_t kLkeyOffsetBit = 0x40000000;
 inline uint32_t MakeVirtualLkey(uint32_t slot, uint32_t physical, bool offset) {
   return (offset ? kLkeyOffsetBit : 0) | ((slot + 1) << 8) | (physical & 0xff);
 }
-inline uint32_t LkeySlot(uint32_t vlkey) {
-  return ((vlkey >> 8) - 1) & (kMaxMrs - 1);
-}
+inline uint32_t LkeySlot(uint32_t vlkey) { return ((vlkey >> 8) - 1) & (kMaxMrs - 1); }
 
 }  // namespace rdmavirt::shim
 

@@ -29,8 +29,9 @@ void* FindDefault(const dl_phdr_info* info, const char* name) {
   if (symtab == nullptr || strtab == nullptr) return nullptr;
   // The string table follows the symbol table in every glibc build: the
   // distance bounds the symbol count without walking the hash table.
-  const size_t count = (reinterpret_cast<const char*>(strtab) -
-                        reinterpret_cast<const char*>(symtab)) / sizeof(ElfW(Sym));
+  const size_t count =
+      (reinterpret_cast<const char*>(strtab) - reinterpret_cast<const char*>(symtab)) /
+      sizeof(ElfW(Sym));
   for (size_t i = 0; i < count; ++i) {
     const ElfW(Sym)& s = symtab[i];
     if (s.st_shndx == SHN_UNDEF || ELF64_ST_TYPE(s.st_info) != STT_FUNC) continue;

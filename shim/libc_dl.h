@@ -12,7 +12,7 @@ using DlsymFn = void* (*)(void*, const char*);
 using DlvsymFn = void* (*)(void*, const char*, const char*);
 
 struct LibcDl {
-  DlsymFn dlsym = nullptr;   // nullptr if libc could not be read
+  DlsymFn dlsym = nullptr;  // nullptr if libc could not be read
   DlvsymFn dlvsym = nullptr;
 };
 

@@ -39,8 +39,7 @@ struct Context {
 };
 
 inline Context* AsContext(ibv_context* c) {
-  return reinterpret_cast<Context*>(reinterpret_cast<char*>(c) -
-                                    offsetof(Context, vctx.context));
+  return reinterpret_cast<Context*>(reinterpret_cast<char*>(c) - offsetof(Context, vctx.context));
 }
 inline ibv_context* Shadow(Context* c) { return &c->vctx.context; }
 
@@ -118,7 +117,7 @@ struct Qp {
   // The moved peer this QP is connected to, once one has published its
   // mapping (RC/UC; set under the shim's mutex, read on the translating path).
   std::atomic<const RemoteEndpoint*> remote{nullptr};
-  ibv_gid remote_gid{};  // the virtual GID it was connected to
+  ibv_gid remote_gid{};      // the virtual GID it was connected to
   RecvLog* recvs = nullptr;  // own_recvs, or the SRQ's
   RecvLog own_recvs;
   ibv_qp_init_attr_ex init{};
@@ -129,7 +128,7 @@ struct Ah {
   ibv_ah shadow;
   ibv_ah* real = nullptr;
   Pd* pd = nullptr;
-  ibv_ah_attr attr{};  // virtual GID, as the application gave it
+  ibv_ah_attr attr{};                      // virtual GID, as the application gave it
   const RemoteEndpoint* remote = nullptr;  // the moved peer it addresses, if any
 };
 

@@ -45,8 +45,7 @@ class LibibverbsBackend final : public VerbsBackend {
            Resolve(h, &alloc_pd_, "ibv_alloc_pd", v) &&
            Resolve(h, &dealloc_pd_, "ibv_dealloc_pd", v) &&
            Resolve(h, &reg_mr_iova2_, "ibv_reg_mr_iova2", "IBVERBS_1.8") &&
-           Resolve(h, &rereg_mr_, "ibv_rereg_mr", v) &&
-           Resolve(h, &dereg_mr_, "ibv_dereg_mr", v) &&
+           Resolve(h, &rereg_mr_, "ibv_rereg_mr", v) && Resolve(h, &dereg_mr_, "ibv_dereg_mr", v) &&
            Resolve(h, &create_comp_channel_, "ibv_create_comp_channel", "IBVERBS_1.0") &&
            Resolve(h, &destroy_comp_channel_, "ibv_destroy_comp_channel", "IBVERBS_1.0") &&
            Resolve(h, &create_cq_, "ibv_create_cq", v) &&
@@ -76,9 +75,7 @@ class LibibverbsBackend final : public VerbsBackend {
   void FreeDeviceList(ibv_device** list) override { free_device_list_(list); }
   ibv_context* OpenDevice(ibv_device* d) override { return open_device_(d); }
   int CloseDevice(ibv_context* c) override { return close_device_(c); }
-  int GetAsyncEvent(ibv_context* c, ibv_async_event* e) override {
-    return get_async_event_(c, e);
-  }
+  int GetAsyncEvent(ibv_context* c, ibv_async_event* e) override { return get_async_event_(c, e); }
   void AckAsyncEvent(ibv_async_event* e) override { ack_async_event_(e); }
   int QueryDevice(ibv_context* c, ibv_device_attr* a) override { return query_device_(c, a); }
   int QueryPort(ibv_context* c, uint8_t port, ibv_port_attr* a) override {
@@ -92,8 +89,8 @@ class LibibverbsBackend final : public VerbsBackend {
   int QueryGid(ibv_context* c, uint8_t port, int i, ibv_gid* g) override {
     return query_gid_(c, port, i, g);
   }
-  int QueryGidEx(ibv_context* c, uint32_t port, uint32_t i, ibv_gid_entry* e,
-                 uint32_t flags, size_t size) override {
+  int QueryGidEx(ibv_context* c, uint32_t port, uint32_t i, ibv_gid_entry* e, uint32_t flags,
+                 size_t size) override {
     return query_gid_ex_(c, port, i, e, flags, size);
   }
   ssize_t QueryGidTable(ibv_context* c, ibv_gid_entry* e, size_t max, uint32_t flags,

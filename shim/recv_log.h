@@ -48,7 +48,8 @@ class RecvLog {
   // False, recording nothing, when it has more SGEs than the queue takes:
   // the provider refuses it too.
   bool Push(const ibv_recv_wr* wr) {
-    if (static_cast<uint32_t>(wr->num_sge) > max_sge_) [[unlikely]] return false;
+    if (static_cast<uint32_t>(wr->num_sge) > max_sge_) [[unlikely]]
+      return false;
     Entry* e = At(tail_);
     e->wr_id = wr->wr_id;
     e->num_sge = static_cast<uint32_t>(wr->num_sge);

@@ -47,7 +47,7 @@ bool IsQpEvent(ibv_event_type t) {
 Shim* Shim::Process() {
   // Leaked on purpose: the application may call verbs from its own
   // destructors, after ours would have run.
-  static Shim* shim = [] () -> Shim* {
+  static Shim* shim = []() -> Shim* {
     VerbsBackend* backend = RealBackend();
     if (backend == nullptr) return nullptr;
     IdentityMode mode;
@@ -79,9 +79,8 @@ T* Shim::Find(const void* p, Kind kind) const {
   if (p == nullptr) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = shadows_.find(p);
-  return it != shadows_.end() && it->second == kind
-             ? reinterpret_cast<T*>(const_cast<void*>(p))
-             : nullptr;
+  return it != shadows_.end() && it->second == kind ? reinterpret_cast<T*>(const_cast<void*>(p))
+                                                    : nullptr;
 }
 
 Context* Shim::FindContext(ibv_context* c) const {
@@ -96,9 +95,7 @@ Pd* Shim::FindPd(ibv_pd* p) const { return Find<Pd>(p, Kind::kPd); }
 Cq* Shim::FindCq(ibv_cq* c) const { return Find<Cq>(c, Kind::kCq); }
 Srq* Shim::FindSrq(ibv_srq* s) const { return Find<Srq>(s, Kind::kSrq); }
 Qp* Shim::FindQp(ibv_qp* q) const { return Find<Qp>(q, Kind::kQp); }
-Channel* Shim::FindChannel(ibv_comp_channel* c) const {
-  return Find<Channel>(c, Kind::kChannel);
-}
+Channel* Shim::FindChannel(ibv_comp_channel* c) const { return Find<Channel>(c, Kind::kChannel); }
 
 // ---------------------------------------------------------------- devices
 
@@ -156,8 +153,8 @@ int Shim::GetAsyncEvent(ibv_context* c, ibv_async_event* event) {
   if (IsQpEvent(event->event_type)) {
     event->element.qp = &static_cast<Qp*>(event->element.qp->qp_context)->shadow.qp_base;
   } else if (event->event_type == IBV_EVENT_CQ_ERR) {
-    event->element.cq = reinterpret_cast<ibv_cq*>(
-        &static_cast<Cq*>(event->element.cq->cq_context)->shadow);
+    event->element.cq =
+        reinterpret_cast<ibv_cq*>(&static_cast<Cq*>(event->element.cq->cq_context)->shadow);
   } else if (event->event_type == IBV_EVENT_SRQ_ERR ||
              event->event_type == IBV_EVENT_SRQ_LIMIT_REACHED) {
     event->element.srq = &static_cast<Srq*>(event->element.srq->srq_context)->shadow;
@@ -209,19 +206,18 @@ int Shim::QueryGid(ibv_context* c, uint8_t port, int index, ibv_gid* gid) {
   return rc;
 }
 
-int Shim::QueryGidEx(ibv_context* c, uint32_t port, uint32_t index,
-                     ibv_gid_entry* entry, uint32_t flags, size_t size) {
+int Shim::QueryGidEx(ibv_context* c, uint32_t port, uint32_t index, ibv_gid_entry* entry,
+                     uint32_t flags, size_t size) {
   Context* ctx = FindContext(c);
   const int rc = backend_->QueryGidEx(ctx ? ctx->real : c, port, index, entry, flags, size);
   if (rc == 0 && ctx != nullptr) entry->gid = mode_.VirtualGid(entry->gid);
   return rc;
 }
 
-ssize_t Shim::QueryGidTable(ibv_context* c, ibv_gid_entry* entries, size_t max,
-                            uint32_t flags, size_t size) {
+ssize_t Shim::QueryGidTable(ibv_context* c, ibv_gid_entry* entries, size_t max, uint32_t flags,
+                            size_t size) {
   Context* ctx = FindContext(c);
-  const ssize_t n =
-      backend_->QueryGidTable(ctx ? ctx->real : c, entries, max, flags, size);
+  const ssize_t n = backend_->QueryGidTable(ctx ? ctx->real : c, entries, max, flags, size);
   if (ctx != nullptr) {
     for (ssize_t i = 0; i < n; ++i) {
       auto* e = reinterpret_cast<ibv_gid_entry*>(reinterpret_cast<char*>(entries) + i * size);
@@ -274,8 +270,7 @@ int Shim::DeallocPd(ibv_pd* p) {
   return 0;
 }
 
-ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova,
-                    unsigned int access) {
+ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova, unsigned int access) {
   Pd* pd = FindPd(p);
   if (pd == nullptr) return backend_->RegMr(p, addr, length, iova, access);
   ibv_mr* real = backend_->RegMr(pd->real, addr, length, iova, access);
@@ -322,8 +317,7 @@ ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova,
   return &mr->shadow;
 }
 
-int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length,
-                  int access) {
+int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length, int access) {
   Mr* mr = Find<Mr>(m, Kind::kMr);
   if (mr == nullptr) return backend_->ReregMr(m, flags, p, addr, length, access);
   Pd* pd = nullptr;
@@ -334,8 +328,7 @@ int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length,
       return IBV_REREG_MR_ERR_INPUT;
     }
   }
-  const int rc = backend_->ReregMr(mr->real, flags, pd ? pd->real : nullptr, addr,
-                                   length, access);
+  const int rc = backend_->ReregMr(mr->real, flags, pd ? pd->real : nullptr, addr, length, access);
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
   if (pd != nullptr) {
@@ -429,8 +422,8 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   return reinterpret_cast<ibv_cq*>(&cq->shadow);
 }
 
-ibv_cq* Shim::CreateCq(ibv_context* c, int cqe, void* cq_context,
-                       ibv_comp_channel* channel, int comp_vector) {
+ibv_cq* Shim::CreateCq(ibv_context* c, int cqe, void* cq_context, ibv_comp_channel* channel,
+                       int comp_vector) {
   Context* ctx = FindContext(c);
   if (ctx == nullptr) return backend_->CreateCq(c, cqe, cq_context, channel, comp_vector);
   Channel* ch = FindChannel(channel);
@@ -438,8 +431,7 @@ ibv_cq* Shim::CreateCq(ibv_context* c, int cqe, void* cq_context,
     errno = EINVAL;
     return nullptr;
   }
-  ibv_cq* real = backend_->CreateCq(ctx->real, cqe, nullptr, ch ? ch->real : nullptr,
-                                    comp_vector);
+  ibv_cq* real = backend_->CreateCq(ctx->real, cqe, nullptr, ch ? ch->real : nullptr, comp_vector);
   if (real == nullptr) return nullptr;
   ibv_cq* s = AdoptCq(ctx, real, nullptr, ch, cq_context, comp_vector, 0);
   if (s == nullptr) {
@@ -467,8 +459,8 @@ ibv_cq_ex* Shim::CreateCqEx(ibv_context* c, ibv_cq_init_attr_ex* attr) {
   real_attr.cq_context = nullptr;
   ibv_cq_ex* real = backend_->CreateCqEx(ctx->real, &real_attr);
   if (real == nullptr) return nullptr;
-  ibv_cq* s = AdoptCq(ctx, ibv_cq_ex_to_cq(real), real, ch, attr->cq_context,
-                      attr->comp_vector, attr->wc_flags);
+  ibv_cq* s = AdoptCq(ctx, ibv_cq_ex_to_cq(real), real, ch, attr->cq_context, attr->comp_vector,
+                      attr->wc_flags);
   if (s == nullptr) {
     backend_->DestroyCq(ibv_cq_ex_to_cq(real));
     errno = ENOMEM;
@@ -649,15 +641,14 @@ ibv_qp* Shim::CreateQp(ibv_pd* p, ibv_qp_init_attr* attr) {
 ibv_qp* Shim::CreateQpEx(ibv_context* c, ibv_qp_init_attr_ex* attr) {
   Context* ctx = FindContext(c);
   if (ctx == nullptr) return backend_->CreateQpEx(c, attr);
-  constexpr uint32_t kSupported = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS |
-                                  IBV_QP_INIT_ATTR_CREATE_FLAGS;
+  constexpr uint32_t kSupported =
+      IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS | IBV_QP_INIT_ATTR_CREATE_FLAGS;
   if (attr->comp_mask & ~kSupported) {
     LogOnce("ibv_create_qp_ex: XRC, RSS, TSO and parent domains are not supported");
     errno = EOPNOTSUPP;
     return nullptr;
   }
-  if (attr->qp_type != IBV_QPT_RC && attr->qp_type != IBV_QPT_UC &&
-      attr->qp_type != IBV_QPT_UD) {
+  if (attr->qp_type != IBV_QPT_RC && attr->qp_type != IBV_QPT_UC && attr->qp_type != IBV_QPT_UD) {
     LogOnce("only RC, UC and UD QPs are supported");
     errno = EOPNOTSUPP;
     return nullptr;
@@ -697,9 +688,11 @@ ibv_qp_ex* Shim::QpToQpEx(ibv_qp* q) {
 
 void Shim::PhysicalizeQpAttr(ibv_qp_attr* attr, int mask, const RemoteEndpoint* remote) const {
   if (mask & IBV_QP_DEST_QPN)
-    attr->dest_qp_num = remote ? remote->Qpn(attr->dest_qp_num) : mode_.PhysicalQpn(attr->dest_qp_num);
+    attr->dest_qp_num =
+        remote ? remote->Qpn(attr->dest_qp_num) : mode_.PhysicalQpn(attr->dest_qp_num);
   if ((mask & IBV_QP_AV) && attr->ah_attr.is_global)
-    attr->ah_attr.grh.dgid = remote ? remote->physical_gid() : mode_.PhysicalGid(attr->ah_attr.grh.dgid);
+    attr->ah_attr.grh.dgid =
+        remote ? remote->physical_gid() : mode_.PhysicalGid(attr->ah_attr.grh.dgid);
   if ((mask & IBV_QP_ALT_PATH) && attr->alt_ah_attr.is_global)
     attr->alt_ah_attr.grh.dgid = mode_.PhysicalGid(attr->alt_ah_attr.grh.dgid);
 }
@@ -819,8 +812,7 @@ ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   return &ah->shadow;
 }
 
-int Shim::InitAhFromWc(ibv_context* c, uint8_t port, ibv_wc* wc, ibv_grh* grh,
-                       ibv_ah_attr* attr) {
+int Shim::InitAhFromWc(ibv_context* c, uint8_t port, ibv_wc* wc, ibv_grh* grh, ibv_ah_attr* attr) {
   Context* ctx = FindContext(c);
   if (ctx == nullptr) return backend_->InitAhFromWc(c, port, wc, grh, attr);
   // The application's GRH shows virtual addresses; the provider matches

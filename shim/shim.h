@@ -52,25 +52,23 @@ class Shim {
                     ibv_device_attr_ex* attr, size_t size);
   int QueryPort(ibv_context* ctx, uint8_t port, ibv_port_attr* attr, size_t size);
   int QueryGid(ibv_context* ctx, uint8_t port, int index, ibv_gid* gid);
-  int QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index,
-                 ibv_gid_entry* entry, uint32_t flags, size_t size);
-  ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries, size_t max,
-                        uint32_t flags, size_t size);
+  int QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index, ibv_gid_entry* entry,
+                 uint32_t flags, size_t size);
+  ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries, size_t max, uint32_t flags,
+                        size_t size);
   int QueryPkey(ibv_context* ctx, uint8_t port, int index, __be16* pkey);
   int GetPkeyIndex(ibv_context* ctx, uint8_t port, __be16 pkey);
 
   ibv_pd* AllocPd(ibv_context* ctx);
   int DeallocPd(ibv_pd* pd);
-  ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
-                unsigned int access);
-  int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length,
-              int access);
+  ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned int access);
+  int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length, int access);
   int DeregMr(ibv_mr* mr);
 
   ibv_comp_channel* CreateCompChannel(ibv_context* ctx);
   int DestroyCompChannel(ibv_comp_channel* channel);
-  ibv_cq* CreateCq(ibv_context* ctx, int cqe, void* cq_context,
-                   ibv_comp_channel* channel, int comp_vector);
+  ibv_cq* CreateCq(ibv_context* ctx, int cqe, void* cq_context, ibv_comp_channel* channel,
+                   int comp_vector);
   ibv_cq_ex* CreateCqEx(ibv_context* ctx, ibv_cq_init_attr_ex* attr);
   int ResizeCq(ibv_cq* cq, int cqe);
   int DestroyCq(ibv_cq* cq);
@@ -92,8 +90,7 @@ class Shim {
   int SetEce(ibv_qp* qp, ibv_ece* ece);
 
   ibv_ah* CreateAh(ibv_pd* pd, ibv_ah_attr* attr);
-  int InitAhFromWc(ibv_context* ctx, uint8_t port, ibv_wc* wc, ibv_grh* grh,
-                   ibv_ah_attr* attr);
+  int InitAhFromWc(ibv_context* ctx, uint8_t port, ibv_wc* wc, ibv_grh* grh, ibv_ah_attr* attr);
   ibv_ah* CreateAhFromWc(ibv_pd* pd, ibv_wc* wc, ibv_grh* grh, uint8_t port);
   int DestroyAh(ibv_ah* ah);
   int AttachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t lid);
@@ -129,8 +126,8 @@ class Shim {
   Channel* FindChannel(ibv_comp_channel* c) const;
 
   ibv_qp* AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr_ex& init);
-  ibv_cq* AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch,
-                  void* user_context, int comp_vector, uint64_t wc_flags);
+  ibv_cq* AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch, void* user_context,
+                  int comp_vector, uint64_t wc_flags);
   void VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const;
   // Whether a QP/SRQ may post untranslated (data_path.cc's fast path).
   bool PostsUntranslated(const Qp& qp) const;
@@ -143,13 +140,13 @@ class Shim {
   VerbsBackend* const backend_;
   const IdentityMode mode_;
   mutable std::mutex mu_;
-  std::unordered_map<const void*, Kind> shadows_;  // guarded by mu_
-  MrTable mrs_;                                    // writes under mu_
+  std::unordered_map<const void*, Kind> shadows_;         // guarded by mu_
+  MrTable mrs_;                                           // writes under mu_
   std::vector<std::unique_ptr<RemoteEndpoint>> remotes_;  // guarded by mu_; newest last
   // Every live lkey equals the hardware's (default mode, until a key
   // collides or changes), so posts need no key translated.
-  bool keys_identity_;                             // guarded by mu_
-  QpIndex qp_index_;                               // writes under mu_
+  bool keys_identity_;  // guarded by mu_
+  QpIndex qp_index_;    // writes under mu_
 };
 
 }  // namespace rdmavirt::shim

@@ -69,7 +69,8 @@ class QpIndex {
 
   Qp* Find(uint32_t pqpn) const {
     Qp* qp = slots_[pqpn & kMask].load(std::memory_order_acquire);
-    if (qp != nullptr && qp->physical_qpn == pqpn) [[likely]] return qp;
+    if (qp != nullptr && qp->physical_qpn == pqpn) [[likely]]
+      return qp;
     return FindOverflow(pqpn);
   }
   // Control path, under the shim's mutex.

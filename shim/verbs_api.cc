@@ -6,8 +6,8 @@
 // this file: they dispatch through the shadow objects (data_path.cc).
 #include <dlfcn.h>
 #include <errno.h>
-#include <stddef.h>
 #include <infiniband/verbs.h>
+#include <stddef.h>
 
 #include "shim/log.h"
 #include "shim/shim.h"
@@ -66,7 +66,8 @@ RDMAVIRT_API int ibv_query_device(ibv_context* ctx, ibv_device_attr* attr) {
 }
 // The exported ibv_query_port fills the older, shorter struct (programs
 // built against current headers use the verbs_context entry instead).
-RDMAVIRT_API int ibv_query_port(ibv_context* ctx, uint8_t port, struct _compat_ibv_port_attr* attr) {
+RDMAVIRT_API int ibv_query_port(ibv_context* ctx, uint8_t port,
+                                struct _compat_ibv_port_attr* attr) {
   Shim* s = S();
   return s ? s->QueryPort(ctx, port, reinterpret_cast<ibv_port_attr*>(attr),
                           offsetof(ibv_port_attr, port_cap_flags2))
@@ -81,8 +82,8 @@ RDMAVIRT_API int _ibv_query_gid_ex(ibv_context* ctx, uint32_t port, uint32_t ind
   Shim* s = S();
   return s ? s->QueryGidEx(ctx, port, index, entry, flags, size) : ENOSYS;
 }
-RDMAVIRT_API ssize_t _ibv_query_gid_table(ibv_context* ctx, ibv_gid_entry* entries,
-                                          size_t max, uint32_t flags, size_t size) {
+RDMAVIRT_API ssize_t _ibv_query_gid_table(ibv_context* ctx, ibv_gid_entry* entries, size_t max,
+                                          uint32_t flags, size_t size) {
   Shim* s = S();
   return s ? s->QueryGidTable(ctx, entries, max, flags, size) : -ENOSYS;
 }

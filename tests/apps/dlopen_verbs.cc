@@ -60,9 +60,9 @@ int main(int argc, char** argv) {
   char text[INET6_ADDRSTRLEN];
   inet_ntop(AF_INET6, gid.raw, text, sizeof(text));
   printf("device %s gid[%d] %s\n", get_name(list[0]), gid_index, text);
-  printf("rtld_next agrees with rtld_default: %s\n",
-         dlsym(RTLD_NEXT, "ibv_open_device") == dlsym(RTLD_DEFAULT, "ibv_open_device") ? "yes"
-                                                                                      : "no");
+  printf(
+      "rtld_next agrees with rtld_default: %s\n",
+      dlsym(RTLD_NEXT, "ibv_open_device") == dlsym(RTLD_DEFAULT, "ibv_open_device") ? "yes" : "no");
   close_device(ctx);
   free_list(list);
   dlclose(h);

@@ -117,8 +117,7 @@ std::string Sprintf(const char* fmt, ...) {
 
 // A test program, not a library: on the first failed check it exits, and the
 // kernel releases every verbs resource with the process.
-[[noreturn]] void Die(const char* fmt, ...)
-    __attribute__((format(printf, 1, 2)));
+[[noreturn]] void Die(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 [[noreturn]] void Die(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -184,8 +183,8 @@ std::string ErrnoName(int err) {
 // teardown order: it is reported and fails the run at exit.
 
 void ReportDestroyFailure(const char* what, int rc) {
-  std::fprintf(stderr, "verbs_coverage: FAIL: %s returned %d (errno %s)\n",
-               what, rc, ErrnoName(errno).c_str());
+  std::fprintf(stderr, "verbs_coverage: FAIL: %s returned %d (errno %s)\n", what, rc,
+               ErrnoName(errno).c_str());
   g_destroy_failed = true;
 }
 
@@ -193,8 +192,7 @@ template <auto kDestroy>
 struct Destroyer {
   template <typename T>
   void operator()(T* p) const {
-    if (const int rc = kDestroy(p); rc != 0)
-      ReportDestroyFailure("destroy", rc);
+    if (const int rc = kDestroy(p); rc != 0) ReportDestroyFailure("destroy", rc);
   }
 };
 
@@ -218,8 +216,7 @@ using CqEx = std::unique_ptr<ibv_cq_ex, CqExDeleter>;
 using Qp = std::unique_ptr<ibv_qp, Destroyer<&ibv_destroy_qp>>;
 using Srq = std::unique_ptr<ibv_srq, Destroyer<&ibv_destroy_srq>>;
 using Ah = std::unique_ptr<ibv_ah, Destroyer<&ibv_destroy_ah>>;
-using CompChannel =
-    std::unique_ptr<ibv_comp_channel, Destroyer<&ibv_destroy_comp_channel>>;
+using CompChannel = std::unique_ptr<ibv_comp_channel, Destroyer<&ibv_destroy_comp_channel>>;
 
 class UniqueFd {
  public:
@@ -288,8 +285,7 @@ class Oob {
 
   // The server may start after the client: retry until kConnectRetryS.
   static Oob Connect(const std::string& host, int port) {
-    const auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::seconds(kConnectRetryS);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kConnectRetryS);
     const std::string service = std::to_string(port);
     std::string last_error = "no address";
     while (std::chrono::steady_clock::now() < deadline) {
@@ -397,12 +393,10 @@ struct Slice {
 };
 
 // The bytes a gather of `slices` out of a buffer filled with `seed` yields.
-std::vector<uint8_t> Expected(uint32_t seed,
-                              std::initializer_list<Slice> slices) {
+std::vector<uint8_t> Expected(uint32_t seed, std::initializer_list<Slice> slices) {
   std::vector<uint8_t> out;
   for (const Slice& s : slices) {
-    for (size_t i = 0; i < s.len; ++i)
-      out.push_back(PatternByte(seed, s.off + i));
+    for (size_t i = 0; i < s.len; ++i) out.push_back(PatternByte(seed, s.off + i));
   }
   return out;
 }
@@ -417,8 +411,7 @@ void CheckBytes(const std::string& label, const uint8_t* actual,
                 const std::vector<uint8_t>& expected) {
   for (size_t i = 0; i < expected.size(); ++i) {
     if (actual[i] != expected[i]) {
-      Die("%s: byte %zu is 0x%02x, expected 0x%02x", label.c_str(), i,
-          actual[i], expected[i]);
+      Die("%s: byte %zu is 0x%02x, expected 0x%02x", label.c_str(), i, actual[i], expected[i]);
     }
   }
   Line("%s: %zu bytes match, fnv1a=0x%08x", label.c_str(), expected.size(),
@@ -427,8 +420,7 @@ void CheckBytes(const std::string& label, const uint8_t* actual,
 
 void CheckU64(const std::string& label, uint64_t actual, uint64_t expected) {
   if (actual != expected) {
-    Die("%s: 0x%016llx, expected 0x%016llx", label.c_str(),
-        static_cast<unsigned long long>(actual),
+    Die("%s: 0x%016llx, expected 0x%016llx", label.c_str(), static_cast<unsigned long long>(actual),
         static_cast<unsigned long long>(expected));
   }
   Line("%s: 0x%016llx", label.c_str(), static_cast<unsigned long long>(actual));
@@ -548,12 +540,8 @@ const char* Relation(uint32_t value, uint32_t own, uint32_t peer) {
   return "other";
 }
 
-bool SameGid(const ibv_gid& a, const uint8_t (&b)[16]) {
-  return std::memcmp(a.raw, b, 16) == 0;
-}
-bool SameGid(const ibv_gid& a, const ibv_gid& b) {
-  return std::memcmp(a.raw, b.raw, 16) == 0;
-}
+bool SameGid(const ibv_gid& a, const uint8_t (&b)[16]) { return std::memcmp(a.raw, b, 16) == 0; }
+bool SameGid(const ibv_gid& a, const ibv_gid& b) { return std::memcmp(a.raw, b.raw, 16) == 0; }
 
 // ---------------------------------------------------------------------------
 // Verbs environment and helpers.
@@ -580,17 +568,14 @@ struct Env {
 class Buffer {
  public:
   Buffer(ibv_pd* pd, size_t size, int access)
-      : size_(size),
-        mem_(static_cast<uint8_t*>(std::aligned_alloc(4096, size))) {
+      : size_(size), mem_(static_cast<uint8_t*>(std::aligned_alloc(4096, size))) {
     if (!mem_) Die("aligned_alloc(%zu) failed", size);
     std::memset(mem_.get(), 0, size);
     mr_.reset(ibv_reg_mr(pd, mem_.get(), size, access));
     if (!mr_) Die("ibv_reg_mr: %s", std::strerror(errno));
   }
   uint8_t* at(size_t off) { return mem_.get() + off; }
-  uint64_t addr(size_t off) const {
-    return reinterpret_cast<uintptr_t>(mem_.get()) + off;
-  }
+  uint64_t addr(size_t off) const { return reinterpret_cast<uintptr_t>(mem_.get()) + off; }
   ibv_mr* mr() const { return mr_.get(); }
   ibv_sge Sge(size_t off, uint32_t len) const {
     ibv_sge sge{};
@@ -611,8 +596,7 @@ class Buffer {
 
 uint32_t NewPsn(Env& env) { return env.rng() & 0xffffff; }
 
-Cq CreateCq(Env& env, ibv_comp_channel* channel = nullptr,
-            void* cq_context = nullptr) {
+Cq CreateCq(Env& env, ibv_comp_channel* channel = nullptr, void* cq_context = nullptr) {
   Cq cq(ibv_create_cq(env.ctx.get(), kCqDepth, cq_context, channel, 0));
   if (!cq) Die("ibv_create_cq: %s", std::strerror(errno));
   return cq;
@@ -645,11 +629,8 @@ void InitRc(ibv_qp* qp) {
   a.qp_state = IBV_QPS_INIT;
   a.pkey_index = 0;
   a.port_num = kIbPort;
-  a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-                      IBV_ACCESS_REMOTE_ATOMIC;
-  ModifyQp(qp, a,
-           IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
-           "INIT");
+  a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+  ModifyQp(qp, a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, "INIT");
 }
 
 // An RC QP in INIT.
@@ -662,13 +643,11 @@ Qp CreateRcQp(Env& env, ibv_cq* scq, ibv_cq* rcq, ibv_srq* srq = nullptr) {
 }
 
 ibv_mtu PathMtu(const Env& env) {
-  return env.port.active_mtu < IBV_MTU_1024 ? env.port.active_mtu
-                                            : IBV_MTU_1024;
+  return env.port.active_mtu < IBV_MTU_1024 ? env.port.active_mtu : IBV_MTU_1024;
 }
 
 // INIT -> RTR -> RTS against the peer's advertised endpoint.
-void ConnectRc(Env& env, ibv_qp* qp, uint32_t my_psn,
-               const WireEndpoint& peer) {
+void ConnectRc(Env& env, ibv_qp* qp, uint32_t my_psn, const WireEndpoint& peer) {
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_RTR;
   a.path_mtu = PathMtu(env);
@@ -682,8 +661,8 @@ void ConnectRc(Env& env, ibv_qp* qp, uint32_t my_psn,
   a.ah_attr.grh.hop_limit = 64;
   a.ah_attr.port_num = kIbPort;
   ModifyQp(qp, a,
-           IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-               IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER,
+           IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+               IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER,
            "RTR");
 
   a = {};
@@ -694,13 +673,12 @@ void ConnectRc(Env& env, ibv_qp* qp, uint32_t my_psn,
   a.sq_psn = my_psn;
   a.max_rd_atomic = 4;
   ModifyQp(qp, a,
-           IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-               IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
+           IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+               IBV_QP_MAX_QP_RD_ATOMIC,
            "RTS");
 }
 
-WireEndpoint Describe(const Env& env, const ibv_qp* qp, uint32_t psn,
-                      const Buffer* buf) {
+WireEndpoint Describe(const Env& env, const ibv_qp* qp, uint32_t psn, const Buffer* buf) {
   WireEndpoint w;
   w.qpn = qp ? qp->qp_num : 0;
   w.psn = psn;
@@ -713,8 +691,8 @@ WireEndpoint Describe(const Env& env, const ibv_qp* qp, uint32_t psn,
 }
 
 // Exchanges endpoints, connects, and waits until both QPs are in RTS.
-WireEndpoint ExchangeAndConnect(Env& env, Oob& oob, ibv_qp* qp, uint32_t psn,
-                                const Buffer* buf, std::string_view tag) {
+WireEndpoint ExchangeAndConnect(Env& env, Oob& oob, ibv_qp* qp, uint32_t psn, const Buffer* buf,
+                                std::string_view tag) {
   const WireEndpoint peer = oob.Exchange(Describe(env, qp, psn, buf));
   if (peer.version != kScenarioVersion) Die("peer runs another scenario");
   ConnectRc(env, qp, psn, peer);
@@ -722,8 +700,7 @@ WireEndpoint ExchangeAndConnect(Env& env, Oob& oob, ibv_qp* qp, uint32_t psn,
   return peer;
 }
 
-void PostSendChain(ibv_qp* qp, std::vector<ibv_send_wr>& wrs,
-                   const char* what) {
+void PostSendChain(ibv_qp* qp, std::vector<ibv_send_wr>& wrs, const char* what) {
   for (size_t i = 0; i + 1 < wrs.size(); ++i) wrs[i].next = &wrs[i + 1];
   wrs.back().next = nullptr;
   ibv_send_wr* bad = nullptr;
@@ -739,8 +716,7 @@ void PostRecv(ibv_qp* qp, uint64_t wr_id, std::vector<ibv_sge> sges) {
   wr.num_sge = static_cast<int>(sges.size());
   ibv_recv_wr* bad = nullptr;
   if (const int rc = ibv_post_recv(qp, &wr, &bad); rc != 0) {
-    Die("ibv_post_recv(0x%llx): %s", static_cast<unsigned long long>(wr_id),
-        std::strerror(rc));
+    Die("ibv_post_recv(0x%llx): %s", static_cast<unsigned long long>(wr_id), std::strerror(rc));
   }
 }
 
@@ -775,8 +751,7 @@ std::vector<ibv_wc> PollCq(ibv_cq* cq, int n, const char* what) {
 void CheckCqEmpty(ibv_cq* cq, const std::string& label) {
   ibv_wc wc{};
   const int rc = ibv_poll_cq(cq, 1, &wc);
-  Check(rc == 0, Sprintf("%s: no further completion: %s", label.c_str(),
-                         YesNo(rc == 0)));
+  Check(rc == 0, Sprintf("%s: no further completion: %s", label.c_str(), YesNo(rc == 0)));
 }
 
 // What a completion must look like.
@@ -821,29 +796,24 @@ Expect ErrorDone(uint64_t wr_id, std::optional<ibv_wc_status> status) {
 }
 
 // Checks every field of a completion and writes one transcript line.
-void CheckWc(const std::string& label, const ibv_wc& wc, const Expect& e,
-             uint32_t own_qpn, uint32_t peer_qpn) {
+void CheckWc(const std::string& label, const ibv_wc& wc, const Expect& e, uint32_t own_qpn,
+             uint32_t peer_qpn) {
   const auto fail = [&](const std::string& why) {
-    Die("%s: %s (status=%s opcode=%s byte_len=%u wr_id=0x%llx flags=%s)",
-        label.c_str(), why.c_str(), ibv_wc_status_str(wc.status),
-        WcOpcodeName(wc.opcode), wc.byte_len,
-        static_cast<unsigned long long>(wc.wr_id),
-        WcFlagsName(wc.wc_flags).c_str());
+    Die("%s: %s (status=%s opcode=%s byte_len=%u wr_id=0x%llx flags=%s)", label.c_str(),
+        why.c_str(), ibv_wc_status_str(wc.status), WcOpcodeName(wc.opcode), wc.byte_len,
+        static_cast<unsigned long long>(wc.wr_id), WcFlagsName(wc.wc_flags).c_str());
   };
   if (wc.wr_id != e.wr_id) {
-    fail(Sprintf("wr_id, expected 0x%llx",
-                 static_cast<unsigned long long>(e.wr_id)));
+    fail(Sprintf("wr_id, expected 0x%llx", static_cast<unsigned long long>(e.wr_id)));
   }
   if (wc.qp_num != own_qpn) fail("qp_num is not this QP's qp_num");
   const char* qp_rel = "own";
   if (e.status != IBV_WC_SUCCESS) {
     if (e.status ? wc.status != *e.status : wc.status == IBV_WC_SUCCESS) {
-      fail(Sprintf("status, expected %s",
-                   e.status ? ibv_wc_status_str(*e.status) : "an error"));
+      fail(Sprintf("status, expected %s", e.status ? ibv_wc_status_str(*e.status) : "an error"));
     }
     // Only wr_id, status, qp_num and vendor_err are defined on errors.
-    Line("%s: status=%s wr_id=0x%llx qp_num=%s", label.c_str(),
-         ibv_wc_status_str(wc.status),
+    Line("%s: status=%s wr_id=0x%llx qp_num=%s", label.c_str(), ibv_wc_status_str(wc.status),
          static_cast<unsigned long long>(wc.wr_id), qp_rel);
     return;
   }
@@ -860,8 +830,7 @@ void CheckWc(const std::string& label, const ibv_wc& wc, const Expect& e,
     if (has_imm != e.imm.has_value()) fail("WITH_IMM flag");
     if (has_imm) {
       const uint32_t imm = ntohl(wc.imm_data);
-      if (imm != *e.imm)
-        fail(Sprintf("imm 0x%08x, expected 0x%08x", imm, *e.imm));
+      if (imm != *e.imm) fail(Sprintf("imm 0x%08x, expected 0x%08x", imm, *e.imm));
       tail += Sprintf(" imm=0x%08x", imm);
     }
     if (e.grh && static_cast<bool>(wc.wc_flags & IBV_WC_GRH) != *e.grh) {
@@ -872,18 +841,16 @@ void CheckWc(const std::string& label, const ibv_wc& wc, const Expect& e,
     }
     tail += Sprintf(" src_qp=%s", Relation(wc.src_qp, own_qpn, peer_qpn));
   }
-  Line("%s: status=%s opcode=%s byte_len=%u wr_id=0x%llx flags=%s qp_num=%s%s",
-       label.c_str(), ibv_wc_status_str(wc.status), WcOpcodeName(wc.opcode),
-       wc.byte_len, static_cast<unsigned long long>(wc.wr_id),
-       WcFlagsName(wc.wc_flags).c_str(), qp_rel, tail.c_str());
+  Line("%s: status=%s opcode=%s byte_len=%u wr_id=0x%llx flags=%s qp_num=%s%s", label.c_str(),
+       ibv_wc_status_str(wc.status), WcOpcodeName(wc.opcode), wc.byte_len,
+       static_cast<unsigned long long>(wc.wr_id), WcFlagsName(wc.wc_flags).c_str(), qp_rel,
+       tail.c_str());
 }
 
 void CheckWcs(const std::string& label, const std::vector<ibv_wc>& wcs,
-              const std::vector<Expect>& expects, uint32_t own_qpn,
-              uint32_t peer_qpn) {
+              const std::vector<Expect>& expects, uint32_t own_qpn, uint32_t peer_qpn) {
   for (size_t i = 0; i < wcs.size(); ++i) {
-    CheckWc(Sprintf("%s[%zu]", label.c_str(), i), wcs[i], expects[i], own_qpn,
-            peer_qpn);
+    CheckWc(Sprintf("%s[%zu]", label.c_str(), i), wcs[i], expects[i], own_qpn, peer_qpn);
   }
 }
 
@@ -899,8 +866,7 @@ ibv_qp_state QueryQpState(ibv_qp* qp) {
 // The responder's state after it NAKed: it may still be finishing the move
 // to ERR when the requester's barrier arrives, so give it up to 2 s.
 ibv_qp_state SettledQpState(ibv_qp* qp) {
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   ibv_qp_state st = QueryQpState(qp);
   while (st != IBV_QPS_ERR && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -936,32 +902,25 @@ void RunDeviceQueries(Env& env) {
   if (const int rc = ibv_query_device(env.ctx.get(), &dev); rc != 0) {
     Die("ibv_query_device: %s", std::strerror(rc));
   }
-  Check(dev.phys_port_cnt >= 1, Sprintf("query.device: phys_port_cnt >= 1: %s",
-                                        YesNo(dev.phys_port_cnt >= 1)));
-  Check(dev.max_sge >= 4,
-        Sprintf("query.device: max_sge >= 4: %s", YesNo(dev.max_sge >= 4)));
+  Check(dev.phys_port_cnt >= 1,
+        Sprintf("query.device: phys_port_cnt >= 1: %s", YesNo(dev.phys_port_cnt >= 1)));
+  Check(dev.max_sge >= 4, Sprintf("query.device: max_sge >= 4: %s", YesNo(dev.max_sge >= 4)));
   Check(dev.max_qp_rd_atom >= 4,
-        Sprintf("query.device: max_qp_rd_atom >= 4: %s",
-                YesNo(dev.max_qp_rd_atom >= 4)));
-  Check(dev.max_srq >= 1,
-        Sprintf("query.device: max_srq >= 1: %s", YesNo(dev.max_srq >= 1)));
-  Check(dev.atomic_cap != IBV_ATOMIC_NONE,
-        Sprintf("query.device: atomic_cap supported: %s",
-                YesNo(dev.atomic_cap != IBV_ATOMIC_NONE)));
+        Sprintf("query.device: max_qp_rd_atom >= 4: %s", YesNo(dev.max_qp_rd_atom >= 4)));
+  Check(dev.max_srq >= 1, Sprintf("query.device: max_srq >= 1: %s", YesNo(dev.max_srq >= 1)));
+  Check(dev.atomic_cap != IBV_ATOMIC_NONE, Sprintf("query.device: atomic_cap supported: %s",
+                                                   YesNo(dev.atomic_cap != IBV_ATOMIC_NONE)));
 
-  if (const int rc = ibv_query_port(env.ctx.get(), kIbPort, &env.port);
-      rc != 0) {
+  if (const int rc = ibv_query_port(env.ctx.get(), kIbPort, &env.port); rc != 0) {
     Die("ibv_query_port: %s", std::strerror(rc));
   }
   Check(env.port.state == IBV_PORT_ACTIVE,
-        Sprintf("query.port: state ACTIVE: %s",
-                YesNo(env.port.state == IBV_PORT_ACTIVE)));
+        Sprintf("query.port: state ACTIVE: %s", YesNo(env.port.state == IBV_PORT_ACTIVE)));
   Check(env.port.link_layer == IBV_LINK_LAYER_ETHERNET,
         Sprintf("query.port: link_layer ETHERNET: %s",
                 YesNo(env.port.link_layer == IBV_LINK_LAYER_ETHERNET)));
   Check(env.port.active_mtu >= IBV_MTU_1024,
-        Sprintf("query.port: active_mtu >= 1024: %s",
-                YesNo(env.port.active_mtu >= IBV_MTU_1024)));
+        Sprintf("query.port: active_mtu >= 1024: %s", YesNo(env.port.active_mtu >= IBV_MTU_1024)));
   Check(env.port.gid_tbl_len > env.opt.gid_idx,
         Sprintf("query.port: gid_tbl_len > gid-idx: %s",
                 YesNo(env.port.gid_tbl_len > env.opt.gid_idx)));
@@ -970,39 +929,31 @@ void RunDeviceQueries(Env& env) {
     Die("ibv_query_gid: %s", std::strerror(errno));
   }
   const ibv_gid zero{};
-  Check(!SameGid(env.gid, zero), Sprintf("query.gid: gid-idx entry is set: %s",
-                                         YesNo(!SameGid(env.gid, zero))));
+  Check(!SameGid(env.gid, zero),
+        Sprintf("query.gid: gid-idx entry is set: %s", YesNo(!SameGid(env.gid, zero))));
 
   ibv_gid_entry entry{};
-  if (const int rc =
-          ibv_query_gid_ex(env.ctx.get(), kIbPort, env.opt.gid_idx, &entry, 0);
+  if (const int rc = ibv_query_gid_ex(env.ctx.get(), kIbPort, env.opt.gid_idx, &entry, 0);
       rc != 0) {
     Die("ibv_query_gid_ex: %s", std::strerror(rc));
   }
   Check(SameGid(entry.gid, env.gid),
-        Sprintf("query.gid_ex: same gid as ibv_query_gid: %s",
-                YesNo(SameGid(entry.gid, env.gid))));
-  Check(entry.gid_index == static_cast<uint32_t>(env.opt.gid_idx) &&
-            entry.port_num == kIbPort,
+        Sprintf("query.gid_ex: same gid as ibv_query_gid: %s", YesNo(SameGid(entry.gid, env.gid))));
+  Check(entry.gid_index == static_cast<uint32_t>(env.opt.gid_idx) && entry.port_num == kIbPort,
         "query.gid_ex: gid_index and port_num as asked: yes");
   Line("query.gid_ex: gid_type=%s", GidTypeName(entry.gid_type));
 
   std::vector<ibv_gid_entry> table(env.port.gid_tbl_len);
-  const ssize_t n =
-      ibv_query_gid_table(env.ctx.get(), table.data(), table.size(), 0);
-  if (n < 0)
-    Die("ibv_query_gid_table: %s", std::strerror(static_cast<int>(-n)));
+  const ssize_t n = ibv_query_gid_table(env.ctx.get(), table.data(), table.size(), 0);
+  if (n < 0) Die("ibv_query_gid_table: %s", std::strerror(static_cast<int>(-n)));
   bool found = false;
   for (ssize_t i = 0; i < n; ++i) {
     if (table[i].port_num == kIbPort &&
         table[i].gid_index == static_cast<uint32_t>(env.opt.gid_idx)) {
-      found =
-          SameGid(table[i].gid, env.gid) && table[i].gid_type == entry.gid_type;
+      found = SameGid(table[i].gid, env.gid) && table[i].gid_type == entry.gid_type;
     }
   }
-  Check(found,
-        Sprintf("query.gid_table: has gid-idx with same gid and type: %s",
-                YesNo(found)));
+  Check(found, Sprintf("query.gid_table: has gid-idx with same gid and type: %s", YesNo(found)));
 
   uint16_t pkey = 0;
   if (ibv_query_pkey(env.ctx.get(), kIbPort, 0, &pkey) != 0) {
@@ -1012,47 +963,39 @@ void RunDeviceQueries(Env& env) {
 }
 
 // ibv_query_qp right after connecting: what was set must read back.
-void CheckQueryQp(Env& env, ibv_qp* qp, uint32_t my_psn,
-                  const WireEndpoint& peer) {
+void CheckQueryQp(Env& env, ibv_qp* qp, uint32_t my_psn, const WireEndpoint& peer) {
   ibv_qp_attr a{};
   ibv_qp_init_attr init{};
-  const int mask = IBV_QP_STATE | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                   IBV_QP_RQ_PSN | IBV_QP_SQ_PSN | IBV_QP_AV |
-                   IBV_QP_ACCESS_FLAGS | IBV_QP_MAX_QP_RD_ATOMIC |
+  const int mask = IBV_QP_STATE | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                   IBV_QP_SQ_PSN | IBV_QP_AV | IBV_QP_ACCESS_FLAGS | IBV_QP_MAX_QP_RD_ATOMIC |
                    IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_CAP;
   if (const int rc = ibv_query_qp(qp, &a, mask, &init); rc != 0) {
     Die("ibv_query_qp: %s", std::strerror(rc));
   }
-  Check(a.qp_state == IBV_QPS_RTS,
-        Sprintf("query.qp: state=%s", QpStateName(a.qp_state)));
+  Check(a.qp_state == IBV_QPS_RTS, Sprintf("query.qp: state=%s", QpStateName(a.qp_state)));
   Check(a.dest_qp_num == peer.qpn,
-        Sprintf("query.qp: dest_qp_num == peer qp_num: %s",
-                YesNo(a.dest_qp_num == peer.qpn)));
-  Check(a.sq_psn == my_psn,
-        Sprintf("query.qp: sq_psn == own psn: %s", YesNo(a.sq_psn == my_psn)));
-  Check(a.rq_psn == peer.psn, Sprintf("query.qp: rq_psn == peer psn: %s",
-                                      YesNo(a.rq_psn == peer.psn)));
-  Check(a.path_mtu == PathMtu(env), Sprintf("query.qp: path_mtu as set: %s",
-                                            YesNo(a.path_mtu == PathMtu(env))));
+        Sprintf("query.qp: dest_qp_num == peer qp_num: %s", YesNo(a.dest_qp_num == peer.qpn)));
+  Check(a.sq_psn == my_psn, Sprintf("query.qp: sq_psn == own psn: %s", YesNo(a.sq_psn == my_psn)));
+  Check(a.rq_psn == peer.psn,
+        Sprintf("query.qp: rq_psn == peer psn: %s", YesNo(a.rq_psn == peer.psn)));
+  Check(a.path_mtu == PathMtu(env),
+        Sprintf("query.qp: path_mtu as set: %s", YesNo(a.path_mtu == PathMtu(env))));
   Check(SameGid(a.ah_attr.grh.dgid, peer.gid),
-        Sprintf("query.qp: ah dgid == peer gid: %s",
-                YesNo(SameGid(a.ah_attr.grh.dgid, peer.gid))));
+        Sprintf("query.qp: ah dgid == peer gid: %s", YesNo(SameGid(a.ah_attr.grh.dgid, peer.gid))));
   Check(a.ah_attr.grh.sgid_index == env.opt.gid_idx,
         Sprintf("query.qp: ah sgid_index == gid-idx: %s",
                 YesNo(a.ah_attr.grh.sgid_index == env.opt.gid_idx)));
-  const int want_access = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-                          IBV_ACCESS_REMOTE_ATOMIC;
-  Check(
-      a.qp_access_flags == static_cast<unsigned>(want_access),
-      Sprintf("query.qp: access flags as set: %s",
-              YesNo(a.qp_access_flags == static_cast<unsigned>(want_access))));
+  const int want_access =
+      IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+  Check(a.qp_access_flags == static_cast<unsigned>(want_access),
+        Sprintf("query.qp: access flags as set: %s",
+                YesNo(a.qp_access_flags == static_cast<unsigned>(want_access))));
   Check(a.max_rd_atomic == 4 && a.max_dest_rd_atomic == 4,
         Sprintf("query.qp: rd_atomic depths as set: %s",
                 YesNo(a.max_rd_atomic == 4 && a.max_dest_rd_atomic == 4)));
   Check(a.cap.max_inline_data >= 64 && init.cap.max_send_sge >= 4,
-        Sprintf(
-            "query.qp: max_inline_data >= 64 and max_send_sge >= 4: %s",
-            YesNo(a.cap.max_inline_data >= 64 && init.cap.max_send_sge >= 4)));
+        Sprintf("query.qp: max_inline_data >= 64 and max_send_sge >= 4: %s",
+                YesNo(a.cap.max_inline_data >= 64 && init.cap.max_send_sge >= 4)));
 }
 
 // ---------------------------------------------------------------------------
@@ -1088,28 +1031,24 @@ void RcClientTraffic(RcSide& s) {
   Buffer& b = s.buf;
   const WireEndpoint& p = s.peer;
   // Chain A: SEND, SEND_WITH_IMM, RDMA_WRITE, RDMA_WRITE_WITH_IMM, RDMA_READ.
-  ibv_sge a[5] = {b.Sge(kSrcOff + 0, 256), b.Sge(kSrcOff + 256, 128),
-                  b.Sge(kSrcOff + 384, 512), b.Sge(kSrcOff + 640, 256),
-                  b.Sge(kReadDstOff, 384)};
-  std::vector<ibv_send_wr> chain_a = {
-      SendWr(0x101, IBV_WR_SEND, &a[0], 1),
-      SendWr(0x102, IBV_WR_SEND_WITH_IMM, &a[1], 1),
-      SendWr(0x103, IBV_WR_RDMA_WRITE, &a[2], 1),
-      SendWr(0x104, IBV_WR_RDMA_WRITE_WITH_IMM, &a[3], 1),
-      SendWr(0x105, IBV_WR_RDMA_READ, &a[4], 1)};
+  ibv_sge a[5] = {b.Sge(kSrcOff + 0, 256), b.Sge(kSrcOff + 256, 128), b.Sge(kSrcOff + 384, 512),
+                  b.Sge(kSrcOff + 640, 256), b.Sge(kReadDstOff, 384)};
+  std::vector<ibv_send_wr> chain_a = {SendWr(0x101, IBV_WR_SEND, &a[0], 1),
+                                      SendWr(0x102, IBV_WR_SEND_WITH_IMM, &a[1], 1),
+                                      SendWr(0x103, IBV_WR_RDMA_WRITE, &a[2], 1),
+                                      SendWr(0x104, IBV_WR_RDMA_WRITE_WITH_IMM, &a[3], 1),
+                                      SendWr(0x105, IBV_WR_RDMA_READ, &a[4], 1)};
   chain_a[1].imm_data = htonl(kImmSend);
   chain_a[2].wr.rdma = {p.addr + kRdmaOff, p.rkey};
   chain_a[3].wr.rdma = {p.addr + kRdmaOff + 512, p.rkey};
   chain_a[3].imm_data = htonl(kImmWrite);
   chain_a[4].wr.rdma = {p.addr + kReadSrcOff, p.rkey};
   PostSendChain(s.qp.get(), chain_a, "rc chain A");
-  CheckWcs(
-      "rc.send_a", PollCq(s.scq.get(), 5, "rc chain A"),
-      {SendDone(0x101, IBV_WC_SEND, 256), SendDone(0x102, IBV_WC_SEND, 128),
-       SendDone(0x103, IBV_WC_RDMA_WRITE, 512),
-       SendDone(0x104, IBV_WC_RDMA_WRITE, 256),
-       SendDone(0x105, IBV_WC_RDMA_READ, 384)},
-      s.qp->qp_num, p.qpn);
+  CheckWcs("rc.send_a", PollCq(s.scq.get(), 5, "rc chain A"),
+           {SendDone(0x101, IBV_WC_SEND, 256), SendDone(0x102, IBV_WC_SEND, 128),
+            SendDone(0x103, IBV_WC_RDMA_WRITE, 512), SendDone(0x104, IBV_WC_RDMA_WRITE, 256),
+            SendDone(0x105, IBV_WC_RDMA_READ, 384)},
+           s.qp->qp_num, p.qpn);
   CheckBytes("rc.read: local copy of peer bytes", b.at(kReadDstOff),
              Expected(kSeedRcReadSrc, {{0, 384}}));
 
@@ -1129,58 +1068,46 @@ void RcClientTraffic(RcSide& s) {
       SendWr(0x10b, IBV_WR_SEND, gather2, 2)};
   const uint64_t target = p.addr + kAtomicOff;
   chain_b[0].wr.atomic = {target, kAtomicAdd, 0, p.rkey};
-  chain_b[1].wr.atomic = {target, kAtomicInit + kAtomicAdd, kAtomicSwap,
-                          p.rkey};
+  chain_b[1].wr.atomic = {target, kAtomicInit + kAtomicAdd, kAtomicSwap, p.rkey};
   // Stale compare value: must fail and return the current value.
   chain_b[2].wr.atomic = {target, kAtomicInit, 0, p.rkey};
   PostSendChain(s.qp.get(), chain_b, "rc chain B");
   // Inline data is copied at post time: scribbling now must not show up.
   std::memset(b.at(kSrcOff + kInlineOff), 0xee, kInlineLen);
-  CheckWcs(
-      "rc.send_b", PollCq(s.scq.get(), 6, "rc chain B"),
-      {SendDone(0x106, IBV_WC_FETCH_ADD, 8),
-       SendDone(0x107, IBV_WC_COMP_SWAP, 8),
-       SendDone(0x108, IBV_WC_COMP_SWAP, 8),
-       SendDone(0x109, IBV_WC_SEND, kInlineLen),
-       SendDone(0x10a, IBV_WC_SEND, 328), SendDone(0x10b, IBV_WC_SEND, 300)},
-      s.qp->qp_num, p.qpn);
+  CheckWcs("rc.send_b", PollCq(s.scq.get(), 6, "rc chain B"),
+           {SendDone(0x106, IBV_WC_FETCH_ADD, 8), SendDone(0x107, IBV_WC_COMP_SWAP, 8),
+            SendDone(0x108, IBV_WC_COMP_SWAP, 8), SendDone(0x109, IBV_WC_SEND, kInlineLen),
+            SendDone(0x10a, IBV_WC_SEND, 328), SendDone(0x10b, IBV_WC_SEND, 300)},
+           s.qp->qp_num, p.qpn);
   // rxe (like the IB spec) stores atomic results in host byte order.
   uint64_t res[3];
   std::memcpy(res, b.at(kAtomicResOff), sizeof(res));
   CheckU64("rc.fetch_add: returned old value", res[0], kAtomicInit);
-  CheckU64("rc.cmp_swp: returned old value (swap taken)", res[1],
-           kAtomicInit + kAtomicAdd);
-  CheckU64("rc.cmp_swp: returned old value (swap refused)", res[2],
-           kAtomicSwap);
+  CheckU64("rc.cmp_swp: returned old value (swap taken)", res[1], kAtomicInit + kAtomicAdd);
+  CheckU64("rc.cmp_swp: returned old value (swap refused)", res[2], kAtomicSwap);
 }
 
 void RcServerChecks(RcSide& s) {
   Buffer& b = s.buf;
-  CheckWcs(
-      "rc.recv", PollCq(s.rcq.get(), 6, "rc receives"),
-      {RecvDone(0x201, IBV_WC_RECV, 256),
-       RecvDone(0x202, IBV_WC_RECV, 128, kImmSend),
-       RecvDone(0x203, IBV_WC_RECV_RDMA_WITH_IMM, 256, kImmWrite),
-       RecvDone(0x204, IBV_WC_RECV, kInlineLen),
-       RecvDone(0x205, IBV_WC_RECV, 328), RecvDone(0x206, IBV_WC_RECV, 300)},
-      s.qp->qp_num, s.peer.qpn);
-  CheckBytes("rc.recv[0] send", b.at(0 * kSlot),
-             Expected(kSeedRcSrc, {{0, 256}}));
-  CheckBytes("rc.recv[1] send_imm", b.at(1 * kSlot),
-             Expected(kSeedRcSrc, {{256, 128}}));
+  CheckWcs("rc.recv", PollCq(s.rcq.get(), 6, "rc receives"),
+           {RecvDone(0x201, IBV_WC_RECV, 256), RecvDone(0x202, IBV_WC_RECV, 128, kImmSend),
+            RecvDone(0x203, IBV_WC_RECV_RDMA_WITH_IMM, 256, kImmWrite),
+            RecvDone(0x204, IBV_WC_RECV, kInlineLen), RecvDone(0x205, IBV_WC_RECV, 328),
+            RecvDone(0x206, IBV_WC_RECV, 300)},
+           s.qp->qp_num, s.peer.qpn);
+  CheckBytes("rc.recv[0] send", b.at(0 * kSlot), Expected(kSeedRcSrc, {{0, 256}}));
+  CheckBytes("rc.recv[1] send_imm", b.at(1 * kSlot), Expected(kSeedRcSrc, {{256, 128}}));
   CheckBytes("rc.recv[3] inline send", b.at(3 * kSlot),
              Expected(kSeedRcSrc, {{kInlineOff, kInlineLen}}));
   CheckBytes("rc.recv[4] 3-sge gather", b.at(4 * kSlot),
              Expected(kSeedRcSrc, {{10, 100}, {300, 28}, {500, 200}}));
   // 300 bytes gathered from 2 SGEs, scattered into 128 + 172 of 2 SGEs.
-  const std::vector<uint8_t> want =
-      Expected(kSeedRcSrc, {{20, 100}, {700, 200}});
+  const std::vector<uint8_t> want = Expected(kSeedRcSrc, {{20, 100}, {700, 200}});
   CheckBytes("rc.recv[5] scatter part 1", b.at(5 * kSlot),
              std::vector<uint8_t>(want.begin(), want.begin() + 128));
   CheckBytes("rc.recv[5] scatter part 2", b.at(6 * kSlot),
              std::vector<uint8_t>(want.begin() + 128, want.end()));
-  CheckBytes("rc.write: target bytes", b.at(kRdmaOff),
-             Expected(kSeedRcSrc, {{384, 512}}));
+  CheckBytes("rc.write: target bytes", b.at(kRdmaOff), Expected(kSeedRcSrc, {{384, 512}}));
   CheckBytes("rc.write_imm: target bytes", b.at(kRdmaOff + 512),
              Expected(kSeedRcSrc, {{640, 256}}));
   uint64_t word;
@@ -1193,15 +1120,13 @@ void RcServerChecks(RcSide& s) {
 void RcRereg(Env& env, Oob& oob, RcSide& s) {
   if (env.server) {
     errno = 0;
-    const int rc = ibv_rereg_mr(
-        s.buf.mr(), IBV_REREG_MR_CHANGE_ACCESS, nullptr, nullptr, 0,
-        IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
-            IBV_ACCESS_REMOTE_READ);
+    const int rc =
+        ibv_rereg_mr(s.buf.mr(), IBV_REREG_MR_CHANGE_ACCESS, nullptr, nullptr, 0,
+                     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
     const int err = rc != 0 ? errno : 0;
     // rdma-core 44's rxe has no rereg_mr: the call fails before reaching the
     // kernel and the MR stays as it was. Either way the peer uses it next.
-    Line("rereg.change_access: %s errno=%s", ReregResultName(rc),
-         ErrnoName(err).c_str());
+    Line("rereg.change_access: %s errno=%s", ReregResultName(rc), ErrnoName(err).c_str());
     Fill(s.buf.at(kReadSrcOff), 128, kSeedRcRereg);
   }
   const uint32_t peer_rkey = oob.Exchange(s.buf.mr()->rkey);
@@ -1210,18 +1135,15 @@ void RcRereg(Env& env, Oob& oob, RcSide& s) {
     Buffer& b = s.buf;
     Fill(b.at(kSrcOff), 128, kSeedRcRereg + 1);
     ibv_sge sge[2] = {b.Sge(kSrcOff, 128), b.Sge(kReadDstOff, 128)};
-    std::vector<ibv_send_wr> wrs = {
-        SendWr(0x1a1, IBV_WR_RDMA_WRITE, &sge[0], 1),
-        SendWr(0x1a2, IBV_WR_RDMA_READ, &sge[1], 1)};
+    std::vector<ibv_send_wr> wrs = {SendWr(0x1a1, IBV_WR_RDMA_WRITE, &sge[0], 1),
+                                    SendWr(0x1a2, IBV_WR_RDMA_READ, &sge[1], 1)};
     wrs[0].wr.rdma = {s.peer.addr + kRdmaOff + 768, peer_rkey};
     wrs[1].wr.rdma = {s.peer.addr + kReadSrcOff, peer_rkey};
     PostSendChain(s.qp.get(), wrs, "rereg");
     CheckWcs("rereg.use", PollCq(s.scq.get(), 2, "rereg"),
-             {SendDone(0x1a1, IBV_WC_RDMA_WRITE, 128),
-              SendDone(0x1a2, IBV_WC_RDMA_READ, 128)},
+             {SendDone(0x1a1, IBV_WC_RDMA_WRITE, 128), SendDone(0x1a2, IBV_WC_RDMA_READ, 128)},
              s.qp->qp_num, s.peer.qpn);
-    CheckBytes("rereg.read: bytes", b.at(kReadDstOff),
-               Expected(kSeedRcRereg, {{0, 128}}));
+    CheckBytes("rereg.read: bytes", b.at(kReadDstOff), Expected(kSeedRcRereg, {{0, 128}}));
   }
   oob.Barrier("rereg.done");
   if (env.server) {
@@ -1254,18 +1176,15 @@ void RunRcPhase(Env& env, Oob& oob) {
   if (env.server) {
     RcServerChecks(s);
     ibv_sge sge = b.Sge(kSrcOff, 200);
-    std::vector<ibv_send_wr> wr = {
-        SendWr(0x2a1, IBV_WR_SEND_WITH_IMM, &sge, 1)};
+    std::vector<ibv_send_wr> wr = {SendWr(0x2a1, IBV_WR_SEND_WITH_IMM, &sge, 1)};
     wr[0].imm_data = htonl(kImmReply);
     PostSendChain(s.qp.get(), wr, "rc reply");
     CheckWc("rc.reply_send", PollCq(s.scq.get(), 1, "rc reply")[0],
             SendDone(0x2a1, IBV_WC_SEND, 200), s.qp->qp_num, s.peer.qpn);
   } else {
     CheckWc("rc.reply_recv", PollCq(s.rcq.get(), 1, "rc reply")[0],
-            RecvDone(0x301, IBV_WC_RECV, 200, kImmReply), s.qp->qp_num,
-            s.peer.qpn);
-    CheckBytes("rc.reply_recv: bytes", b.at(0),
-               Expected(kSeedRcReply, {{0, 200}}));
+            RecvDone(0x301, IBV_WC_RECV, 200, kImmReply), s.qp->qp_num, s.peer.qpn);
+    CheckBytes("rc.reply_recv: bytes", b.at(0), Expected(kSeedRcReply, {{0, 200}}));
   }
   oob.Barrier("rc.replied");
   RcRereg(env, oob, s);
@@ -1285,8 +1204,8 @@ constexpr uint32_t kImmExSend = 0xe0000002;
 constexpr uint32_t kImmExWrite = 0xe0000004;
 constexpr uint32_t kImmExReply = 0x5eed0002;
 
-constexpr uint64_t kExWcFlags = IBV_WC_EX_WITH_BYTE_LEN | IBV_WC_EX_WITH_IMM |
-                                IBV_WC_EX_WITH_QP_NUM | IBV_WC_EX_WITH_SRC_QP;
+constexpr uint64_t kExWcFlags =
+    IBV_WC_EX_WITH_BYTE_LEN | IBV_WC_EX_WITH_IMM | IBV_WC_EX_WITH_QP_NUM | IBV_WC_EX_WITH_SRC_QP;
 
 CqEx CreateCqEx(Env& env, uint64_t wc_flags) {
   ibv_cq_init_attr_ex attr{};
@@ -1343,8 +1262,7 @@ std::vector<ibv_wc> PollCqExBatch(ibv_cq_ex* cq, int n, const char* what) {
   int rc;
   while ((rc = ibv_start_poll(cq, &attr)) == ENOENT) {
     if (std::chrono::steady_clock::now() > deadline) {
-      Die("%s: no completion after %lld s", what,
-          static_cast<long long>(kCqDeadline.count()));
+      Die("%s: no completion after %lld s", what, static_cast<long long>(kCqDeadline.count()));
     }
   }
   if (rc != 0) Die("ibv_start_poll(%s): %s", what, std::strerror(rc));
@@ -1353,8 +1271,7 @@ std::vector<ibv_wc> PollCqExBatch(ibv_cq_ex* cq, int n, const char* what) {
     rc = ibv_next_poll(cq);
     if (rc != 0) {
       ibv_end_poll(cq);
-      Die("ibv_next_poll(%s) for completion %d of %d: %s", what, i + 1, n,
-          std::strerror(rc));
+      Die("ibv_next_poll(%s) for completion %d of %d: %s", what, i + 1, n, std::strerror(rc));
     }
     wcs.push_back(ReadCqEx(cq));
   }
@@ -1366,8 +1283,7 @@ void CheckCqExEmpty(ibv_cq_ex* cq, const std::string& label) {
   ibv_poll_cq_attr attr{};
   const int rc = ibv_start_poll(cq, &attr);
   if (rc == 0) ibv_end_poll(cq);
-  Check(rc == ENOENT, Sprintf("%s: no further completion: %s", label.c_str(),
-                              YesNo(rc == ENOENT)));
+  Check(rc == ENOENT, Sprintf("%s: no further completion: %s", label.c_str(), YesNo(rc == ENOENT)));
 }
 
 struct ExSide {
@@ -1378,19 +1294,18 @@ struct ExSide {
         psn(NewPsn(env)) {
     if (!scq || !rcq) Die("ibv_create_cq_ex: %s", std::strerror(errno));
     ibv_qp_init_attr_ex attr{};
-    const ibv_qp_init_attr base = RcInitAttr(
-        ibv_cq_ex_to_cq(scq.get()), ibv_cq_ex_to_cq(rcq.get()), nullptr);
+    const ibv_qp_init_attr base =
+        RcInitAttr(ibv_cq_ex_to_cq(scq.get()), ibv_cq_ex_to_cq(rcq.get()), nullptr);
     attr.send_cq = base.send_cq;
     attr.recv_cq = base.recv_cq;
     attr.cap = base.cap;
     attr.qp_type = IBV_QPT_RC;
     attr.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
     attr.pd = env.pd.get();
-    attr.send_ops_flags =
-        IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM |
-        IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM |
-        IBV_QP_EX_WITH_RDMA_READ | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD |
-        IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP;
+    attr.send_ops_flags = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM |
+                          IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM |
+                          IBV_QP_EX_WITH_RDMA_READ | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD |
+                          IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP;
     qp.reset(ibv_create_qp_ex(env.ctx.get(), &attr));
     if (!qp) Die("ibv_create_qp_ex: %s", std::strerror(errno));
     InitRc(qp.get());
@@ -1413,8 +1328,7 @@ void CompleteWr(ibv_qp_ex* qpx, const char* what) {
 }
 
 // Starts a work request under the current ibv_wr_start batch.
-void NextWr(ibv_qp_ex* qpx, uint64_t wr_id,
-            unsigned flags = IBV_SEND_SIGNALED) {
+void NextWr(ibv_qp_ex* qpx, uint64_t wr_id, unsigned flags = IBV_SEND_SIGNALED) {
   qpx->wr_id = wr_id;
   qpx->wr_flags = flags;
 }
@@ -1449,13 +1363,11 @@ void ExClientTraffic(ExSide& s) {
   ibv_wr_rdma_read(q, p.rkey, p.addr + kReadSrcOff);
   ibv_wr_set_sge(q, lkey, b.addr(kReadDstOff), 384);
   CompleteWr(q, "ex batch A");
-  CheckWcs(
-      "ex.send_a", PollCqExEach(s.scq.get(), 5, "ex batch A"),
-      {SendDone(0x401, IBV_WC_SEND, 256), SendDone(0x402, IBV_WC_SEND, 128),
-       SendDone(0x403, IBV_WC_RDMA_WRITE, 512),
-       SendDone(0x404, IBV_WC_RDMA_WRITE, 256),
-       SendDone(0x405, IBV_WC_RDMA_READ, 384)},
-      s.qp->qp_num, p.qpn);
+  CheckWcs("ex.send_a", PollCqExEach(s.scq.get(), 5, "ex batch A"),
+           {SendDone(0x401, IBV_WC_SEND, 256), SendDone(0x402, IBV_WC_SEND, 128),
+            SendDone(0x403, IBV_WC_RDMA_WRITE, 512), SendDone(0x404, IBV_WC_RDMA_WRITE, 256),
+            SendDone(0x405, IBV_WC_RDMA_READ, 384)},
+           s.qp->qp_num, p.qpn);
   CheckBytes("ex.read: local copy of peer bytes", b.at(kReadDstOff),
              Expected(kSeedExReadSrc, {{0, 384}}));
 
@@ -1464,8 +1376,7 @@ void ExClientTraffic(ExSide& s) {
   ibv_wr_atomic_fetch_add(q, p.rkey, p.addr + kAtomicOff, kAtomicAdd);
   ibv_wr_set_sge(q, lkey, b.addr(kAtomicResOff), 8);
   NextWr(q, 0x407);
-  ibv_wr_atomic_cmp_swp(q, p.rkey, p.addr + kAtomicOff,
-                        kAtomicInit + kAtomicAdd, kAtomicSwap);
+  ibv_wr_atomic_cmp_swp(q, p.rkey, p.addr + kAtomicOff, kAtomicInit + kAtomicAdd, kAtomicSwap);
   ibv_wr_set_sge(q, lkey, b.addr(kAtomicResOff + 8), 8);
   // rxe's kernel side copies inline payload only for WRs flagged INLINE, and
   // ibv_wr_set_inline_data in rdma-core 44 does not set the flag itself.
@@ -1482,10 +1393,8 @@ void ExClientTraffic(ExSide& s) {
   CompleteWr(q, "ex batch B");
   std::memset(b.at(kSrcOff + kInlineOff), 0xee, kInlineLen);
   CheckWcs("ex.send_b", PollCqExEach(s.scq.get(), 4, "ex batch B"),
-           {SendDone(0x406, IBV_WC_FETCH_ADD, 8),
-            SendDone(0x407, IBV_WC_COMP_SWAP, 8),
-            SendDone(0x408, IBV_WC_SEND, kInlineLen),
-            SendDone(0x409, IBV_WC_SEND, 300)},
+           {SendDone(0x406, IBV_WC_FETCH_ADD, 8), SendDone(0x407, IBV_WC_COMP_SWAP, 8),
+            SendDone(0x408, IBV_WC_SEND, kInlineLen), SendDone(0x409, IBV_WC_SEND, 300)},
            s.qp->qp_num, p.qpn);
   uint64_t res[2];
   std::memcpy(res, b.at(kAtomicResOff), sizeof(res));
@@ -1498,21 +1407,17 @@ void ExClientTraffic(ExSide& s) {
 void ExServerChecks(ExSide& s) {
   Buffer& b = s.buf;
   CheckWcs("ex.recv", PollCqExBatch(s.rcq.get(), 5, "ex receives"),
-           {RecvDone(0x501, IBV_WC_RECV, 256),
-            RecvDone(0x502, IBV_WC_RECV, 128, kImmExSend),
+           {RecvDone(0x501, IBV_WC_RECV, 256), RecvDone(0x502, IBV_WC_RECV, 128, kImmExSend),
             RecvDone(0x503, IBV_WC_RECV_RDMA_WITH_IMM, 256, kImmExWrite),
-            RecvDone(0x504, IBV_WC_RECV, kInlineLen),
-            RecvDone(0x505, IBV_WC_RECV, 300)},
+            RecvDone(0x504, IBV_WC_RECV, kInlineLen), RecvDone(0x505, IBV_WC_RECV, 300)},
            s.qp->qp_num, s.peer.qpn);
   CheckBytes("ex.recv[0] send", b.at(0), Expected(kSeedExSrc, {{0, 256}}));
-  CheckBytes("ex.recv[1] send_imm", b.at(kSlot),
-             Expected(kSeedExSrc, {{256, 128}}));
+  CheckBytes("ex.recv[1] send_imm", b.at(kSlot), Expected(kSeedExSrc, {{256, 128}}));
   CheckBytes("ex.recv[3] inline send", b.at(3 * kSlot),
              Expected(kSeedExSrc, {{kInlineOff, kInlineLen}}));
   CheckBytes("ex.recv[4] sge list", b.at(4 * kSlot),
              Expected(kSeedExSrc, {{10, 100}, {300, 100}, {500, 100}}));
-  CheckBytes("ex.write: target bytes", b.at(kRdmaOff),
-             Expected(kSeedExSrc, {{384, 512}}));
+  CheckBytes("ex.write: target bytes", b.at(kRdmaOff), Expected(kSeedExSrc, {{384, 512}}));
   CheckBytes("ex.write_imm: target bytes", b.at(kRdmaOff + 512),
              Expected(kSeedExSrc, {{640, 256}}));
   uint64_t word;
@@ -1521,8 +1426,7 @@ void ExServerChecks(ExSide& s) {
 }
 
 void ExReply(ExSide& s) {
-  const ibv_sge list[2] = {s.buf.Sge(kSrcOff, 100),
-                           s.buf.Sge(kSrcOff + 200, 100)};
+  const ibv_sge list[2] = {s.buf.Sge(kSrcOff, 100), s.buf.Sge(kSrcOff + 200, 100)};
   ibv_wr_start(s.qpx);
   NextWr(s.qpx, 0x5a1);
   ibv_wr_send_imm(s.qpx, htonl(kImmExReply));
@@ -1562,10 +1466,8 @@ void RunExPhase(Env& env, Oob& oob) {
     ExReply(s);
   } else {
     CheckWc("ex.reply_recv", PollCqExEach(s.rcq.get(), 1, "ex reply")[0],
-            RecvDone(0x601, IBV_WC_RECV, 200, kImmExReply), s.qp->qp_num,
-            s.peer.qpn);
-    CheckBytes("ex.reply_recv: bytes", b.at(0),
-               Expected(kSeedExReply, {{0, 100}, {200, 100}}));
+            RecvDone(0x601, IBV_WC_RECV, 200, kImmExReply), s.qp->qp_num, s.peer.qpn);
+    CheckBytes("ex.reply_recv: bytes", b.at(0), Expected(kSeedExReply, {{0, 100}, {200, 100}}));
   }
   CheckCqExEmpty(s.scq.get(), "ex.send_cq");
   CheckCqExEmpty(s.rcq.get(), "ex.recv_cq");
@@ -1603,15 +1505,14 @@ void SrqServerSetup(Env& env, ibv_srq* srq, Buffer& b) {
   if (const int rc = ibv_query_srq(srq, &attr); rc != 0) {
     Die("ibv_query_srq: %s", std::strerror(rc));
   }
-  Check(attr.max_wr >= 16, Sprintf("srq.query: max_wr >= requested: %s",
-                                   YesNo(attr.max_wr >= 16)));
+  Check(attr.max_wr >= 16, Sprintf("srq.query: max_wr >= requested: %s", YesNo(attr.max_wr >= 16)));
   Check(attr.srq_limit == kSrqLimit,
         Sprintf("srq.query: srq_limit=%u after modify", attr.srq_limit));
   SetNonBlocking(env.ctx->async_fd);
 }
 
-void SrqServerChecks(Env& env, ibv_srq* srq, ibv_cq* rcq, ibv_qp* qp,
-                     uint32_t peer_qpn, Buffer& b) {
+void SrqServerChecks(Env& env, ibv_srq* srq, ibv_cq* rcq, ibv_qp* qp, uint32_t peer_qpn,
+                     Buffer& b) {
   CheckWcs("srq.recv", PollCq(rcq, 5, "srq receives"),
            {RecvDone(0x701, IBV_WC_RECV, 64), RecvDone(0x702, IBV_WC_RECV, 128),
             RecvDone(0x703, IBV_WC_RECV, 200), RecvDone(0x704, IBV_WC_RECV, 32),
@@ -1628,10 +1529,8 @@ void SrqServerChecks(Env& env, ibv_srq* srq, ibv_cq* rcq, ibv_qp* qp,
   const bool is_limit = ev.event_type == IBV_EVENT_SRQ_LIMIT_REACHED;
   const bool same_srq = is_limit && ev.element.srq == srq;
   ibv_ack_async_event(&ev);
-  Check(is_limit,
-        Sprintf("srq.async_event: SRQ_LIMIT_REACHED: %s", YesNo(is_limit)));
-  Check(same_srq,
-        Sprintf("srq.async_event: element.srq is ours: %s", YesNo(same_srq)));
+  Check(is_limit, Sprintf("srq.async_event: SRQ_LIMIT_REACHED: %s", YesNo(is_limit)));
+  Check(same_srq, Sprintf("srq.async_event: element.srq is ours: %s", YesNo(same_srq)));
   ibv_srq_attr attr{};
   if (const int rc = ibv_query_srq(srq, &attr); rc != 0) {
     Die("ibv_query_srq: %s", std::strerror(rc));
@@ -1654,30 +1553,25 @@ void RunSrqPhase(Env& env, Oob& oob) {
   }
   Qp qp = CreateRcQp(env, scq.get(), rcq.get(), srq.get());
   const uint32_t psn = NewPsn(env);
-  const WireEndpoint peer =
-      ExchangeAndConnect(env, oob, qp.get(), psn, &b, "srq.connected");
+  const WireEndpoint peer = ExchangeAndConnect(env, oob, qp.get(), psn, &b, "srq.connected");
   if (!env.server) {
     Fill(b.at(kSrcOff), kSrcLen, kSeedSrq);
-    ibv_sge sge[5] = {b.Sge(kSrcOff + 0, 64), b.Sge(kSrcOff + 64, 128),
-                      b.Sge(kSrcOff + 192, 200), b.Sge(kSrcOff + 392, 32),
-                      b.Sge(kSrcOff + 424, 16)};
+    ibv_sge sge[5] = {b.Sge(kSrcOff + 0, 64), b.Sge(kSrcOff + 64, 128), b.Sge(kSrcOff + 192, 200),
+                      b.Sge(kSrcOff + 392, 32), b.Sge(kSrcOff + 424, 16)};
     std::vector<ibv_send_wr> wrs;
     for (int i = 0; i < 5; ++i) {
-      wrs.push_back(SendWr(
-          0x711 + i, i < 4 ? IBV_WR_SEND : IBV_WR_SEND_WITH_IMM, &sge[i], 1));
+      wrs.push_back(SendWr(0x711 + i, i < 4 ? IBV_WR_SEND : IBV_WR_SEND_WITH_IMM, &sge[i], 1));
     }
     wrs[4].imm_data = htonl(kImmSrq);
     PostSendChain(qp.get(), wrs, "srq sends");
-    CheckWcs(
-        "srq.send", PollCq(scq.get(), 5, "srq sends"),
-        {SendDone(0x711, IBV_WC_SEND, 64), SendDone(0x712, IBV_WC_SEND, 128),
-         SendDone(0x713, IBV_WC_SEND, 200), SendDone(0x714, IBV_WC_SEND, 32),
-         SendDone(0x715, IBV_WC_SEND, 16)},
-        qp->qp_num, peer.qpn);
+    CheckWcs("srq.send", PollCq(scq.get(), 5, "srq sends"),
+             {SendDone(0x711, IBV_WC_SEND, 64), SendDone(0x712, IBV_WC_SEND, 128),
+              SendDone(0x713, IBV_WC_SEND, 200), SendDone(0x714, IBV_WC_SEND, 32),
+              SendDone(0x715, IBV_WC_SEND, 16)},
+             qp->qp_num, peer.qpn);
   }
   oob.Barrier("srq.sent");
-  if (env.server)
-    SrqServerChecks(env, srq.get(), rcq.get(), qp.get(), peer.qpn, b);
+  if (env.server) SrqServerChecks(env, srq.get(), rcq.get(), qp.get(), peer.qpn, b);
   oob.Barrier("srq.done");
   qp.reset();  // before the SRQ it draws from
 }
@@ -1707,9 +1601,7 @@ Qp CreateUdQp(Env& env, ibv_cq* scq, ibv_cq* rcq) {
   a.pkey_index = 0;
   a.port_num = kIbPort;
   a.qkey = kQkey;
-  ModifyQp(qp.get(), a,
-           IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY,
-           "UD INIT");
+  ModifyQp(qp.get(), a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY, "UD INIT");
   a = {};
   a.qp_state = IBV_QPS_RTR;
   ModifyQp(qp.get(), a, IBV_QP_STATE, "UD RTR");
@@ -1748,29 +1640,26 @@ GrhGids ParseGrh(const uint8_t* area) {
   return g;
 }
 
-void CheckUdRecv(Env& env, const std::string& label, const ibv_wc& wc, Expect e,
-                 uint32_t own_qpn, const WireEndpoint& peer,
-                 const uint8_t* slot, const std::vector<uint8_t>& payload) {
+void CheckUdRecv(Env& env, const std::string& label, const ibv_wc& wc, Expect e, uint32_t own_qpn,
+                 const WireEndpoint& peer, const uint8_t* slot,
+                 const std::vector<uint8_t>& payload) {
   e.grh = true;
   e.src_qp_is_peer = true;
   CheckWc(label, wc, e, own_qpn, peer.qpn);
   const GrhGids g = ParseGrh(slot);
-  Check(SameGid(g.sgid, peer.gid),
-        Sprintf("%s: grh (%s) source gid == peer gid: %s", label.c_str(),
-                g.form, YesNo(SameGid(g.sgid, peer.gid))));
-  Check(SameGid(g.dgid, env.gid),
-        Sprintf("%s: grh destination gid == own gid: %s", label.c_str(),
-                YesNo(SameGid(g.dgid, env.gid))));
+  Check(SameGid(g.sgid, peer.gid), Sprintf("%s: grh (%s) source gid == peer gid: %s", label.c_str(),
+                                           g.form, YesNo(SameGid(g.sgid, peer.gid))));
+  Check(SameGid(g.dgid, env.gid), Sprintf("%s: grh destination gid == own gid: %s", label.c_str(),
+                                          YesNo(SameGid(g.dgid, env.gid))));
   CheckBytes(label + " payload", slot + kGrhLen, payload);
 }
 
 std::vector<ibv_wc> UdSend(ibv_qp* qp, ibv_cq* scq, Buffer& b, ibv_ah* ah[2],
-                           uint32_t remote_qpn[2], uint64_t first_wr_id,
-                           const uint32_t len[2], uint32_t imm) {
+                           uint32_t remote_qpn[2], uint64_t first_wr_id, const uint32_t len[2],
+                           uint32_t imm) {
   ibv_sge sge[2] = {b.Sge(kSrcOff, len[0]), b.Sge(kSrcOff + 256, len[1])};
-  std::vector<ibv_send_wr> wrs = {
-      SendWr(first_wr_id, IBV_WR_SEND, &sge[0], 1),
-      SendWr(first_wr_id + 1, IBV_WR_SEND_WITH_IMM, &sge[1], 1)};
+  std::vector<ibv_send_wr> wrs = {SendWr(first_wr_id, IBV_WR_SEND, &sge[0], 1),
+                                  SendWr(first_wr_id + 1, IBV_WR_SEND_WITH_IMM, &sge[1], 1)};
   for (int i = 0; i < 2; ++i) {
     wrs[i].wr.ud.ah = ah[i];
     wrs[i].wr.ud.remote_qpn = remote_qpn[i];
@@ -1781,8 +1670,8 @@ std::vector<ibv_wc> UdSend(ibv_qp* qp, ibv_cq* scq, Buffer& b, ibv_ah* ah[2],
   return PollCq(scq, 2, "ud sends");
 }
 
-void UdServerReply(Env& env, ibv_qp* qp, ibv_cq* scq, Buffer& b,
-                   std::vector<ibv_wc>& wcs, const WireEndpoint& peer) {
+void UdServerReply(Env& env, ibv_qp* qp, ibv_cq* scq, Buffer& b, std::vector<ibv_wc>& wcs,
+                   const WireEndpoint& peer) {
   auto* grh0 = reinterpret_cast<ibv_grh*>(b.at(0));
   auto* grh1 = reinterpret_cast<ibv_grh*>(b.at(kUdSlot));
   Ah ah_from_wc(ibv_create_ah_from_wc(env.pd.get(), &wcs[0], grh0, kIbPort));
@@ -1792,28 +1681,24 @@ void UdServerReply(Env& env, ibv_qp* qp, ibv_cq* scq, Buffer& b,
   if (ibv_init_ah_from_wc(env.ctx.get(), kIbPort, &wcs[1], grh1, &attr) != 0) {
     Die("ibv_init_ah_from_wc: %s", std::strerror(errno));
   }
-  Check(attr.is_global == 1, Sprintf("ud.init_ah_from_wc: is_global: %s",
-                                     YesNo(attr.is_global == 1)));
-  Check(SameGid(attr.grh.dgid, peer.gid),
-        Sprintf("ud.init_ah_from_wc: dgid == peer gid: %s",
-                YesNo(SameGid(attr.grh.dgid, peer.gid))));
+  Check(attr.is_global == 1,
+        Sprintf("ud.init_ah_from_wc: is_global: %s", YesNo(attr.is_global == 1)));
+  Check(SameGid(attr.grh.dgid, peer.gid), Sprintf("ud.init_ah_from_wc: dgid == peer gid: %s",
+                                                  YesNo(SameGid(attr.grh.dgid, peer.gid))));
   Check(attr.grh.sgid_index == env.opt.gid_idx,
         Sprintf("ud.init_ah_from_wc: sgid_index == gid-idx: %s",
                 YesNo(attr.grh.sgid_index == env.opt.gid_idx)));
-  Check(attr.port_num == kIbPort,
-        Sprintf("ud.init_ah_from_wc: port_num: %u", attr.port_num));
+  Check(attr.port_num == kIbPort, Sprintf("ud.init_ah_from_wc: port_num: %u", attr.port_num));
   Ah ah_from_attr(ibv_create_ah(env.pd.get(), &attr));
-  if (!ah_from_attr)
-    Die("ibv_create_ah(from wc attr): %s", std::strerror(errno));
+  if (!ah_from_attr) Die("ibv_create_ah(from wc attr): %s", std::strerror(errno));
 
   Fill(b.at(kSrcOff), kSrcLen, kSeedUdReply);
   ibv_ah* ahs[2] = {ah_from_wc.get(), ah_from_attr.get()};
   uint32_t qpns[2] = {wcs[0].src_qp, wcs[1].src_qp};
   const uint32_t lens[2] = {150, 50};
-  CheckWcs(
-      "ud.reply_send", UdSend(qp, scq, b, ahs, qpns, 0x8a1, lens, kImmUdReply),
-      {SendDone(0x8a1, IBV_WC_SEND, 150), SendDone(0x8a2, IBV_WC_SEND, 50)},
-      qp->qp_num, peer.qpn);
+  CheckWcs("ud.reply_send", UdSend(qp, scq, b, ahs, qpns, 0x8a1, lens, kImmUdReply),
+           {SendDone(0x8a1, IBV_WC_SEND, 150), SendDone(0x8a2, IBV_WC_SEND, 50)}, qp->qp_num,
+           peer.qpn);
 }
 
 void RunUdPhase(Env& env, Oob& oob) {
@@ -1842,33 +1727,27 @@ void RunUdPhase(Env& env, Oob& oob) {
     ibv_ah* ahs[2] = {ah.get(), ah.get()};
     uint32_t qpns[2] = {peer.qpn, peer.qpn};
     const uint32_t lens[2] = {200, 100};
-    CheckWcs(
-        "ud.send",
-        UdSend(qp.get(), scq.get(), b, ahs, qpns, 0x811, lens, kImmUd),
-        {SendDone(0x811, IBV_WC_SEND, 200), SendDone(0x812, IBV_WC_SEND, 100)},
-        qp->qp_num, peer.qpn);
+    CheckWcs("ud.send", UdSend(qp.get(), scq.get(), b, ahs, qpns, 0x811, lens, kImmUd),
+             {SendDone(0x811, IBV_WC_SEND, 200), SendDone(0x812, IBV_WC_SEND, 100)}, qp->qp_num,
+             peer.qpn);
   }
   oob.Barrier("ud.sent");
   if (env.server) {
     std::vector<ibv_wc> wcs = PollCq(rcq.get(), 2, "ud receives");
-    CheckUdRecv(env, "ud.recv[0]", wcs[0],
-                RecvDone(0x801, IBV_WC_RECV, kGrhLen + 200), qp->qp_num, peer,
-                b.at(0), Expected(kSeedUd, {{0, 200}}));
-    CheckUdRecv(env, "ud.recv[1]", wcs[1],
-                RecvDone(0x802, IBV_WC_RECV, kGrhLen + 100, kImmUd), qp->qp_num,
-                peer, b.at(kUdSlot), Expected(kSeedUd, {{256, 100}}));
+    CheckUdRecv(env, "ud.recv[0]", wcs[0], RecvDone(0x801, IBV_WC_RECV, kGrhLen + 200), qp->qp_num,
+                peer, b.at(0), Expected(kSeedUd, {{0, 200}}));
+    CheckUdRecv(env, "ud.recv[1]", wcs[1], RecvDone(0x802, IBV_WC_RECV, kGrhLen + 100, kImmUd),
+                qp->qp_num, peer, b.at(kUdSlot), Expected(kSeedUd, {{256, 100}}));
     UdServerReply(env, qp.get(), scq.get(), b, wcs, peer);
   }
   oob.Barrier("ud.replied");
   if (!env.server) {
     std::vector<ibv_wc> wcs = PollCq(rcq.get(), 2, "ud replies");
-    CheckUdRecv(env, "ud.reply_recv[0]", wcs[0],
-                RecvDone(0x901, IBV_WC_RECV, kGrhLen + 150), qp->qp_num, peer,
-                b.at(0), Expected(kSeedUdReply, {{0, 150}}));
+    CheckUdRecv(env, "ud.reply_recv[0]", wcs[0], RecvDone(0x901, IBV_WC_RECV, kGrhLen + 150),
+                qp->qp_num, peer, b.at(0), Expected(kSeedUdReply, {{0, 150}}));
     CheckUdRecv(env, "ud.reply_recv[1]", wcs[1],
-                RecvDone(0x902, IBV_WC_RECV, kGrhLen + 50, kImmUdReply),
-                qp->qp_num, peer, b.at(kUdSlot),
-                Expected(kSeedUdReply, {{256, 50}}));
+                RecvDone(0x902, IBV_WC_RECV, kGrhLen + 50, kImmUdReply), qp->qp_num, peer,
+                b.at(kUdSlot), Expected(kSeedUdReply, {{256, 50}}));
   }
   CheckCqEmpty(rcq.get(), "ud.recv_cq");
   oob.Barrier("ud.done");
@@ -1885,12 +1764,10 @@ struct CqCookie {
   const char* name;
 };
 
-void WaitCqEvent(ibv_comp_channel* ch, ibv_cq* want_cq, void* want_ctx,
-                 const std::string& label) {
+void WaitCqEvent(ibv_comp_channel* ch, ibv_cq* want_cq, void* want_ctx, const std::string& label) {
   pollfd pfd{ch->fd, POLLIN, 0};
   const int ready = poll(&pfd, 1, kEventTimeoutMs);
-  if (ready <= 0)
-    Die("%s: no CQ event within %d ms", label.c_str(), kEventTimeoutMs);
+  if (ready <= 0) Die("%s: no CQ event within %d ms", label.c_str(), kEventTimeoutMs);
   ibv_cq* cq = nullptr;
   void* ctx = nullptr;
   if (ibv_get_cq_event(ch, &cq, &ctx) != 0) {
@@ -1898,10 +1775,9 @@ void WaitCqEvent(ibv_comp_channel* ch, ibv_cq* want_cq, void* want_ctx,
   }
   // Acked right away: ibv_destroy_cq waits for every event to be acked.
   ibv_ack_cq_events(cq, 1);
-  Check(cq == want_cq, Sprintf("%s: event cq is ours: %s", label.c_str(),
-                               YesNo(cq == want_cq)));
-  Check(ctx == want_ctx, Sprintf("%s: event cq_context is ours: %s",
-                                 label.c_str(), YesNo(ctx == want_ctx)));
+  Check(cq == want_cq, Sprintf("%s: event cq is ours: %s", label.c_str(), YesNo(cq == want_cq)));
+  Check(ctx == want_ctx,
+        Sprintf("%s: event cq_context is ours: %s", label.c_str(), YesNo(ctx == want_ctx)));
 }
 
 void ArmCq(ibv_cq* cq, bool solicited_only) {
@@ -1922,14 +1798,12 @@ void RunChannelPhase(Env& env, Oob& oob) {
   Qp qp = CreateRcQp(env, cq.get(), cq.get());
   const uint32_t psn = NewPsn(env);
   if (env.server) {
-    for (int i = 0; i < 3; ++i)
-      PostRecv(qp.get(), 0xa01 + i, {b.Sge(i * kSlot, kSlot)});
+    for (int i = 0; i < 3; ++i) PostRecv(qp.get(), 0xa01 + i, {b.Sge(i * kSlot, kSlot)});
   } else {
     Fill(b.at(kSrcOff), kSrcLen, kSeedChan);
   }
   ArmCq(cq.get(), false);
-  const WireEndpoint peer =
-      ExchangeAndConnect(env, oob, qp.get(), psn, &b, "chan.connected");
+  const WireEndpoint peer = ExchangeAndConnect(env, oob, qp.get(), psn, &b, "chan.connected");
 
   // Round 1: any completion raises an event on both sides.
   if (!env.server) {
@@ -1937,12 +1811,12 @@ void RunChannelPhase(Env& env, Oob& oob) {
     std::vector<ibv_send_wr> wr = {SendWr(0xa11, IBV_WR_SEND, &sge, 1)};
     PostSendChain(qp.get(), wr, "chan send");
     WaitCqEvent(ch.get(), cq.get(), &cookie, "chan.event_send");
-    CheckWc("chan.send", PollCq(cq.get(), 1, "chan send")[0],
-            SendDone(0xa11, IBV_WC_SEND, 100), qp->qp_num, peer.qpn);
+    CheckWc("chan.send", PollCq(cq.get(), 1, "chan send")[0], SendDone(0xa11, IBV_WC_SEND, 100),
+            qp->qp_num, peer.qpn);
   } else {
     WaitCqEvent(ch.get(), cq.get(), &cookie, "chan.event_recv");
-    CheckWc("chan.recv", PollCq(cq.get(), 1, "chan recv")[0],
-            RecvDone(0xa01, IBV_WC_RECV, 100), qp->qp_num, peer.qpn);
+    CheckWc("chan.recv", PollCq(cq.get(), 1, "chan recv")[0], RecvDone(0xa01, IBV_WC_RECV, 100),
+            qp->qp_num, peer.qpn);
     CheckBytes("chan.recv bytes", b.at(0), Expected(kSeedChan, {{0, 100}}));
     ArmCq(cq.get(), true);
   }
@@ -1954,22 +1828,18 @@ void RunChannelPhase(Env& env, Oob& oob) {
     ibv_sge sge[2] = {b.Sge(kSrcOff + 100, 64), b.Sge(kSrcOff + 164, 32)};
     std::vector<ibv_send_wr> wrs = {
         SendWr(0xa12, IBV_WR_SEND, &sge[0], 1),
-        SendWr(0xa13, IBV_WR_SEND_WITH_IMM, &sge[1], 1,
-               IBV_SEND_SIGNALED | IBV_SEND_SOLICITED)};
+        SendWr(0xa13, IBV_WR_SEND_WITH_IMM, &sge[1], 1, IBV_SEND_SIGNALED | IBV_SEND_SOLICITED)};
     wrs[1].imm_data = htonl(kImmChan);
     PostSendChain(qp.get(), wrs, "chan solicited");
-    CheckWcs(
-        "chan.send_solicited", PollCq(cq.get(), 2, "chan solicited"),
-        {SendDone(0xa12, IBV_WC_SEND, 64), SendDone(0xa13, IBV_WC_SEND, 32)},
-        qp->qp_num, peer.qpn);
+    CheckWcs("chan.send_solicited", PollCq(cq.get(), 2, "chan solicited"),
+             {SendDone(0xa12, IBV_WC_SEND, 64), SendDone(0xa13, IBV_WC_SEND, 32)}, qp->qp_num,
+             peer.qpn);
   } else {
     WaitCqEvent(ch.get(), cq.get(), &cookie, "chan.event_solicited");
     CheckWcs("chan.recv_solicited", PollCq(cq.get(), 2, "chan solicited"),
-             {RecvDone(0xa02, IBV_WC_RECV, 64),
-              RecvDone(0xa03, IBV_WC_RECV, 32, kImmChan)},
+             {RecvDone(0xa02, IBV_WC_RECV, 64), RecvDone(0xa03, IBV_WC_RECV, 32, kImmChan)},
              qp->qp_num, peer.qpn);
-    CheckBytes("chan.recv_solicited bytes", b.at(kSlot),
-               Expected(kSeedChan, {{100, 64}}));
+    CheckBytes("chan.recv_solicited bytes", b.at(kSlot), Expected(kSeedChan, {{100, 64}}));
   }
   oob.Barrier("chan.done");
 }
@@ -1985,8 +1855,7 @@ void ErrorBadLkey(Env& env, Oob& oob) {
   Cq cq = CreateCq(env);
   Qp qp = CreateRcQp(env, cq.get(), cq.get());
   const uint32_t psn = NewPsn(env);
-  const WireEndpoint peer =
-      ExchangeAndConnect(env, oob, qp.get(), psn, &b, "err.lkey.connected");
+  const WireEndpoint peer = ExchangeAndConnect(env, oob, qp.get(), psn, &b, "err.lkey.connected");
   if (!env.server) {
     Fill(b.at(kSrcOff), kSrcLen, kSeedErr);
     ibv_sge bad = b.Sge(kSrcOff, 64);
@@ -1995,18 +1864,15 @@ void ErrorBadLkey(Env& env, Oob& oob) {
     std::vector<ibv_send_wr> wrs = {SendWr(0xb01, IBV_WR_SEND, &bad, 1),
                                     SendWr(0xb02, IBV_WR_SEND, &good, 1)};
     PostSendChain(qp.get(), wrs, "bad lkey");
-    CheckWcs(
-        "err.bad_lkey", PollCq(cq.get(), 2, "bad lkey"),
-        {ErrorDone(0xb01, std::nullopt), ErrorDone(0xb02, IBV_WC_WR_FLUSH_ERR)},
-        qp->qp_num, peer.qpn);
+    CheckWcs("err.bad_lkey", PollCq(cq.get(), 2, "bad lkey"),
+             {ErrorDone(0xb01, std::nullopt), ErrorDone(0xb02, IBV_WC_WR_FLUSH_ERR)}, qp->qp_num,
+             peer.qpn);
     const ibv_qp_state st = QueryQpState(qp.get());
-    Check(st == IBV_QPS_ERR,
-          Sprintf("err.bad_lkey: requester state=%s", QpStateName(st)));
+    Check(st == IBV_QPS_ERR, Sprintf("err.bad_lkey: requester state=%s", QpStateName(st)));
   }
   oob.Barrier("err.lkey.done");
   if (env.server) {
-    Line("err.bad_lkey: responder state=%s",
-         QpStateName(QueryQpState(qp.get())));
+    Line("err.bad_lkey: responder state=%s", QpStateName(QueryQpState(qp.get())));
   }
 }
 
@@ -2015,8 +1881,7 @@ void ErrorBadRkey(Env& env, Oob& oob) {
   Cq cq = CreateCq(env);
   Qp qp = CreateRcQp(env, cq.get(), cq.get());
   const uint32_t psn = NewPsn(env);
-  const WireEndpoint peer =
-      ExchangeAndConnect(env, oob, qp.get(), psn, &b, "err.rkey.connected");
+  const WireEndpoint peer = ExchangeAndConnect(env, oob, qp.get(), psn, &b, "err.rkey.connected");
   if (!env.server) {
     Fill(b.at(kSrcOff), kSrcLen, kSeedErr);
     ibv_sge sge = b.Sge(kSrcOff, 64);
@@ -2026,16 +1891,14 @@ void ErrorBadRkey(Env& env, Oob& oob) {
     CheckWc("err.bad_rkey", PollCq(cq.get(), 1, "bad rkey")[0],
             ErrorDone(0xb11, IBV_WC_REM_ACCESS_ERR), qp->qp_num, peer.qpn);
     const ibv_qp_state st = QueryQpState(qp.get());
-    Check(st == IBV_QPS_ERR,
-          Sprintf("err.bad_rkey: requester state=%s", QpStateName(st)));
+    Check(st == IBV_QPS_ERR, Sprintf("err.bad_rkey: requester state=%s", QpStateName(st)));
   }
   oob.Barrier("err.rkey.done");
   if (env.server) {
     const uint8_t zero[64] = {};
     Check(std::memcmp(b.at(kRdmaOff), zero, sizeof(zero)) == 0,
           "err.bad_rkey: target bytes untouched: yes");
-    Line("err.bad_rkey: responder state=%s",
-         QpStateName(SettledQpState(qp.get())));
+    Line("err.bad_rkey: responder state=%s", QpStateName(SettledQpState(qp.get())));
   }
 }
 
@@ -2054,23 +1917,20 @@ void ErrorBadTransitions(Env& env) {
   a.max_rd_atomic = 1;
   errno = 0;
   int rc = ibv_modify_qp(qp.get(), &a,
-                         IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT |
-                             IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                             IBV_QP_MAX_QP_RD_ATOMIC);
+                         IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                             IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
   int err = errno;
-  Check(rc == EINVAL, Sprintf("err.modify RESET->RTS: rc=%s errno=%s",
-                              ErrnoName(rc).c_str(), ErrnoName(err).c_str()));
+  Check(rc == EINVAL, Sprintf("err.modify RESET->RTS: rc=%s errno=%s", ErrnoName(rc).c_str(),
+                              ErrnoName(err).c_str()));
   a = {};
   a.qp_state = IBV_QPS_INIT;  // missing the required PKEY_INDEX, PORT, ACCESS
   errno = 0;
   rc = ibv_modify_qp(qp.get(), &a, IBV_QP_STATE);
   err = errno;
-  Check(rc == EINVAL,
-        Sprintf("err.modify RESET->INIT without attrs: rc=%s errno=%s",
-                ErrnoName(rc).c_str(), ErrnoName(err).c_str()));
+  Check(rc == EINVAL, Sprintf("err.modify RESET->INIT without attrs: rc=%s errno=%s",
+                              ErrnoName(rc).c_str(), ErrnoName(err).c_str()));
   const ibv_qp_state st = QueryQpState(qp.get());
-  Check(st == IBV_QPS_RESET,
-        Sprintf("err.modify: state stays %s", QpStateName(st)));
+  Check(st == IBV_QPS_RESET, Sprintf("err.modify: state stays %s", QpStateName(st)));
 }
 
 void RunErrorPhase(Env& env, Oob& oob) {
@@ -2121,8 +1981,7 @@ Context OpenDevice(const std::string& name) {
   for (int i = 0; i < n; ++i) {
     if (name == ibv_get_device_name(list.get()[i])) {
       Context ctx(ibv_open_device(list.get()[i]));
-      if (!ctx)
-        Die("ibv_open_device(%s): %s", name.c_str(), std::strerror(errno));
+      if (!ctx) Die("ibv_open_device(%s): %s", name.c_str(), std::strerror(errno));
       return ctx;
     }
   }
@@ -2137,13 +1996,10 @@ int main(int argc, char** argv) {
   env.server = env.opt.server_host.empty();
   // PSNs differ from run to run (like ibv_rc_pingpong's); they never reach
   // the transcript.
-  env.rng.seed(
-      static_cast<uint32_t>(getpid()) ^
-      static_cast<uint32_t>(
-          std::chrono::steady_clock::now().time_since_epoch().count()));
+  env.rng.seed(static_cast<uint32_t>(getpid()) ^
+               static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  Line("verbs_coverage: role=%s scenario=%u", env.server ? "server" : "client",
-       kScenarioVersion);
+  Line("verbs_coverage: role=%s scenario=%u", env.server ? "server" : "client", kScenarioVersion);
 
   env.ctx = OpenDevice(env.opt.dev);
   env.pd.reset(ibv_alloc_pd(env.ctx.get()));
@@ -2153,8 +2009,7 @@ int main(int argc, char** argv) {
   Oob oob = env.server ? Oob::Listen(env.opt.tcp_port)
                        : Oob::Connect(env.opt.server_host, env.opt.tcp_port);
   const uint32_t peer_version = oob.Exchange(kScenarioVersion);
-  if (peer_version != kScenarioVersion)
-    Die("peer runs scenario %u", peer_version);
+  if (peer_version != kScenarioVersion) Die("peer runs scenario %u", peer_version);
 
   RunRcPhase(env, oob);
   RunExPhase(env, oob);

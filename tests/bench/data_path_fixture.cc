@@ -21,8 +21,7 @@ absl::Status VerbError(const char* verb) {
 // Builds the stack with `api`: the NullBackend itself or a Shim over it,
 // which have the same verbs under the same names.
 template <typename Api>
-absl::Status Build(Api* api, ibv_device* device, char* buffer, size_t length,
-                   DataPathStack* s) {
+absl::Status Build(Api* api, ibv_device* device, char* buffer, size_t length, DataPathStack* s) {
   s->ctx = api->OpenDevice(device);
   if (s->ctx == nullptr) return VerbError("ibv_open_device");
   s->pd = api->AllocPd(s->ctx);

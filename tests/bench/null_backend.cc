@@ -100,9 +100,7 @@ ibv_context* NullBackend::OpenDevice(ibv_device* device) {
   return ctx;
 }
 
-int NullBackend::CloseDevice(ibv_context* ctx) {
-  return Release(&contexts_, ctx) ? 0 : EINVAL;
-}
+int NullBackend::CloseDevice(ibv_context* ctx) { return Release(&contexts_, ctx) ? 0 : EINVAL; }
 
 int NullBackend::GetAsyncEvent(ibv_context*, ibv_async_event*) { return Failed(); }
 void NullBackend::AckAsyncEvent(ibv_async_event*) {}
@@ -112,8 +110,7 @@ void NullBackend::AckAsyncEvent(ibv_async_event*) {}
 int NullBackend::QueryDevice(ibv_context*, ibv_device_attr*) { return ENOSYS; }
 int NullBackend::QueryPort(ibv_context*, uint8_t, ibv_port_attr*) { return ENOSYS; }
 int NullBackend::QueryGid(ibv_context*, uint8_t, int, ibv_gid*) { return Failed(); }
-int NullBackend::QueryGidEx(ibv_context*, uint32_t, uint32_t, ibv_gid_entry*, uint32_t,
-                            size_t) {
+int NullBackend::QueryGidEx(ibv_context*, uint32_t, uint32_t, ibv_gid_entry*, uint32_t, size_t) {
   return ENOSYS;
 }
 ssize_t NullBackend::QueryGidTable(ibv_context*, ibv_gid_entry*, size_t, uint32_t, size_t) {
@@ -133,8 +130,7 @@ ibv_pd* NullBackend::AllocPd(ibv_context* ctx) {
 
 int NullBackend::DeallocPd(ibv_pd* pd) { return Release(&pds_, pd) ? 0 : EINVAL; }
 
-ibv_mr* NullBackend::RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t,
-                           unsigned int) {
+ibv_mr* NullBackend::RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t, unsigned int) {
   ibv_mr* mr = Keep(&mrs_);
   mr->context = pd->context;
   mr->pd = pd;
@@ -179,9 +175,7 @@ void NullBackend::AckCqEvents(ibv_cq*, unsigned int) {}
 
 // ---------------------------------------------------------------- SRQ
 
-ibv_srq* NullBackend::CreateSrq(ibv_pd*, ibv_srq_init_attr*) {
-  return Unsupported<ibv_srq>();
-}
+ibv_srq* NullBackend::CreateSrq(ibv_pd*, ibv_srq_init_attr*) { return Unsupported<ibv_srq>(); }
 int NullBackend::ModifySrq(ibv_srq*, ibv_srq_attr*, int) { return ENOSYS; }
 int NullBackend::QuerySrq(ibv_srq*, ibv_srq_attr*) { return ENOSYS; }
 int NullBackend::DestroySrq(ibv_srq*) { return ENOSYS; }
@@ -206,8 +200,7 @@ ibv_qp* NullBackend::CreateQpEx(ibv_context* ctx, ibv_qp_init_attr_ex* attr) {
   if (attr->comp_mask != IBV_QP_INIT_ATTR_PD || attr->pd == nullptr) {
     return Unsupported<ibv_qp>(EOPNOTSUPP);  // no ibv_qp_ex, XRC, RSS ...
   }
-  if (attr->qp_type != IBV_QPT_RC && attr->qp_type != IBV_QPT_UC &&
-      attr->qp_type != IBV_QPT_UD) {
+  if (attr->qp_type != IBV_QPT_RC && attr->qp_type != IBV_QPT_UC && attr->qp_type != IBV_QPT_UD) {
     return Unsupported<ibv_qp>(EOPNOTSUPP);
   }
   if (attr->srq != nullptr) return Unsupported<ibv_qp>(EINVAL);  // no SRQs here

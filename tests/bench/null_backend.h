@@ -54,17 +54,15 @@ class NullBackend : public shim::VerbsBackend {
   int QueryGid(ibv_context* ctx, uint8_t port, int index, ibv_gid* gid) override;
   int QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index, ibv_gid_entry* entry,
                  uint32_t flags, size_t size) override;
-  ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries, size_t max,
-                        uint32_t flags, size_t size) override;
+  ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries, size_t max, uint32_t flags,
+                        size_t size) override;
   int QueryPkey(ibv_context* ctx, uint8_t port, int index, __be16* pkey) override;
   int GetPkeyIndex(ibv_context* ctx, uint8_t port, __be16 pkey) override;
 
   ibv_pd* AllocPd(ibv_context* ctx) override;
   int DeallocPd(ibv_pd* pd) override;
-  ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
-                unsigned int access) override;
-  int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length,
-              int access) override;
+  ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned int access) override;
+  int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length, int access) override;
   int DeregMr(ibv_mr* mr) override;
 
   ibv_comp_channel* CreateCompChannel(ibv_context* ctx) override;

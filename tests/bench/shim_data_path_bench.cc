@@ -85,18 +85,18 @@ void RecvBatches(benchmark::State& state, DataPathStack& s, Timed timed) {
 // Each verb three ways: straight to the null backend, through the shim in
 // its default mode (nothing to translate before a move) and in offset mode
 // (everything translated, as after a move).
-#define RDMAVIRT_BENCH3(name, body)                                             \
-  void BM_##name##_Direct(benchmark::State& state) {                           \
-    DataPathStack& s = Fixture().direct();                                     \
-    body;                                                                      \
-  }                                                                            \
-  void BM_##name##_Shim(benchmark::State& state) {                             \
-    DataPathStack& s = Fixture().shim();                                       \
-    body;                                                                      \
-  }                                                                            \
-  void BM_##name##_ShimOffset(benchmark::State& state) {                       \
-    DataPathStack& s = Fixture().shim_offset();                                \
-    body;                                                                      \
+#define RDMAVIRT_BENCH3(name, body)                      \
+  void BM_##name##_Direct(benchmark::State& state) {     \
+    DataPathStack& s = Fixture().direct();               \
+    body;                                                \
+  }                                                      \
+  void BM_##name##_Shim(benchmark::State& state) {       \
+    DataPathStack& s = Fixture().shim();                 \
+    body;                                                \
+  }                                                      \
+  void BM_##name##_ShimOffset(benchmark::State& state) { \
+    DataPathStack& s = Fixture().shim_offset();          \
+    body;                                                \
   }
 
 RDMAVIRT_BENCH3(PostSend, PostSendLoop(state, s.qp, &s.send))

@@ -107,16 +107,14 @@ int pthread_rwlock_wrlock(pthread_rwlock_t* l) {
 //
 // One per verb, not inlined, with C names for --toggle-collect.
 
-__attribute__((noinline)) int rdmavirt_bench_post_send_loop(ibv_qp* qp, ibv_send_wr* wr,
-                                                            long n) {
+__attribute__((noinline)) int rdmavirt_bench_post_send_loop(ibv_qp* qp, ibv_send_wr* wr, long n) {
   ibv_send_wr* bad = nullptr;
   int rc = 0;
   for (long i = 0; i < n; ++i) rc |= ibv_post_send(qp, wr, &bad);
   return rc;
 }
 
-__attribute__((noinline)) int rdmavirt_bench_post_recv_loop(ibv_qp* qp, ibv_recv_wr* wr,
-                                                            long n) {
+__attribute__((noinline)) int rdmavirt_bench_post_recv_loop(ibv_qp* qp, ibv_recv_wr* wr, long n) {
   ibv_recv_wr* bad = nullptr;
   int rc = 0;
   for (long i = 0; i < n; ++i) rc |= ibv_post_recv(qp, wr, &bad);
@@ -202,8 +200,8 @@ bool CheckShimSemantics(DataPathFixture& f) {
     std::fprintf(stderr, "check: a post through the shim failed\n");
     ok = false;
   }
-  if (s.send.next != send.next || s.send.sg_list != send.sg_list ||
-      s.send_sge.lkey != sge.lkey || s.write.wr.rdma.rkey != rkey) {
+  if (s.send.next != send.next || s.send.sg_list != send.sg_list || s.send_sge.lkey != sge.lkey ||
+      s.write.wr.rdma.rkey != rkey) {
     std::fprintf(stderr, "check: the shim left a work request changed\n");
     ok = false;
   }
@@ -232,12 +230,15 @@ int Check(long n) {
   // The counters see what they should: one allocation, one lock.
   g_counting = true;
   void* volatile p = malloc(16);
-  { std::mutex m; std::lock_guard<std::mutex> lock(m); }
+  {
+    std::mutex m;
+    std::lock_guard<std::mutex> lock(m);
+  }
   g_counting = false;
   free(p);
   if (g_allocations != 1 || g_locks != 1) {
-    std::fprintf(stderr, "check: counter self-test saw %ld allocations, %ld locks\n",
-                 g_allocations, g_locks);
+    std::fprintf(stderr, "check: counter self-test saw %ld allocations, %ld locks\n", g_allocations,
+                 g_locks);
     return 1;
   }
 

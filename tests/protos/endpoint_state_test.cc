@@ -1,10 +1,9 @@
 // The serialized endpoint state keeps every field across a round trip,
 // and bytes that are not a state are refused by the parser.
-#include "rdmavirt/v1/endpoint_state.pb.h"
-
 #include <string>
 
 #include "gtest/gtest.h"
+#include "rdmavirt/v1/endpoint_state.pb.h"
 
 namespace rdmavirt {
 namespace {
@@ -36,8 +35,7 @@ TEST(EndpointStateTest, RoundTripKeepsEveryField) {
   v1::EndpointState back;
   ASSERT_TRUE(back.ParseFromString(bytes));
   EXPECT_EQ(back.SerializeAsString(), bytes);
-  EXPECT_EQ(back.qps(0).transitions(0).ah_attr().grh().dgid().raw(),
-            std::string(16, '\x7f'));
+  EXPECT_EQ(back.qps(0).transitions(0).ah_attr().grh().dgid().raw(), std::string(16, '\x7f'));
   EXPECT_EQ(back.qps(0).outstanding_recvs(0).sg_list(0).lkey(), 0x10000301u);
 }
 

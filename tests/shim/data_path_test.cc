@@ -46,7 +46,9 @@ class SendChain {
   bool Unchanged() const {
     if (memcmp(wr_bytes_.data(), wrs_.data(), wr_bytes_.size()) != 0) return false;
     for (size_t i = 0; i < lists_.size(); ++i)
-      if (!lists_[i].empty() && memcmp(sge_bytes_[i].data(), lists_[i].data(), sge_bytes_[i].size()) != 0) return false;
+      if (!lists_[i].empty() &&
+          memcmp(sge_bytes_[i].data(), lists_[i].data(), sge_bytes_[i].size()) != 0)
+        return false;
     return true;
   }
 
@@ -267,8 +269,8 @@ TEST_F(DataPathTest, UdTranslatesAhAndQpnAndShowsVirtualAddresses) {
   EXPECT_EQ(memcmp(ip + 16, dev().gid.raw + 12, 4), 0) << "destination";
 
   // Replying through an AH made from the completion reaches the sender.
-  ibv_ah* reply = shim_.CreateAhFromWc(dev().pd, const_cast<ibv_wc*>(&wc),
-                                       reinterpret_cast<ibv_grh*>(dst), 1);
+  ibv_ah* reply =
+      shim_.CreateAhFromWc(dev().pd, const_cast<ibv_wc*>(&wc), reinterpret_cast<ibv_grh*>(dst), 1);
   ASSERT_NE(reply, nullptr);
   EXPECT_TRUE(GidEq(fake_.ahs().back().attr.grh.dgid, FakeBackend::Gid(1)));
   EXPECT_EQ(fake_.ahs().back().attr.grh.sgid_index, 1);
@@ -304,8 +306,7 @@ TEST_F(DataPathTest, InitAhFromWcGivesVirtualDestination) {
   auto wcs = Drain(dev().cq);
   ASSERT_EQ(wcs.size(), 1u);
   ibv_ah_attr attr{};
-  ASSERT_EQ(shim_.InitAhFromWc(dev().ctx, 1, &wcs[0], reinterpret_cast<ibv_grh*>(buf), &attr),
-            0);
+  ASSERT_EQ(shim_.InitAhFromWc(dev().ctx, 1, &wcs[0], reinterpret_cast<ibv_grh*>(buf), &attr), 0);
   EXPECT_TRUE(attr.is_global);
   EXPECT_TRUE(GidEq(attr.grh.dgid, dev().gid));
   EXPECT_EQ(attr.grh.sgid_index, kIpv4GidIndex);

@@ -47,9 +47,9 @@ TEST_F(ErrorsTest, ReregAndDeregFailuresKeepTheMr) {
   ibv_mr* mr = dev().Reg(buf, sizeof(buf));
   const uint32_t lkey = mr->lkey;
   fake_.FailNext(Op::kReregMr, EINVAL);
-  EXPECT_EQ(shim_.ReregMr(mr, IBV_REREG_MR_CHANGE_ACCESS, nullptr, nullptr, 0,
-                          IBV_ACCESS_LOCAL_WRITE),
-            EINVAL);
+  EXPECT_EQ(
+      shim_.ReregMr(mr, IBV_REREG_MR_CHANGE_ACCESS, nullptr, nullptr, 0, IBV_ACCESS_LOCAL_WRITE),
+      EINVAL);
   fake_.FailNext(Op::kDeregMr, EBUSY);
   EXPECT_EQ(shim_.DeregMr(mr), EBUSY);
   EXPECT_EQ(mr->lkey, lkey);
@@ -233,8 +233,7 @@ TEST_F(ErrorsTest, QueryFailuresAreNotTranslated) {
 TEST_F(ErrorsTest, ShadowsOfTheWrongKindAreNotShadows) {
   // A CQ where a channel is expected: EINVAL, nothing reaches the device.
   errno = 0;
-  EXPECT_EQ(shim_.CreateCq(dev().ctx, 8, nullptr,
-                           reinterpret_cast<ibv_comp_channel*>(dev().cq), 0),
+  EXPECT_EQ(shim_.CreateCq(dev().ctx, 8, nullptr, reinterpret_cast<ibv_comp_channel*>(dev().cq), 0),
             nullptr);
   EXPECT_EQ(errno, EINVAL);
 }

@@ -283,8 +283,8 @@ struct FakeBackend::Ops {
     std::lock_guard<std::mutex> lock(f->mu_);
     QpObj* qp = f->Lookup(f->qps_, q);
     for (; wr != nullptr; wr = wr->next) {
-      if (qp == nullptr || qp->srq != nullptr || q->state == IBV_QPS_RESET ||
-          wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > qp->cap.max_recv_sge) {
+      if (qp == nullptr || qp->srq != nullptr || q->state == IBV_QPS_RESET || wr->num_sge < 0 ||
+          static_cast<uint32_t>(wr->num_sge) > qp->cap.max_recv_sge) {
         *bad = wr;
         return EINVAL;
       }
@@ -311,8 +311,7 @@ struct FakeBackend::Ops {
     std::lock_guard<std::mutex> lock(f->mu_);
     SrqObj* srq = f->Lookup(f->srqs_, s);
     for (; wr != nullptr; wr = wr->next) {
-      if (srq == nullptr || wr->num_sge < 0 ||
-          static_cast<uint32_t>(wr->num_sge) > srq->max_sge) {
+      if (srq == nullptr || wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > srq->max_sge) {
         *bad = wr;
         return EINVAL;
       }
@@ -535,7 +534,7 @@ struct FakeBackend::Ops {
 ibv_gid FakeBackend::Gid(int index) {
   ibv_gid g{};
   if (index == 0) {
-    static constexpr uint8_t kLinkLocal[16] = {0xfe, 0x80, 0, 0, 0, 0, 0, 0,
+    static constexpr uint8_t kLinkLocal[16] = {0xfe, 0x80, 0,    0,    0,    0,    0,    0,
                                                0x02, 0x16, 0x3e, 0xff, 0xfe, 0x4d, 0x00, 0x09};
     memcpy(g.raw, kLinkLocal, 16);
   } else if (index == 1) {
@@ -640,8 +639,7 @@ int FakeBackend::Validate(QpObj* qp, const Wr& w) const {
   const ibv_qp& q = qp->ex.qp_base;
   if (q.state != IBV_QPS_RTS && q.state != IBV_QPS_ERR) return EINVAL;
   if (w.num_sge < 0 || static_cast<uint32_t>(w.num_sge) > qp->cap.max_send_sge) return EINVAL;
-  if ((w.flags & IBV_SEND_INLINE) && w.inline_data.size() > qp->cap.max_inline_data)
-    return EINVAL;
+  if ((w.flags & IBV_SEND_INLINE) && w.inline_data.size() > qp->cap.max_inline_data) return EINVAL;
   switch (w.opcode) {
     case IBV_WR_SEND:
     case IBV_WR_SEND_WITH_IMM:
@@ -1124,8 +1122,8 @@ int FakeBackend::QueryGid(ibv_context* ctx, uint8_t port, int index, ibv_gid* gi
   return 0;
 }
 
-int FakeBackend::QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index,
-                            ibv_gid_entry* entry, uint32_t flags, size_t size) {
+int FakeBackend::QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index, ibv_gid_entry* entry,
+                            uint32_t flags, size_t size) {
   std::lock_guard<std::mutex> lock(mu_);
   if (Lookup(contexts_, ctx) == nullptr || port != kPort || flags != 0 ||
       size < sizeof(ibv_gid_entry) || index >= static_cast<uint32_t>(kGidCount))
@@ -1247,8 +1245,7 @@ ibv_mr* FakeBackend::RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
   return m;
 }
 
-int FakeBackend::ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length,
-                         int access) {
+int FakeBackend::ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length, int access) {
   std::lock_guard<std::mutex> lock(mu_);
   int err;
   if (TakeFault(Op::kReregMr, &err)) return err;
@@ -1552,15 +1549,14 @@ ibv_qp* FakeBackend::CreateQpLocked(ibv_context* ctx, ibv_qp_init_attr_ex* attr)
   constexpr uint64_t kOps = IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM |
                             IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM |
                             IBV_QP_EX_WITH_RDMA_READ | IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP |
-                            IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD |
-                            IBV_QP_EX_WITH_SEND_WITH_INV;
+                            IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD | IBV_QP_EX_WITH_SEND_WITH_INV;
   auto fail = [](int e) -> ibv_qp* {
     errno = e;
     return nullptr;
   };
   if (Lookup(contexts_, ctx) == nullptr) return fail(EINVAL);
-  if (attr->comp_mask & ~(IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS |
-                          IBV_QP_INIT_ATTR_CREATE_FLAGS))
+  if (attr->comp_mask &
+      ~(IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS | IBV_QP_INIT_ATTR_CREATE_FLAGS))
     return fail(EOPNOTSUPP);
   if (!(attr->comp_mask & IBV_QP_INIT_ATTR_PD)) return fail(EINVAL);
   if ((attr->comp_mask & IBV_QP_INIT_ATTR_CREATE_FLAGS) && attr->create_flags != 0)

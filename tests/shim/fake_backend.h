@@ -97,7 +97,7 @@ class FakeBackend final : public VerbsBackend {
     uint32_t remote_qkey = 0;      // UD
   };
   struct RecvRecord {
-    uint32_t qp_num = 0;      // 0 when posted to an SRQ
+    uint32_t qp_num = 0;  // 0 when posted to an SRQ
     ibv_srq* srq = nullptr;
     uint64_t wr_id = 0;
     std::vector<uint32_t> lkeys;
@@ -131,16 +131,14 @@ class FakeBackend final : public VerbsBackend {
   int QueryGid(ibv_context* ctx, uint8_t port, int index, ibv_gid* gid) override;
   int QueryGidEx(ibv_context* ctx, uint32_t port, uint32_t index, ibv_gid_entry* entry,
                  uint32_t flags, size_t size) override;
-  ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries, size_t max,
-                        uint32_t flags, size_t size) override;
+  ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries, size_t max, uint32_t flags,
+                        size_t size) override;
   int QueryPkey(ibv_context* ctx, uint8_t port, int index, __be16* pkey) override;
   int GetPkeyIndex(ibv_context* ctx, uint8_t port, __be16 pkey) override;
   ibv_pd* AllocPd(ibv_context* ctx) override;
   int DeallocPd(ibv_pd* pd) override;
-  ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
-                unsigned int access) override;
-  int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length,
-              int access) override;
+  ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned int access) override;
+  int ReregMr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length, int access) override;
   int DeregMr(ibv_mr* mr) override;
   ibv_comp_channel* CreateCompChannel(ibv_context* ctx) override;
   int DestroyCompChannel(ibv_comp_channel* channel) override;
@@ -217,18 +215,18 @@ class FakeBackend final : public VerbsBackend {
 
   bool TakeFault(Op op, int* error);  // requires mu_
   template <typename T>
-  T* Lookup(const Owned<T>& objects, const void* p) const;  // requires mu_
-  uint32_t NewKey();                                         // requires mu_
+  T* Lookup(const Owned<T>& objects, const void* p) const;          // requires mu_
+  uint32_t NewKey();                                                // requires mu_
   MrObj* FindMr(const PdObj* pd, uint32_t key, bool remote) const;  // requires mu_
-  QpObj* FindQpByNum(uint32_t qpn) const;                          // requires mu_
+  QpObj* FindQpByNum(uint32_t qpn) const;                           // requires mu_
   bool IsOurGid(const ibv_gid& gid) const;
   ibv_qp* CreateQpLocked(ibv_context* ctx, ibv_qp_init_attr_ex* attr);
-  int Validate(QpObj* qp, const Wr& wr) const;                     // requires mu_
-  void Execute(QpObj* qp, const Wr& wr);                           // requires mu_
+  int Validate(QpObj* qp, const Wr& wr) const;  // requires mu_
+  void Execute(QpObj* qp, const Wr& wr);        // requires mu_
   ibv_wc_status Deliver(QpObj* qp, const Wr& wr, const std::string& payload,
-                        uint32_t* byte_len);                       // requires mu_
-  void Complete(CqObj* cq, const ibv_wc& wc, bool solicited);     // requires mu_
-  void FlushRecvs(QpObj* qp);                                      // requires mu_
+                        uint32_t* byte_len);                   // requires mu_
+  void Complete(CqObj* cq, const ibv_wc& wc, bool solicited);  // requires mu_
+  void FlushRecvs(QpObj* qp);                                  // requires mu_
 
   mutable std::mutex mu_;
   ibv_device device_{};

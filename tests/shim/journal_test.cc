@@ -55,8 +55,8 @@ TEST_F(JournalTest, FailedTransitionsAreNotJournaled) {
   fake_.FailNext(FakeBackend::Op::kModifyQp, ETIMEDOUT);
   attr.qp_state = IBV_QPS_INIT;
   attr.port_num = 1;
-  EXPECT_EQ(shim_.ModifyQp(qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-                                          IBV_QP_ACCESS_FLAGS),
+  EXPECT_EQ(shim_.ModifyQp(qp, &attr,
+                           IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS),
             ETIMEDOUT);
   EXPECT_EQ(qp->state, IBV_QPS_RESET);
   const Qp* q = Find(shim_, qp);

@@ -98,8 +98,8 @@ TEST_F(ShimTest, ModifyQpGivesTheBackendPhysicalDestination) {
     if (!(m.mask & IBV_QP_DEST_QPN)) continue;
     seen = true;
     EXPECT_EQ(m.rc, 0);
-    const uint32_t peer = m.qp == ShimQp(a)->real ? ShimQp(b)->real->qp_num
-                                                  : ShimQp(a)->real->qp_num;
+    const uint32_t peer =
+        m.qp == ShimQp(a)->real ? ShimQp(b)->real->qp_num : ShimQp(a)->real->qp_num;
     EXPECT_EQ(m.attr.dest_qp_num, peer);
     EXPECT_TRUE(GidEq(m.attr.ah_attr.grh.dgid, FakeBackend::Gid(1)));
   }
@@ -353,8 +353,7 @@ TEST_F(ShimTest, AsyncEventsMapToShadowsAndAckMapsBack) {
     EXPECT_EQ(static_cast<void*>(out.element.qp), c.shadow) << c.type;
     shim_.AckAsyncEvent(&out);
     ASSERT_FALSE(fake_.acked_async_events().empty());
-    EXPECT_EQ(static_cast<void*>(fake_.acked_async_events().back().element.qp), c.real)
-        << c.type;
+    EXPECT_EQ(static_cast<void*>(fake_.acked_async_events().back().element.qp), c.real) << c.type;
   }
 
   ibv_async_event port{};

@@ -51,8 +51,7 @@ int ToRts(V& v, ibv_qp* qp, uint32_t dest_qpn, const ibv_gid& dgid,
     a.qkey = kQkey;
     mask |= IBV_QP_QKEY;
   } else {
-    a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-                        IBV_ACCESS_REMOTE_ATOMIC;
+    a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
     mask |= IBV_QP_ACCESS_FLAGS;
   }
   if (int r = v.ModifyQp(qp, &a, mask)) return r;

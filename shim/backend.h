@@ -80,6 +80,22 @@ class VerbsBackend {
   virtual int SetEce(ibv_qp*, ibv_ece*) { return EOPNOTSUPP; }
 };
 
+// ibv_create_qp's attributes in the form of ibv_create_qp_ex's, for the
+// shim and for backends that build one on the other.
+inline ibv_qp_init_attr_ex ToInitAttrEx(ibv_pd* pd, const ibv_qp_init_attr& attr) {
+  ibv_qp_init_attr_ex ex{};
+  ex.qp_context = attr.qp_context;
+  ex.send_cq = attr.send_cq;
+  ex.recv_cq = attr.recv_cq;
+  ex.srq = attr.srq;
+  ex.cap = attr.cap;
+  ex.qp_type = attr.qp_type;
+  ex.sq_sig_all = attr.sq_sig_all;
+  ex.comp_mask = IBV_QP_INIT_ATTR_PD;
+  ex.pd = pd;
+  return ex;
+}
+
 // The libibverbs that the shim interposes on (the next definition of each
 // symbol after the shim's own). nullptr if libibverbs cannot be found.
 VerbsBackend* RealBackend();

@@ -623,16 +623,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
 ibv_qp* Shim::CreateQp(ibv_pd* p, ibv_qp_init_attr* attr) {
   Pd* pd = FindPd(p);
   if (pd == nullptr) return backend_->CreateQp(p, attr);
-  ibv_qp_init_attr_ex ex{};
-  ex.qp_context = attr->qp_context;
-  ex.send_cq = attr->send_cq;
-  ex.recv_cq = attr->recv_cq;
-  ex.srq = attr->srq;
-  ex.cap = attr->cap;
-  ex.qp_type = attr->qp_type;
-  ex.sq_sig_all = attr->sq_sig_all;
-  ex.comp_mask = IBV_QP_INIT_ATTR_PD;
-  ex.pd = p;
+  ibv_qp_init_attr_ex ex = ToInitAttrEx(p, *attr);
   ibv_qp* qp = CreateQpEx(p->context, &ex);
   if (qp != nullptr) attr->cap = ex.cap;
   return qp;

@@ -183,16 +183,7 @@ int NullBackend::DestroySrq(ibv_srq*) { return ENOSYS; }
 // ---------------------------------------------------------------- QP
 
 ibv_qp* NullBackend::CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) {
-  ibv_qp_init_attr_ex ex{};
-  ex.qp_context = attr->qp_context;
-  ex.send_cq = attr->send_cq;
-  ex.recv_cq = attr->recv_cq;
-  ex.srq = attr->srq;
-  ex.cap = attr->cap;
-  ex.qp_type = attr->qp_type;
-  ex.sq_sig_all = attr->sq_sig_all;
-  ex.comp_mask = IBV_QP_INIT_ATTR_PD;
-  ex.pd = pd;
+  ibv_qp_init_attr_ex ex = shim::ToInitAttrEx(pd, *attr);
   return CreateQpEx(pd->context, &ex);
 }
 

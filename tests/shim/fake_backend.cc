@@ -1519,16 +1519,7 @@ ibv_qp* FakeBackend::CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) {
     errno = EINVAL;
     return nullptr;
   }
-  ibv_qp_init_attr_ex ex{};
-  ex.qp_context = attr->qp_context;
-  ex.send_cq = attr->send_cq;
-  ex.recv_cq = attr->recv_cq;
-  ex.srq = attr->srq;
-  ex.cap = attr->cap;
-  ex.qp_type = attr->qp_type;
-  ex.sq_sig_all = attr->sq_sig_all;
-  ex.comp_mask = IBV_QP_INIT_ATTR_PD;
-  ex.pd = pd;
+  ibv_qp_init_attr_ex ex = ToInitAttrEx(pd, *attr);
   ibv_qp* qp = CreateQpLocked(pd->context, &ex);
   if (qp != nullptr) attr->cap = ex.cap;
   return qp;

@@ -65,6 +65,23 @@ inline uint32_t UdPeerQpn(const Qp* qp, const Ah* ah, uint32_t qpn) {
   return ah->remote != nullptr ? ah->remote->Qpn(qpn) : qp->mode.PhysicalQpn(qpn);
 }
 
+// The field of a WR that holds the peer's rkey, if its opcode has one.
+inline uint32_t* RkeyField(ibv_send_wr* wr) {
+  switch (wr->opcode) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+    case IBV_WR_RDMA_READ:
+      return &wr->wr.rdma.rkey;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return &wr->wr.atomic.rkey;
+    case IBV_WR_SEND_WITH_INV:
+      return &wr->invalidate_rkey;
+    default:
+      return nullptr;
+  }
+}
+
 // Rewrites one send WR to physical identities; false if it does not fit.
 inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   const int nsge = wr->num_sge;
@@ -75,22 +92,7 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
     uint32_t* lkey = &wr->sg_list[i].lkey;
     p->Key(lkey, qp->mrs->ToPhysical(*lkey));
   }
-  switch (wr->opcode) {
-    case IBV_WR_RDMA_WRITE:
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-    case IBV_WR_RDMA_READ:
-      p->Key(&wr->wr.rdma.rkey, PeerRkey(qp, wr->wr.rdma.rkey));
-      break;
-    case IBV_WR_ATOMIC_CMP_AND_SWP:
-    case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      p->Key(&wr->wr.atomic.rkey, PeerRkey(qp, wr->wr.atomic.rkey));
-      break;
-    case IBV_WR_SEND_WITH_INV:
-      p->Key(&wr->invalidate_rkey, PeerRkey(qp, wr->invalidate_rkey));
-      break;
-    default:
-      break;
-  }
+  if (uint32_t* rkey = RkeyField(wr)) p->Key(rkey, PeerRkey(qp, *rkey));
   if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
     const Ah* ah = reinterpret_cast<Ah*>(wr->wr.ud.ah);
     p->Key(&wr->wr.ud.remote_qpn, UdPeerQpn(qp, ah, wr->wr.ud.remote_qpn));
@@ -99,9 +101,31 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   return true;
 }
 
+// The common case of the translating path: one RC/UC WR with at most two
+// SGEs, translated from locals (no patch list).
+inline int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  ibv_sge* sg = wr->sg_list;
+  const int n = wr->num_sge;
+  const uint32_t l0 = n > 0 ? sg[0].lkey : 0;
+  const uint32_t l1 = n > 1 ? sg[1].lkey : 0;
+  if (n > 0) sg[0].lkey = qp->mrs->ToPhysical(l0);
+  if (n > 1) sg[1].lkey = qp->mrs->ToPhysical(l1);
+  uint32_t* rkey = RkeyField(wr);
+  const uint32_t r = rkey != nullptr ? *rkey : 0;
+  if (rkey != nullptr) *rkey = PeerRkey(qp, r);
+  const int rc = qp->real_post_send(qp->real, wr, bad);
+  if (rkey != nullptr) *rkey = r;
+  if (n > 1) sg[1].lkey = l1;
+  if (n > 0) sg[0].lkey = l0;
+  return rc;
+}
+
 // Posts a chain with every identity translated in place, restoring the
 // application's values afterwards.
 [[gnu::noinline]] int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  if (wr != nullptr && wr->next == nullptr && wr->num_sge >= 0 && wr->num_sge <= 2 &&
+      qp->shadow.qp_base.qp_type != IBV_QPT_UD)
+    return PostOneTranslated(qp, wr, bad);
   ibv_qp* real = qp->real;
   while (wr != nullptr) {
     Patches p;

@@ -566,6 +566,19 @@ bool FakeBackend::TakeFault(Op op, int* error) {
   return true;
 }
 
+bool FakeBackend::Refused(Op op, bool valid) {
+  int err;
+  if (TakeFault(op, &err)) {
+    errno = err;
+    return true;
+  }
+  if (!valid) {
+    errno = EINVAL;
+    return true;
+  }
+  return false;
+}
+
 template <typename T>
 T* FakeBackend::Lookup(const Owned<T>& objects, const void* p) const {
   if (p == nullptr) return nullptr;
@@ -1178,15 +1191,7 @@ int FakeBackend::GetPkeyIndex(ibv_context* ctx, uint8_t port, __be16 pkey) {
 
 ibv_pd* FakeBackend::AllocPd(ibv_context* ctx) {
   std::lock_guard<std::mutex> lock(mu_);
-  int err;
-  if (TakeFault(Op::kAllocPd, &err)) {
-    errno = err;
-    return nullptr;
-  }
-  if (Lookup(contexts_, ctx) == nullptr) {
-    errno = EINVAL;
-    return nullptr;
-  }
+  if (Refused(Op::kAllocPd, Lookup(contexts_, ctx) != nullptr)) return nullptr;
   auto obj = std::make_unique<PdObj>();
   obj->pd.context = ctx;
   obj->pd.handle = next_handle_++;
@@ -1216,15 +1221,7 @@ int FakeBackend::DeallocPd(ibv_pd* pd) {
 ibv_mr* FakeBackend::RegMr(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
                            unsigned int access) {
   std::lock_guard<std::mutex> lock(mu_);
-  int err;
-  if (TakeFault(Op::kRegMr, &err)) {
-    errno = err;
-    return nullptr;
-  }
-  if (Lookup(pds_, pd) == nullptr) {
-    errno = EINVAL;
-    return nullptr;
-  }
+  if (Refused(Op::kRegMr, Lookup(pds_, pd) != nullptr)) return nullptr;
   // Remote write and atomics need local write, as the kernel checks.
   if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
       !(access & IBV_ACCESS_LOCAL_WRITE)) {
@@ -1277,15 +1274,7 @@ int FakeBackend::DeregMr(ibv_mr* mr) {
 
 ibv_comp_channel* FakeBackend::CreateCompChannel(ibv_context* ctx) {
   std::lock_guard<std::mutex> lock(mu_);
-  int err;
-  if (TakeFault(Op::kCreateCompChannel, &err)) {
-    errno = err;
-    return nullptr;
-  }
-  if (Lookup(contexts_, ctx) == nullptr) {
-    errno = EINVAL;
-    return nullptr;
-  }
+  if (Refused(Op::kCreateCompChannel, Lookup(contexts_, ctx) != nullptr)) return nullptr;
   auto obj = std::make_unique<ChannelObj>();
   obj->ch.context = ctx;
   obj->ch.fd = NewEventFd();
@@ -1339,15 +1328,7 @@ ibv_cq* FakeBackend::CreateCq(ibv_context* ctx, int cqe, void* cq_context,
 
 ibv_cq_ex* FakeBackend::CreateCqEx(ibv_context* ctx, ibv_cq_init_attr_ex* attr) {
   std::lock_guard<std::mutex> lock(mu_);
-  int err;
-  if (TakeFault(Op::kCreateCq, &err)) {
-    errno = err;
-    return nullptr;
-  }
-  if (Lookup(contexts_, ctx) == nullptr) {
-    errno = EINVAL;
-    return nullptr;
-  }
+  if (Refused(Op::kCreateCq, Lookup(contexts_, ctx) != nullptr)) return nullptr;
   if ((attr->comp_mask & ~IBV_CQ_INIT_ATTR_MASK_FLAGS) ||
       (attr->wc_flags & ~static_cast<uint64_t>(IBV_WC_STANDARD_FLAGS))) {
     errno = EOPNOTSUPP;
@@ -1510,15 +1491,7 @@ int FakeBackend::DestroySrq(ibv_srq* srq) {
 ibv_qp* FakeBackend::CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) {
   std::lock_guard<std::mutex> lock(mu_);
   ++create_qp_calls_;
-  int err;
-  if (TakeFault(Op::kCreateQp, &err)) {
-    errno = err;
-    return nullptr;
-  }
-  if (Lookup(pds_, pd) == nullptr) {
-    errno = EINVAL;
-    return nullptr;
-  }
+  if (Refused(Op::kCreateQp, Lookup(pds_, pd) != nullptr)) return nullptr;
   ibv_qp_init_attr_ex ex = ToInitAttrEx(pd, *attr);
   ibv_qp* qp = CreateQpLocked(pd->context, &ex);
   if (qp != nullptr) attr->cap = ex.cap;

@@ -214,6 +214,9 @@ class FakeBackend final : public VerbsBackend {
   using Owned = std::map<const void*, std::unique_ptr<T>>;
 
   bool TakeFault(Op op, int* error);  // requires mu_
+  // For calls that return an object: an injected fault, else EINVAL when
+  // `valid` is false; sets errno and returns true when the call must fail.
+  bool Refused(Op op, bool valid);  // requires mu_
   template <typename T>
   T* Lookup(const Owned<T>& objects, const void* p) const;          // requires mu_
   uint32_t NewKey();                                                // requires mu_

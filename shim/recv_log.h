@@ -81,7 +81,6 @@ class RecvLog {
     for (uint32_t i = tail_ - n; i != tail_; ++i) out.push_back(At(i));
     return out;
   }
-  uint32_t posted() const { return tail_; }
 
  private:
   Entry* At(uint32_t i) const { return reinterpret_cast<Entry*>(&buf_[(i & mask_) * stride_]); }

@@ -7,6 +7,7 @@
 
 #include <new>
 
+#include "shim/async_event.h"
 #include "shim/data_path.h"
 #include "shim/grh.h"
 #include "shim/log.h"
@@ -24,22 +25,6 @@ T* NewZeroed() {
 void InitMutexCond(pthread_mutex_t* m, pthread_cond_t* c) {
   pthread_mutex_init(m, nullptr);
   if (c != nullptr) pthread_cond_init(c, nullptr);
-}
-
-bool IsQpEvent(ibv_event_type t) {
-  switch (t) {
-    case IBV_EVENT_QP_FATAL:
-    case IBV_EVENT_QP_REQ_ERR:
-    case IBV_EVENT_QP_ACCESS_ERR:
-    case IBV_EVENT_COMM_EST:
-    case IBV_EVENT_SQ_DRAINED:
-    case IBV_EVENT_PATH_MIG:
-    case IBV_EVENT_PATH_MIG_ERR:
-    case IBV_EVENT_QP_LAST_WQE_REACHED:
-      return true;
-    default:
-      return false;
-  }
 }
 
 }  // namespace
@@ -62,7 +47,8 @@ Shim::Shim(VerbsBackend* backend, IdentityMode mode)
     : backend_(backend), mode_(mode), keys_identity_(!mode.offset) {}
 
 bool Shim::PostsUntranslated(const Qp& qp) const {
-  return keys_identity_ && !mode_.offset && qp.shadow.qp_base.qp_type != IBV_QPT_UD;
+  // keys_identity_ is never true in offset mode.
+  return keys_identity_ && qp.shadow.qp_base.qp_type != IBV_QPT_UD;
 }
 
 void Shim::KeysDiverged() {
@@ -150,27 +136,37 @@ int Shim::GetAsyncEvent(ibv_context* c, ibv_async_event* event) {
   const int rc = backend_->GetAsyncEvent(ctx ? ctx->real : c, event);
   if (rc != 0 || ctx == nullptr) return rc;
   // The kernel returns the real objects; their user context is the shadow.
-  if (IsQpEvent(event->event_type)) {
-    event->element.qp = &static_cast<Qp*>(event->element.qp->qp_context)->shadow.qp_base;
-  } else if (event->event_type == IBV_EVENT_CQ_ERR) {
-    event->element.cq =
-        reinterpret_cast<ibv_cq*>(&static_cast<Cq*>(event->element.cq->cq_context)->shadow);
-  } else if (event->event_type == IBV_EVENT_SRQ_ERR ||
-             event->event_type == IBV_EVENT_SRQ_LIMIT_REACHED) {
-    event->element.srq = &static_cast<Srq*>(event->element.srq->srq_context)->shadow;
+  switch (ElementOf(event->event_type)) {
+    case EventElement::kQp:
+      event->element.qp = &static_cast<Qp*>(event->element.qp->qp_context)->shadow.qp_base;
+      break;
+    case EventElement::kCq:
+      event->element.cq =
+          reinterpret_cast<ibv_cq*>(&static_cast<Cq*>(event->element.cq->cq_context)->shadow);
+      break;
+    case EventElement::kSrq:
+      event->element.srq = &static_cast<Srq*>(event->element.srq->srq_context)->shadow;
+      break;
+    case EventElement::kOther:
+      break;
   }
   return 0;
 }
 
 void Shim::AckAsyncEvent(ibv_async_event* event) {
   ibv_async_event real = *event;
-  if (IsQpEvent(event->event_type)) {
-    if (Qp* qp = FindQp(event->element.qp)) real.element.qp = qp->real;
-  } else if (event->event_type == IBV_EVENT_CQ_ERR) {
-    if (Cq* cq = FindCq(event->element.cq)) real.element.cq = cq->real;
-  } else if (event->event_type == IBV_EVENT_SRQ_ERR ||
-             event->event_type == IBV_EVENT_SRQ_LIMIT_REACHED) {
-    if (Srq* srq = FindSrq(event->element.srq)) real.element.srq = srq->real;
+  switch (ElementOf(event->event_type)) {
+    case EventElement::kQp:
+      if (Qp* qp = FindQp(event->element.qp)) real.element.qp = qp->real;
+      break;
+    case EventElement::kCq:
+      if (Cq* cq = FindCq(event->element.cq)) real.element.cq = cq->real;
+      break;
+    case EventElement::kSrq:
+      if (Srq* srq = FindSrq(event->element.srq)) real.element.srq = srq->real;
+      break;
+    case EventElement::kOther:
+      break;
   }
   backend_->AckAsyncEvent(&real);
 }

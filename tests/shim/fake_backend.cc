@@ -11,6 +11,8 @@
 #include <cstring>
 #include <deque>
 
+#include "shim/async_event.h"
+
 namespace rdmavirt::shim {
 namespace {
 
@@ -68,22 +70,6 @@ void BuildGrh(const ibv_gid& sgid, const ibv_gid& dgid, uint8_t tclass, uint8_t 
     out[7] = hops;
     memcpy(out + 8, sgid.raw, 16);
     memcpy(out + 24, dgid.raw, 16);
-  }
-}
-
-bool IsQpEventType(ibv_event_type t) {
-  switch (t) {
-    case IBV_EVENT_QP_FATAL:
-    case IBV_EVENT_QP_REQ_ERR:
-    case IBV_EVENT_QP_ACCESS_ERR:
-    case IBV_EVENT_COMM_EST:
-    case IBV_EVENT_SQ_DRAINED:
-    case IBV_EVENT_PATH_MIG:
-    case IBV_EVENT_PATH_MIG_ERR:
-    case IBV_EVENT_QP_LAST_WQE_REACHED:
-      return true;
-    default:
-      return false;
   }
 }
 
@@ -1058,13 +1044,18 @@ int FakeBackend::GetAsyncEvent(ibv_context* ctx, ibv_async_event* event) {
 
 void FakeBackend::AckAsyncEvent(ibv_async_event* event) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (IsQpEventType(event->event_type)) {
-    Lookup(qps_, event->element.qp);
-  } else if (event->event_type == IBV_EVENT_CQ_ERR) {
-    Lookup(cqs_, event->element.cq);
-  } else if (event->event_type == IBV_EVENT_SRQ_ERR ||
-             event->event_type == IBV_EVENT_SRQ_LIMIT_REACHED) {
-    Lookup(srqs_, event->element.srq);
+  switch (ElementOf(event->event_type)) {
+    case EventElement::kQp:
+      Lookup(qps_, event->element.qp);
+      break;
+    case EventElement::kCq:
+      Lookup(cqs_, event->element.cq);
+      break;
+    case EventElement::kSrq:
+      Lookup(srqs_, event->element.srq);
+      break;
+    case EventElement::kOther:
+      break;
   }
   acked_async_.push_back(*event);
 }

@@ -12,7 +12,7 @@ packages=(
   ibverbs-providers perftest
   # protos and RPC
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev
+  libabsl-dev libssl-dev openssl
   # checkpoint/restore and VMs
   criu libvirt-dev libvirt-daemon-system libvirt-clients
   # tests and benchmarks

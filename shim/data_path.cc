@@ -1,6 +1,7 @@
 #include "shim/data_path.h"
 
 #include <errno.h>
+#include <unistd.h>
 
 #include <cstdint>
 
@@ -17,6 +18,11 @@ inline Qp* AsQp(ibv_qp_ex* q) { return reinterpret_cast<Qp*>(q); }
 inline Cq* AsCq(ibv_cq* c) { return reinterpret_cast<Cq*>(c); }
 inline Cq* AsCq(ibv_cq_ex* c) { return reinterpret_cast<Cq*>(c); }
 inline Srq* AsSrq(ibv_srq* s) { return reinterpret_cast<Srq*>(s); }
+
+int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad);
+int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad);
+int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad);
+inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc);
 
 // Fields rewritten in the application's work requests for the length of
 // one call into the provider, and put back afterwards. On the stack: a
@@ -145,11 +151,102 @@ inline int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return 0;
 }
 
+// Posts during a pause: copied (with an inline send's bytes, which the
+// application may reuse as soon as the call returns) and reported as
+// posted. The pause may have ended while this thread waited for the
+// queue: then the post goes through after all.
+int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  std::unique_lock<std::mutex> lock(qp->queue_mu);
+  if (!qp->gate.paused.load()) {
+    lock.unlock();
+    return PostSend(&qp->shadow.qp_base, wr, bad);
+  }
+  for (ibv_send_wr* w = wr; w != nullptr; w = w->next) {
+    if (w->num_sge < 0 || static_cast<uint32_t>(w->num_sge) > qp->init.cap.max_send_sge + 0u) {
+      *bad = w;  // the provider refuses it too
+      return EINVAL;
+    }
+    QueuedSend q{};
+    q.wr = *w;
+    q.wr.next = nullptr;
+    q.sge.assign(w->sg_list, w->sg_list + w->num_sge);
+    if (w->send_flags & IBV_SEND_INLINE) {
+      for (const ibv_sge& s : q.sge) {
+        const uint8_t* p = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(s.addr));
+        q.inline_data.insert(q.inline_data.end(), p, p + s.length);
+      }
+    }
+    qp->queued_sends.push_back(std::move(q));
+  }
+  return 0;
+}
+
+template <typename Queue>
+int QueueRecvsInto(std::mutex* mu, const Gate& gate, std::vector<QueuedRecv>* queue,
+                   uint32_t max_sge, ibv_recv_wr* wr, ibv_recv_wr** bad, bool* resumed) {
+  std::lock_guard<std::mutex> lock(*mu);
+  if (!gate.paused.load()) {
+    *resumed = true;
+    return 0;
+  }
+  for (ibv_recv_wr* w = wr; w != nullptr; w = w->next) {
+    if (w->num_sge < 0 || static_cast<uint32_t>(w->num_sge) > max_sge) {
+      *bad = w;
+      return EINVAL;
+    }
+    queue->push_back({w->wr_id, std::vector<ibv_sge>(w->sg_list, w->sg_list + w->num_sge)});
+  }
+  return 0;
+}
+
+int QueueRecvs(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  bool resumed = false;
+  const int rc = QueueRecvsInto<Qp>(&qp->queue_mu, qp->gate, &qp->queued_recvs,
+                                    qp->init.cap.max_recv_sge, wr, bad, &resumed);
+  return resumed ? PostRecv(&qp->shadow.qp_base, wr, bad) : rc;
+}
+
+int QueueRecvs(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  bool resumed = false;
+  const int rc = QueueRecvsInto<Srq>(&srq->queue_mu, srq->gate, &srq->queued_recvs,
+                                     srq->init.attr.max_sge, wr, bad, &resumed);
+  return resumed ? PostSrqRecv(&srq->shadow, wr, bad) : rc;
+}
+
+// Signaled sends posted, for the drain at a pause (migration.cc).
+inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop, int sign) {
+  const bool all = qp->init.sq_sig_all != 0;
+  uint64_t n = 0;
+  bool unsignaled_tail = qp->unsignaled_tail.load(std::memory_order_relaxed);
+  for (; wr != stop; wr = wr->next) {
+    const bool signaled = all || (wr->send_flags & IBV_SEND_SIGNALED);
+    n += signaled;
+    unsignaled_tail = !signaled;
+  }
+  if (n != 0) {
+    if (sign > 0)
+      qp->signaled_posted.fetch_add(n, std::memory_order_relaxed);
+    else
+      qp->signaled_posted.fetch_sub(n, std::memory_order_relaxed);
+  }
+  if (sign > 0) qp->unsignaled_tail.store(unsignaled_tail, std::memory_order_relaxed);
+}
+
+// The translating path, behind the QP's pause gate: while paused, posts
+// are queued and reported as posted.
+[[gnu::noinline]] int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  if (!qp->gate.Enter()) [[unlikely]]
+    return QueueSends(qp, wr, bad);
+  const int rc = PostSendReal(qp, wr, bad);
+  qp->gate.Leave();
+  return rc;
+}
+
 int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
   if (qp->fast.load(std::memory_order_relaxed)) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
-  return PostSendTranslated(qp, wr, bad);
+  return PostSendGated(qp, wr, bad);
 }
 
 // Receive WRs: only their SGEs' lkeys are identities. Every WR is also
@@ -212,50 +309,146 @@ inline int PostRecvLogged(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv
   return rc;
 }
 
-int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  Qp* qp = AsQp(ibqp);
+}  // namespace
+
+int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_qp* real = qp->real;
   auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return qp->real_post_recv(real, w, b);
   };
-  if (qp->fast.load(std::memory_order_relaxed)) [[likely]]
-    return PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
   return PostRecvTranslated(qp->mrs, qp->recvs, wr, bad, post);
 }
 
-int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  Srq* srq = AsSrq(ibsrq);
+int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_srq* real = srq->real;
   auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return srq->real_post_srq_recv(real, w, b);
   };
-  if (srq->fast.load(std::memory_order_relaxed)) [[likely]]
-    return PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
   return PostRecvTranslated(srq->mrs, &srq->recvs, wr, bad, post);
+}
+
+int PostSendReal(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  CountSignaled(qp, wr, nullptr, +1);
+  const int rc = PostSendTranslated(qp, wr, bad);
+  if (rc != 0) CountSignaled(qp, *bad, nullptr, -1);
+  return rc;
+}
+
+int DrainCq(Cq* cq) {
+  // What pollers took since the last drain goes first.
+  const uint32_t head = cq->pending_head.load();
+  if (head > 0) {
+    cq->pending.erase(cq->pending.begin(), cq->pending.begin() + head);
+    cq->pending_count -= head;
+    cq->pending_head.store(0);
+  }
+  int total = 0;
+  ibv_wc batch[32];
+  for (;;) {
+    const int n = cq->real_poll_cq(cq->real, 32, batch);
+    if (n < 0) return n;
+    if (n == 0) break;
+    for (int i = 0; i < n; ++i) {
+      const Qp* qp = VirtualizeWc(cq->qps, &batch[i]);
+      // Flushes of a QP the shim moved to the error state are its own.
+      if (qp != nullptr && qp->flushing && batch[i].status == IBV_WC_WR_FLUSH_ERR) continue;
+      cq->pending.push_back(batch[i]);
+      ++total;
+    }
+  }
+  cq->pending_count = static_cast<uint32_t>(cq->pending.size());
+  return total;
+}
+
+namespace {
+
+int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  if (qp->fast.load(std::memory_order_relaxed)) [[likely]] {
+    ibv_qp* real = qp->real;
+    auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return qp->real_post_recv(real, w, b);
+    };
+    return PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
+  }
+  if (!qp->gate.Enter()) [[unlikely]]
+    return QueueRecvs(qp, wr, bad);
+  const int rc = PostRecvReal(qp, wr, bad);
+  qp->gate.Leave();
+  return rc;
+}
+
+int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  Srq* srq = AsSrq(ibsrq);
+  if (srq->fast.load(std::memory_order_relaxed)) [[likely]] {
+    ibv_srq* real = srq->real;
+    auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return srq->real_post_srq_recv(real, w, b);
+    };
+    return PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
+  }
+  if (!srq->gate.Enter()) [[unlikely]]
+    return QueueRecvs(srq, wr, bad);
+  const int rc = PostSrqRecvReal(srq, wr, bad);
+  srq->gate.Leave();
+  return rc;
 }
 
 // A completion's qp_num is the local QP's physical number; src_qp (UD) is
 // the sender's; a UD receive's GRH holds physical addresses.
-inline void VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
+inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
   Qp* qp = qps->Find(wc->qp_num);
   if (qp == nullptr) [[unlikely]]
-    return;
+    return nullptr;
   wc->qp_num = qp->shadow.qp_base.qp_num;
-  if (wc->status != IBV_WC_SUCCESS) return;
+  if (wc->status != IBV_WC_SUCCESS) return qp;
+  // What a drain and a release count on (migration.cc).
+  if (wc->opcode & IBV_WC_RECV)
+    (qp->srq != nullptr ? qp->srq->recvs_done : qp->recvs_done)
+        .fetch_add(1, std::memory_order_relaxed);
+  else
+    qp->sends_done.fetch_add(1, std::memory_order_relaxed);
   if (wc->wc_flags & IBV_WC_WITH_INV)
     wc->invalidated_rkey = qp->mode.VirtualRkey(wc->invalidated_rkey);
-  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return;
+  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return qp;
   wc->src_qp = qp->mode.VirtualQpn(wc->src_qp);
   const RecvLog::Entry* e = qp->recvs->Consume(wc->wr_id);
   if ((wc->wc_flags & IBV_WC_GRH) && e != nullptr) {
     const IdentityMode mode = qp->mode;
     RewriteGrhInSges(e->sge, e->num_sge, [mode](const ibv_gid& g) { return mode.VirtualGid(g); });
   }
+  return qp;
 }
 
-[[gnu::noinline]] int PollCqTranslated(Cq* cq, int n, ibv_wc* wc) {
-  const int got = cq->real_poll_cq(cq->real, n, wc);
-  for (int i = 0; i < got; ++i) VirtualizeWc(cq->qps, &wc[i]);
+// Hands out completions a pause moved into the shadow CQ, oldest first.
+inline int TakePending(Cq* cq, int n, ibv_wc* wc) {
+  uint32_t head = cq->pending_head.load(std::memory_order_acquire);
+  if (head >= cq->pending_count) [[likely]]
+    return 0;
+  uint32_t take;
+  do {
+    take = cq->pending_count - head;
+    if (take > static_cast<uint32_t>(n)) take = static_cast<uint32_t>(n);
+    if (take == 0) return 0;
+  } while (!cq->pending_head.compare_exchange_weak(head, head + take));
+  for (uint32_t i = 0; i < take; ++i) wc[i] = cq->pending[head + i];
+  return static_cast<int>(take);
+}
+
+[[gnu::noinline]] int PollCqGated(Cq* cq, int n, ibv_wc* wc) {
+  if (!cq->gate.Enter()) [[unlikely]]
+    return 0;  // paused: the application sees no new completion
+  int got = TakePending(cq, n, wc);
+  if (got < n) {
+    const int more = cq->real_poll_cq(cq->real, n - got, wc + got);
+    if (more < 0) {
+      cq->gate.Leave();
+      return got > 0 ? got : more;
+    }
+    for (int i = got; i < got + more; ++i) VirtualizeWc(cq->qps, &wc[i]);
+    got += more;
+  }
+  cq->gate.Leave();
   return got;
 }
 
@@ -263,7 +456,7 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
   if (cq->fast.load(std::memory_order_relaxed)) [[likely]]
     return cq->real_poll_cq(cq->real, n, wc);
-  return PollCqTranslated(cq, n, wc);
+  return PollCqGated(cq, n, wc);
 }
 
 int ReqNotifyCq(ibv_cq* ibcq, int solicited_only) {
@@ -282,24 +475,36 @@ ibv_mw* AllocMwUnsupported(ibv_pd*, ibv_mw_type) {
 // Providers read wr_id and wr_flags from their own ibv_qp_ex in every
 // builder: copy the application's values there first.
 inline ibv_qp_ex* Sync(ibv_qp_ex* q) {
-  ibv_qp_ex* real = AsQp(q)->real_ex;
+  Qp* qp = AsQp(q);
+  ibv_qp_ex* real = qp->real_ex;
   real->wr_id = q->wr_id;
   real->wr_flags = q->wr_flags;
+  if (qp->init.sq_sig_all || (q->wr_flags & IBV_SEND_SIGNALED)) ++qp->builder_signaled;
   return real;
 }
 inline uint32_t Rkey(ibv_qp_ex* q, uint32_t rkey) { return PeerRkey(AsQp(q), rkey); }
 
+// A batch of ibv_wr_* holds the QP's gate from wr_start to wr_complete
+// or wr_abort. Builder calls cannot be queued, so during a pause wr_start
+// waits for its end: to the application, a pause.
 void WrStart(ibv_qp_ex* q) {
-  ibv_qp_ex* real = AsQp(q)->real_ex;
-  real->wr_start(real);
+  Qp* qp = AsQp(q);
+  while (!qp->gate.Enter()) usleep(1000);
+  qp->builder_signaled = 0;
+  qp->real_ex->wr_start(qp->real_ex);
 }
 int WrComplete(ibv_qp_ex* q) {
-  ibv_qp_ex* real = AsQp(q)->real_ex;
-  return real->wr_complete(real);
+  Qp* qp = AsQp(q);
+  qp->signaled_posted.fetch_add(qp->builder_signaled, std::memory_order_relaxed);
+  const int rc = qp->real_ex->wr_complete(qp->real_ex);
+  if (rc != 0) qp->signaled_posted.fetch_sub(qp->builder_signaled, std::memory_order_relaxed);
+  qp->gate.Leave();
+  return rc;
 }
 void WrAbort(ibv_qp_ex* q) {
-  ibv_qp_ex* real = AsQp(q)->real_ex;
-  real->wr_abort(real);
+  Qp* qp = AsQp(q);
+  qp->real_ex->wr_abort(qp->real_ex);
+  qp->gate.Leave();
 }
 void WrSend(ibv_qp_ex* q) {
   ibv_qp_ex* real = Sync(q);
@@ -378,10 +583,17 @@ inline void CopyCursor(ibv_cq_ex* shadow, const ibv_cq_ex* real) {
   shadow->status = real->status;
 }
 
+// A polling batch holds the CQ's gate from start_poll to end_poll (or to
+// a start_poll that finds nothing). During a pause it finds nothing.
 int StartPoll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
-  ibv_cq_ex* real = AsCq(c)->real_ex;
+  Cq* cq = AsCq(c);
+  if (!cq->gate.Enter()) return ENOENT;
+  ibv_cq_ex* real = cq->real_ex;
   const int rc = real->start_poll(real, attr);
-  if (rc == 0) CopyCursor(c, real);
+  if (rc == 0)
+    CopyCursor(c, real);
+  else
+    cq->gate.Leave();
   return rc;
 }
 int NextPoll(ibv_cq_ex* c) {
@@ -391,8 +603,9 @@ int NextPoll(ibv_cq_ex* c) {
   return rc;
 }
 void EndPoll(ibv_cq_ex* c) {
-  ibv_cq_ex* real = AsCq(c)->real_ex;
-  real->end_poll(real);
+  Cq* cq = AsCq(c);
+  cq->real_ex->end_poll(cq->real_ex);
+  cq->gate.Leave();
 }
 uint32_t ReadQpNum(ibv_cq_ex* c) {
   Cq* cq = AsCq(c);

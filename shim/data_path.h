@@ -12,6 +12,15 @@
 
 namespace rdmavirt::shim {
 
+// The control thread's way in (migration.cc), with the gate closed: post
+// through the translating path now, and move a CQ's completions into its
+// shadow (pending) list, dropping the flushes of QPs marked `flushing`.
+// The count of completions moved, or a negative errno.
+int PostSendReal(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
+int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
+int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad);
+int DrainCq(Cq* cq);
+
 // Fills a new shadow context's ops and verbs_context entry points.
 void InstallContextOps(Context* ctx);
 // Fills a shadow QP's ibv_qp_ex function pointers where the real QP has them.

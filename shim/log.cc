@@ -21,13 +21,17 @@ void LogOnce(const char* why) {
       if (expected == why) return;
     }
   }
+  Log(why);
+}
+
+void Log(const char* what) {
   const char* level = getenv("RDMAVIRT_LOG");
   if (level != nullptr && strcmp(level, "quiet") == 0) return;
   // write(2), not stdio: no locks or buffers shared with the application.
   char line[256];
   size_t n = 0;
   for (const char* p = "rdmavirt: "; *p && n < sizeof(line) - 2; ++p) line[n++] = *p;
-  for (const char* p = why; *p && n < sizeof(line) - 2; ++p) line[n++] = *p;
+  for (const char* p = what; *p && n < sizeof(line) - 2; ++p) line[n++] = *p;
   line[n++] = '\n';
   ssize_t ignored = write(STDERR_FILENO, line, n);
   (void)ignored;

@@ -8,6 +8,9 @@ namespace rdmavirt::shim {
 
 // Writes "rdmavirt: <why>" once per distinct `why` (a string literal).
 void LogOnce(const char* why);
+// Writes "rdmavirt: <what>" every time: for rare events (a migration step
+// failing), not for anything the application can repeat at will.
+void Log(const char* what);
 
 }  // namespace rdmavirt::shim
 

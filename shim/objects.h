@@ -15,9 +15,12 @@
 
 #include <infiniband/verbs.h>
 
+#include <sched.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "shim/backend.h"
@@ -30,6 +33,45 @@ namespace rdmavirt::shim {
 class Shim;
 class MrTable;
 class QpIndex;
+
+// The pause gate of one queue or CQ of a migratable process. The data path
+// enters with Enter() (busy++, then a check of `paused`; both sequentially
+// consistent, so either the control thread's Close() sees the call in
+// flight and waits for it, or the call sees the pause); the control thread
+// closes it before touching the real object and opens it when done. No
+// lock: two atomic increments per call.
+struct Gate {
+  std::atomic<bool> paused{false};
+  std::atomic<uint32_t> busy{0};
+
+  bool Enter() {
+    busy.fetch_add(1);
+    if (!paused.load()) [[likely]]
+      return true;
+    busy.fetch_sub(1);
+    return false;
+  }
+  void Leave() { busy.fetch_sub(1, std::memory_order_release); }
+  // Control thread: no call is inside the real object once this returns.
+  void Close() {
+    paused.store(true);
+    while (busy.load() != 0) sched_yield();
+  }
+  void Open() { paused.store(false); }
+};
+
+// A send WR posted during a pause: replayed, in order, when it ends.
+struct QueuedSend {
+  ibv_send_wr wr;
+  std::vector<ibv_sge> sge;
+  std::vector<uint8_t> inline_data;  // an inline send's bytes, copied at post
+};
+
+// A receive WR posted during a pause.
+struct QueuedRecv {
+  uint64_t wr_id;
+  std::vector<ibv_sge> sge;
+};
 
 struct Context {
   verbs_context vctx;  // the application gets &vctx.context
@@ -61,6 +103,7 @@ struct Mr {
 struct Channel {
   ibv_comp_channel shadow;
   ibv_comp_channel* real = nullptr;
+  Context* ctx = nullptr;
 };
 
 struct Cq {
@@ -76,6 +119,14 @@ struct Cq {
   Channel* channel = nullptr;
   int comp_vector = 0;
   uint64_t wc_flags = 0;
+  int cqe = 0;  // as asked at creation
+  // Migration (migration.cc): completions found while the CQ was paused,
+  // handed out before the real CQ's. Written by the control thread while
+  // paused only; `pending_head` is claimed by pollers with a CAS.
+  Gate gate;
+  std::vector<ibv_wc> pending;
+  std::atomic<uint32_t> pending_head{0};
+  uint32_t pending_count = 0;
 };
 
 struct Srq {
@@ -87,6 +138,11 @@ struct Srq {
   Pd* pd = nullptr;
   ibv_srq_init_attr init{};
   RecvLog recvs;
+  Gate gate;
+  std::atomic<uint64_t> recvs_done{0};  // successful receive completions
+  std::mutex queue_mu;                  // guards queued_recvs
+  std::vector<QueuedRecv> queued_recvs;
+  std::vector<QueuedRecv> outstanding;  // at release: to re-post
 };
 
 // One successful ibv_modify_qp, with the virtual identities the
@@ -122,6 +178,21 @@ struct Qp {
   RecvLog own_recvs;
   ibv_qp_init_attr_ex init{};
   std::vector<QpTransition> transitions;
+
+  // Migration (migration.cc). Counted on the gated data path: the drain
+  // waits until every signaled send posted has completed, and a release
+  // re-posts the receives posted and not yet completed.
+  Gate gate;
+  std::atomic<uint64_t> signaled_posted{0};
+  std::atomic<uint64_t> sends_done{0};
+  std::atomic<bool> unsignaled_tail{false};  // unsignaled sends after the last signaled one
+  std::atomic<uint64_t> recvs_done{0};
+  std::mutex queue_mu;  // guards the queues below
+  std::vector<QueuedSend> queued_sends;
+  std::vector<QueuedRecv> queued_recvs;
+  std::vector<QueuedRecv> outstanding;  // at release or re-point: to re-post
+  bool flushing = false;                // its flush completions are dropped
+  uint64_t builder_signaled = 0;        // ibv_wr_* between wr_start and wr_complete
 };
 
 struct Ah {

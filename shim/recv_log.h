@@ -57,6 +57,8 @@ class RecvLog {
     ++tail_;
     return true;
   }
+  // Receives recorded so far (wraps at 2^32).
+  uint32_t posted() const { return tail_; }
   // Forgets the last `n` pushes (the provider refused them).
   void Unpush(uint32_t n) { tail_ -= n; }
 

@@ -8,6 +8,7 @@
 #include <new>
 
 #include "shim/async_event.h"
+#include "shim/control.h"
 #include "shim/data_path.h"
 #include "shim/grh.h"
 #include "shim/log.h"
@@ -38,17 +39,19 @@ Shim* Shim::Process() {
     IdentityMode mode;
     const char* m = getenv("RDMAVIRT_ID_MODE");
     mode.offset = m != nullptr && strcmp(m, "offset") == 0;
-    return new (std::nothrow) Shim(backend, mode);
+    // Decided once, before any object exists: a migratable process's
+    // queues all go through the pause gate.
+    return new (std::nothrow) Shim(backend, mode, MigratorPresent());
   }();
   return shim;
 }
 
-Shim::Shim(VerbsBackend* backend, IdentityMode mode)
-    : backend_(backend), mode_(mode), keys_identity_(!mode.offset) {}
+Shim::Shim(VerbsBackend* backend, IdentityMode mode, bool migratable)
+    : backend_(backend), mode_(mode), keys_identity_(!mode.offset), migratable_(migratable) {}
 
 bool Shim::PostsUntranslated(const Qp& qp) const {
   // keys_identity_ is never true in offset mode.
-  return keys_identity_ && qp.shadow.qp_base.qp_type != IBV_QPT_UD;
+  return keys_identity_ && !migratable_ && qp.shadow.qp_base.qp_type != IBV_QPT_UD;
 }
 
 void Shim::KeysDiverged() {
@@ -199,6 +202,12 @@ int Shim::QueryGid(ibv_context* c, uint8_t port, int index, ibv_gid* gid) {
   Context* ctx = FindContext(c);
   const int rc = backend_->QueryGid(ctx ? ctx->real : c, port, index, gid);
   if (rc == 0 && ctx != nullptr) *gid = mode_.VirtualGid(*gid);
+  if (rc == 0 && ctx != nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    // After a move the endpoint keeps the GID its peers know it by.
+    if (moved_ && port == endpoint_port_ && index == endpoint_sgid_index_)
+      *gid = endpoint_virtual_gid_;
+  }
   return rc;
 }
 
@@ -370,6 +379,7 @@ ibv_comp_channel* Shim::CreateCompChannel(ibv_context* c) {
     return nullptr;
   }
   ch->real = real;
+  ch->ctx = ctx;
   ch->shadow.context = c;
   ch->shadow.fd = real->fd;  // the application polls it
   std::lock_guard<std::mutex> lock(mu_);
@@ -389,14 +399,15 @@ int Shim::DestroyCompChannel(ibv_comp_channel* c) {
 }
 
 ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch,
-                      void* user_context, int comp_vector, uint64_t wc_flags) {
+                      void* user_context, int comp_vector, uint64_t wc_flags, int cqe) {
   Cq* cq = NewZeroed<Cq>();
   if (cq == nullptr) return nullptr;
   cq->real = real;
   cq->real_poll_cq = real->context->ops.poll_cq;
   // Completions carry QPNs (and UD GRHs) that equal the virtual ones
   // unless the mode marks them.
-  cq->fast.store(!mode_.offset);
+  cq->fast.store(!mode_.offset && !migratable_);
+  cq->cqe = cqe;
   cq->real_ex = real_ex;
   cq->ctx = ctx;
   cq->qps = &qp_index_;
@@ -429,7 +440,7 @@ ibv_cq* Shim::CreateCq(ibv_context* c, int cqe, void* cq_context, ibv_comp_chann
   }
   ibv_cq* real = backend_->CreateCq(ctx->real, cqe, nullptr, ch ? ch->real : nullptr, comp_vector);
   if (real == nullptr) return nullptr;
-  ibv_cq* s = AdoptCq(ctx, real, nullptr, ch, cq_context, comp_vector, 0);
+  ibv_cq* s = AdoptCq(ctx, real, nullptr, ch, cq_context, comp_vector, 0, cqe);
   if (s == nullptr) {
     backend_->DestroyCq(real);
     errno = ENOMEM;
@@ -456,7 +467,7 @@ ibv_cq_ex* Shim::CreateCqEx(ibv_context* c, ibv_cq_init_attr_ex* attr) {
   ibv_cq_ex* real = backend_->CreateCqEx(ctx->real, &real_attr);
   if (real == nullptr) return nullptr;
   ibv_cq* s = AdoptCq(ctx, ibv_cq_ex_to_cq(real), real, ch, attr->cq_context, attr->comp_vector,
-                      attr->wc_flags);
+                      attr->wc_flags, static_cast<int>(attr->cqe));
   if (s == nullptr) {
     backend_->DestroyCq(ibv_cq_ex_to_cq(real));
     errno = ENOMEM;
@@ -534,7 +545,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   srq->shadow.handle = real->handle;
   InitMutexCond(&srq->shadow.mutex, &srq->shadow.cond);
   std::lock_guard<std::mutex> lock(mu_);
-  srq->fast.store(keys_identity_);
+  srq->fast.store(keys_identity_ && !migratable_);
   shadows_[srq] = Kind::kSrq;
   return &srq->shadow;
 }
@@ -710,6 +721,8 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
   const int rc = backend_->ModifyQp(qp->real, &real_attr, mask);
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
+  if ((mask & IBV_QP_AV) && attr->ah_attr.is_global)
+    NoteEndpointGid(qp->ctx, attr->ah_attr.port_num, attr->ah_attr.grh.sgid_index);
   qp->remote_gid = remote_gid;
   qp->remote.store(remote, std::memory_order_release);
   if (remote != nullptr) qp->fast.store(false);
@@ -795,6 +808,7 @@ ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   ah->shadow.pd = p;
   ah->shadow.handle = real->handle;
   std::lock_guard<std::mutex> lock(mu_);
+  if (attr->is_global) NoteEndpointGid(pd->ctx, attr->port_num, attr->grh.sgid_index);
   shadows_[ah] = Kind::kAh;
   return &ah->shadow;
 }
@@ -865,21 +879,26 @@ int Shim::PublishRemote(const RemoteMapping& mapping) {
   std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
   if (e == nullptr) return ENOMEM;
   std::lock_guard<std::mutex> lock(mu_);
+  PublishRemoteLocked(std::move(e));
+  return 0;
+}
+
+const RemoteEndpoint* Shim::PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> e) {
   const RemoteEndpoint* r = e.get();
   remotes_.push_back(std::move(e));
+  const ibv_gid& gid = r->virtual_gid();
   for (const auto& [p, kind] : shadows_) {
     if (kind == Kind::kQp) {
       Qp* qp = static_cast<Qp*>(const_cast<void*>(p));
-      if (memcmp(qp->remote_gid.raw, mapping.virtual_gid.raw, 16) != 0) continue;
+      if (memcmp(qp->remote_gid.raw, gid.raw, 16) != 0) continue;
       qp->fast.store(false);
       qp->remote.store(r, std::memory_order_release);
     } else if (kind == Kind::kAh) {
       Ah* ah = static_cast<Ah*>(const_cast<void*>(p));
-      if (ah->attr.is_global && memcmp(ah->attr.grh.dgid.raw, mapping.virtual_gid.raw, 16) == 0)
-        ah->remote = r;
+      if (ah->attr.is_global && memcmp(ah->attr.grh.dgid.raw, gid.raw, 16) == 0) ah->remote = r;
     }
   }
-  return 0;
+  return r;
 }
 
 std::vector<const Qp*> Shim::Qps() const {

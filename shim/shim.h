@@ -15,12 +15,14 @@
 #include <infiniband/verbs.h>
 
 #include <memory>
+#include <string>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
 
 #include "shim/backend.h"
 #include "shim/identity.h"
+#include "shim/migration.h"
 #include "shim/objects.h"
 #include "shim/remote_map.h"
 #include "shim/tables.h"
@@ -33,7 +35,10 @@ class Shim {
   // environment (RDMAVIRT_ID_MODE=offset). nullptr if libibverbs is missing.
   static Shim* Process();
 
-  Shim(VerbsBackend* backend, IdentityMode mode);
+  // migratable: every queue and CQ goes through the pause gate (the
+  // translating path), so the migration steps below may run. Without it
+  // posts and polls may take the fast path, and Quiesce refuses.
+  Shim(VerbsBackend* backend, IdentityMode mode, bool migratable = false);
   Shim(const Shim&) = delete;
   Shim& operator=(const Shim&) = delete;
 
@@ -105,6 +110,31 @@ class Shim {
   // The cached endpoint behind a virtual GID, or nullptr.
   const RemoteEndpoint* FindRemote(const ibv_gid& virtual_gid) const;
 
+  // ---- Migration (migration.cc). Called by one thread at a time (the
+  // control thread); the application's threads keep posting and polling.
+  bool migratable() const { return migratable_; }
+  // Pauses every queue and CQ (posts are queued and reported as posted,
+  // polls find nothing), then waits up to drain_timeout_ms for every
+  // signaled send posted to complete, moving completions into the shadow
+  // CQs. DEADLINE_EXCEEDED leaves the endpoint paused: Resume() to roll back.
+  Status Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends);
+  // After Quiesce: records the receives not yet completed, destroys every
+  // physical resource and closes the devices (nothing of the HCA's stays
+  // mapped or open, so CRIU can dump the process).
+  Status Release();
+  // After Release: opens `device` ("" = the first), re-creates everything
+  // with the same virtual identities, re-posts the outstanding receives and
+  // replays each QP's transitions toward its peers (those in `peers` where
+  // they moved). Stays paused. A failure destroys what it re-created.
+  Status Restore(const std::string& device, const std::vector<RemoteMapping>& peers);
+  // Replays the posts queued during the pause, in order, and lifts it.
+  Status Resume();
+  // A peer moved (or was restored in place): QPs connected to it are reset
+  // and re-connected to where it is now, with their outstanding receives
+  // re-posted; AHs toward it re-created; then Resume().
+  Status PeerReconnect(const RemoteMapping& mapping);
+  EndpointView Describe() const;
+
   // Read-only views for the migration side and tests.
   std::vector<const Qp*> Qps() const;
   std::vector<const Mr*> Mrs() const;
@@ -127,7 +157,7 @@ class Shim {
 
   ibv_qp* AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr_ex& init);
   ibv_cq* AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch, void* user_context,
-                  int comp_vector, uint64_t wc_flags);
+                  int comp_vector, uint64_t wc_flags, int cqe);
   void VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const;
   // Whether a QP/SRQ may post untranslated (data_path.cc's fast path).
   bool PostsUntranslated(const Qp& qp) const;
@@ -136,6 +166,16 @@ class Shim {
   // To what the hardware takes; `remote`: the moved peer addressed, if any.
   void PhysicalizeQpAttr(ibv_qp_attr* attr, int mask, const RemoteEndpoint* remote) const;
   const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid) const;  // requires mu_
+  const RemoteEndpoint* PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> e);  // requires mu_
+  // The port GID this endpoint's QPs use becomes its virtual GID.
+  void NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index);  // requires mu_
+  void GuessEndpointGid();                                           // requires mu_
+  template <typename T>
+  std::vector<T*> All(Kind kind) const;  // requires mu_
+  void DestroyReal();                    // requires mu_
+  Status RecreateReal(const std::string& device);  // requires mu_
+  Status Reconnect(Qp* qp);                        // requires mu_
+  int ReplayTransitions(Qp* qp);                   // requires mu_
 
   VerbsBackend* const backend_;
   const IdentityMode mode_;
@@ -147,6 +187,17 @@ class Shim {
   // collides or changes), so posts need no key translated.
   bool keys_identity_;  // guarded by mu_
   QpIndex qp_index_;    // writes under mu_
+
+  const bool migratable_;
+  // Migration state, written by the control thread under mu_.
+  bool paused_ = false;
+  bool released_ = false;
+  bool moved_ = false;  // re-created at least once: GIDs differ from the port's
+  bool endpoint_gid_known_ = false;
+  uint8_t endpoint_port_ = 0;
+  int endpoint_sgid_index_ = 0;
+  ibv_gid endpoint_virtual_gid_{};
+  ibv_gid endpoint_physical_gid_{};
 };
 
 }  // namespace rdmavirt::shim

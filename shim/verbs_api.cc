@@ -10,6 +10,7 @@
 #include <stddef.h>
 
 #include "shim/log.h"
+#include "shim/control.h"
 #include "shim/shim.h"
 
 // verbs.h turns these names into inline wrappers; the shim defines the
@@ -47,7 +48,9 @@ RDMAVIRT_API void ibv_free_device_list(ibv_device** list) {
 }
 RDMAVIRT_API ibv_context* ibv_open_device(ibv_device* device) {
   Shim* s = S();
-  return s ? s->OpenDevice(device) : nullptr;
+  ibv_context* ctx = s ? s->OpenDevice(device) : nullptr;
+  if (ctx != nullptr && s->migratable()) StartControl(s);
+  return ctx;
 }
 RDMAVIRT_API int ibv_close_device(ibv_context* ctx) {
   Shim* s = S();

@@ -1,0 +1,583 @@
+// The shim's side of a migration: pause, drain, release, re-create,
+// re-connect, resume. See shim.h for the contract of each step and
+// docs/shim.md for how they fit the migrator's sequence.
+//
+// Every step runs on the control thread with the shim's mutex held, so
+// the application's control verbs wait for it; the application's posts and
+// polls do not take that mutex: they meet the steps at each object's Gate.
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+
+#include "shim/data_path.h"
+#include "shim/log.h"
+#include "shim/shim.h"
+
+namespace rdmavirt::shim {
+namespace {
+
+uint64_t NowUs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000u + static_cast<uint64_t>(ts.tv_nsec) / 1000u;
+}
+
+std::string Errno(const char* what, int err) {
+  std::string s = what;
+  s += ": ";
+  s += strerror(err);
+  return s;
+}
+
+// Receives posted to a queue and not yet completed: the last ones logged.
+uint32_t Outstanding(const RecvLog& log, const std::atomic<uint64_t>& done) {
+  return log.posted() - static_cast<uint32_t>(done.load(std::memory_order_relaxed));
+}
+
+std::vector<QueuedRecv> Copy(const std::vector<const RecvLog::Entry*>& entries) {
+  std::vector<QueuedRecv> out;
+  out.reserve(entries.size());
+  for (const RecvLog::Entry* e : entries)
+    out.push_back({e->wr_id, std::vector<ibv_sge>(e->sge, e->sge + e->num_sge)});
+  return out;
+}
+
+// Posts `recvs` through `post` as one chain; they were counted as done
+// when recorded, so the log's arithmetic holds once they are logged again.
+template <typename Post>
+int Repost(std::vector<QueuedRecv>* recvs, std::atomic<uint64_t>* done, Post post) {
+  if (recvs->empty()) return 0;
+  std::vector<ibv_recv_wr> wrs(recvs->size());
+  for (size_t i = 0; i < recvs->size(); ++i) {
+    QueuedRecv& r = (*recvs)[i];
+    wrs[i] = {};
+    wrs[i].wr_id = r.wr_id;
+    wrs[i].sg_list = r.sge.data();
+    wrs[i].num_sge = static_cast<int>(r.sge.size());
+    wrs[i].next = i + 1 < wrs.size() ? &wrs[i + 1] : nullptr;
+  }
+  ibv_recv_wr* bad = nullptr;
+  const int rc = post(wrs.data(), &bad);
+  if (rc == 0) recvs->clear();
+  (void)done;
+  return rc;
+}
+
+// Gives a new fd the number the application knew, if that number is free.
+int KeepFdNumber(int fresh, int known) {
+  if (fresh < 0 || known < 0 || fresh == known) return fresh;
+  if (fcntl(known, F_GETFD) != -1 || errno != EBADF) return fresh;  // taken since
+  if (dup3(fresh, known, O_CLOEXEC) < 0) return fresh;
+  close(fresh);
+  return known;
+}
+
+}  // namespace
+
+template <typename T>
+std::vector<T*> Shim::All(Kind kind) const {
+  std::vector<T*> out;
+  for (const auto& [p, k] : shadows_)
+    if (k == kind) out.push_back(static_cast<T*>(const_cast<void*>(p)));
+  return out;
+}
+
+void Shim::NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index) {
+  if (endpoint_gid_known_) return;
+  ibv_gid gid;
+  if (backend_->QueryGid(ctx->real, port, sgid_index, &gid) != 0) return;
+  endpoint_gid_known_ = true;
+  endpoint_port_ = port;
+  endpoint_sgid_index_ = sgid_index;
+  endpoint_physical_gid_ = gid;
+  endpoint_virtual_gid_ = mode_.VirtualGid(gid);
+}
+
+void Shim::GuessEndpointGid() {
+  // No QP or AH named a source GID (a UD receiver that only answers, say):
+  // peers reach a RoCE v2 endpoint at its IPv4-mapped GID, the first one.
+  if (endpoint_gid_known_) return;
+  for (const auto& [p, k] : shadows_) {
+    if (k != Kind::kContext) continue;
+    Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
+    if (ctx->real == nullptr) continue;
+    for (int i = 0; i < 16; ++i) {
+      ibv_gid g;
+      if (backend_->QueryGid(ctx->real, 1, i, &g) != 0) break;
+      static constexpr uint8_t kV4Prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+      if (memcmp(g.raw, kV4Prefix, 12) == 0) {
+        NoteEndpointGid(ctx, 1, i);
+        return;
+      }
+    }
+    NoteEndpointGid(ctx, 1, 0);
+    return;
+  }
+}
+
+Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends) {
+  std::lock_guard<std::mutex> lock(mu_);
+  *drained_sends = 0;
+  if (!migratable_)
+    return Error(Code::kFailedPrecondition,
+                 "the process started without a migrator: its queues take the fast path and "
+                 "cannot be paused");
+  if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
+  const std::vector<Cq*> cqs = All<Cq>(Kind::kCq);
+  for (const Cq* cq : cqs)
+    if (cq->real_ex != nullptr)
+      return Error(Code::kFailedPrecondition,
+                   "a CQ made with ibv_create_cq_ex cannot be paused (its completions cannot "
+                   "be kept in a shadow CQ)");
+  const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
+  const std::vector<Srq*> srqs = All<Srq>(Kind::kSrq);
+  GuessEndpointGid();
+  for (Qp* qp : qps) qp->gate.Close();
+  for (Srq* srq : srqs) srq->gate.Close();
+  for (Cq* cq : cqs) cq->gate.Close();
+  paused_ = true;
+
+  // Every signaled send posted completes (RC completes in order, so an
+  // unsignaled one before it is done too); its completion and any other
+  // found meanwhile go to the shadow CQs.
+  uint64_t before = 0;
+  for (const Qp* qp : qps) before += qp->sends_done.load();
+  const uint64_t deadline = NowUs() + uint64_t{drain_timeout_ms} * 1000;
+  bool unsignaled_tail = false;
+  for (;;) {
+    for (Cq* cq : cqs) {
+      const int rc = DrainCq(cq);
+      if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ during the drain", -rc));
+    }
+    uint64_t in_flight = 0;
+    unsignaled_tail = false;
+    for (const Qp* qp : qps) {
+      const uint64_t posted = qp->signaled_posted.load();
+      const uint64_t done = qp->sends_done.load();
+      if (posted > done) in_flight += posted - done;
+      unsignaled_tail |= qp->unsignaled_tail.load();
+    }
+    if (in_flight == 0) break;
+    if (NowUs() > deadline) {
+      return Error(Code::kDeadlineExceeded,
+                   std::to_string(in_flight) + " signaled send(s) still in flight after " +
+                       std::to_string(drain_timeout_ms) + " ms");
+    }
+    usleep(200);
+  }
+  if (unsignaled_tail) {
+    // Unsignaled sends after the last signaled one leave no completion to
+    // wait for: give their acknowledgements a round trip's time.
+    usleep(20000);
+    for (Cq* cq : cqs) DrainCq(cq);
+  }
+  uint64_t after = 0;
+  for (const Qp* qp : qps) after += qp->sends_done.load();
+  *drained_sends = static_cast<uint32_t>(after - before);
+  return {};
+}
+
+void Shim::DestroyReal() {
+  // Children before parents, as the verbs require.
+  for (Ah* ah : All<Ah>(Kind::kAh)) {
+    if (ah->real != nullptr) backend_->DestroyAh(ah->real);
+    ah->real = nullptr;
+  }
+  for (Qp* qp : All<Qp>(Kind::kQp)) {
+    if (qp->real == nullptr) continue;
+    qp_index_.Remove(qp->physical_qpn, qp);
+    backend_->DestroyQp(qp->real);
+    qp->real = nullptr;
+    qp->real_ex = nullptr;
+    qp->physical_qpn = 0;
+  }
+  for (Srq* srq : All<Srq>(Kind::kSrq)) {
+    if (srq->real != nullptr) backend_->DestroySrq(srq->real);
+    srq->real = nullptr;
+  }
+  for (Cq* cq : All<Cq>(Kind::kCq)) {
+    if (cq->real != nullptr) backend_->DestroyCq(cq->real);
+    cq->real = nullptr;
+    cq->real_ex = nullptr;
+  }
+  for (Mr* mr : All<Mr>(Kind::kMr)) {
+    if (mr->real != nullptr) backend_->DeregMr(mr->real);
+    mr->real = nullptr;
+  }
+  for (Pd* pd : All<Pd>(Kind::kPd)) {
+    if (pd->real != nullptr) backend_->DeallocPd(pd->real);
+    pd->real = nullptr;
+  }
+  for (Channel* ch : All<Channel>(Kind::kChannel)) {
+    if (ch->real != nullptr) backend_->DestroyCompChannel(ch->real);
+    ch->real = nullptr;
+  }
+  for (const auto& [p, k] : shadows_) {
+    if (k != Kind::kContext) continue;
+    Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
+    if (ctx->real != nullptr) backend_->CloseDevice(ctx->real);
+    ctx->real = nullptr;
+  }
+}
+
+Status Shim::Release() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!paused_) return Error(Code::kFailedPrecondition, "release needs a quiesced endpoint");
+  if (released_) return {};
+  // What arrived since the drain, then which receives are still posted.
+  for (Cq* cq : All<Cq>(Kind::kCq)) DrainCq(cq);
+  for (Qp* qp : All<Qp>(Kind::kQp)) {
+    if (qp->srq != nullptr) continue;
+    const uint32_t n = Outstanding(qp->own_recvs, qp->recvs_done);
+    qp->outstanding = Copy(qp->own_recvs.Recent(n));
+    qp->recvs_done.fetch_add(qp->outstanding.size());
+  }
+  for (Srq* srq : All<Srq>(Kind::kSrq)) {
+    const uint32_t n = Outstanding(srq->recvs, srq->recvs_done);
+    srq->outstanding = Copy(srq->recvs.Recent(n));
+    srq->recvs_done.fetch_add(srq->outstanding.size());
+  }
+  DestroyReal();
+  released_ = true;
+  return {};
+}
+
+int Shim::ReplayTransitions(Qp* qp) {
+  for (const QpTransition& t : qp->transitions) {
+    ibv_qp_attr attr = t.attr;
+    const RemoteEndpoint* remote = qp->remote.load(std::memory_order_acquire);
+    if ((t.mask & IBV_QP_AV) && attr.ah_attr.is_global)
+      remote = FindRemoteLocked(attr.ah_attr.grh.dgid);
+    PhysicalizeQpAttr(&attr, t.mask, remote);
+    const int rc = backend_->ModifyQp(qp->real, &attr, t.mask);
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+
+Status Shim::RecreateReal(const std::string& device) {
+  int num = 0;
+  ibv_device** list = backend_->GetDeviceList(&num);
+  if (list == nullptr || num == 0) {
+    if (list != nullptr) backend_->FreeDeviceList(list);
+    return Error(Code::kUnavailable, "no RDMA device on this host");
+  }
+  ibv_device* dev = nullptr;
+  for (int i = 0; i < num && dev == nullptr; ++i)
+    if (device.empty() || device == list[i]->name) dev = list[i];
+  if (dev == nullptr) {
+    backend_->FreeDeviceList(list);
+    return Error(Code::kNotFound, "no RDMA device named " + device);
+  }
+  Status st;
+  for (const auto& [p, k] : shadows_) {
+    if (k != Kind::kContext) continue;
+    Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
+    ctx->real = backend_->OpenDevice(dev);
+    if (ctx->real == nullptr) {
+      st = Error(Code::kUnavailable, Errno("opening the RDMA device", errno));
+      break;
+    }
+    ibv_context* s = Shadow(ctx);
+    s->device = ctx->real->device;
+    s->cmd_fd = ctx->real->cmd_fd;
+    s->async_fd = KeepFdNumber(ctx->real->async_fd, s->async_fd);
+    ctx->real->async_fd = s->async_fd;
+    s->num_comp_vectors = ctx->real->num_comp_vectors;
+  }
+  backend_->FreeDeviceList(list);
+  if (!st.ok()) return st;
+
+  for (Pd* pd : All<Pd>(Kind::kPd)) {
+    pd->real = backend_->AllocPd(pd->ctx->real);
+    if (pd->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_alloc_pd", errno));
+    pd->shadow.handle = pd->real->handle;
+  }
+  for (Mr* mr : All<Mr>(Kind::kMr)) {
+    // Same address, same length: the memory came back where it was.
+    mr->real = backend_->RegMr(mr->pd->real, mr->shadow.addr, mr->shadow.length, mr->iova,
+                               mr->access);
+    if (mr->real == nullptr)
+      return Error(Code::kResourceExhausted, Errno("re-registering a memory region", errno));
+    mrs_.Set(mr->slot, mr->shadow.lkey, mr->real->lkey);
+    if (mr->real->lkey != mr->shadow.lkey) KeysDiverged();
+  }
+  for (Channel* ch : All<Channel>(Kind::kChannel)) {
+    ch->real = backend_->CreateCompChannel(ch->ctx->real);
+    if (ch->real == nullptr)
+      return Error(Code::kResourceExhausted, Errno("ibv_create_comp_channel", errno));
+    ch->shadow.fd = KeepFdNumber(ch->real->fd, ch->shadow.fd);
+    ch->real->fd = ch->shadow.fd;
+  }
+  for (Cq* cq : All<Cq>(Kind::kCq)) {
+    ibv_comp_channel* ch = cq->channel != nullptr ? cq->channel->real : nullptr;
+    cq->real = backend_->CreateCq(cq->ctx->real, cq->cqe, nullptr, ch, cq->comp_vector);
+    if (cq->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_cq", errno));
+    cq->real->cq_context = cq;
+    cq->real_poll_cq = cq->real->context->ops.poll_cq;
+    cq->shadow.handle = cq->real->handle;
+    // A thread may be waiting for an event on this CQ: arm it (a spurious
+    // event is allowed; the application polls after each).
+    if (ch != nullptr) cq->real->context->ops.req_notify_cq(cq->real, 0);
+  }
+  for (Srq* srq : All<Srq>(Kind::kSrq)) {
+    ibv_srq_init_attr attr = srq->init;
+    attr.srq_context = nullptr;
+    srq->real = backend_->CreateSrq(srq->pd->real, &attr);
+    if (srq->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_srq", errno));
+    srq->real->srq_context = srq;
+    srq->real_post_srq_recv = srq->real->context->ops.post_srq_recv;
+    srq->shadow.handle = srq->real->handle;
+  }
+  for (Qp* qp : All<Qp>(Kind::kQp)) {
+    ibv_qp_init_attr_ex attr = qp->init;
+    attr.pd = qp->pd->real;
+    attr.send_cq = qp->send_cq ? qp->send_cq->real : nullptr;
+    attr.recv_cq = qp->recv_cq ? qp->recv_cq->real : nullptr;
+    attr.srq = qp->srq ? qp->srq->real : nullptr;
+    attr.qp_context = nullptr;
+    qp->real = backend_->CreateQpEx(qp->ctx->real, &attr);
+    if (qp->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_qp", errno));
+    qp->real->qp_context = qp;
+    qp->physical_qpn = qp->real->qp_num;
+    qp->real_post_send = qp->real->context->ops.post_send;
+    qp->real_post_recv = qp->real->context->ops.post_recv;
+    if (qp->init.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS) {
+      qp->real_ex = backend_->QpToQpEx(qp->real);
+      if (qp->real_ex != nullptr) InstallQpExOps(qp);
+    }
+    qp->shadow.qp_base.handle = qp->real->handle;
+    if (!qp_index_.Insert(qp->physical_qpn, qp))
+      return Error(Code::kResourceExhausted, "QP index full");
+    if (const int rc = ReplayTransitions(qp); rc != 0)
+      return Error(Code::kInternal, Errno("replaying a QP's transitions", rc));
+    qp->shadow.qp_base.state = qp->real->state;
+  }
+  for (Ah* ah : All<Ah>(Kind::kAh)) {
+    ibv_ah_attr attr = ah->attr;
+    ah->remote = attr.is_global ? FindRemoteLocked(attr.grh.dgid) : nullptr;
+    if (attr.is_global)
+      attr.grh.dgid = ah->remote ? ah->remote->physical_gid() : mode_.PhysicalGid(attr.grh.dgid);
+    ah->real = backend_->CreateAh(ah->pd->real, &attr);
+    if (ah->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_ah", errno));
+    ah->shadow.handle = ah->real->handle;
+  }
+  // The receives that were posted when the endpoint was released.
+  for (Srq* srq : All<Srq>(Kind::kSrq)) {
+    const int rc = Repost(&srq->outstanding, &srq->recvs_done, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return PostSrqRecvReal(srq, w, b);
+    });
+    if (rc != 0) return Error(Code::kInternal, Errno("re-posting SRQ receives", rc));
+  }
+  for (Qp* qp : All<Qp>(Kind::kQp)) {
+    const int rc = Repost(&qp->outstanding, &qp->recvs_done, [qp](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return PostRecvReal(qp, w, b);
+    });
+    if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
+  }
+  if (endpoint_gid_known_) {
+    Context* ctx = nullptr;
+    for (const auto& [p, k] : shadows_)
+      if (k == Kind::kContext) ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
+    if (ctx != nullptr)
+      backend_->QueryGid(ctx->real, endpoint_port_, endpoint_sgid_index_, &endpoint_physical_gid_);
+  }
+  return {};
+}
+
+Status Shim::Restore(const std::string& device, const std::vector<RemoteMapping>& peers) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!released_) return Error(Code::kFailedPrecondition, "restore needs a released endpoint");
+  for (const RemoteMapping& m : peers) {
+    std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(m);
+    if (e == nullptr) return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
+    PublishRemoteLocked(std::move(e));
+  }
+  Status st = RecreateReal(device);
+  if (!st.ok()) {
+    // Nothing half-made stays: the endpoint is released as before, and a
+    // later Restore (elsewhere, or here again) starts from the journal.
+    DestroyReal();
+    return st;
+  }
+  released_ = false;
+  moved_ = true;
+  return {};
+}
+
+Status Shim::Resume() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released: restore first");
+  if (!paused_) return {};
+  Status st;
+  for (Srq* srq : All<Srq>(Kind::kSrq)) {
+    std::lock_guard<std::mutex> q(srq->queue_mu);
+    const int rc = Repost(&srq->queued_recvs, &srq->recvs_done, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return PostSrqRecvReal(srq, w, b);
+    });
+    if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued SRQ receives", rc));
+    srq->gate.Open();
+  }
+  for (Qp* qp : All<Qp>(Kind::kQp)) {
+    std::lock_guard<std::mutex> q(qp->queue_mu);
+    int rc = Repost(&qp->queued_recvs, &qp->recvs_done, [qp](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return PostRecvReal(qp, w, b);
+    });
+    if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued receives", rc));
+    for (QueuedSend& s : qp->queued_sends) {
+      ibv_sge inline_sge;
+      s.wr.next = nullptr;
+      if (!s.inline_data.empty()) {
+        inline_sge = {reinterpret_cast<uintptr_t>(s.inline_data.data()),
+                      static_cast<uint32_t>(s.inline_data.size()), 0};
+        s.wr.sg_list = &inline_sge;
+        s.wr.num_sge = 1;
+      } else {
+        s.wr.sg_list = s.sge.data();
+      }
+      ibv_send_wr* bad = nullptr;
+      rc = PostSendReal(qp, &s.wr, &bad);
+      if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued sends", rc));
+    }
+    qp->queued_sends.clear();
+    qp->gate.Open();
+  }
+  for (Cq* cq : All<Cq>(Kind::kCq)) cq->gate.Open();
+  paused_ = false;
+  if (!st.ok()) LogOnce(st.message.c_str());
+  return st;
+}
+
+Status Shim::Reconnect(Qp* qp) {
+  // To the error state: the receive queue is flushed (the flushes are the
+  // shim's, dropped), then reset and brought up again toward the peer's new
+  // address with the transitions the application made.
+  qp->flushing = true;
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_ERR;
+  int rc = backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE);
+  if (rc != 0) return Error(Code::kInternal, Errno("moving a QP to the error state", rc));
+  if (qp->srq == nullptr) {
+    const uint32_t n = Outstanding(qp->own_recvs, qp->recvs_done);
+    qp->outstanding = Copy(qp->own_recvs.Recent(n));
+    qp->recvs_done.fetch_add(qp->outstanding.size());
+  }
+  usleep(1000);
+  if (qp->send_cq) DrainCq(qp->send_cq);
+  if (qp->recv_cq) DrainCq(qp->recv_cq);
+  attr.qp_state = IBV_QPS_RESET;
+  rc = backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE);
+  if (rc != 0) return Error(Code::kInternal, Errno("resetting a QP", rc));
+  if (qp->send_cq) DrainCq(qp->send_cq);
+  if (qp->recv_cq) DrainCq(qp->recv_cq);
+  qp->flushing = false;
+  rc = ReplayTransitions(qp);
+  if (rc != 0) return Error(Code::kInternal, Errno("re-connecting a QP", rc));
+  rc = Repost(&qp->outstanding, &qp->recvs_done,
+              [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
+  if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
+  return {};
+}
+
+Status Shim::PeerReconnect(const RemoteMapping& mapping) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
+    if (!paused_) return Error(Code::kFailedPrecondition, "peer reconnect needs a paused endpoint");
+    std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
+    if (e == nullptr) return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
+    const RemoteEndpoint* r = PublishRemoteLocked(std::move(e));
+    for (Qp* qp : All<Qp>(Kind::kQp)) {
+      if (qp->remote.load() != r) continue;
+      const uint32_t type = qp->shadow.qp_base.qp_type;
+      if (type != IBV_QPT_RC && type != IBV_QPT_UC) continue;
+      if (Status st = Reconnect(qp); !st.ok()) return st;
+    }
+    for (Ah* ah : All<Ah>(Kind::kAh)) {
+      if (ah->remote != r) continue;
+      ibv_ah_attr attr = ah->attr;
+      attr.grh.dgid = r->physical_gid();
+      ibv_ah* fresh = backend_->CreateAh(ah->pd->real, &attr);
+      if (fresh == nullptr)
+        return Error(Code::kResourceExhausted, Errno("re-creating an address handle", errno));
+      backend_->DestroyAh(ah->real);
+      ah->real = fresh;
+    }
+  }
+  return Resume();
+}
+
+EndpointView Shim::Describe() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  EndpointView v;
+  v.paused = paused_;
+  v.released = released_;
+  v.has_gid = endpoint_gid_known_;
+  v.virtual_gid = endpoint_virtual_gid_;
+  v.physical_gid = endpoint_physical_gid_;
+  for (const auto& [p, k] : shadows_) {
+    switch (k) {
+      case Kind::kContext: {
+        ++v.devices;
+        const Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
+        if (ctx->real != nullptr && ctx->real->device != nullptr) v.device = ctx->real->device->name;
+        break;
+      }
+      case Kind::kPd:
+        ++v.pds;
+        break;
+      case Kind::kMr: {
+        const Mr* mr = static_cast<const Mr*>(p);
+        ++v.mrs;
+        v.registered_bytes += mr->shadow.length;
+        if (mr->real != nullptr) v.rkeys.emplace_back(mr->shadow.rkey, mr->real->rkey);
+        break;
+      }
+      case Kind::kCq: {
+        const Cq* cq = static_cast<const Cq*>(p);
+        ++v.cqs;
+        v.pending_completions += cq->pending_count - cq->pending_head.load();
+        break;
+      }
+      case Kind::kSrq:
+        ++v.srqs;
+        break;
+      case Kind::kQp: {
+        const Qp* qp = static_cast<const Qp*>(p);
+        ++v.qps;
+        QpView q;
+        q.virtual_qpn = qp->shadow.qp_base.qp_num;
+        q.physical_qpn = qp->physical_qpn;
+        q.qp_type = qp->shadow.qp_base.qp_type;
+        q.state = qp->shadow.qp_base.state;
+        for (const QpTransition& t : qp->transitions) {
+          if (t.mask & IBV_QP_DEST_QPN) q.remote_virtual_qpn = t.attr.dest_qp_num;
+          if ((t.mask & IBV_QP_AV) && t.attr.ah_attr.is_global) q.connected = true;
+        }
+        if (q.connected) {
+          q.remote_virtual_gid = qp->remote_gid;
+          const RemoteEndpoint* r = qp->remote.load();
+          q.remote_physical_gid = r ? r->physical_gid() : mode_.PhysicalGid(qp->remote_gid);
+        }
+        q.outstanding_recvs = qp->srq ? 0 : Outstanding(qp->own_recvs, qp->recvs_done);
+        q.queued_sends = static_cast<uint32_t>(qp->queued_sends.size());
+        if (qp->real != nullptr) v.qpns.emplace_back(q.virtual_qpn, qp->physical_qpn);
+        v.qp_list.push_back(q);
+        break;
+      }
+      case Kind::kAh:
+        ++v.ahs;
+        break;
+      case Kind::kChannel:
+        break;
+    }
+  }
+  return v;
+}
+
+}  // namespace rdmavirt::shim

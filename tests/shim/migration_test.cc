@@ -1,0 +1,302 @@
+// The shim's migration steps over FakeBackend: two endpoints P and Q (two
+// Shims on one fake device, connected to each other), P released and
+// re-created with new physical identities, Q re-pointed at it; every
+// receive, send and completion accounted for.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/shim/verbs_test_util.h"
+
+namespace rdmavirt::shim::testing {
+namespace {
+
+RemoteMapping ToMapping(const EndpointView& v) {
+  RemoteMapping m;
+  m.virtual_gid = v.virtual_gid;
+  m.physical_gid = v.physical_gid;
+  m.qpns = v.qpns;
+  m.rkeys = v.rkeys;
+  return m;
+}
+
+std::vector<uint64_t> WrIds(const std::vector<ibv_wc>& wcs) {
+  std::vector<uint64_t> ids;
+  for (const ibv_wc& wc : wcs) ids.push_back(wc.wr_id);
+  return ids;
+}
+
+class MigrationTest : public ::testing::Test {
+ protected:
+  MigrationTest() : p_(&fake_, IdentityMode{}, true), q_(&fake_, IdentityMode{}, true) {
+    pdev_ = std::make_unique<Device<Shim>>(p_);
+    qdev_ = std::make_unique<Device<Shim>>(q_);
+    pmr_ = pdev_->Reg(pbuf_, sizeof(pbuf_));
+    qmr_ = qdev_->Reg(qbuf_, sizeof(qbuf_));
+  }
+  void TearDown() override {
+    qdev_.reset();
+    pdev_.reset();
+    EXPECT_EQ(fake_.live_objects(), 0);
+    EXPECT_EQ(fake_.foreign_objects(), 0);
+  }
+
+  // An RC QP on each side, connected to the other.
+  void Connect(ibv_qp_type type = IBV_QPT_RC) {
+    pqp_ = pdev_->Qp(type);
+    qqp_ = qdev_->Qp(type);
+    ASSERT_EQ(ToRts(p_, pqp_, qqp_->qp_num, qdev_->gid), 0);
+    ASSERT_EQ(ToRts(q_, qqp_, pqp_->qp_num, pdev_->gid), 0);
+  }
+
+  void PostRecv(Shim& s, ibv_qp* qp, uint64_t wr_id, char* buf, ibv_mr* mr) {
+    ibv_sge sge = Sge(buf, 64, mr);
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    ASSERT_EQ(ibv_post_recv(qp, &wr, &bad), 0);
+    (void)s;
+  }
+  int Send(ibv_qp* qp, uint64_t wr_id, char* buf, ibv_mr* mr, const char* text) {
+    strcpy(buf, text);
+    ibv_sge sge = Sge(buf, static_cast<uint32_t>(strlen(text) + 1), mr);
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    ibv_send_wr* bad = nullptr;
+    return ibv_post_send(qp, &wr, &bad);
+  }
+
+  // P moves: both pause, P releases and is re-created, Q re-points, P resumes.
+  void Move() {
+    uint32_t drained = 0;
+    ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(p_.Release().ok());
+    released_live_ = fake_.live_objects();
+    const Status st = p_.Restore("", {});
+    ASSERT_TRUE(st.ok()) << st.message;
+    const Status rq = q_.PeerReconnect(ToMapping(p_.Describe()));
+    ASSERT_TRUE(rq.ok()) << rq.message;
+    ASSERT_TRUE(p_.Resume().ok());
+  }
+
+  FakeBackend fake_;
+  Shim p_;
+  Shim q_;
+  std::unique_ptr<Device<Shim>> pdev_;
+  std::unique_ptr<Device<Shim>> qdev_;
+  char pbuf_[4096] = {};
+  char qbuf_[4096] = {};
+  ibv_mr* pmr_ = nullptr;
+  ibv_mr* qmr_ = nullptr;
+  ibv_qp* pqp_ = nullptr;
+  ibv_qp* qqp_ = nullptr;
+  int released_live_ = -1;
+};
+
+TEST_F(MigrationTest, ReceivesAndSendsCarryOnAcrossAMoveInOrder) {
+  Connect();
+  for (int i = 0; i < 4; ++i) PostRecv(q_, qqp_, 100 + i, qbuf_ + 64 * i, qmr_);
+  for (int i = 0; i < 2; ++i) PostRecv(p_, pqp_, 200 + i, pbuf_ + 1024 + 64 * i, pmr_);
+  ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "one"), 0);
+  ASSERT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{100}));
+  ASSERT_EQ(WrIds(Drain(pdev_->cq)), (std::vector<uint64_t>{1}));
+  const uint32_t vqpn = pqp_->qp_num;
+  const uint32_t old_physical = ShimQp(pqp_)->physical_qpn;
+  const uint32_t vrkey = pmr_->rkey;
+
+  Move();
+
+  EXPECT_EQ(pqp_->qp_num, vqpn) << "the virtual QPN stays";
+  EXPECT_NE(ShimQp(pqp_)->physical_qpn, old_physical) << "a new QP on the device";
+  EXPECT_EQ(pmr_->rkey, vrkey);
+  EXPECT_NE(ShimMr(pmr_)->real->rkey, vrkey) << "a new registration";
+  // Q's receives 101..103 are still posted; P's 200, 201 too.
+  ASSERT_EQ(Send(pqp_, 2, pbuf_ + 2048, pmr_, "two"), 0);
+  ASSERT_EQ(Send(pqp_, 3, pbuf_ + 2048 + 64, pmr_, "three"), 0);
+  const std::vector<ibv_wc> got = Drain(qdev_->cq);
+  ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{101, 102}));
+  EXPECT_EQ(got[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(got[0].qp_num, qqp_->qp_num);
+  EXPECT_STREQ(qbuf_ + 64, "two");
+  EXPECT_STREQ(qbuf_ + 128, "three");
+  ASSERT_EQ(Send(qqp_, 9, qbuf_ + 2048, qmr_, "back"), 0);
+  const std::vector<ibv_wc> back = Drain(pdev_->cq);
+  ASSERT_EQ(WrIds(back), (std::vector<uint64_t>{2, 3, 200}));
+  EXPECT_EQ(back[2].qp_num, vqpn) << "completions show the virtual QPN";
+  EXPECT_STREQ(pbuf_ + 1024, "back");
+
+  // Q writes into P's memory with the rkey P gave it before the move.
+  strcpy(qbuf_ + 3000, "written");
+  ibv_sge sge = Sge(qbuf_ + 3000, 8, qmr_);
+  ibv_send_wr wr{};
+  wr.wr_id = 10;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = IBV_WR_RDMA_WRITE;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.wr.rdma.remote_addr = reinterpret_cast<uintptr_t>(pbuf_ + 3000);
+  wr.wr.rdma.rkey = vrkey;
+  ibv_send_wr* bad = nullptr;
+  ASSERT_EQ(ibv_post_send(qqp_, &wr, &bad), 0);
+  const std::vector<ibv_wc> w = Drain(qdev_->cq);
+  ASSERT_EQ(w.size(), 2u);  // the send to P, then the write
+  EXPECT_EQ(w[1].status, IBV_WC_SUCCESS);
+  EXPECT_STREQ(pbuf_ + 3000, "written");
+}
+
+TEST_F(MigrationTest, ReleaseLeavesNothingOfTheEndpointOnTheDevice) {
+  Connect();
+  const int before = fake_.live_objects();
+  const EndpointView v = p_.Describe();
+  uint32_t drained = 0;
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Release().ok());
+  // P had a context, a PD, a CQ, an MR and a QP.
+  EXPECT_EQ(fake_.live_objects(), before - 5);
+  EXPECT_TRUE(p_.Describe().released);
+  EXPECT_EQ(v.qps, 1u);
+  ASSERT_TRUE(p_.Restore("", {}).ok());
+  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  ASSERT_TRUE(p_.Resume().ok());
+  EXPECT_EQ(fake_.live_objects(), before);
+}
+
+TEST_F(MigrationTest, PostsDuringAPauseAreQueuedAndReplayedInOrder) {
+  Connect();
+  for (int i = 0; i < 3; ++i) PostRecv(q_, qqp_, 100 + i, qbuf_ + 64 * i, qmr_);
+  uint32_t drained = 0;
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  const int calls = fake_.post_send_calls();
+  ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "a"), 0) << "reported as posted";
+  ASSERT_EQ(Send(pqp_, 2, pbuf_ + 2048 + 64, pmr_, "b"), 0);
+  EXPECT_EQ(fake_.post_send_calls(), calls) << "nothing reached the device";
+  EXPECT_EQ(p_.Describe().qp_list[0].queued_sends, 2u);
+  EXPECT_TRUE(Drain(qdev_->cq).empty());
+  ASSERT_TRUE(p_.Resume().ok());
+  EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{100, 101}));
+  EXPECT_STREQ(qbuf_, "a");
+  EXPECT_STREQ(qbuf_ + 64, "b");
+  EXPECT_EQ(WrIds(Drain(pdev_->cq)), (std::vector<uint64_t>{1, 2}));
+}
+
+TEST_F(MigrationTest, CompletionsFoundByTheDrainWaitInTheShadowCq) {
+  Connect();
+  PostRecv(q_, qqp_, 100, qbuf_, qmr_);
+  ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "x"), 0);  // not polled yet
+  uint32_t drained = 0;
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  EXPECT_EQ(drained, 1u) << "the signaled send completed during the drain";
+  EXPECT_EQ(p_.Describe().pending_completions, 1u);
+  EXPECT_TRUE(Drain(pdev_->cq).empty()) << "paused: nothing new";
+  ASSERT_TRUE(p_.Release().ok());
+  ASSERT_TRUE(p_.Restore("", {}).ok());
+  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  ASSERT_TRUE(p_.Resume().ok());
+  EXPECT_EQ(WrIds(Drain(pdev_->cq)), (std::vector<uint64_t>{1})) << "exactly once";
+  EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{100}));
+  EXPECT_TRUE(Drain(pdev_->cq).empty());
+}
+
+TEST_F(MigrationTest, UdDatagramsReachAMovedQpThroughTheSameAddressHandle) {
+  ibv_qp* pud = pdev_->Qp(IBV_QPT_UD);
+  ibv_qp* qud = qdev_->Qp(IBV_QPT_UD);
+  ASSERT_EQ(ToRts(p_, pud, 0, {}), 0);
+  ASSERT_EQ(ToRts(q_, qud, 0, {}), 0);
+  ibv_ah* ah = qdev_->Ah(pdev_->gid);
+  static char rbuf[4096];
+  ibv_mr* rmr = pdev_->Reg(rbuf, sizeof(rbuf));
+  for (int i = 0; i < 2; ++i) {
+    ibv_sge sge = Sge(rbuf + 512 * i, 512, rmr);
+    ibv_recv_wr wr{};
+    wr.wr_id = 300 + i;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    ASSERT_EQ(ibv_post_recv(pud, &wr, &bad), 0);
+  }
+  Move();
+  strcpy(qbuf_, "datagram");
+  ibv_sge sge = Sge(qbuf_, 9, qmr_);
+  ibv_send_wr wr{};
+  wr.wr_id = 7;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.wr.ud.ah = ah;
+  wr.wr.ud.remote_qpn = pud->qp_num;  // the virtual QPN P gave out
+  wr.wr.ud.remote_qkey = kQkey;
+  ibv_send_wr* bad = nullptr;
+  ASSERT_EQ(ibv_post_send(qud, &wr, &bad), 0);
+  const std::vector<ibv_wc> got = Drain(pdev_->cq);
+  ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{300})) << "the receive posted before the move";
+  EXPECT_EQ(got[0].status, IBV_WC_SUCCESS);
+  EXPECT_STREQ(rbuf + FakeBackend::kGrhBytes, "datagram");
+}
+
+TEST_F(MigrationTest, AFailedRestoreLeavesNothingAndCanBeRetried) {
+  Connect();
+  uint32_t drained = 0;
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Release().ok());
+  const int released = fake_.live_objects();
+  fake_.FailNext(FakeBackend::Op::kCreateQp, ENOMEM);
+  const Status st = p_.Restore("", {});
+  EXPECT_EQ(st.code, Code::kResourceExhausted);
+  EXPECT_NE(st.message.find("ibv_create_qp"), std::string::npos) << st.message;
+  EXPECT_EQ(fake_.live_objects(), released) << "nothing half-created";
+  EXPECT_EQ(p_.Restore("no-such-device", {}).code, Code::kNotFound);
+  ASSERT_TRUE(p_.Restore("", {}).ok());
+  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  ASSERT_TRUE(p_.Resume().ok());
+}
+
+TEST_F(MigrationTest, StepsOutOfOrderAreRefused) {
+  Connect();
+  EXPECT_EQ(p_.Release().code, Code::kFailedPrecondition) << "release before quiesce";
+  EXPECT_EQ(p_.Restore("", {}).code, Code::kFailedPrecondition) << "restore while running";
+  EXPECT_EQ(q_.PeerReconnect(ToMapping(p_.Describe())).code, Code::kFailedPrecondition);
+  uint32_t drained = 0;
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Release().ok());
+  EXPECT_EQ(p_.Resume().code, Code::kFailedPrecondition) << "resume while released";
+  ASSERT_TRUE(p_.Restore("", {}).ok());
+  ASSERT_TRUE(p_.Resume().ok());
+}
+
+TEST(MigrationNotMigratableTest, QuiesceRefusesAShimWhoseQueuesTakeTheFastPath) {
+  FakeBackend fake;
+  Shim shim(&fake, IdentityMode{});
+  uint32_t drained = 0;
+  const Status st = shim.Quiesce(100, &drained);
+  EXPECT_EQ(st.code, Code::kFailedPrecondition);
+  EXPECT_NE(st.message.find("fast path"), std::string::npos);
+}
+
+TEST(MigrationGateTest, FastPathIsOffForEveryQueueOfAMigratableShim) {
+  FakeBackend fake;
+  Shim shim(&fake, IdentityMode{}, true);
+  {
+    Device<Shim> dev(shim);
+    ibv_qp* qp = dev.Qp(IBV_QPT_RC);
+    EXPECT_FALSE(ShimQp(qp)->fast.load());
+    EXPECT_FALSE(ShimCq(dev.cq)->fast.load());
+  }
+  EXPECT_EQ(fake.live_objects(), 0);
+}
+
+}  // namespace
+}  // namespace rdmavirt::shim::testing

@@ -14,7 +14,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libssl-dev openssl
   # checkpoint/restore and VMs
-  criu libvirt-dev libvirt-daemon-system libvirt-clients
+  criu libprotobuf-c-dev libvirt-dev libvirt-daemon-system libvirt-clients
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev valgrind strace
   # the lab: TCG VMs on a VDE switch, booted from an initramfs

@@ -1,0 +1,536 @@
+#include "migrator/criu_driver.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+
+extern "C" {
+#include <criu/criu.h>
+}
+
+namespace rdmavirt::migrator {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kLogTailLines = 10;
+
+struct OptsDeleter {
+  void operator()(criu_opts* o) const { criu_local_free_opts(o); }
+};
+using OptsPtr = std::unique_ptr<criu_opts, OptsDeleter>;
+
+// An fd closed on scope exit.
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  ~ScopedFd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+uint64_t ElapsedUs(std::chrono::steady_clock::time_point start) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::steady_clock::now() - start)
+                                   .count());
+}
+
+// `CALL-PID-20250102T030405.123456-N.log`: sorts by time, unique per call.
+std::string LogName(const std::string& call, pid_t pid, uint64_t seq) {
+  timespec ts{};
+  clock_gettime(CLOCK_REALTIME, &ts);
+  tm t{};
+  gmtime_r(&ts.tv_sec, &t);
+  char when[32];
+  strftime(when, sizeof(when), "%Y%m%dT%H%M%S", &t);
+  char usec[24];
+  snprintf(usec, sizeof(usec), "%06ld", ts.tv_nsec / 1000);
+  std::string name = call;
+  if (pid > 0) absl::StrAppend(&name, "-", pid);
+  absl::StrAppend(&name, "-", when, ".", usec, "-", seq, ".log");
+  return name;
+}
+
+// The first error CRIU logged (usually the cause) and the last lines.
+struct LogExcerpt {
+  std::string first_error;
+  std::deque<std::string> tail;
+  std::string all_errors;  // every "Error" line, for classification
+};
+
+LogExcerpt ReadLog(const std::string& path) {
+  LogExcerpt ex;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StrContains(line, "Error (")) {
+      if (ex.first_error.empty()) ex.first_error = line;
+      absl::StrAppend(&ex.all_errors, line, "\n");
+    }
+    ex.tail.push_back(line);
+    if (ex.tail.size() > kLogTailLines) ex.tail.pop_front();
+  }
+  return ex;
+}
+
+std::string Describe(const std::string& what, const std::string& log_path,
+                     const LogExcerpt& ex) {
+  std::string msg = absl::StrCat(what, " (log ", log_path, ")");
+  if (!ex.first_error.empty() &&
+      std::find(ex.tail.begin(), ex.tail.end(), ex.first_error) == ex.tail.end()) {
+    absl::StrAppend(&msg, "\nfirst error: ", ex.first_error);
+  }
+  if (ex.tail.empty()) {
+    absl::StrAppend(&msg, "\n(the log is empty or missing)");
+  } else {
+    absl::StrAppend(&msg, "\nlog tail:\n", absl::StrJoin(ex.tail, "\n"));
+  }
+  return msg;
+}
+
+bool ContainsAny(const std::string& text, std::initializer_list<const char*> needles) {
+  for (const char* n : needles) {
+    if (absl::StrContains(text, n)) return true;
+  }
+  return false;
+}
+
+enum class Call { kCheck, kPreDump, kDump, kRestore };
+
+// Turns a failed libcriu call into a status. `ret` is libcriu's return,
+// `cr_errno` the errno CRIU reported with its answer (0 if none).
+absl::Status CriuFailure(Call call, int ret, int cr_errno, const std::string& what,
+                         const std::string& log_path) {
+  const LogExcerpt ex = ReadLog(log_path);
+  const std::string msg = Describe(what, log_path, ex);
+  switch (ret) {
+    case -ECONNREFUSED:
+      return absl::FailedPreconditionError(absl::StrCat("cannot start criu swrk: ", msg));
+    case -ECOMM:
+      return absl::InternalError(
+          absl::StrCat("lost criu swrk (it could not start or it crashed): ", msg));
+    case -EINVAL:
+    case -EBADMSG:
+      return absl::InternalError(
+          absl::StrCat("criu does not understand the request (version mismatch?): ", msg));
+    default:
+      break;
+  }
+  if (cr_errno == ESRCH) return absl::NotFoundError(absl::StrCat("no such process: ", msg));
+  if (cr_errno == EEXIST && call == Call::kRestore) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("a pid of the dumped tree is in use on this host: ", msg));
+  }
+  const std::string& errs = ex.all_errors;
+  if (call == Call::kRestore &&
+      ContainsAny(errs, {"agic doesn't match", "Unexpected EOF", "Img trimmed",
+                         "Failed unpacking", "Corrupted", "Too old image",
+                         "Not supported images version", "in parent pagemap",
+                         "No parent for snapshot", "No parent image found",
+                         "Can't read mapping page", "Reached EOF unexpectedly",
+                         "Page read err", "Wrong object requested", "bytes while"})) {
+    return absl::DataLossError(absl::StrCat("the images do not parse: ", msg));
+  }
+  if (call == Call::kRestore && ContainsAny(errs, {"Can't fork for"}) &&
+      absl::StrContains(errs, "File exists")) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("a pid of the dumped tree is in use on this host: ", msg));
+  }
+  if (call != Call::kRestore &&
+      ContainsAny(errs, {"Can't dump file", "non-regular mapping", "Unsupported", "unsupported",
+                         "Can't dump half of stream", "External socket", "TCP connection",
+                         "Connected TCP socket", "Can't seize", "Unable to seize",
+                         "file locks", "Dirty tracking", "track-mem"})) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CRIU refuses the process as it is: ", msg));
+  }
+  if (call == Call::kCheck) return absl::FailedPreconditionError(msg);
+  return absl::InternalError(msg);
+}
+
+// The sizes of the regular files directly in dir (CRIU's images are flat).
+std::map<std::string, uint64_t> RegularFiles(const std::string& dir) {
+  std::map<std::string, uint64_t> files;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::error_code ec2;
+    if (e.is_symlink(ec2) || !e.is_regular_file(ec2)) continue;
+    const uint64_t size = e.file_size(ec2);
+    if (!ec2) files[e.path().filename().string()] = size;
+  }
+  return files;
+}
+
+uint64_t BytesWritten(const std::map<std::string, uint64_t>& before,
+                      const std::map<std::string, uint64_t>& after) {
+  uint64_t total = 0;
+  for (const auto& [name, size] : after) {
+    const auto it = before.find(name);
+    if (it == before.end() || it->second != size) total += size;
+  }
+  return total;
+}
+
+absl::Status MakeDir(const std::string& dir, mode_t mode) {
+  if (mkdir(dir.c_str(), mode) == 0) return absl::OkStatus();
+  const int err = errno;
+  struct stat st;
+  if (err == EEXIST && stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    return absl::OkStatus();
+  }
+  return absl::ErrnoToStatus(err, absl::StrCat("cannot create directory ", dir));
+}
+
+// Where `criu` is, or "" when it is not on PATH.
+std::string FindCriu() {
+  const char* path = getenv("PATH");
+  const std::string dirs = path != nullptr ? path : "/usr/local/sbin:/usr/sbin:/sbin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    const std::string d = dirs.substr(start, end - start);
+    const std::string candidate = (d.empty() ? "." : d) + "/criu";
+    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  return "";
+}
+
+// Options every call shares; what each one adds is in the call. Why each:
+//   shell_job=false       our endpoints are session leaders (setsid) with no
+//                         controlling terminal; a shell job would need one.
+//   tcp_established=false a live TCP connection cannot follow the process to
+//                         another host's address: refuse it rather than
+//                         restore a connection nobody can reach.
+//   ext_unix_sk=false     same for a Unix socket connected outside the tree
+//                         (the shim closes its migrator socket when released).
+//   file_locks=true       applications hold flock/POSIX locks on their own
+//                         files (pid files, databases); without it CRIU
+//                         refuses any process holding one.
+//   manage_cgroups=true   (soft mode) the restored tree goes back to the
+//                         cgroup it was dumped from, created if missing,
+//                         instead of joining the migrator's own cgroup.
+//   log_level=4           the logs are the only way to debug a failed move.
+absl::StatusOr<OptsPtr> NewOpts(const std::string& criu, int work_dir_fd,
+                                const std::string& log_name) {
+  criu_opts* raw = nullptr;
+  if (criu_local_init_opts(&raw) != 0) return absl::ResourceExhaustedError("criu_local_init_opts");
+  OptsPtr opts(raw);
+  if (criu_local_set_service_binary(opts.get(), criu.c_str()) != 0 ||
+      criu_local_set_log_file(opts.get(), log_name.c_str()) != 0) {
+    return absl::ResourceExhaustedError("criu options");
+  }
+  criu_local_set_work_dir_fd(opts.get(), work_dir_fd);
+  criu_local_set_log_level(opts.get(), CRIU_LOG_DEBUG);
+  criu_local_set_shell_job(opts.get(), false);
+  criu_local_set_tcp_established(opts.get(), false);
+  criu_local_set_ext_unix_sk(opts.get(), false);
+  criu_local_set_file_locks(opts.get(), true);
+  criu_local_set_manage_cgroups(opts.get(), true);
+  return opts;
+}
+
+// Relative path from dir to parent, as CRIU wants it (it resolves the
+// parent against the images directory).
+absl::StatusOr<std::string> ParentRelativeTo(const std::string& dir, const std::string& parent) {
+  if (parent.empty() || parent[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parent images dir must be an absolute path: \"", parent, "\""));
+  }
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parent images dir ", parent, " is not a directory"));
+  }
+  const fs::path p = fs::canonical(parent, ec);
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("cannot resolve ", parent));
+  const fs::path d = fs::canonical(dir, ec);
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("cannot resolve ", dir));
+  if (p == d) return absl::InvalidArgumentError(absl::StrCat(dir, " cannot be its own parent"));
+  const fs::path rel = p.lexically_relative(d);
+  if (rel.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("no relative path from ", dir, " to ", parent));
+  }
+  return rel.string();
+}
+
+absl::Status WriteSmallFile(const std::string& path, const std::string& content) {
+  const std::string tmp = path + ".tmp";
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("cannot create ", tmp));
+  ScopedFd closer(fd);
+  if (write(fd, content.data(), content.size()) != static_cast<ssize_t>(content.size()) ||
+      fsync(fd) != 0) {
+    const int err = errno;
+    unlink(tmp.c_str());
+    return absl::ErrnoToStatus(err, absl::StrCat("cannot write ", tmp));
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    unlink(tmp.c_str());
+    return absl::ErrnoToStatus(err, absl::StrCat("cannot rename ", tmp));
+  }
+  return absl::OkStatus();
+}
+
+// Re-creates CRIU's `parent` links along the chain from parent.path files
+// (images that travelled as regular files have no symlinks).
+absl::Status RestoreParentLinks(const std::string& dir) {
+  fs::path cur = dir;
+  for (int depth = 0; depth < 64; ++depth) {
+    const fs::path record = cur / kParentPathFile;
+    std::ifstream in(record);
+    if (!in) return absl::OkStatus();  // the first iteration: no parent
+    std::string rel;
+    std::getline(in, rel);
+    if (rel.empty() || rel[0] == '/' || rel.find('\0') != std::string::npos) {
+      return absl::DataLossError(
+          absl::StrCat(record.string(), " does not hold a relative path: \"", rel, "\""));
+    }
+    const fs::path target = cur / rel;
+    std::error_code ec;
+    if (!fs::is_directory(target, ec)) {
+      return absl::NotFoundError(absl::StrCat("parent images of ", cur.string(), " missing: ",
+                                              target.string(), " (from ", record.string(), ")"));
+    }
+    const fs::path link = cur / "parent";
+    if (!fs::is_symlink(link, ec)) {
+      if (fs::exists(link, ec)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(link.string(), " exists and is not CRIU's parent link"));
+      }
+      if (symlink(rel.c_str(), link.c_str()) != 0) {
+        return absl::ErrnoToStatus(errno, absl::StrCat("cannot link ", link.string()));
+      }
+    }
+    cur = target;
+  }
+  return absl::FailedPreconditionError(absl::StrCat("parent chain of ", dir, " too deep"));
+}
+
+struct DumpArgs {
+  bool pre_dump;
+  pid_t pid;
+  const std::string& dir;
+  const std::string& parent;
+  bool leave_running;
+};
+
+absl::StatusOr<CriuResult> RunDump(const std::string& log_dir, uint64_t seq, const DumpArgs& a);
+
+}  // namespace
+
+CriuDriver::CriuDriver(std::string log_dir) : log_dir_(std::move(log_dir)) {}
+
+absl::Status CriuDriver::Check() {
+  const std::string criu = FindCriu();
+  if (criu.empty()) return absl::FailedPreconditionError("criu not found on PATH");
+  if (absl::Status s = MakeDir(log_dir_, 0700); !s.ok()) return s;
+  ScopedFd log_fd(open(log_dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (log_fd.get() < 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("cannot open log dir ", log_dir_));
+  }
+
+  // libcriu 3.17's criu_local_check() sends no options, and criu's check
+  // needs them (its images and log dirs): run `criu check` itself.
+  const std::string log_name = LogName("check", 0, ++calls_);
+  const std::string log_path = absl::StrCat(log_dir_, "/", log_name);
+  const pid_t child = fork();
+  if (child < 0) return absl::ErrnoToStatus(errno, "fork for criu check");
+  if (child == 0) {
+    const int out = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    if (out >= 0) {
+      dup2(out, STDOUT_FILENO);
+      dup2(out, STDERR_FILENO);
+    }
+    execl(criu.c_str(), "criu", "check", "-v4", "--log-file", log_path.c_str(),
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int status = 0;
+  while (waitpid(child, &status, 0) < 0) {
+    if (errno != EINTR) return absl::ErrnoToStatus(errno, "waiting for criu check");
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return absl::FailedPreconditionError(
+        Describe(absl::StrCat("criu check failed (status ", status, ")"), log_path,
+                 ReadLog(log_path)));
+  }
+
+  // Pre-copy needs the soft-dirty bit.
+  const std::string ft_log = LogName("feature-check", 0, ++calls_);
+  absl::StatusOr<OptsPtr> opts = NewOpts(criu, log_fd.get(), ft_log);
+  if (!opts.ok()) return opts.status();
+  struct criu_feature_check features{};
+  features.mem_track = true;
+  const int ret = criu_local_feature_check(opts->get(), &features, sizeof(features));
+  if (ret != 0) {
+    return CriuFailure(Call::kCheck, ret, errno, "criu feature check failed",
+                       absl::StrCat(log_dir_, "/", ft_log));
+  }
+  if (!features.mem_track) {
+    return absl::FailedPreconditionError(
+        "the kernel cannot track dirty memory (soft-dirty bit): pre-copy is not possible");
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::StatusOr<CriuResult> RunDump(const std::string& log_dir, uint64_t seq, const DumpArgs& a) {
+  const char* call_name = a.pre_dump ? "pre-dump" : "dump";
+  if (a.pid <= 0) return absl::InvalidArgumentError(absl::StrCat(call_name, ": bad pid ", a.pid));
+  if (a.dir.empty() || a.dir[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat(call_name, ": images dir must be an absolute path: \"", a.dir, "\""));
+  }
+  if (kill(a.pid, 0) != 0 && errno == ESRCH) {
+    return absl::NotFoundError(absl::StrCat(call_name, ": no process ", a.pid));
+  }
+  const std::string criu = FindCriu();
+  if (criu.empty()) return absl::FailedPreconditionError("criu not found on PATH");
+  if (absl::Status s = MakeDir(a.dir, 0700); !s.ok()) return s;
+  const std::map<std::string, uint64_t> before = RegularFiles(a.dir);
+  for (const auto& [name, size] : before) {
+    if (absl::EndsWith(name, ".img")) {
+      return absl::AlreadyExistsError(
+          absl::StrCat(call_name, ": ", a.dir, " already holds a dump (", name, ")"));
+    }
+  }
+  std::string parent_rel;
+  if (!a.parent.empty()) {
+    absl::StatusOr<std::string> rel = ParentRelativeTo(a.dir, a.parent);
+    if (!rel.ok()) return rel.status();
+    parent_rel = *std::move(rel);
+  }
+  if (absl::Status s = MakeDir(log_dir, 0700); !s.ok()) return s;
+  ScopedFd log_fd(open(log_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (log_fd.get() < 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("cannot open log dir ", log_dir));
+  }
+  ScopedFd dir_fd(open(a.dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dir_fd.get() < 0) return absl::ErrnoToStatus(errno, absl::StrCat("cannot open ", a.dir));
+
+  const std::string log_name = LogName(call_name, a.pid, seq);
+  absl::StatusOr<OptsPtr> opts = NewOpts(criu, log_fd.get(), log_name);
+  if (!opts.ok()) return opts.status();
+  criu_opts* o = opts->get();
+  criu_local_set_pid(o, a.pid);
+  criu_local_set_images_dir_fd(o, dir_fd.get());
+  // Tracking: a pre-dump resets the soft-dirty bits so the next iteration
+  // (or the final dump) writes only what changed since.
+  const bool track = a.pre_dump || !parent_rel.empty();
+  criu_local_set_track_mem(o, track);
+  if (!parent_rel.empty() && criu_local_set_parent_images(o, parent_rel.c_str()) != 0) {
+    return absl::ResourceExhaustedError("criu options");
+  }
+  if (a.pre_dump) {
+    // splice: pages go through pipes while the tree is frozen, then to the
+    // images; CRIU's default, and the faster of the two in the lab.
+    if (criu_local_set_pre_dump_mode(o, CRIU_PRE_DUMP_SPLICE) != 0) {
+      return absl::ResourceExhaustedError("criu options");
+    }
+  } else {
+    criu_local_set_leave_running(o, a.leave_running);
+  }
+
+  const auto start = std::chrono::steady_clock::now();
+  errno = 0;
+  const int ret = a.pre_dump ? criu_local_pre_dump(o) : criu_local_dump(o);
+  const int cr_errno = errno;
+  CriuResult result;
+  result.elapsed_us = ElapsedUs(start);
+  if (ret < 0) {
+    return CriuFailure(a.pre_dump ? Call::kPreDump : Call::kDump, ret, cr_errno,
+                       absl::StrCat(call_name, " of pid ", a.pid, " into ", a.dir, " failed"),
+                       absl::StrCat(log_dir, "/", log_name));
+  }
+  result.image_bytes = BytesWritten(before, RegularFiles(a.dir));
+  if (!parent_rel.empty()) {
+    absl::Status s = WriteSmallFile(absl::StrCat(a.dir, "/", kParentPathFile), parent_rel + "\n");
+    if (!s.ok()) return s;
+  }
+  return result;
+}
+
+}  // namespace
+
+absl::StatusOr<CriuResult> CriuDriver::PreDump(pid_t pid, const std::string& dir,
+                                               const std::string& parent) {
+  return RunDump(log_dir_, ++calls_, {true, pid, dir, parent, true});
+}
+
+absl::StatusOr<CriuResult> CriuDriver::Dump(pid_t pid, const std::string& dir,
+                                            const std::string& parent, bool leave_running) {
+  return RunDump(log_dir_, ++calls_, {false, pid, dir, parent, leave_running});
+}
+
+absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir) {
+  if (dir.empty() || dir[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("restore: images dir must be an absolute path: \"", dir, "\""));
+  }
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return absl::NotFoundError(absl::StrCat("restore: no images dir ", dir));
+  }
+  if (!fs::exists(fs::path(dir) / "inventory.img", ec)) {
+    return absl::NotFoundError(
+        absl::StrCat("restore: ", dir, " holds no dump (no inventory.img)"));
+  }
+  if (absl::Status s = RestoreParentLinks(dir); !s.ok()) return s;
+  const std::string criu = FindCriu();
+  if (criu.empty()) return absl::FailedPreconditionError("criu not found on PATH");
+  if (absl::Status s = MakeDir(log_dir_, 0700); !s.ok()) return s;
+  ScopedFd log_fd(open(log_dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (log_fd.get() < 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("cannot open log dir ", log_dir_));
+  }
+  ScopedFd dir_fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dir_fd.get() < 0) return absl::ErrnoToStatus(errno, absl::StrCat("cannot open ", dir));
+
+  const std::string log_name = LogName("restore", 0, ++calls_);
+  absl::StatusOr<OptsPtr> opts = NewOpts(criu, log_fd.get(), log_name);
+  if (!opts.ok()) return opts.status();
+  criu_local_set_images_dir_fd(opts->get(), dir_fd.get());
+  // criu_local_restore (not _restore_child): CRIU's service always restores
+  // detached, under its swrk process, which then exits.
+  errno = 0;
+  const int ret = criu_local_restore(opts->get());
+  const int cr_errno = errno;
+  if (ret <= 0) {
+    return CriuFailure(Call::kRestore, ret < 0 ? ret : -EBADE, cr_errno,
+                       absl::StrCat("restore from ", dir, " failed"),
+                       absl::StrCat(log_dir_, "/", log_name));
+  }
+  return static_cast<pid_t>(ret);
+}
+
+}  // namespace rdmavirt::migrator

@@ -1,0 +1,95 @@
+// CriuDriver: checkpoint and restore of a process tree through CRIU.
+//
+// The migrator calls it to pre-dump a running endpoint (memory only, the
+// process keeps running), to dump it for good, and to restore a dumped tree
+// on this host. Each call runs its own `criu swrk` (libcriu's criu_local_*
+// API, so calls do not share options) and writes its own log file into the
+// driver's log directory; every error carries the tail of that log.
+//
+// Thread-compatible: one call at a time per object. Distinct objects may
+// be used from distinct threads.
+//
+// The caller must not reap children it did not start: libcriu forks
+// `criu swrk` and waits for it with waitpid() (a SIGCHLD handler that
+// reaps every child makes that wait, and so the call's cleanup, race).
+//
+// Images layout: every dump writes into its own directory. A pre-dump or
+// dump with a parent writes CRIU's `parent` symlink (to the parent
+// relative to dir) and also `parent.path`, a regular file holding the same
+// relative path. Transfers carry regular files only (ScanImages refuses
+// symlinks), so Restore() re-creates a missing `parent` link from
+// `parent.path` at each level of the chain before CRIU reads it.
+#ifndef RDMAVIRT_MIGRATOR_CRIU_DRIVER_H_
+#define RDMAVIRT_MIGRATOR_CRIU_DRIVER_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace rdmavirt::migrator {
+
+// The file that records a dump's parent (see the layout above).
+inline constexpr char kParentPathFile[] = "parent.path";
+
+struct CriuResult {
+  uint64_t elapsed_us = 0;   // wall time of the CRIU call
+  uint64_t image_bytes = 0;  // bytes of the files written in dir
+};
+
+// Drives CRIU through libcriu. Thread-compatible (one call at a time per object).
+//
+// Errors (each message names the call, the pid or directory, the log file
+// and ends with the log's last lines):
+//   NOT_FOUND            the pid does not exist; Restore: dir or its images missing
+//   FAILED_PRECONDITION  CRIU cannot run here or refuses the process as it is
+//                        (a device or socket it cannot dump, no memory tracking)
+//   ALREADY_EXISTS       Restore: a pid of the tree is in use on this host;
+//                        PreDump/Dump: dir already holds a dump
+//   DATA_LOSS            Restore: the images do not parse
+//   INVALID_ARGUMENT     a relative dir, a parent that is not a directory
+//   INTERNAL             anything else CRIU reported
+class CriuDriver {
+ public:
+  // log_dir: where CRIU's logs go (a file per call, named after the call:
+  // `dump-PID-TIME.log`, `restore-TIME.log`, ...). Created if missing.
+  explicit CriuDriver(std::string log_dir);
+
+  // criu's own check (`criu check`) plus memory tracking (soft-dirty),
+  // which PreDump needs. FAILED_PRECONDITION with the log's last lines
+  // when either fails.
+  absl::Status Check();
+
+  // Pre-dump with memory tracking: the process keeps running. `parent` is
+  // "" for the first iteration, else the previous iteration's dir
+  // (absolute; passed to CRIU relative to dir). dir is created if missing
+  // and must not already hold a dump.
+  absl::StatusOr<CriuResult> PreDump(pid_t pid, const std::string& dir, const std::string& parent);
+
+  // Final dump (tracking memory against `parent` if not empty, so only the
+  // pages dirtied since the parent are written). leave_running keeps the
+  // process running after the dump; otherwise it is killed once dumped.
+  absl::StatusOr<CriuResult> Dump(pid_t pid, const std::string& dir, const std::string& parent,
+                                  bool leave_running);
+
+  // Restores the tree dumped in dir (with its parent chain present at the
+  // same relative paths); returns the restored root pid. The restored tree
+  // is detached from the caller: CRIU restores it under its own `criu
+  // swrk` child, which exits, so the tree is re-parented to init (or the
+  // nearest subreaper) and keeps its own session; it keeps running if the
+  // caller exits or is killed.
+  absl::StatusOr<pid_t> Restore(const std::string& dir);
+
+  const std::string& log_dir() const { return log_dir_; }
+
+ private:
+  std::string log_dir_;
+  uint64_t calls_ = 0;  // makes log names unique within a microsecond
+};
+
+}  // namespace rdmavirt::migrator
+
+#endif  // RDMAVIRT_MIGRATOR_CRIU_DRIVER_H_

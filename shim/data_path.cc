@@ -235,8 +235,10 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
 // The translating path, behind the QP's pause gate: while paused, posts
 // are queued and reported as posted.
 [[gnu::noinline]] int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  if (!qp->gate.Enter()) [[unlikely]]
+  if (!qp->gate.Enter()) [[unlikely]] {
+    qp->ctx->shim->RunPendingStep();
     return QueueSends(qp, wr, bad);
+  }
   const int rc = PostSendReal(qp, wr, bad);
   qp->gate.Leave();
   return rc;
@@ -436,8 +438,12 @@ inline int TakePending(Cq* cq, int n, ibv_wc* wc) {
 }
 
 [[gnu::noinline]] int PollCqGated(Cq* cq, int n, ibv_wc* wc) {
-  if (!cq->gate.Enter()) [[unlikely]]
-    return 0;  // paused: the application sees no new completion
+  if (!cq->gate.Enter()) [[unlikely]] {
+    // Paused: the application sees no new completion, and its thread may
+    // run a migration step (Shim::OnAppThread).
+    cq->ctx->shim->RunPendingStep();
+    return 0;
+  }
   int got = TakePending(cq, n, wc);
   if (got < n) {
     const int more = cq->real_poll_cq(cq->real, n - got, wc + got);
@@ -489,7 +495,10 @@ inline uint32_t Rkey(ibv_qp_ex* q, uint32_t rkey) { return PeerRkey(AsQp(q), rke
 // waits for its end: to the application, a pause.
 void WrStart(ibv_qp_ex* q) {
   Qp* qp = AsQp(q);
-  while (!qp->gate.Enter()) usleep(1000);
+  while (!qp->gate.Enter()) {
+    qp->ctx->shim->RunPendingStep();
+    usleep(1000);
+  }
   qp->builder_signaled = 0;
   qp->real_ex->wr_start(qp->real_ex);
 }
@@ -587,7 +596,10 @@ inline void CopyCursor(ibv_cq_ex* shadow, const ibv_cq_ex* real) {
 // a start_poll that finds nothing). During a pause it finds nothing.
 int StartPoll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   Cq* cq = AsCq(c);
-  if (!cq->gate.Enter()) return ENOENT;
+  if (!cq->gate.Enter()) {
+    cq->ctx->shim->RunPendingStep();
+    return ENOENT;
+  }
   ibv_cq_ex* real = cq->real_ex;
   const int rc = real->start_poll(real, attr);
   if (rc == 0)

@@ -225,7 +225,7 @@ void Shim::DestroyReal() {
   }
 }
 
-Status Shim::Release() {
+Status Shim::ReleaseNow() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!paused_) return Error(Code::kFailedPrecondition, "release needs a quiesced endpoint");
   if (released_) return {};
@@ -390,7 +390,7 @@ Status Shim::RecreateReal(const std::string& device) {
   return {};
 }
 
-Status Shim::Restore(const std::string& device, const std::vector<RemoteMapping>& peers) {
+Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!released_) return Error(Code::kFailedPrecondition, "restore needs a released endpoint");
   for (const RemoteMapping& m : peers) {
@@ -407,10 +407,12 @@ Status Shim::Restore(const std::string& device, const std::vector<RemoteMapping>
   }
   released_ = false;
   moved_ = true;
+  // The device was opened by whichever thread ran this; see OnAppThread.
+  app_thread_steps_.store(true);
   return {};
 }
 
-Status Shim::Resume() {
+Status Shim::ResumeNow() {
   std::lock_guard<std::mutex> lock(mu_);
   if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released: restore first");
   if (!paused_) return {};
@@ -484,7 +486,7 @@ Status Shim::Reconnect(Qp* qp) {
   return {};
 }
 
-Status Shim::PeerReconnect(const RemoteMapping& mapping) {
+Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
@@ -509,7 +511,53 @@ Status Shim::PeerReconnect(const RemoteMapping& mapping) {
       ah->real = fresh;
     }
   }
-  return Resume();
+  return ResumeNow();
+}
+
+// ib_uverbs refuses write() commands from a thread whose credentials are
+// not the very ones the device file was opened with (ib_safe_file_access:
+// "changed security contexts after opening file descriptor"). Threads
+// share one credential object until CRIU restores them, each with its own.
+// So once a process has been restored, the device is reopened, and every
+// later step run, on an application thread: the next one to post or poll
+// while paused picks the step up (data_path.cc), and its own posts then
+// pass (providers such as rxe ring the doorbell with write()). If no
+// application thread comes within app_thread_wait_ms_ (one blocked in
+// ibv_get_cq_event, say) the control thread runs the step itself.
+Status Shim::OnAppThread(const std::function<Status()>& step) {
+  if (!app_thread_steps_.load()) return step();
+  PendingStep pending;
+  pending.run = &step;
+  task_.store(&pending);
+  for (int waited = 0; waited < app_thread_wait_ms_; ++waited) {
+    if (pending.done.load()) return pending.result;
+    usleep(1000);
+  }
+  PendingStep* expected = &pending;
+  if (task_.compare_exchange_strong(expected, nullptr)) return step();
+  while (!pending.done.load()) usleep(1000);  // an application thread is running it
+  return pending.result;
+}
+
+void Shim::RunPendingStep() {
+  PendingStep* p = task_.exchange(nullptr);
+  if (p == nullptr) return;
+  p->result = (*p->run)();
+  steps_on_app_threads_.fetch_add(1);
+  p->done.store(true);
+}
+
+Status Shim::Release() {
+  return OnAppThread([this] { return ReleaseNow(); });
+}
+Status Shim::Restore(const std::string& device, const std::vector<RemoteMapping>& peers) {
+  return OnAppThread([&] { return RestoreNow(device, peers); });
+}
+Status Shim::Resume() {
+  return OnAppThread([this] { return ResumeNow(); });
+}
+Status Shim::PeerReconnect(const RemoteMapping& mapping) {
+  return OnAppThread([&] { return PeerReconnectNow(mapping); });
 }
 
 EndpointView Shim::Describe() const {

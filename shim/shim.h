@@ -14,6 +14,8 @@
 
 #include <infiniband/verbs.h>
 
+#include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <mutex>
@@ -134,6 +136,14 @@ class Shim {
   // re-posted; AHs toward it re-created; then Resume().
   Status PeerReconnect(const RemoteMapping& mapping);
   EndpointView Describe() const;
+  // Data path, while paused: an application thread runs the step the
+  // control thread left for it, if any (see OnAppThread in migration.cc).
+  void RunPendingStep();
+  bool step_pending() const { return task_.load(std::memory_order_relaxed) != nullptr; }
+  // How long a step waits for an application thread (tests shorten it).
+  void set_app_thread_wait_ms(int ms) { app_thread_wait_ms_ = ms; }
+  // Steps run by application threads so far.
+  int steps_on_app_threads() const { return steps_on_app_threads_.load(); }
 
   // Read-only views for the migration side and tests.
   std::vector<const Qp*> Qps() const;
@@ -173,6 +183,11 @@ class Shim {
   template <typename T>
   std::vector<T*> All(Kind kind) const;  // requires mu_
   void DestroyReal();                    // requires mu_
+  Status ReleaseNow();
+  Status RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers);
+  Status ResumeNow();
+  Status PeerReconnectNow(const RemoteMapping& mapping);
+  Status OnAppThread(const std::function<Status()>& step);
   Status RecreateReal(const std::string& device);  // requires mu_
   Status Reconnect(Qp* qp);                        // requires mu_
   int ReplayTransitions(Qp* qp);                   // requires mu_
@@ -189,6 +204,15 @@ class Shim {
   QpIndex qp_index_;    // writes under mu_
 
   const bool migratable_;
+  int app_thread_wait_ms_ = 2000;
+  std::atomic<int> steps_on_app_threads_{0};
+  struct PendingStep {
+    const std::function<Status()>* run = nullptr;
+    Status result;
+    std::atomic<bool> done{false};
+  };
+  std::atomic<PendingStep*> task_{nullptr};
+  std::atomic<bool> app_thread_steps_{false};
   // Migration state, written by the control thread under mu_.
   bool paused_ = false;
   bool released_ = false;

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/shim/verbs_test_util.h"
@@ -32,6 +33,8 @@ std::vector<uint64_t> WrIds(const std::vector<ibv_wc>& wcs) {
 class MigrationTest : public ::testing::Test {
  protected:
   MigrationTest() : p_(&fake_, IdentityMode{}, true), q_(&fake_, IdentityMode{}, true) {
+    p_.set_app_thread_wait_ms(0);
+    q_.set_app_thread_wait_ms(0);
     pdev_ = std::make_unique<Device<Shim>>(p_);
     qdev_ = std::make_unique<Device<Shim>>(q_);
     pmr_ = pdev_->Reg(pbuf_, sizeof(pbuf_));
@@ -275,6 +278,29 @@ TEST_F(MigrationTest, StepsOutOfOrderAreRefused) {
   EXPECT_EQ(p_.Resume().code, Code::kFailedPrecondition) << "resume while released";
   ASSERT_TRUE(p_.Restore("", {}).ok());
   ASSERT_TRUE(p_.Resume().ok());
+}
+
+TEST_F(MigrationTest, AfterARestoreStepsRunOnAThreadThatPolls) {
+  Connect();
+  Move();
+  p_.set_app_thread_wait_ms(5000);
+  uint32_t drained = 0;
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  std::atomic<bool> stop{false};
+  std::thread app([&] {
+    ibv_wc wc;
+    while (!stop.load()) ibv_poll_cq(pdev_->cq, 1, &wc);
+  });
+  const int before = p_.steps_on_app_threads();
+  EXPECT_TRUE(p_.Release().ok());
+  EXPECT_TRUE(p_.Restore("", {}).ok());
+  EXPECT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  EXPECT_TRUE(p_.Resume().ok());
+  stop.store(true);
+  app.join();
+  EXPECT_EQ(p_.steps_on_app_threads(), before + 3)
+      << "release, restore, and the resume that ended the pause ran on the polling thread";
 }
 
 TEST(MigrationNotMigratableTest, QuiesceRefusesAShimWhoseQueuesTakeTheFastPath) {

@@ -1,0 +1,43 @@
+// Checkpointer over CriuDriver: a driver per call, since a driver serves
+// one call at a time and moves of different processes run concurrently.
+#include "migrator/checkpointer.h"
+#include "migrator/criu_driver.h"
+
+namespace rdmavirt::migrator {
+namespace {
+
+class CriuCheckpointer final : public Checkpointer {
+ public:
+  explicit CriuCheckpointer(std::string log_dir) : log_dir_(std::move(log_dir)) {}
+
+  absl::Status Check() override { return CriuDriver(log_dir_).Check(); }
+
+  absl::StatusOr<DumpStats> PreDump(pid_t pid, const std::string& dir,
+                                    const std::string& parent) override {
+    absl::StatusOr<CriuResult> r = CriuDriver(log_dir_).PreDump(pid, dir, parent);
+    if (!r.ok()) return r.status();
+    return DumpStats{r->elapsed_us, r->image_bytes};
+  }
+
+  absl::StatusOr<DumpStats> Dump(pid_t pid, const std::string& dir, const std::string& parent,
+                                 bool leave_running) override {
+    absl::StatusOr<CriuResult> r = CriuDriver(log_dir_).Dump(pid, dir, parent, leave_running);
+    if (!r.ok()) return r.status();
+    return DumpStats{r->elapsed_us, r->image_bytes};
+  }
+
+  absl::StatusOr<pid_t> Restore(const std::string& dir) override {
+    return CriuDriver(log_dir_).Restore(dir);
+  }
+
+ private:
+  const std::string log_dir_;
+};
+
+}  // namespace
+
+std::unique_ptr<Checkpointer> NewCriuCheckpointer(const std::string& log_dir) {
+  return std::make_unique<CriuCheckpointer>(log_dir);
+}
+
+}  // namespace rdmavirt::migrator

@@ -1,0 +1,276 @@
+// The destination side of a move (Transfer): Prepare, PushImages,
+// RestoreIncoming, AbortIncoming, and the final resume of the endpoint.
+#include <filesystem>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "migrator/image_dir.h"
+#include "migrator/image_stream.h"
+#include "migrator/log.h"
+#include "migrator/migrator.h"
+#include "migrator/migrator_internal.h"
+#include "migrator/rdma_devices.h"
+#include "migrator/record_store.h"
+
+namespace rdmavirt::migrator {
+namespace {
+
+bool ValidId(const std::string& id) {
+  if (id.empty() || id.size() > 64) return false;
+  for (char c : id)
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_') return false;
+  return true;
+}
+
+// Removes everything in `dir` but the record.
+void RemoveImages(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    if (e.path().filename() != kRecordFile) std::filesystem::remove_all(e.path(), ec);
+}
+
+}  // namespace
+
+std::string Migrator::IncomingDir(const std::string& id) const {
+  return absl::StrCat(options_.state_dir, "/incoming/", id);
+}
+
+void Migrator::PersistIncoming(Incoming* in) {
+  in->mu.AssertHeld();
+  if (absl::Status st = WriteRecord(in->dir, in->rec); !st.ok())
+    Log("incoming %s: cannot write its record: %s", in->rec.report().migration_id(),
+        st.ToString());
+}
+
+absl::Status Migrator::CheckCanHost() {
+  const v1::HostInfo host = GetHostInfo();
+  if (FirstActiveDevice(host) == nullptr)
+    return absl::FailedPreconditionError(
+        absl::StrCat("host ", options_.host_name, " has no RDMA device with an ACTIVE port"));
+  if (!host.criu_ok())
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CRIU does not work on host ", options_.host_name, " (", host.criu_version(), ")"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PrepareResponse> Migrator::Prepare(const v1::PrepareRequest& request) {
+  if (!ValidId(request.migration_id()))
+    return absl::InvalidArgumentError("a migration id is 1..64 letters, digits, '-' or '_'");
+  if (absl::Status st = CheckCanHost(); !st.ok()) return st;
+  auto in = std::make_unique<Incoming>();
+  in->dir = IncomingDir(request.migration_id());
+  std::error_code ec;
+  if (std::filesystem::exists(in->dir, ec))
+    return absl::AlreadyExistsError(absl::StrCat("migration ", request.migration_id(),
+                                                 " was prepared here already"));
+  {
+    absl::MutexLock lock(&in->mu);
+    v1::MigrationReport* r = in->rec.mutable_report();
+    r->set_migration_id(request.migration_id());
+    r->set_kind("incoming");
+    r->set_pid(request.endpoint().pid());
+    r->set_endpoint_id(request.endpoint().endpoint_id());
+    r->set_destination(options_.host_name);
+    r->set_started_at(Rfc3339(absl::Now()));
+    in->rec.set_role("destination");
+    in->rec.set_phase("prepared");
+    *in->rec.mutable_endpoint() = request.endpoint();
+    in->rec.set_image_dir(in->dir);
+    PersistIncoming(in.get());
+  }
+  Log("incoming %s: prepared for endpoint %s (pid %d on its source)", request.migration_id(),
+      request.endpoint().endpoint_id(), request.endpoint().pid());
+  {
+    absl::MutexLock lock(&mu_);
+    incoming_[request.migration_id()] = std::move(in);
+  }
+  v1::PrepareResponse out;
+  *out.mutable_host() = GetHostInfo();
+  return out;
+}
+
+absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
+    const std::function<bool(v1::ImageChunk*)>& next) {
+  v1::ImageChunk first;
+  if (!next(&first)) return absl::InvalidArgumentError("an empty image stream");
+  Incoming* in = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = incoming_.find(first.migration_id());
+    if (it != incoming_.end()) in = it->second.get();
+  }
+  if (in == nullptr)
+    return absl::NotFoundError(
+        absl::StrCat("no migration ", first.migration_id(), " was prepared here"));
+  absl::MutexLock lock(&in->mu);
+  if (in->rec.phase() != "prepared" && in->rec.phase() != "receiving")
+    return absl::FailedPreconditionError(
+        absl::StrCat("migration ", first.migration_id(), " is ", in->rec.phase()));
+  if (first.pre_dump() && first.iteration() != in->last_iteration + 1)
+    return absl::InvalidArgumentError(absl::StrCat("pre-dump iteration ", first.iteration(),
+                                                   " after ", in->last_iteration));
+  ImageReceiver rx(in->dir);
+  if (absl::Status st = rx.Begin(first); !st.ok()) return st;
+  v1::ImageChunk c;
+  while (next(&c)) {
+    if (c.migration_id() != first.migration_id() || c.has_manifest())
+      return absl::InvalidArgumentError("an image stream carries one migration's manifest");
+    if (absl::Status st = rx.Add(c); !st.ok()) return st;
+  }
+  if (absl::Status st = rx.Finish(); !st.ok()) return st;
+  // CRIU's `parent` links travel as parent.path files (criu_driver.h);
+  // CriuDriver::Restore re-creates the links from them.
+  if (first.pre_dump()) in->last_iteration = first.iteration();
+  in->rec.set_phase("receiving");
+  in->rec.mutable_report()->set_bytes_moved(in->rec.report().bytes_moved() + rx.bytes());
+  if (first.manifest().has_endpoint() && !first.pre_dump())
+    *in->rec.mutable_endpoint() = first.manifest().endpoint();
+  PersistIncoming(in);
+  v1::PushImagesResponse out;
+  out.set_bytes_received(rx.bytes());
+  return out;
+}
+
+absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir,
+                                               const std::function<void(pid_t)>& restored,
+                                               const std::vector<v1::Mapping>& peers,
+                                               v1::RestoreIncomingResponse* out) {
+  const absl::Time c0 = absl::Now();
+  absl::StatusOr<pid_t> pid = criu_->Restore(dir);
+  if (!pid.ok()) return Annotate(pid.status(), "CRIU restore");
+  restored(*pid);
+  out->set_criu_restore_us(MicrosSince(c0));
+  const absl::Time r0 = absl::Now();
+  absl::StatusOr<v1::EndpointSummary> e = BringBack(*pid, FirstActiveDeviceName(), peers);
+  if (!e.ok()) {
+    // No half-made process stays behind.
+    if (absl::Status st = procs_->Kill(*pid); !st.ok())
+      Log("restore: killing process %d: %s", *pid, st.ToString());
+    return Annotate(e.status(), absl::StrCat("bringing back the endpoint of restored process ",
+                                             *pid));
+  }
+  out->set_rdma_restore_us(MicrosSince(r0));
+  out->set_pid(*pid);
+  *out->mutable_endpoint() = *std::move(e);
+  return *pid;
+}
+
+absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
+    const v1::RestoreIncomingRequest& request) {
+  Incoming* in = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = incoming_.find(request.migration_id());
+    if (it != incoming_.end()) in = it->second.get();
+  }
+  if (in == nullptr)
+    return absl::NotFoundError(
+        absl::StrCat("no migration ", request.migration_id(), " was prepared here"));
+  absl::MutexLock lock(&in->mu);
+  if (in->rec.phase() != "receiving")
+    return absl::FailedPreconditionError(
+        absl::StrCat("migration ", request.migration_id(), " is ", in->rec.phase()));
+  const std::string final_dir = in->dir + "/final";
+  // Verified as it arrived (ImageReceiver::Finish); its manifest must be there.
+  absl::StatusOr<v1::Manifest> manifest = ReadManifest(final_dir);
+  if (!manifest.ok())
+    return absl::FailedPreconditionError(
+        absl::StrCat("no complete final dump received: ", manifest.status().message()));
+  in->rec.set_phase("restoring");
+  PersistIncoming(in);
+  std::vector<v1::Mapping> peers(request.peers().begin(), request.peers().end());
+  v1::RestoreIncomingResponse out;
+  absl::StatusOr<pid_t> pid = RestoreFromDir(
+      final_dir,
+      [&](pid_t p) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        in->rec.set_restored_pid(p);
+        PersistIncoming(in);
+      },
+      peers, &out);
+  if (!pid.ok()) {
+    in->rec.set_restored_pid(0);
+    in->rec.set_phase("receiving");
+    PersistIncoming(in);
+    Log("incoming %s: restore failed: %s", request.migration_id(), pid.status().ToString());
+    return pid.status();
+  }
+  in->rec.set_phase("restored");
+  in->rec.set_confirmed(true);
+  *in->rec.mutable_new_mapping() = out.endpoint().mapping();
+  v1::Breakdown* b = in->rec.mutable_report()->mutable_breakdown();
+  b->set_criu_restore_us(out.criu_restore_us());
+  b->set_rdma_restore_us(out.rdma_restore_us());
+  PersistIncoming(in);
+  Log("incoming %s: restored as process %d on %s", request.migration_id(), *pid,
+      out.endpoint().device());
+  return out;
+}
+
+absl::Status Migrator::AbortIncoming(const v1::AbortIncomingRequest& request) {
+  std::unique_ptr<Incoming> in;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = incoming_.find(request.migration_id());
+    if (it == incoming_.end()) return absl::OkStatus();  // nothing (left) here
+    in = std::move(it->second);
+    incoming_.erase(it);
+  }
+  absl::MutexLock lock(&in->mu);
+  const pid_t pid = in->rec.restored_pid();
+  if (pid > 0 && procs_->Exists(pid)) {
+    if (absl::Status st = procs_->Kill(pid); !st.ok())
+      Log("incoming %s: killing process %d: %s", request.migration_id(), pid, st.ToString());
+  }
+  RemoveImages(in->dir);
+  in->rec.set_done(true);
+  in->rec.set_phase("aborted");
+  in->rec.mutable_report()->set_error("aborted by the source");
+  PersistIncoming(in.get());
+  Log("incoming %s: aborted%s", request.migration_id(),
+      pid > 0 ? absl::StrCat(", restored process ", pid, " killed") : "");
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {
+  std::unique_ptr<Incoming> in;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = incoming_.find(request.migration_id());
+    if (it != incoming_.end()) {
+      in = std::move(it->second);
+      incoming_.erase(it);
+    }
+  }
+  pid_t pid = 0;
+  if (in != nullptr) {
+    absl::MutexLock lock(&in->mu);
+    pid = in->rec.restored_pid();
+  }
+  if (pid == 0) {
+    // A restarted migrator: find the endpoint by its virtual GID.
+    for (const ShimInfo& s : shims_->Connected()) {
+      absl::StatusOr<v1::EndpointSummary> e = Describe(s.pid);
+      if (e.ok() && e->mapping().virtual_gid() == request.mapping().virtual_gid()) pid = s.pid;
+    }
+  }
+  if (pid == 0)
+    return absl::NotFoundError(absl::StrCat("no endpoint ", request.migration_id(),
+                                            " to resume on ", options_.host_name));
+  v1::MigratorToShim res;
+  res.mutable_resume();
+  absl::StatusOr<v1::Reply> r = Command(pid, res, options_.rpc_timeout, "resume");
+  if (in != nullptr) {
+    absl::MutexLock lock(&in->mu);
+    RemoveImages(in->dir);
+    in->rec.set_done(true);
+    in->rec.set_phase("done");
+    in->rec.mutable_report()->set_ok(r.ok());
+    if (!r.ok()) in->rec.mutable_report()->set_error(std::string(r.status().message()));
+    PersistIncoming(in.get());
+  }
+  Log("incoming %s: process %d resumed%s", request.migration_id(), pid,
+      r.ok() ? "" : absl::StrCat(" (failed: ", r.status().message(), ")"));
+  return r.status();
+}
+
+}  // namespace rdmavirt::migrator

@@ -1,0 +1,163 @@
+// rdmavirt-migratord: the per-host migrator daemon (see migrator.h and
+// docs/migrator.md). Serves this host's shims on a Unix socket and the
+// Operator and Transfer services over gRPC with mutual TLS.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "migrator/addresses.h"
+#include "migrator/checkpointer.h"
+#include "migrator/grpc_service.h"
+#include "migrator/log.h"
+#include "migrator/migrator.h"
+#include "migrator/process_control.h"
+#include "migrator/shim_server.h"
+#include "migrator/tls.h"
+
+namespace rdmavirt::migrator {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: rdmavirt-migratord [options]\n"
+    "  --listen ADDR:PORT    gRPC (mutual TLS) listen address (default 0.0.0.0:7700)\n"
+    "  --socket PATH         Unix socket for the shims (default /run/rdmavirt/migratord.sock)\n"
+    "  --state-dir DIR       migration records and images (default /var/lib/rdmavirt)\n"
+    "  --tls-dir DIR         ca.pem, host.pem, host.key (default /etc/rdmavirt/tls)\n"
+    "  --criu-log-dir DIR    CRIU's logs (default STATE-DIR/criu-logs)\n"
+    "  --host-name NAME      this host's name in reports (default: hostname)\n"
+    "  --max-precopy N       pre-dump iterations at most (default 3)\n"
+    "SIGTERM or SIGINT stops it cleanly.\n";
+
+struct Flags {
+  std::string listen = "0.0.0.0:7700";
+  std::string socket = "/run/rdmavirt/migratord.sock";
+  std::string state_dir = "/var/lib/rdmavirt";
+  std::string tls_dir = "/etc/rdmavirt/tls";
+  std::string criu_log_dir;
+  std::string host_name;
+  uint32_t max_precopy = 3;
+};
+
+// 0 to go on, else the exit code.
+int ParseFlags(int argc, char** argv, Flags* f) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      fputs(kUsage, stdout);
+      return -1;
+    }
+    std::string name = a, value;
+    const size_t eq = a.find('=');
+    if (eq != std::string::npos) {
+      name = a.substr(0, eq);
+      value = a.substr(eq + 1);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      fprintf(stderr, "rdmavirt-migratord: %s needs a value\n%s", a.c_str(), kUsage);
+      return 2;
+    }
+    if (name == "--listen") f->listen = value;
+    else if (name == "--socket") f->socket = value;
+    else if (name == "--state-dir") f->state_dir = value;
+    else if (name == "--tls-dir") f->tls_dir = value;
+    else if (name == "--criu-log-dir") f->criu_log_dir = value;
+    else if (name == "--host-name") f->host_name = value;
+    else if (name == "--max-precopy") {
+      if (!absl::SimpleAtoi(value, &f->max_precopy) || f->max_precopy == 0 ||
+          f->max_precopy > 64) {
+        fprintf(stderr, "rdmavirt-migratord: --max-precopy takes 1..64\n");
+        return 2;
+      }
+    } else {
+      fprintf(stderr, "rdmavirt-migratord: unknown option %s\n%s", name.c_str(), kUsage);
+      return 2;
+    }
+  }
+  if (f->criu_log_dir.empty()) f->criu_log_dir = f->state_dir + "/criu-logs";
+  return 0;
+}
+
+int Run(int argc, char** argv) {
+  Flags flags;
+  if (int rc = ParseFlags(argc, argv, &flags); rc != 0) return rc < 0 ? 0 : rc;
+  absl::StatusOr<HostPort> listen = ParseHostPort(flags.listen);
+  if (!listen.ok()) {
+    fprintf(stderr, "rdmavirt-migratord: --listen: %s\n", std::string(listen.status().message()).c_str());
+    return 2;
+  }
+  absl::StatusOr<TlsFiles> tls = LoadTls(flags.tls_dir, "host.pem", "host.key");
+  if (!tls.ok()) {
+    Log("cannot start: %s", tls.status().message());
+    return 1;
+  }
+
+  // Signals are taken by sigwait below, in no other thread.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  ShimServer::Options so;
+  so.socket_path = flags.socket;
+  absl::StatusOr<std::unique_ptr<ShimServer>> shims = ShimServer::Start(so);
+  if (!shims.ok()) {
+    Log("cannot start: shim socket: %s", shims.status().ToString());
+    return 1;
+  }
+  std::unique_ptr<Checkpointer> criu = NewCriuCheckpointer(flags.criu_log_dir);
+  std::unique_ptr<ProcessControl> procs = NewProcessControl();
+
+  Migrator::Options mo;
+  mo.host_name = flags.host_name;
+  mo.state_dir = flags.state_dir;
+  mo.version = RDMAVIRT_VERSION;
+  mo.port = listen->port;
+  mo.max_precopy_iterations = flags.max_precopy;
+  std::shared_ptr<grpc::ChannelCredentials> peer_creds = MutualTlsChannelCredentials(*tls);
+  mo.connect = [peer_creds](const std::string& target) {
+    return v1::Transfer::NewStub(grpc::CreateChannel(target, peer_creds));
+  };
+  Migrator migrator(mo, shims->get(), criu.get(), procs.get());
+
+  OperatorService op(&migrator);
+  TransferService transfer(&migrator);
+  grpc::ServerBuilder builder;
+  int bound = 0;
+  builder.AddListeningPort(listen->Target(), MutualTlsServerCredentials(*tls), &bound);
+  builder.RegisterService(&op);
+  builder.RegisterService(&transfer);
+  builder.SetMaxReceiveMessageSize(8 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || bound == 0) {
+    Log("cannot start: cannot listen on %s", listen->Target());
+    return 1;
+  }
+  Log("rdmavirt-migratord %s: listening on %s (mutual TLS), shims on %s, state in %s",
+      RDMAVIRT_VERSION, listen->Target(), flags.socket, flags.state_dir);
+
+  // Moves a previous run left in flight; shims reconnect meanwhile.
+  std::thread recovery([&migrator] { migrator.Recover(); });
+
+  int sig = 0;
+  sigwait(&stop, &sig);
+  Log("%s: stopping", strsignal(sig));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  recovery.join();
+  shims->reset();
+  Log("stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace rdmavirt::migrator
+
+int main(int argc, char** argv) { return rdmavirt::migrator::Run(argc, argv); }

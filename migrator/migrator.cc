@@ -1,0 +1,305 @@
+#include "migrator/migrator.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "grpcpp/grpcpp.h"
+#include "migrator/addresses.h"
+#include "migrator/log.h"
+#include "migrator/migrator_internal.h"
+#include "migrator/rdma_devices.h"
+#include "migrator/record_store.h"
+
+namespace rdmavirt::migrator {
+
+namespace {
+
+constexpr size_t kRecentReports = 32;
+constexpr absl::Duration kDescribeTimeout = absl::Seconds(10);
+
+Migrator::Options WithDefaults(Migrator::Options o) {
+  if (o.host_name.empty()) {
+    char name[256] = {};
+    gethostname(name, sizeof(name) - 1);
+    o.host_name = name;
+  }
+  if (!o.list_devices) o.list_devices = ListRdmaDevices;
+  if (o.max_precopy_iterations == 0) o.max_precopy_iterations = 3;
+  if (o.drain_timeout_ms == 0) o.drain_timeout_ms = 10000;
+  if (!o.locate_peer) {
+    const int port = o.port;
+    o.locate_peer = [port](const std::string& gid) -> std::string {
+      const std::string ip = GidIpv4(gid);
+      if (ip.empty() || IsLocalAddress(ip)) return "";
+      return absl::StrCat(ip, ":", port);
+    };
+  }
+  return o;
+}
+
+}  // namespace
+
+absl::Status Annotate(const absl::Status& st, absl::string_view context) {
+  if (st.ok()) return st;
+  return absl::Status(st.code(), absl::StrCat(context, ": ", st.message()));
+}
+
+absl::Status FromGrpc(const grpc::Status& st, absl::string_view context) {
+  if (st.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(st.error_code()),
+                      absl::StrCat(context, ": ", st.error_message()));
+}
+
+Migrator::Migrator(Options options, ShimChannel* shims, Checkpointer* criu,
+                   ProcessControl* procs)
+    : options_(WithDefaults(std::move(options))), shims_(shims), criu_(criu), procs_(procs) {
+  std::error_code ec;
+  std::filesystem::create_directories(options_.state_dir + "/migrations", ec);
+  std::filesystem::create_directories(options_.state_dir + "/incoming", ec);
+  // Finished moves of earlier runs, for Status.
+  std::vector<v1::MigrationReport> old;
+  for (auto& [dir, rec] : ListRecords(options_.state_dir + "/migrations"))
+    if (rec.done()) old.push_back(rec.report());
+  std::sort(old.begin(), old.end(), [](const auto& a, const auto& b) {
+    return a.started_at() > b.started_at();
+  });
+  absl::MutexLock lock(&mu_);
+  for (auto& r : old) {
+    if (recent_.size() >= kRecentReports) break;
+    recent_.push_back(std::move(r));
+  }
+}
+
+Migrator::~Migrator() = default;
+
+std::string Migrator::NewId() {
+  static absl::Mutex id_mu(absl::kConstInit);
+  static absl::BitGen* gen = new absl::BitGen;
+  absl::MutexLock lock(&id_mu);
+  return absl::StrFormat("%s-%06x",
+                         absl::FormatTime("%Y%m%d-%H%M%S", absl::Now(), absl::UTCTimeZone()),
+                         absl::Uniform<uint32_t>(*gen, 0, 1u << 24));
+}
+
+std::string Migrator::PeerTarget(const std::string& gid) { return options_.locate_peer(gid); }
+
+v1::HostInfo Migrator::GetHostInfo() {
+  v1::HostInfo info;
+  info.set_hostname(options_.host_name);
+  info.set_version(options_.version);
+  for (v1::RdmaDevice& d : options_.list_devices()) *info.add_devices() = std::move(d);
+  absl::Status criu;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!criu_checked_) {
+      // `criu check` takes a while; its verdict does not change while we run.
+      criu_status_ = criu_->Check();
+      criu_checked_ = true;
+      if (!criu_status_.ok()) Log("CRIU does not work here: %s", criu_status_.ToString());
+    }
+    criu = criu_status_;
+  }
+  info.set_criu_ok(criu.ok());
+  if (!criu.ok()) info.set_criu_version(absl::StrCat("unusable: ", criu.message()));
+  return info;
+}
+
+std::string Migrator::FirstActiveDeviceName() {
+  v1::HostInfo info;
+  for (v1::RdmaDevice& d : options_.list_devices()) *info.add_devices() = std::move(d);
+  const v1::RdmaDevice* d = FirstActiveDevice(info);
+  return d == nullptr ? "" : d->name();
+}
+
+absl::StatusOr<v1::Reply> Migrator::Command(pid_t pid, const v1::MigratorToShim& request,
+                                            absl::Duration timeout, const char* what) {
+  absl::StatusOr<v1::Reply> reply = shims_->Call(pid, request, timeout);
+  if (!reply.ok()) return Annotate(reply.status(), absl::StrCat(what, " of process ", pid));
+  if (reply->code() != 0)
+    return absl::Status(static_cast<absl::StatusCode>(reply->code()),
+                        absl::StrCat(what, " of process ", pid, ": ", reply->message()));
+  return reply;
+}
+
+absl::StatusOr<v1::EndpointSummary> Migrator::Describe(pid_t pid) {
+  v1::MigratorToShim req;
+  req.mutable_describe();
+  absl::StatusOr<v1::Reply> r = Command(pid, req, kDescribeTimeout, "describe");
+  if (!r.ok()) return r.status();
+  return r->summary();
+}
+
+absl::Status Migrator::CheckShim(pid_t pid) {
+  if (pid <= 0) return absl::InvalidArgumentError(absl::StrCat("invalid pid ", pid));
+  for (const ShimInfo& s : shims_->Connected())
+    if (s.pid == pid) return absl::OkStatus();
+  if (!procs_->Exists(pid))
+    return absl::NotFoundError(absl::StrCat("no process ", pid, " on ", options_.host_name));
+  return absl::FailedPreconditionError(
+      absl::StrCat("process ", pid, " is not under the rdmavirt shim (it was not started with "
+                   "LD_PRELOAD=librdmavirt.so while this migrator ran, or it has not opened an "
+                   "RDMA device)"));
+}
+
+absl::StatusOr<v1::EndpointSummary> Migrator::BringBack(pid_t pid, const std::string& device,
+                                                        const std::vector<v1::Mapping>& peers) {
+  if (absl::Status st = shims_->SetResumeMarker(pid, true); !st.ok()) return st;
+  absl::StatusOr<ShimInfo> hello =
+      shims_->WaitHello(pid, v1::ENDPOINT_PHASE_RELEASED, options_.hello_timeout);
+  (void)shims_->SetResumeMarker(pid, false);
+  if (!hello.ok()) return hello.status();
+  v1::MigratorToShim req;
+  req.mutable_restore()->set_device(device);
+  for (const v1::Mapping& m : peers) *req.mutable_restore()->add_peers() = m;
+  absl::StatusOr<v1::Reply> r = Command(pid, req, options_.rpc_timeout, "restore");
+  if (!r.ok()) return r.status();
+  return r->summary();
+}
+
+std::vector<std::pair<pid_t, bool>> Migrator::LocalPeersOf(const std::string& vgid,
+                                                            const std::set<uint32_t>& qpns,
+                                                            bool with_ud, pid_t exclude) {
+  std::vector<std::pair<pid_t, bool>> out;  // pid, suspended
+  for (const ShimInfo& s : shims_->Connected()) {
+    if (s.pid == exclude || s.phase != v1::ENDPOINT_PHASE_RUNNING) continue;
+    absl::StatusOr<v1::EndpointSummary> e = Describe(s.pid);
+    if (!e.ok()) {
+      Log("peers: cannot describe process %d: %s", s.pid, e.status().ToString());
+      continue;
+    }
+    if (!vgid.empty() && e->mapping().virtual_gid() == vgid) continue;  // the endpoint itself
+    bool match = false;
+    for (const v1::QpSummary& q : e->qps()) {
+      if (with_ud && q.qp_type() == 4 /* IBV_QPT_UD */) match = true;
+      if (!q.remote_virtual_gid().empty() && q.remote_virtual_gid() == vgid &&
+          (qpns.empty() || qpns.contains(q.remote_virtual_qpn())))
+        match = true;
+    }
+    if (match) out.emplace_back(s.pid, e->suspended());
+  }
+  return out;
+}
+
+v1::ListEndpointsResponse Migrator::ListEndpoints() {
+  v1::ListEndpointsResponse out;
+  for (const ShimInfo& s : shims_->Connected()) {
+    absl::StatusOr<v1::EndpointSummary> e = Describe(s.pid);
+    if (e.ok()) {
+      e->set_program(s.program);
+      *out.add_endpoints() = *std::move(e);
+      continue;
+    }
+    // Busy or gone: what its Hello said.
+    v1::EndpointSummary* x = out.add_endpoints();
+    x->set_pid(s.pid);
+    x->set_endpoint_id(s.endpoint_id);
+    x->set_phase(s.phase);
+    x->set_program(s.program);
+  }
+  std::sort(out.mutable_endpoints()->begin(), out.mutable_endpoints()->end(),
+            [](const auto& a, const auto& b) { return a.pid() < b.pid(); });
+  return out;
+}
+
+v1::StatusResponse Migrator::Status() {
+  v1::StatusResponse out;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, r] : in_flight_) *out.add_in_flight() = r;
+    for (const auto& r : recent_) *out.add_recent() = r;
+  }
+  *out.mutable_host() = GetHostInfo();
+  return out;
+}
+
+// ---- peers of a moving endpoint on this host (Transfer) ------------------
+
+absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
+    const v1::QuiescePeersRequest& request) {
+  if (request.virtual_gid().size() != 16)
+    return absl::InvalidArgumentError("virtual_gid must be 16 bytes");
+  const std::set<uint32_t> qpns(request.virtual_qpns().begin(), request.virtual_qpns().end());
+  const uint32_t drain = request.drain_timeout_ms() ? request.drain_timeout_ms()
+                                                    : options_.drain_timeout_ms;
+  v1::QuiescePeersResponse out;
+  for (const auto& [pid, suspended] :
+       LocalPeersOf(request.virtual_gid(), qpns, /*with_ud=*/true, /*exclude=*/0)) {
+    {
+      absl::MutexLock lock(&mu_);
+      peer_sets_[request.migration_id()].insert(pid);
+    }
+    v1::MigratorToShim req;
+    req.mutable_peer_quiesce()->set_virtual_gid(request.virtual_gid());
+    req.mutable_peer_quiesce()->set_drain_timeout_ms(drain);
+    absl::StatusOr<v1::Reply> r =
+        Command(pid, req, absl::Milliseconds(drain) + options_.rpc_timeout, "peer quiesce");
+    if (!r.ok()) return Annotate(r.status(), options_.host_name);
+    Log("migration %s: peer %d quiesced (%d sends drained)", request.migration_id(), pid,
+        r->drained_sends());
+    out.add_pids(pid);
+  }
+  return out;
+}
+
+absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
+    const v1::ReconnectPeersRequest& request) {
+  const v1::Mapping& m = request.mapping();
+  if (m.virtual_gid().size() != 16 ||
+      (!request.resume_only() && m.physical_gid().size() != 16))
+    return absl::InvalidArgumentError("a mapping needs its GIDs, 16 bytes each");
+  std::set<pid_t> quiesced;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peer_sets_.find(request.migration_id());
+    if (it != peer_sets_.end()) {
+      quiesced = std::move(it->second);
+      peer_sets_.erase(it);
+    }
+  }
+  // Whoever points at the endpoint must be re-pointed, quiesced by us or
+  // not (a restarted migrator forgot its set; a peer connected meanwhile).
+  std::map<pid_t, bool> targets;  // pid -> suspended
+  for (pid_t p : quiesced) targets[p] = true;
+  for (const auto& [pid, suspended] : LocalPeersOf(m.virtual_gid(), {}, false, 0))
+    targets[pid] = suspended || quiesced.contains(pid);
+  v1::ReconnectPeersResponse out;
+  absl::Status first;
+  for (const auto& [pid, suspended] : targets) {
+    v1::MigratorToShim req;
+    absl::StatusOr<v1::Reply> r;
+    if (request.resume_only()) {
+      req.mutable_resume();
+      r = Command(pid, req, options_.rpc_timeout, "resume");
+    } else {
+      if (!suspended) {
+        // The shim re-points only a paused endpoint.
+        v1::MigratorToShim q;
+        q.mutable_peer_quiesce()->set_virtual_gid(m.virtual_gid());
+        q.mutable_peer_quiesce()->set_drain_timeout_ms(options_.drain_timeout_ms);
+        r = Command(pid, q, absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout,
+                    "peer quiesce");
+      }
+      if (suspended || r.ok()) {
+        *req.mutable_peer_reconnect()->mutable_mapping() = m;
+        r = Command(pid, req, options_.rpc_timeout, "peer reconnect");
+      }
+    }
+    if (!r.ok()) {
+      Log("migration %s: %s", request.migration_id(), r.status().ToString());
+      if (first.ok()) first = r.status();
+      continue;
+    }
+    out.add_pids(pid);
+  }
+  if (request.resume_endpoint()) {
+    if (absl::Status st = ResumeMoved(request); !st.ok() && first.ok()) first = st;
+  }
+  if (!first.ok()) return Annotate(first, options_.host_name);
+  return out;
+}
+
+}  // namespace rdmavirt::migrator

@@ -1,0 +1,198 @@
+// Migrator: what rdmavirt-migratord does, without the transport. The gRPC
+// services (grpc_service.h) call it for the operator (Operator) and for
+// other hosts' migrators (Transfer); it reaches this host's shims through a
+// ShimChannel, CRIU through a Checkpointer, the moved process through
+// ProcessControl, and other migrators through Transfer stubs made by
+// Options::connect. Tests put fakes behind all four.
+//
+// A move, as the source runs it (DESIGN.md, "A live migration"):
+//   prepare   the destination says it can take the endpoint (nothing touched yet)
+//   precopy   CRIU pre-dumps, streamed while the process runs
+//   quiesce   the peers' endpoints, then the endpoint; release; its socket closes
+//   dump      final dump (the process left running), then SIGSTOP
+//   transfer  final images + manifest; the destination restores and confirms
+//   reconnect peers re-pointed, then the endpoint resumed on the destination
+//   cleanup   the stopped source process killed
+// Any failure before the destination confirms rolls back on the source:
+// the destination aborts, the process is continued, brought back (resume
+// marker, restore on this host's HCA), its peers re-pointed at it, resumed.
+// Each step is recorded in STATE/migrations/ID/record.pb before it starts,
+// and Recover() finishes or rolls back what a previous run left in flight.
+//
+// Thread-safe: every public method may be called from any thread; moves of
+// different processes run concurrently, a second move of a process that is
+// moving is refused.
+#ifndef RDMAVIRT_MIGRATOR_MIGRATOR_H_
+#define RDMAVIRT_MIGRATOR_MIGRATOR_H_
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "migrator/checkpointer.h"
+#include "migrator/process_control.h"
+#include "migrator/shim_channel.h"
+#include "rdmavirt/v1/migrator.grpc.pb.h"
+
+namespace rdmavirt::migrator {
+
+class ImageReceiver;
+
+class Migrator {
+ public:
+  struct Options {
+    std::string host_name;
+    std::string state_dir = "/var/lib/rdmavirt";
+    std::string version;
+    // The TCP port of every migrator (peers are found at their GID's IPv4).
+    int port = 7700;
+    uint32_t max_precopy_iterations = 3;
+    // A pre-dump that writes less than this ends the pre-copy.
+    uint64_t precopy_small_bytes = 4 << 20;
+    uint32_t drain_timeout_ms = 10000;
+    // A restored or rolled-back shim must say Hello within this.
+    absl::Duration hello_timeout = absl::Seconds(60);
+    // A released shim must close its socket within this.
+    absl::Duration close_timeout = absl::Seconds(10);
+    absl::Duration rpc_timeout = absl::Seconds(30);
+    absl::Duration transfer_timeout = absl::Minutes(30);
+    // A peer's physical GID (16 bytes) -> "host:port" of its migrator, ""
+    // when it is on this host. Default: the GID's IPv4 and `port`.
+    std::function<std::string(const std::string& gid)> locate_peer;
+    // "host:port" -> a Transfer stub to that migrator. Required.
+    std::function<std::unique_ptr<v1::Transfer::StubInterface>(const std::string& target)> connect;
+    // This host's RDMA devices. Default: libibverbs.
+    std::function<std::vector<v1::RdmaDevice>()> list_devices;
+  };
+
+  using ProgressSink = std::function<void(const v1::Progress&)>;
+
+  // The pointers must outlive the Migrator.
+  Migrator(Options options, ShimChannel* shims, Checkpointer* criu, ProcessControl* procs);
+  ~Migrator();
+
+  // ---- Operator
+  v1::HostInfo GetHostInfo();
+  v1::ListEndpointsResponse ListEndpoints();
+  // The long operations stream Progress to `sink` and end with one that
+  // carries the report. A refusal before anything was touched returns its
+  // error (NOT_FOUND, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAVAILABLE);
+  // a failure after returns its error too, and the report says whether the
+  // endpoint was rolled back.
+  absl::Status Migrate(const v1::MigrateRequest& request, const ProgressSink& sink);
+  absl::Status Checkpoint(const v1::CheckpointRequest& request, const ProgressSink& sink);
+  absl::Status Restore(const v1::RestoreRequest& request, const ProgressSink& sink);
+  v1::StatusResponse Status();
+
+  // ---- Transfer
+  absl::StatusOr<v1::PrepareResponse> Prepare(const v1::PrepareRequest& request);
+  // `next` yields the stream's messages until it returns false.
+  absl::StatusOr<v1::PushImagesResponse> PushImages(
+      const std::function<bool(v1::ImageChunk*)>& next);
+  absl::StatusOr<v1::RestoreIncomingResponse> RestoreIncoming(
+      const v1::RestoreIncomingRequest& request);
+  absl::Status AbortIncoming(const v1::AbortIncomingRequest& request);
+  absl::StatusOr<v1::QuiescePeersResponse> QuiescePeers(const v1::QuiescePeersRequest& request);
+  absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeers(
+      const v1::ReconnectPeersRequest& request);
+
+  // Rolls back (as a source) or aborts (as a destination) every move a
+  // previous run of the migrator left unfinished in the state directory,
+  // and records the outcome. Run once at start, after the shim socket
+  // listens (shims reconnect to it within a second).
+  void Recover();
+
+ private:
+  struct Move;
+  struct Incoming;
+
+  // ---- shims
+  // The reply of a command, its code turned into a status with context.
+  absl::StatusOr<v1::Reply> Command(pid_t pid, const v1::MigratorToShim& request,
+                                    absl::Duration timeout, const char* what);
+  absl::StatusOr<v1::EndpointSummary> Describe(pid_t pid);
+  // NOT_FOUND without such a process; FAILED_PRECONDITION when it is not
+  // under the shim.
+  absl::Status CheckShim(pid_t pid);
+  // Creates the resume marker, waits for the released shim's Hello,
+  // removes the marker, sends restore; the endpoint stays paused.
+  absl::StatusOr<v1::EndpointSummary> BringBack(pid_t pid, const std::string& device,
+                                                const std::vector<v1::Mapping>& peers);
+  // Local endpoints (not `exclude`, not the endpoint `vgid` itself) with a
+  // QP toward `vgid`: connected to one of `qpns` (any QPN if empty), or UD
+  // when `with_ud`.
+  std::vector<std::pair<pid_t, bool>> LocalPeersOf(const std::string& vgid,
+                                                    const std::set<uint32_t>& qpns,
+                                                    bool with_ud, pid_t exclude);
+  std::string FirstActiveDeviceName();
+
+  // ---- source side (outgoing.cc)
+  std::unique_ptr<Move> NewMove(const std::string& kind, pid_t pid, const ProgressSink& sink);
+  void SetPhase(Move* m, const std::string& phase, const std::string& detail = "");
+  void Persist(Move* m);
+  void Finish(Move* m, const absl::Status& status);
+  void SendBytes(Move* m, const std::string& phase, uint64_t done, uint64_t total);
+  v1::Transfer::StubInterface* Stub(Move* m, const std::string& target);
+  absl::Status QuiescePeersOf(Move* m, const v1::EndpointSummary& summary);
+  absl::Status QuiesceAndRelease(Move* m, v1::EndpointSummary* released);
+  // ReconnectPeers on every host whose peers were quiesced (this one too).
+  absl::Status ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only);
+  absl::Status RunSource(Move* m, const v1::MigrateRequest& request);
+  void CompleteForward(Move* m);
+  // Puts the endpoint back on this host after a failure; `cause` is why.
+  void RollBack(Move* m, const absl::Status& cause);
+  absl::Status ValidateCheckpointDir(const std::string& dir);
+
+  // ---- destination side (incoming.cc)
+  std::string IncomingDir(const std::string& id) const;
+  void PersistIncoming(Incoming* in);
+  absl::Status CheckCanHost();
+  // CRIU-restores `dir`, then brings the endpoint back (paused) on this
+  // host's HCA; `restored` learns the pid as soon as CRIU gives it. A
+  // failure kills whatever was restored.
+  absl::StatusOr<pid_t> RestoreFromDir(const std::string& dir,
+                                       const std::function<void(pid_t)>& restored,
+                                       const std::vector<v1::Mapping>& peers,
+                                       v1::RestoreIncomingResponse* out);
+  absl::Status ResumeMoved(const v1::ReconnectPeersRequest& request);
+
+  // ---- recovery (recovery.cc)
+  void RecoverSource(const std::string& dir, v1::MigrationRecord record);
+  void RecoverDestination(const std::string& dir, v1::MigrationRecord record);
+
+  std::string PeerTarget(const std::string& gid);
+  std::string NewId();
+
+  const Options options_;
+  ShimChannel* const shims_;
+  Checkpointer* const criu_;
+  ProcessControl* const procs_;
+
+  absl::Mutex mu_;
+  std::set<pid_t> moving_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, v1::MigrationReport> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::MigrationReport> recent_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<Incoming>> incoming_ ABSL_GUARDED_BY(mu_);
+  // Pids this host peer-quiesced for each migration id.
+  std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
+  bool criu_checked_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status criu_status_ ABSL_GUARDED_BY(mu_);
+};
+
+// "migrate" phases in order, for reports and tests.
+inline constexpr const char* kPhases[] = {"prepare", "precopy",  "quiesce",   "release",
+                                          "dump",    "transfer", "restore",   "reconnect",
+                                          "cleanup", "rollback", "done"};
+
+}  // namespace rdmavirt::migrator
+
+#endif  // RDMAVIRT_MIGRATOR_MIGRATOR_H_

@@ -1,0 +1,58 @@
+// State of one move inside the Migrator (migrator.h), shared by its source
+// side (outgoing.cc), destination side (incoming.cc) and recovery
+// (recovery.cc). Not part of the migrator's interface.
+#ifndef RDMAVIRT_MIGRATOR_MIGRATOR_INTERNAL_H_
+#define RDMAVIRT_MIGRATOR_MIGRATOR_INTERNAL_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "migrator/migrator.h"
+
+namespace rdmavirt::migrator {
+
+// A move this host runs as the source (or a checkpoint, or a restore).
+// Owned by the thread running it.
+struct Migrator::Move {
+  v1::MigrationRecord rec;
+  std::string dir;  // STATE/migrations/ID
+  ProgressSink sink;
+  absl::Time start;
+  absl::Time blackout_start = absl::InfiniteFuture();
+  std::map<std::string, std::unique_ptr<v1::Transfer::StubInterface>> stubs;
+  bool prepared = false;  // the destination holds an incoming record
+};
+
+// A move this host receives. Its operations come one at a time from the
+// source (Prepare, PushImages..., RestoreIncoming, then ReconnectPeers or
+// AbortIncoming); `mu` orders them anyway.
+struct Migrator::Incoming {
+  absl::Mutex mu;
+  v1::MigrationRecord rec ABSL_GUARDED_BY(mu);
+  std::string dir;  // STATE/incoming/ID
+  uint32_t last_iteration ABSL_GUARDED_BY(mu) = 0;
+};
+
+inline uint64_t MicrosSince(absl::Time t) {
+  return static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - t));
+}
+
+inline std::string Rfc3339(absl::Time t) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", t, absl::UTCTimeZone());
+}
+
+// A status with `context: ` before its message, same code.
+absl::Status Annotate(const absl::Status& st, absl::string_view context);
+
+// A gRPC status as an absl one (the codes are the same).
+absl::Status FromGrpc(const grpc::Status& st, absl::string_view context);
+
+}  // namespace rdmavirt::migrator
+
+#endif  // RDMAVIRT_MIGRATOR_MIGRATOR_INTERNAL_H_

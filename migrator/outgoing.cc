@@ -1,0 +1,741 @@
+// The source side of a move: Migrate, Checkpoint, Restore (Operator) and
+// their rollback. See migrator.h for the sequence.
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <optional>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "grpcpp/grpcpp.h"
+#include "migrator/addresses.h"
+#include "migrator/image_dir.h"
+#include "migrator/image_stream.h"
+#include "migrator/log.h"
+#include "migrator/migrator.h"
+#include "migrator/migrator_internal.h"
+#include "migrator/record_store.h"
+
+namespace rdmavirt::migrator {
+namespace {
+
+template <typename Response>
+using RpcFn = std::function<grpc::Status(grpc::ClientContext*, Response*)>;
+
+template <typename Response>
+absl::StatusOr<Response> Rpc(absl::Duration timeout, absl::string_view what,
+                             const RpcFn<Response>& call) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  Response response;
+  const grpc::Status st = call(&ctx, &response);
+  if (!st.ok()) return FromGrpc(st, what);
+  return response;
+}
+
+v1::Manifest MakeManifest(const std::string& id, const v1::EndpointSummary& endpoint,
+                          const std::vector<v1::ImageFile>& files, const std::string& host) {
+  v1::Manifest m;
+  m.set_format_version(1);
+  m.set_migration_id(id);
+  *m.mutable_endpoint() = endpoint;
+  for (const v1::ImageFile& f : files) *m.add_files() = f;
+  m.set_source_host(host);
+  m.set_created_at(Rfc3339(absl::Now()));
+  return m;
+}
+
+uint64_t SumSizes(const std::vector<v1::ImageFile>& files) {
+  uint64_t n = 0;
+  for (const auto& f : files) n += f.size();
+  return n;
+}
+
+}  // namespace
+
+std::unique_ptr<Migrator::Move> Migrator::NewMove(const std::string& kind, pid_t pid,
+                                                  const ProgressSink& sink) {
+  auto m = std::make_unique<Move>();
+  m->start = absl::Now();
+  m->sink = sink;
+  const std::string id = NewId();
+  m->dir = absl::StrCat(options_.state_dir, "/migrations/", id);
+  v1::MigrationReport* r = m->rec.mutable_report();
+  r->set_migration_id(id);
+  r->set_kind(kind);
+  r->set_pid(pid);
+  r->set_source(options_.host_name);
+  r->set_started_at(Rfc3339(m->start));
+  m->rec.set_role("source");
+  return m;
+}
+
+void Migrator::Persist(Move* m) {
+  if (absl::Status st = WriteRecord(m->dir, m->rec); !st.ok())
+    Log("migration %s: cannot write its record: %s", m->rec.report().migration_id(),
+        st.ToString());
+  absl::MutexLock lock(&mu_);
+  if (!m->rec.done()) in_flight_[m->rec.report().migration_id()] = m->rec.report();
+}
+
+void Migrator::SetPhase(Move* m, const std::string& phase, const std::string& detail) {
+  m->rec.set_phase(phase);
+  Persist(m);
+  Log("migration %s (%s of pid %d): %s%s%s", m->rec.report().migration_id(),
+      m->rec.report().kind(), m->rec.report().pid(), phase, detail.empty() ? "" : ": ", detail);
+  if (m->sink) {
+    v1::Progress p;
+    p.set_phase(phase);
+    p.set_detail(detail);
+    m->sink(p);
+  }
+}
+
+void Migrator::SendBytes(Move* m, const std::string& phase, uint64_t done, uint64_t total) {
+  if (!m->sink) return;
+  v1::Progress p;
+  p.set_phase(phase);
+  p.set_bytes_done(done);
+  p.set_bytes_total(total);
+  m->sink(p);
+}
+
+void Migrator::Finish(Move* m, const absl::Status& status) {
+  v1::MigrationReport* r = m->rec.mutable_report();
+  r->set_ok(status.ok());
+  if (!status.ok() && r->error().empty()) r->set_error(std::string(status.message()));
+  r->mutable_breakdown()->set_total_us(MicrosSince(m->start));
+  m->rec.set_done(true);
+  m->rec.set_phase("done");
+  if (absl::Status st = WriteRecord(m->dir, m->rec); !st.ok())
+    Log("migration %s: cannot write its record: %s", r->migration_id(), st.ToString());
+  {
+    absl::MutexLock lock(&mu_);
+    in_flight_.erase(r->migration_id());
+    recent_.push_front(*r);
+    if (recent_.size() > 32) recent_.pop_back();
+  }
+  Log("migration %s: %s%s", r->migration_id(),
+      r->ok() ? "done" : (r->rolled_back() ? "failed, rolled back" : "failed"),
+      r->ok() ? "" : absl::StrCat(": ", r->error()));
+  if (m->sink) {
+    v1::Progress p;
+    p.set_phase("done");
+    *p.mutable_report() = *r;
+    m->sink(p);
+  }
+}
+
+v1::Transfer::StubInterface* Migrator::Stub(Move* m, const std::string& target) {
+  auto& s = m->stubs[target];
+  if (s == nullptr) s = options_.connect(target);
+  return s.get();
+}
+
+absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
+  v1::QuiescePeersRequest req;
+  req.set_migration_id(m->rec.report().migration_id());
+  req.set_virtual_gid(e.mapping().virtual_gid());
+  req.set_drain_timeout_ms(options_.drain_timeout_ms);
+  for (const v1::QpSummary& q : e.qps()) req.add_virtual_qpns(q.virtual_qpn());
+  // Hosts of the connected peers, this one first.
+  std::set<std::string> remote;
+  for (const v1::QpSummary& q : e.qps()) {
+    if (q.remote_physical_gid().empty()) continue;
+    const std::string t = PeerTarget(q.remote_physical_gid());
+    if (!t.empty()) remote.insert(t);
+  }
+  m->blackout_start = absl::Now();
+  uint32_t peers = 0;
+  // Peers on this host: connected ones, and UD ones (found by their QP
+  // type, since a UD QP names no peer).
+  if (req.virtual_gid().size() == 16) {
+    m->rec.set_local_peers(true);
+    Persist(m);
+    absl::StatusOr<v1::QuiescePeersResponse> r = QuiescePeers(req);
+    if (!r.ok()) return r.status();
+    peers += r->pids_size();
+  }
+  for (const std::string& t : remote) {
+    m->rec.add_peer_hosts(t);
+    Persist(m);
+    v1::Transfer::StubInterface* stub = Stub(m, t);
+    absl::StatusOr<v1::QuiescePeersResponse> r = Rpc<v1::QuiescePeersResponse>(
+        absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout,
+        absl::StrCat("quiescing the peers on ", t),
+        [&](grpc::ClientContext* c, v1::QuiescePeersResponse* out) {
+          return stub->QuiescePeers(c, req, out);
+        });
+    if (!r.ok()) return r.status();
+    peers += r->pids_size();
+  }
+  m->rec.mutable_report()->set_peers(peers);
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::QuiesceAndRelease(Move* m, v1::EndpointSummary* released) {
+  const pid_t pid = m->rec.report().pid();
+  v1::Breakdown* b = m->rec.mutable_report()->mutable_breakdown();
+  SetPhase(m, "quiesce");
+  const absl::Time q0 = absl::Now();
+  absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
+  if (!e.ok()) return e.status();
+  *m->rec.mutable_endpoint() = *e;
+  v1::MigrationReport* r = m->rec.mutable_report();
+  r->set_endpoint_id(e->endpoint_id());
+  r->set_qps(e->counts().qps());
+  r->set_mrs(e->counts().mrs());
+  r->set_registered_bytes(e->counts().registered_bytes());
+  if (absl::Status st = QuiescePeersOf(m, *e); !st.ok()) return st;
+  if (m->blackout_start == absl::InfiniteFuture()) m->blackout_start = absl::Now();
+  m->rec.set_quiesced(true);
+  Persist(m);
+  v1::MigratorToShim req;
+  req.mutable_quiesce()->set_drain_timeout_ms(options_.drain_timeout_ms);
+  absl::StatusOr<v1::Reply> qr =
+      Command(pid, req, absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout,
+              "quiesce");
+  if (!qr.ok()) return qr.status();
+  b->set_drain_us(qr->elapsed_us());
+  b->set_quiesce_us(MicrosSince(q0));
+  // The summary after quiesce knows the endpoint's own GID for sure.
+  *m->rec.mutable_endpoint() = qr->summary();
+
+  SetPhase(m, "release");
+  const absl::Time r0 = absl::Now();
+  v1::MigratorToShim rel;
+  rel.mutable_release();
+  absl::StatusOr<v1::Reply> rr = Command(pid, rel, options_.rpc_timeout, "release");
+  if (!rr.ok()) {
+    // Released or not? Only an answer says; the rollback looks.
+    if (!absl::IsFailedPrecondition(rr.status()) && !absl::IsInternal(rr.status()))
+      m->rec.set_released(true);
+    return rr.status();
+  }
+  m->rec.set_released(true);
+  Persist(m);
+  *released = rr->summary();
+  // CRIU must not find the socket open.
+  if (absl::Status st = shims_->WaitClosed(pid, options_.close_timeout); !st.ok()) return st;
+  b->set_release_us(MicrosSince(r0));
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only) {
+  v1::ReconnectPeersRequest req;
+  req.set_migration_id(m->rec.report().migration_id());
+  *req.mutable_mapping() = mapping;
+  req.set_resume_only(resume_only);
+  std::vector<std::string> errors;
+  if (m->rec.local_peers()) {
+    absl::StatusOr<v1::ReconnectPeersResponse> r = ReconnectPeers(req);
+    if (!r.ok()) errors.push_back(std::string(r.status().message()));
+  }
+  for (const std::string& t : m->rec.peer_hosts()) {
+    if (t == m->rec.destination() && m->rec.confirmed()) continue;  // last, with the resume
+    v1::Transfer::StubInterface* stub = Stub(m, t);
+    absl::StatusOr<v1::ReconnectPeersResponse> r = Rpc<v1::ReconnectPeersResponse>(
+        options_.rpc_timeout, absl::StrCat("reconnecting the peers on ", t),
+        [&](grpc::ClientContext* c, v1::ReconnectPeersResponse* out) {
+          return stub->ReconnectPeers(c, req, out);
+        });
+    if (!r.ok()) errors.push_back(std::string(r.status().message()));
+  }
+  if (errors.empty()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrJoin(errors, "; "));
+}
+
+absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
+  const pid_t pid = m->rec.report().pid();
+  const std::string id = m->rec.report().migration_id();
+  v1::MigrationReport* r = m->rec.mutable_report();
+  v1::Breakdown* b = r->mutable_breakdown();
+  v1::Transfer::StubInterface* dest = Stub(m, m->rec.destination());
+
+  // Pre-copy, the process running.
+  SetPhase(m, "precopy");
+  const absl::Time p0 = absl::Now();
+  const uint32_t max_iter = request.max_precopy_iterations() ? request.max_precopy_iterations()
+                                                             : options_.max_precopy_iterations;
+  std::string parent;
+  for (uint32_t k = 1; k <= std::min(max_iter, kMaxPreDumpIterations); ++k) {
+    const std::string dir = absl::StrCat(m->dir, "/pre-", k);
+    absl::StatusOr<DumpStats> d = criu_->PreDump(pid, dir, parent);
+    if (!d.ok()) return Annotate(d.status(), absl::StrCat("pre-dump ", k));
+    absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(dir);
+    if (!files.ok()) return files.status();
+    const v1::Manifest manifest = MakeManifest(id, m->rec.endpoint(), *files, options_.host_name);
+    SetPhase(m, "precopy", absl::StrCat("iteration ", k, ": ", SumSizes(*files), " bytes"));
+    const uint64_t before = r->bytes_moved();
+    absl::StatusOr<uint64_t> sent = SendImages(
+        dest, id, dir, manifest, true, k, options_.transfer_timeout,
+        [&](uint64_t done, uint64_t total) { SendBytes(m, "precopy", before + done, before + total); });
+    if (!sent.ok()) return Annotate(sent.status(), absl::StrCat("sending pre-dump ", k));
+    r->set_bytes_moved(r->bytes_moved() + *sent);
+    r->set_precopy_iterations(k);
+    parent = dir;
+    if (d->image_bytes < options_.precopy_small_bytes) break;
+  }
+  b->set_precopy_us(MicrosSince(p0));
+
+  v1::EndpointSummary released;
+  if (absl::Status st = QuiesceAndRelease(m, &released); !st.ok()) return st;
+
+  SetPhase(m, "dump");
+  const absl::Time d0 = absl::Now();
+  const std::string final_dir = m->dir + "/final";
+  m->rec.set_image_dir(final_dir);
+  absl::StatusOr<DumpStats> dump = criu_->Dump(pid, final_dir, parent, /*leave_running=*/true);
+  if (!dump.ok()) return Annotate(dump.status(), "final dump");
+  // Stopped, not killed: a rollback needs no CRIU restore.
+  absl::Status stopped = procs_->Stop(pid);
+  m->rec.set_stopped(stopped.ok());
+  if (!stopped.ok()) return stopped;
+  absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(final_dir);
+  if (!files.ok()) return files.status();
+  const v1::Manifest manifest = MakeManifest(id, released, *files, options_.host_name);
+  if (absl::Status st = WriteManifest(final_dir, manifest); !st.ok()) return st;
+  m->rec.set_dumped(true);
+  b->set_final_dump_us(MicrosSince(d0));
+
+  SetPhase(m, "transfer", absl::StrCat(SumSizes(*files), " bytes"));
+  const absl::Time t0 = absl::Now();
+  const uint64_t before = r->bytes_moved();
+  absl::StatusOr<uint64_t> sent = SendImages(
+      dest, id, final_dir, manifest, false, 0, options_.transfer_timeout,
+      [&](uint64_t done, uint64_t total) { SendBytes(m, "transfer", before + done, before + total); });
+  if (!sent.ok()) return Annotate(sent.status(), "sending the final dump");
+  r->set_bytes_moved(r->bytes_moved() + *sent);
+  b->set_transfer_us(MicrosSince(t0));
+
+  SetPhase(m, "restore", m->rec.destination());
+  v1::RestoreIncomingRequest rq;
+  rq.set_migration_id(id);
+  absl::StatusOr<v1::RestoreIncomingResponse> restored = Rpc<v1::RestoreIncomingResponse>(
+      options_.hello_timeout + options_.rpc_timeout * 4,
+      absl::StrCat("restoring on ", m->rec.destination()),
+      [&](grpc::ClientContext* c, v1::RestoreIncomingResponse* out) {
+        return dest->RestoreIncoming(c, rq, out);
+      });
+  if (!restored.ok()) return restored.status();
+  b->set_criu_restore_us(restored->criu_restore_us());
+  b->set_rdma_restore_us(restored->rdma_restore_us());
+  m->rec.set_confirmed(true);
+  m->rec.set_restored_pid(restored->pid());
+  *m->rec.mutable_new_mapping() = restored->endpoint().mapping();
+  Persist(m);
+  return absl::OkStatus();
+}
+
+void Migrator::CompleteForward(Move* m) {
+  v1::MigrationReport* r = m->rec.mutable_report();
+  SetPhase(m, "reconnect");
+  const absl::Time c0 = absl::Now();
+  absl::Status peers = ReconnectAll(m, m->rec.new_mapping(), false);
+  // Last: the destination re-points its own peers of the endpoint, then
+  // resumes the endpoint, whose queued posts may now reach everyone.
+  v1::ReconnectPeersRequest req;
+  req.set_migration_id(r->migration_id());
+  *req.mutable_mapping() = m->rec.new_mapping();
+  req.set_resume_endpoint(true);
+  v1::Transfer::StubInterface* dest = Stub(m, m->rec.destination());
+  absl::StatusOr<v1::ReconnectPeersResponse> resumed = Rpc<v1::ReconnectPeersResponse>(
+      options_.rpc_timeout, absl::StrCat("resuming the endpoint on ", m->rec.destination()),
+      [&](grpc::ClientContext* c, v1::ReconnectPeersResponse* out) {
+        return dest->ReconnectPeers(c, req, out);
+      });
+  r->mutable_breakdown()->set_reconnect_us(MicrosSince(c0));
+  r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
+  SetPhase(m, "cleanup");
+  if (absl::Status st = procs_->Kill(r->pid()); !st.ok())
+    Log("migration %s: killing the source process: %s", r->migration_id(), st.ToString());
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))
+    if (e.is_directory()) std::filesystem::remove_all(e.path(), ec);
+  absl::Status st = peers;
+  if (!resumed.ok()) st = resumed.status();
+  if (!st.ok())
+    r->set_error(absl::StrCat("the endpoint moved, but: ", st.message()));
+  Finish(m, st);
+}
+
+void Migrator::RollBack(Move* m, const absl::Status& cause) {
+  v1::MigrationReport* r = m->rec.mutable_report();
+  const pid_t pid = r->pid();
+  r->set_error(std::string(cause.message()));
+  SetPhase(m, "rollback", std::string(cause.message()));
+  std::vector<std::string> problems;
+  if (m->prepared) {
+    v1::AbortIncomingRequest a;
+    a.set_migration_id(r->migration_id());
+    v1::Transfer::StubInterface* dest = Stub(m, m->rec.destination());
+    absl::StatusOr<v1::AbortIncomingResponse> ar = Rpc<v1::AbortIncomingResponse>(
+        options_.rpc_timeout, absl::StrCat("aborting on ", m->rec.destination()),
+        [&](grpc::ClientContext* c, v1::AbortIncomingResponse* out) {
+          return dest->AbortIncoming(c, a, out);
+        });
+    if (!ar.ok()) Log("migration %s: %s", r->migration_id(), ar.status().ToString());
+  }
+  bool back = true;
+  bool peers_done = false;
+  if (m->rec.stopped()) {
+    if (absl::Status st = procs_->Continue(pid); !st.ok()) problems.push_back(st.ToString());
+  }
+  // Released, or maybe not (its answer was lost): a shim still connected
+  // and running was not.
+  bool connected_running = false;
+  for (const ShimInfo& s : shims_->Connected())
+    if (s.pid == pid && s.phase == v1::ENDPOINT_PHASE_RUNNING) connected_running = true;
+  if (m->rec.released() && !connected_running) {
+    absl::StatusOr<v1::EndpointSummary> e = BringBack(pid, FirstActiveDeviceName(), {});
+    if (!e.ok()) {
+      // Its peers stay suspended: resumed, they would post to a QP that
+      // is gone. The report says so.
+      back = false;
+      problems.push_back(absl::StrCat("restoring on the source: ", e.status().message()));
+    } else {
+      m->rec.set_released(false);
+      Persist(m);
+      if (absl::Status st = ReconnectAll(m, e->mapping(), false); !st.ok())
+        problems.push_back(std::string(st.message()));
+      peers_done = true;
+      v1::MigratorToShim res;
+      res.mutable_resume();
+      absl::StatusOr<v1::Reply> rr = Command(pid, res, options_.rpc_timeout, "resume");
+      if (!rr.ok()) problems.push_back(std::string(rr.status().message()));
+    }
+  } else if (m->rec.quiesced()) {
+    v1::MigratorToShim res;
+    res.mutable_resume();
+    absl::StatusOr<v1::Reply> rr = Command(pid, res, options_.rpc_timeout, "resume");
+    if (!rr.ok()) {
+      back = false;
+      problems.push_back(std::string(rr.status().message()));
+    }
+  }
+  if (back && !peers_done && (m->rec.local_peers() || m->rec.peer_hosts_size() > 0)) {
+    // The endpoint kept its QPs: its peers resume as they were.
+    if (absl::Status st = ReconnectAll(m, m->rec.endpoint().mapping(), true); !st.ok())
+      problems.push_back(std::string(st.message()));
+  }
+  r->set_rolled_back(back);
+  if (!problems.empty())
+    r->set_error(absl::StrCat(cause.message(), " (rollback: ", absl::StrJoin(problems, "; "), ")"));
+  r->mutable_breakdown()->set_blackout_us(
+      m->blackout_start == absl::InfiniteFuture() ? 0 : MicrosSince(m->blackout_start));
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))
+    if (e.is_directory()) std::filesystem::remove_all(e.path(), ec);
+  Finish(m, cause);
+}
+
+absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const ProgressSink& sink) {
+  const pid_t pid = request.pid();
+  if (pid <= 0) return absl::InvalidArgumentError(absl::StrCat("invalid pid ", pid));
+  absl::StatusOr<HostPort> dest = ParseHostPort(request.destination(), options_.port);
+  if (!dest.ok()) return Annotate(dest.status(), "destination");
+  if (absl::Status st = CheckShim(pid); !st.ok()) return st;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!moving_.insert(pid).second)
+      return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is already moving"));
+  }
+  absl::Cleanup unbusy = [&] {
+    absl::MutexLock lock(&mu_);
+    moving_.erase(pid);
+  };
+  std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
+  const std::string target = dest->Target();
+  m->rec.set_destination(target);
+  m->rec.mutable_report()->set_destination(target);
+
+  // Nothing is touched until the destination said yes.
+  SetPhase(m.get(), "prepare", target);
+  absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
+  if (!e.ok()) return e.status();
+  *m->rec.mutable_endpoint() = *e;
+  m->rec.mutable_report()->set_endpoint_id(e->endpoint_id());
+  v1::PrepareRequest prep;
+  prep.set_migration_id(m->rec.report().migration_id());
+  *prep.mutable_endpoint() = *e;
+  v1::Transfer::StubInterface* stub = Stub(m.get(), target);
+  absl::StatusOr<v1::PrepareResponse> ready = Rpc<v1::PrepareResponse>(
+      std::min(options_.rpc_timeout, absl::Seconds(15)), absl::StrCat("destination ", target),
+      [&](grpc::ClientContext* c, v1::PrepareResponse* out) { return stub->Prepare(c, prep, out); });
+  if (!ready.ok()) {
+    absl::Status st = ready.status();
+    if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st))
+      st = absl::UnavailableError(absl::StrCat("destination ", target,
+                                               " is unreachable (no rdmavirt-migratord answers "
+                                               "there over mutual TLS); nothing was quiesced: ",
+                                               ready.status().message()));
+    else
+      st = Annotate(st, "nothing was quiesced");
+    m->rec.mutable_report()->set_rolled_back(false);
+    Finish(m.get(), st);
+    return st;
+  }
+  m->prepared = true;
+  m->rec.mutable_report()->set_destination(
+      ready->host().hostname().empty() ? target
+                                       : absl::StrCat(ready->host().hostname(), " (", target, ")"));
+
+  absl::Status st = RunSource(m.get(), request);
+  if (!st.ok()) {
+    RollBack(m.get(), st);
+    return st;
+  }
+  CompleteForward(m.get());
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::ValidateCheckpointDir(const std::string& dir) {
+  if (dir.empty() || dir.front() != '/')
+    return absl::InvalidArgumentError(absl::StrCat("\"", dir, "\" is not an absolute path"));
+  std::error_code ec;
+  if (std::filesystem::exists(dir, ec)) {
+    if (!std::filesystem::is_directory(dir, ec))
+      return absl::FailedPreconditionError(absl::StrCat(dir, " exists and is not a directory"));
+    if (!std::filesystem::is_empty(dir, ec))
+      return absl::FailedPreconditionError(absl::StrCat(dir, " exists and is not empty"));
+  }
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("creating ", dir, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const ProgressSink& sink) {
+  const pid_t pid = request.pid();
+  if (absl::Status st = CheckShim(pid); !st.ok()) return st;
+  if (absl::Status st = ValidateCheckpointDir(request.dir()); !st.ok()) return st;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!moving_.insert(pid).second)
+      return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is already moving"));
+  }
+  absl::Cleanup unbusy = [&] {
+    absl::MutexLock lock(&mu_);
+    moving_.erase(pid);
+  };
+  std::unique_ptr<Move> m = NewMove("checkpoint", pid, sink);
+  m->rec.mutable_report()->set_destination(request.dir());
+  m->rec.set_image_dir(request.dir());
+  v1::MigrationReport* r = m->rec.mutable_report();
+  v1::Breakdown* b = r->mutable_breakdown();
+
+  v1::EndpointSummary released;
+  absl::Status st = QuiesceAndRelease(m.get(), &released);
+  if (st.ok()) {
+    SetPhase(m.get(), "dump", request.dir());
+    const absl::Time d0 = absl::Now();
+    absl::StatusOr<DumpStats> dump = criu_->Dump(pid, request.dir(), "", request.leave_running());
+    if (!dump.ok()) st = Annotate(dump.status(), "dump");
+    if (st.ok()) {
+      absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(request.dir());
+      if (!files.ok()) st = files.status();
+      else {
+        st = WriteManifest(request.dir(),
+                           MakeManifest(r->migration_id(), released, *files, options_.host_name));
+        r->set_bytes_moved(SumSizes(*files));
+      }
+    }
+    b->set_final_dump_us(MicrosSince(d0));
+    if (st.ok()) m->rec.set_dumped(true);
+  }
+  if (!st.ok()) {
+    if (!request.leave_running() && !procs_->Exists(pid)) {
+      // CRIU took the process down with it; nothing to roll back to here.
+      r->set_rolled_back(false);
+      Finish(m.get(), st);
+      return st;
+    }
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(request.dir(), ec))
+      std::filesystem::remove_all(e.path(), ec);
+    RollBack(m.get(), st);
+    return st;
+  }
+  if (!request.leave_running()) {
+    // The process is gone; its peers stay suspended until a restore.
+    r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
+    Finish(m.get(), absl::OkStatus());
+    return absl::OkStatus();
+  }
+  SetPhase(m.get(), "restore", "on this host");
+  const absl::Time r0 = absl::Now();
+  absl::StatusOr<v1::EndpointSummary> e = BringBack(pid, FirstActiveDeviceName(), {});
+  if (!e.ok()) {
+    // The checkpoint is good; the process is not running. Say so.
+    st = Annotate(e.status(), "checkpoint written, but restoring the process in place failed");
+    Finish(m.get(), st);
+    return st;
+  }
+  b->set_rdma_restore_us(MicrosSince(r0));
+  m->rec.set_released(false);
+  SetPhase(m.get(), "reconnect");
+  const absl::Time c0 = absl::Now();
+  st = ReconnectAll(m.get(), e->mapping(), false);
+  v1::MigratorToShim res;
+  res.mutable_resume();
+  absl::StatusOr<v1::Reply> rr = Command(pid, res, options_.rpc_timeout, "resume");
+  if (st.ok() && !rr.ok()) st = rr.status();
+  b->set_reconnect_us(MicrosSince(c0));
+  b->set_blackout_us(MicrosSince(m->blackout_start));
+  Finish(m.get(), st);
+  return st;
+}
+
+absl::Status Migrator::Restore(const v1::RestoreRequest& request, const ProgressSink& sink) {
+  if (request.dir().empty() || request.dir().front() != '/')
+    return absl::InvalidArgumentError(
+        absl::StrCat("\"", request.dir(), "\" is not an absolute path"));
+  std::optional<HostPort> on;
+  if (!request.on().empty()) {
+    absl::StatusOr<HostPort> hp = ParseHostPort(request.on(), options_.port);
+    if (!hp.ok()) return Annotate(hp.status(), "--on");
+    if (!IsLocalAddress(hp->host) || hp->port != options_.port) on = *hp;
+  }
+  // Nothing is created before the images are known to be whole.
+  absl::StatusOr<v1::Manifest> manifest = ReadManifest(request.dir());
+  if (!manifest.ok())
+    return absl::DataLossError(absl::StrCat("checkpoint ", request.dir(),
+                                            " has no readable manifest: ",
+                                            manifest.status().message()));
+  if (absl::Status st = VerifyImages(request.dir(), *manifest); !st.ok())
+    return absl::DataLossError(absl::StrCat("checkpoint ", request.dir(),
+                                            " is corrupted or incomplete: ", st.message()));
+  std::unique_ptr<Move> m = NewMove("restore", manifest->endpoint().pid(), sink);
+  v1::MigrationReport* r = m->rec.mutable_report();
+  v1::Breakdown* b = r->mutable_breakdown();
+  r->set_endpoint_id(manifest->endpoint().endpoint_id());
+  r->set_qps(manifest->endpoint().counts().qps());
+  r->set_mrs(manifest->endpoint().counts().mrs());
+  r->set_registered_bytes(manifest->endpoint().counts().registered_bytes());
+  *m->rec.mutable_endpoint() = manifest->endpoint();
+  m->rec.set_image_dir(request.dir());
+  m->blackout_start = absl::Now();
+  // The peers stayed suspended since the checkpoint (or resumed, if their
+  // hosts restarted; they are re-pointed either way).
+  for (const v1::QpSummary& q : manifest->endpoint().qps()) {
+    if (q.remote_physical_gid().empty()) continue;
+    const std::string t = PeerTarget(q.remote_physical_gid());
+    if (t.empty()) m->rec.set_local_peers(true);
+    else if (std::find(m->rec.peer_hosts().begin(), m->rec.peer_hosts().end(), t) ==
+             m->rec.peer_hosts().end())
+      m->rec.add_peer_hosts(t);
+  }
+  r->set_peers(m->rec.peer_hosts_size() + (m->rec.local_peers() ? 1 : 0));
+
+  v1::Mapping mapping;
+  if (on.has_value()) {
+    const std::string target = on->Target();
+    m->rec.set_destination(target);
+    r->set_destination(target);
+    v1::Transfer::StubInterface* stub = Stub(m.get(), target);
+    SetPhase(m.get(), "prepare", target);
+    v1::PrepareRequest prep;
+    prep.set_migration_id(r->migration_id());
+    *prep.mutable_endpoint() = manifest->endpoint();
+    absl::StatusOr<v1::PrepareResponse> ready = Rpc<v1::PrepareResponse>(
+        absl::Seconds(15), absl::StrCat("destination ", target),
+        [&](grpc::ClientContext* c, v1::PrepareResponse* out) {
+          return stub->Prepare(c, prep, out);
+        });
+    absl::Status st = ready.status();
+    if (st.ok()) {
+      m->prepared = true;
+      SetPhase(m.get(), "transfer");
+      const absl::Time t0 = absl::Now();
+      v1::Manifest sent_manifest = *manifest;
+      sent_manifest.set_migration_id(r->migration_id());
+      absl::StatusOr<uint64_t> sent = SendImages(
+          stub, r->migration_id(), request.dir(), sent_manifest, false, 0,
+          options_.transfer_timeout,
+          [&](uint64_t done, uint64_t total) { SendBytes(m.get(), "transfer", done, total); });
+      st = sent.status();
+      if (sent.ok()) r->set_bytes_moved(*sent);
+      b->set_transfer_us(MicrosSince(t0));
+    }
+    if (st.ok()) {
+      SetPhase(m.get(), "restore", target);
+      v1::RestoreIncomingRequest rq;
+      rq.set_migration_id(r->migration_id());
+      absl::StatusOr<v1::RestoreIncomingResponse> restored = Rpc<v1::RestoreIncomingResponse>(
+          options_.hello_timeout + options_.rpc_timeout * 4, absl::StrCat("restoring on ", target),
+          [&](grpc::ClientContext* c, v1::RestoreIncomingResponse* out) {
+            return stub->RestoreIncoming(c, rq, out);
+          });
+      st = restored.status();
+      if (restored.ok()) {
+        b->set_criu_restore_us(restored->criu_restore_us());
+        b->set_rdma_restore_us(restored->rdma_restore_us());
+        r->set_pid(restored->pid());
+        m->rec.set_confirmed(true);
+        *m->rec.mutable_new_mapping() = restored->endpoint().mapping();
+      }
+    }
+    if (!st.ok()) {
+      if (m->prepared) {
+        v1::AbortIncomingRequest a;
+        a.set_migration_id(r->migration_id());
+        (void)Rpc<v1::AbortIncomingResponse>(
+            options_.rpc_timeout, "abort",
+            [&](grpc::ClientContext* c, v1::AbortIncomingResponse* out) {
+              return stub->AbortIncoming(c, a, out);
+            });
+      }
+      Finish(m.get(), st);
+      return st;
+    }
+    mapping = m->rec.new_mapping();
+    Persist(m.get());
+  } else {
+    r->set_destination(options_.host_name);
+    SetPhase(m.get(), "restore", "on this host");
+    v1::RestoreIncomingResponse out;
+    absl::StatusOr<pid_t> pid = RestoreFromDir(
+        request.dir(),
+        [&](pid_t p) {
+          m->rec.set_restored_pid(p);
+          Persist(m.get());
+        },
+        {}, &out);
+    if (!pid.ok()) {
+      Finish(m.get(), pid.status());
+      return pid.status();
+    }
+    r->set_pid(*pid);
+    b->set_criu_restore_us(out.criu_restore_us());
+    b->set_rdma_restore_us(out.rdma_restore_us());
+    mapping = out.endpoint().mapping();
+  }
+
+  SetPhase(m.get(), "reconnect");
+  const absl::Time c0 = absl::Now();
+  absl::Status st = ReconnectAll(m.get(), mapping, false);
+  if (on.has_value()) {
+    v1::ReconnectPeersRequest req;
+    req.set_migration_id(r->migration_id());
+    *req.mutable_mapping() = mapping;
+    req.set_resume_endpoint(true);
+    v1::Transfer::StubInterface* stub = Stub(m.get(), m->rec.destination());
+    absl::StatusOr<v1::ReconnectPeersResponse> resumed = Rpc<v1::ReconnectPeersResponse>(
+        options_.rpc_timeout, absl::StrCat("resuming the endpoint on ", m->rec.destination()),
+        [&](grpc::ClientContext* c, v1::ReconnectPeersResponse* out) {
+          return stub->ReconnectPeers(c, req, out);
+        });
+    if (!resumed.ok()) st = resumed.status();
+  } else {
+    v1::MigratorToShim res;
+    res.mutable_resume();
+    absl::StatusOr<v1::Reply> rr = Command(r->pid(), res, options_.rpc_timeout, "resume");
+    if (st.ok() && !rr.ok()) st = rr.status();
+  }
+  b->set_reconnect_us(MicrosSince(c0));
+  b->set_blackout_us(MicrosSince(m->blackout_start));
+  Finish(m.get(), st);
+  return st;
+}
+
+}  // namespace rdmavirt::migrator

@@ -1,0 +1,33 @@
+// ProcessControl: the signals a migration sends to the process it moves,
+// behind an interface so that tests can use fake pids. Safe for concurrent
+// use.
+#ifndef RDMAVIRT_MIGRATOR_PROCESS_CONTROL_H_
+#define RDMAVIRT_MIGRATOR_PROCESS_CONTROL_H_
+
+#include <sys/types.h>
+
+#include <memory>
+
+#include "absl/status/status.h"
+
+namespace rdmavirt::migrator {
+
+class ProcessControl {
+ public:
+  virtual ~ProcessControl() = default;
+  virtual bool Exists(pid_t pid) = 0;
+  // SIGSTOP, and wait until the process is stopped.
+  virtual absl::Status Stop(pid_t pid) = 0;
+  // SIGCONT.
+  virtual absl::Status Continue(pid_t pid) = 0;
+  // SIGKILL, and wait (bounded) until the process is gone. OK if it was
+  // gone already.
+  virtual absl::Status Kill(pid_t pid) = 0;
+};
+
+// kill(2) and /proc.
+std::unique_ptr<ProcessControl> NewProcessControl();
+
+}  // namespace rdmavirt::migrator
+
+#endif  // RDMAVIRT_MIGRATOR_PROCESS_CONTROL_H_

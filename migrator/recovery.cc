@@ -1,0 +1,135 @@
+// What a restarted migrator does with the moves its previous run left in
+// flight (Migrator::Recover). The record of each says how far it got:
+//  - source, destination not yet confirmed: roll back (the process is
+//    SIGSTOPped and/or released: SIGCONT, resume marker, restore on this
+//    host's HCA, peers re-pointed; if it is gone but its final dump is
+//    complete, CRIU-restore it here first);
+//  - source, destination confirmed: finish (peers re-pointed at the
+//    destination, the endpoint resumed there, the stopped source killed);
+//  - destination, not restored: abort (kill a half-restored process,
+//    delete the images);
+//  - destination, restored: keep the process, wait for the source's
+//    ReconnectPeers to resume it.
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "migrator/log.h"
+#include "migrator/migrator.h"
+#include "migrator/migrator_internal.h"
+#include "migrator/record_store.h"
+
+namespace rdmavirt::migrator {
+namespace {
+
+// A process that still runs reconnects to the new socket within a second.
+constexpr absl::Duration kReconnectGrace = absl::Seconds(5);
+
+}  // namespace
+
+void Migrator::Recover() {
+  for (auto& [dir, rec] : ListRecords(options_.state_dir + "/migrations"))
+    if (!rec.done()) RecoverSource(dir, std::move(rec));
+  for (auto& [dir, rec] : ListRecords(options_.state_dir + "/incoming"))
+    if (!rec.done()) RecoverDestination(dir, std::move(rec));
+}
+
+void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record) {
+  Move m;
+  m.rec = std::move(record);
+  m.dir = dir;
+  m.start = absl::Now();
+  m.blackout_start = absl::Now();
+  m.prepared = !m.rec.destination().empty();
+  v1::MigrationReport* r = m.rec.mutable_report();
+  const pid_t pid = r->pid();
+  Log("recovery: migration %s (%s of pid %d) was in phase %s", r->migration_id(), r->kind(), pid,
+      m.rec.phase());
+  {
+    absl::MutexLock lock(&mu_);
+    moving_.insert(pid);
+  }
+  const absl::Status cause = absl::AbortedError(absl::StrCat(
+      "rdmavirt-migratord restarted during the ", r->kind(), " (phase ", m.rec.phase(), ")"));
+
+  if (r->kind() == "migrate" && m.rec.confirmed()) {
+    // The endpoint lives on the destination: finish the move.
+    CompleteForward(&m);
+  } else if (r->kind() == "restore") {
+    if (m.rec.restored_pid() > 0 && procs_->Exists(m.rec.restored_pid()))
+      (void)procs_->Kill(m.rec.restored_pid());
+    Finish(&m, cause);
+  } else if (!procs_->Exists(pid) && m.rec.dumped() && r->kind() == "migrate") {
+    // Gone (killed with us?), but its final dump is whole: restore it here.
+    SetPhase(&m, "rollback", "restoring the final dump on this host");
+    v1::RestoreIncomingResponse out;
+    absl::StatusOr<pid_t> back = RestoreFromDir(
+        m.rec.image_dir(),
+        [&](pid_t p) {
+          m.rec.set_restored_pid(p);
+          Persist(&m);
+        },
+        {}, &out);
+    if (!back.ok()) {
+      r->set_error(absl::StrCat(cause.message(), "; restoring the final dump failed: ",
+                                back.status().message()));
+      Finish(&m, cause);
+    } else {
+      r->set_pid(*back);
+      m.rec.set_released(false);
+      m.rec.set_stopped(false);
+      absl::Status peers = ReconnectAll(&m, out.endpoint().mapping(), false);
+      v1::MigratorToShim res;
+      res.mutable_resume();
+      absl::StatusOr<v1::Reply> rr = Command(*back, res, options_.rpc_timeout, "resume");
+      r->set_rolled_back(rr.ok());
+      r->set_error(std::string(cause.message()));
+      if (!peers.ok()) r->set_error(absl::StrCat(cause.message(), "; ", peers.message()));
+      Finish(&m, cause);
+    }
+  } else if (!procs_->Exists(pid)) {
+    r->set_error(absl::StrCat(cause.message(), "; process ", pid,
+                              " is gone and no complete dump of it exists"));
+    Finish(&m, cause);
+  } else {
+    if (!m.rec.released()) {
+      // Quiesced at most: it reconnects on its own, say Hello RUNNING.
+      (void)shims_->WaitHello(pid, v1::ENDPOINT_PHASE_RUNNING, kReconnectGrace);
+    }
+    RollBack(&m, cause);
+  }
+  absl::MutexLock lock(&mu_);
+  moving_.erase(pid);
+}
+
+void Migrator::RecoverDestination(const std::string& dir, v1::MigrationRecord record) {
+  auto in = std::make_unique<Incoming>();
+  in->dir = dir;
+  absl::MutexLock lock(&in->mu);
+  in->rec = std::move(record);
+  const std::string id = in->rec.report().migration_id();
+  if (in->rec.confirmed()) {
+    // Restored and confirmed: the source finishes the move and resumes it.
+    Log("recovery: incoming %s: restored process %d kept for its source", id,
+        in->rec.restored_pid());
+    absl::MutexLock l(&mu_);
+    incoming_[id] = std::move(in);
+    return;
+  }
+  const pid_t pid = in->rec.restored_pid();
+  if (pid > 0 && procs_->Exists(pid)) {
+    if (absl::Status st = procs_->Kill(pid); !st.ok())
+      Log("recovery: incoming %s: killing process %d: %s", id, pid, st.ToString());
+  }
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    if (e.path().filename() != kRecordFile) std::filesystem::remove_all(e.path(), ec);
+  in->rec.set_done(true);
+  in->rec.set_phase("aborted");
+  in->rec.mutable_report()->set_error(
+      absl::StrCat("rdmavirt-migratord restarted before the restore completed",
+                   pid > 0 ? absl::StrCat("; half-restored process ", pid, " killed") : ""));
+  PersistIncoming(in.get());
+  Log("recovery: incoming %s aborted", id);
+}
+
+}  // namespace rdmavirt::migrator

@@ -413,12 +413,17 @@ inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
   if (wc->wc_flags & IBV_WC_WITH_INV)
     wc->invalidated_rkey = qp->mode.VirtualRkey(wc->invalidated_rkey);
   if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return qp;
-  wc->src_qp = qp->mode.VirtualQpn(wc->src_qp);
+  // A sender that moved is known by where it is now (the GRH's source).
   const RecvLog::Entry* e = qp->recvs->Consume(wc->wr_id);
-  if ((wc->wc_flags & IBV_WC_GRH) && e != nullptr) {
-    const IdentityMode mode = qp->mode;
-    RewriteGrhInSges(e->sge, e->num_sge, [mode](const ibv_gid& g) { return mode.VirtualGid(g); });
-  }
+  const Shim* shim = qp->ctx->shim;
+  const RemoteEndpoint* from = nullptr;
+  ibv_gid source;
+  const bool grh = (wc->wc_flags & IBV_WC_GRH) && e != nullptr;
+  if (grh && ReadGrhSource(e->sge, e->num_sge, &source)) from = shim->RemoteAt(source);
+  wc->src_qp = from != nullptr ? from->VirtualQpn(wc->src_qp) : qp->mode.VirtualQpn(wc->src_qp);
+  if (grh)
+    RewriteGrhInSges(e->sge, e->num_sge,
+                     [shim, from](const ibv_gid& g) { return shim->VirtualizeGid(g, from); });
   return qp;
 }
 

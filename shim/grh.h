@@ -76,6 +76,30 @@ void RewriteGrhInSges(const ibv_sge* sge, uint32_t num_sge, Map map) {
   }
 }
 
+// The source address of the GRH area at the front of a UD receive; false
+// when the buffers hold none.
+inline bool ReadGrhSource(const ibv_sge* sge, uint32_t num_sge, ibv_gid* out) {
+  constexpr uint32_t kGrh = 40;
+  uint8_t grh[kGrh];
+  uint32_t got = 0;
+  for (uint32_t i = 0; i < num_sge && got < kGrh; ++i) {
+    const uint32_t n = sge[i].length < kGrh - got ? sge[i].length : kGrh - got;
+    memcpy(grh + got, reinterpret_cast<const void*>(sge[i].addr), n);
+    got += n;
+  }
+  if (got < kGrh) return false;
+  const uint8_t* ip = grh + 20;
+  if (ip[0] == 0x45 && (ip[10] << 8 | ip[11]) == Ipv4HeaderChecksum(ip)) {
+    *out = ibv_gid{};
+    out->raw[10] = out->raw[11] = 0xff;
+    memcpy(&out->raw[12], ip + 12, 4);
+    return true;
+  }
+  if ((grh[0] >> 4) != 6) return false;
+  memcpy(out->raw, grh + 8, 16);
+  return true;
+}
+
 }  // namespace rdmavirt::shim
 
 #endif  // RDMAVIRT_SHIM_GRH_H_

@@ -244,6 +244,9 @@ Status Shim::ReleaseNow() {
   }
   DestroyReal();
   released_ = true;
+  // Whatever brings the endpoint back (a CRIU restore, most likely) must
+  // reopen the device on an application thread; see OnAppThread.
+  app_thread_steps_.store(true);
   return {};
 }
 
@@ -407,8 +410,8 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
   }
   released_ = false;
   moved_ = true;
-  // The device was opened by whichever thread ran this; see OnAppThread.
-  app_thread_steps_.store(true);
+  gid_moved_.store(memcmp(endpoint_physical_gid_.raw, mode_.PhysicalGid(endpoint_virtual_gid_).raw,
+                          16) != 0);
   return {};
 }
 

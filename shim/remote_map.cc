@@ -21,7 +21,12 @@ bool RemoteEndpoint::Map::Init(const std::vector<std::pair<uint32_t, uint32_t>>&
 
 std::unique_ptr<RemoteEndpoint> RemoteEndpoint::Build(const RemoteMapping& m) {
   std::unique_ptr<RemoteEndpoint> e(new (std::nothrow) RemoteEndpoint());
-  if (e == nullptr || !e->qpns_.Init(m.qpns) || !e->rkeys_.Init(m.rkeys)) return nullptr;
+  std::vector<std::pair<uint32_t, uint32_t>> back;
+  back.reserve(m.qpns.size());
+  for (const auto& [v, p] : m.qpns) back.emplace_back(p, v);
+  if (e == nullptr || !e->qpns_.Init(m.qpns) || !e->qpns_back_.Init(back) ||
+      !e->rkeys_.Init(m.rkeys))
+    return nullptr;
   e->virtual_gid_ = m.virtual_gid;
   e->physical_gid_ = m.physical_gid;
   return e;

@@ -43,6 +43,8 @@ class RemoteEndpoint {
   // as it would a bad key without the shim).
   uint32_t Qpn(uint32_t v) const { return qpns_.Find(v); }
   uint32_t Rkey(uint32_t v) const { return rkeys_.Find(v); }
+  // Physical QPN -> virtual (the source QPN of a UD datagram it sent).
+  uint32_t VirtualQpn(uint32_t p) const { return qpns_back_.Find(p); }
 
  private:
   // Open addressing, at most half full, so a miss ends quickly.
@@ -72,6 +74,7 @@ class RemoteEndpoint {
   ibv_gid virtual_gid_{};
   ibv_gid physical_gid_{};
   Map qpns_;
+  Map qpns_back_;
   Map rkeys_;
 };
 

@@ -886,6 +886,13 @@ int Shim::PublishRemote(const RemoteMapping& mapping) {
 const RemoteEndpoint* Shim::PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> e) {
   const RemoteEndpoint* r = e.get();
   remotes_.push_back(std::move(e));
+  const uint32_t n = npublished_.load(std::memory_order_relaxed);
+  if (n < kMaxPublished) {
+    published_[n].store(r, std::memory_order_release);
+    npublished_.store(n + 1, std::memory_order_release);
+  } else {
+    LogOnce("more than 256 peer moves published: UD sources of later ones show physical QPNs");
+  }
   const ibv_gid& gid = r->virtual_gid();
   for (const auto& [p, kind] : shadows_) {
     if (kind == Kind::kQp) {
@@ -899,6 +906,23 @@ const RemoteEndpoint* Shim::PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> 
     }
   }
   return r;
+}
+
+const RemoteEndpoint* Shim::RemoteAt(const ibv_gid& gid) const {
+  for (uint32_t i = npublished_.load(std::memory_order_acquire); i-- > 0;) {
+    const RemoteEndpoint* r = published_[i].load(std::memory_order_acquire);
+    if (memcmp(r->physical_gid().raw, gid.raw, 16) == 0) return r;
+  }
+  return nullptr;
+}
+
+ibv_gid Shim::VirtualizeGid(const ibv_gid& g, const RemoteEndpoint* from) const {
+  if (from != nullptr && memcmp(g.raw, from->physical_gid().raw, 16) == 0)
+    return from->virtual_gid();
+  if (gid_moved_.load(std::memory_order_acquire) &&
+      memcmp(g.raw, endpoint_physical_gid_.raw, 16) == 0)
+    return endpoint_virtual_gid_;
+  return mode_.VirtualGid(g);
 }
 
 std::vector<const Qp*> Shim::Qps() const {

@@ -145,6 +145,12 @@ class Shim {
   // Steps run by application threads so far.
   int steps_on_app_threads() const { return steps_on_app_threads_.load(); }
 
+  // Data path (UD receives): the moved peer now behind a physical GID,
+  // newest first, or nullptr. Lock-free.
+  const RemoteEndpoint* RemoteAt(const ibv_gid& physical_gid) const;
+  // A GID of a UD receive's GRH as the application should see it.
+  ibv_gid VirtualizeGid(const ibv_gid& g, const RemoteEndpoint* from) const;
+
   // Read-only views for the migration side and tests.
   std::vector<const Qp*> Qps() const;
   std::vector<const Mr*> Mrs() const;
@@ -212,6 +218,13 @@ class Shim {
     std::atomic<bool> done{false};
   };
   std::atomic<PendingStep*> task_{nullptr};
+  // Every mapping published, for lock-free lookups by physical GID (the
+  // RemoteEndpoints live as long as the process, in remotes_).
+  static constexpr uint32_t kMaxPublished = 256;
+  std::atomic<const RemoteEndpoint*> published_[kMaxPublished] = {};
+  std::atomic<uint32_t> npublished_{0};
+  // Set, after the GIDs below, once the endpoint sits behind another GID.
+  std::atomic<bool> gid_moved_{false};
   std::atomic<bool> app_thread_steps_{false};
   // Migration state, written by the control thread under mu_.
   bool paused_ = false;

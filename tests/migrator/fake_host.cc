@@ -1,0 +1,297 @@
+#include "tests/migrator/fake_host.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace rdmavirt::migrator::testing {
+namespace {
+
+void WriteFile(const std::string& path, const std::string& data) {
+  std::ofstream(path, std::ios::binary) << data;
+}
+
+std::string Relative(const std::string& dir, const std::string& parent) {
+  return std::filesystem::relative(parent, dir).string();
+}
+
+}  // namespace
+
+std::string Gid(int n) {
+  std::string g(16, '\0');
+  g[10] = g[11] = static_cast<char>(0xff);
+  g[12] = 10;
+  g[15] = static_cast<char>(n);
+  return g;
+}
+
+FakeEndpoint& FakeHost::Add(pid_t pid, const std::string& vgid, std::vector<FakeQp> qps) {
+  absl::MutexLock lock(&mu_);
+  FakeEndpoint& e = eps_[pid];
+  e.pid = pid;
+  e.endpoint_id = absl::StrCat("ep", pid);
+  e.vgid = vgid;
+  e.qps = std::move(qps);
+  e.qpn_base = 100 * static_cast<uint32_t>(n_);
+  return e;
+}
+
+FakeEndpoint FakeHost::Get(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  auto it = eps_.find(pid);
+  return it == eps_.end() ? FakeEndpoint{} : it->second;
+}
+
+void FakeHost::Fail(pid_t pid, const std::string& command, absl::StatusCode code) {
+  absl::MutexLock lock(&mu_);
+  eps_[pid].fail[command] = code;
+}
+
+void FakeHost::AddPlainProcess(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  plain_.insert(pid);
+}
+
+v1::EndpointSummary FakeHost::Summary(const FakeEndpoint& e) const {
+  v1::EndpointSummary s;
+  s.set_endpoint_id(e.endpoint_id);
+  s.set_pid(e.pid);
+  s.set_phase(e.released ? v1::ENDPOINT_PHASE_RELEASED : v1::ENDPOINT_PHASE_RUNNING);
+  s.set_suspended(e.paused);
+  s.mutable_counts()->set_qps(static_cast<uint32_t>(e.qps.size()));
+  s.mutable_counts()->set_mrs(2);
+  s.mutable_counts()->set_registered_bytes(1 << 20);
+  s.mutable_mapping()->set_virtual_gid(e.vgid);
+  if (!e.released) s.mutable_mapping()->set_physical_gid(gid_);
+  uint32_t i = 0;
+  for (const FakeQp& q : e.qps) {
+    v1::QpSummary* x = s.add_qps();
+    x->set_virtual_qpn(q.virtual_qpn);
+    x->set_physical_qpn(e.released ? 0 : e.qpn_base + i);
+    x->set_qp_type(q.type);
+    x->set_remote_virtual_gid(q.remote_vgid);
+    x->set_remote_virtual_qpn(q.remote_vqpn);
+    x->set_remote_physical_gid(q.remote_pgid);
+    if (!e.released) {
+      v1::IdPair* p = s.mutable_mapping()->add_qpns();
+      p->set_virtual_id(q.virtual_qpn);
+      p->set_physical_id(e.qpn_base + i);
+    }
+    ++i;
+  }
+  s.set_device(e.released ? "" : "fake0");
+  return s;
+}
+
+void FakeHost::Tick() {
+  for (auto& [pid, e] : eps_) {
+    if (e.alive && !e.stopped && e.released && !e.connected && markers_.contains(pid)) {
+      e.connected = true;
+      e.hello_phase = v1::ENDPOINT_PHASE_RELEASED;
+    }
+  }
+}
+
+std::vector<ShimInfo> FakeHost::Connected() {
+  absl::MutexLock lock(&mu_);
+  std::vector<ShimInfo> out;
+  for (const auto& [pid, e] : eps_)
+    if (e.alive && e.connected) out.push_back({pid, e.endpoint_id, "app", e.hello_phase});
+  return out;
+}
+
+absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl::Duration) {
+  absl::MutexLock lock(&mu_);
+  auto it = eps_.find(pid);
+  if (it == eps_.end() || !it->second.alive || !it->second.connected)
+    return absl::NotFoundError(absl::StrCat("no shim of process ", pid, " is connected"));
+  FakeEndpoint& e = it->second;
+  std::string cmd;
+  switch (req.command_case()) {
+    case v1::MigratorToShim::kQuiesce: cmd = "quiesce"; break;
+    case v1::MigratorToShim::kRelease: cmd = "release"; break;
+    case v1::MigratorToShim::kRestore: cmd = "restore"; break;
+    case v1::MigratorToShim::kResume: cmd = "resume"; break;
+    case v1::MigratorToShim::kPeerQuiesce: cmd = "peer_quiesce"; break;
+    case v1::MigratorToShim::kPeerReconnect: cmd = "peer_reconnect"; break;
+    case v1::MigratorToShim::kDescribe: cmd = "describe"; break;
+    default: return absl::InvalidArgumentError("no command");
+  }
+  e.log.push_back(cmd);
+  v1::Reply r;
+  auto fail = e.fail.find(cmd);
+  if (fail != e.fail.end()) {
+    r.set_code(static_cast<int>(fail->second));
+    r.set_message(absl::StrCat("injected ", cmd, " failure"));
+  } else if (cmd == "quiesce" || cmd == "peer_quiesce") {
+    if (e.released) r.set_code(9), r.set_message("released");
+    else e.paused = true;
+  } else if (cmd == "release") {
+    if (!e.paused) r.set_code(9), r.set_message("release needs a quiesced endpoint");
+    else e.released = true;
+  } else if (cmd == "restore") {
+    if (!e.released) r.set_code(9), r.set_message("restore needs a released endpoint");
+    else {
+      e.released = false;
+      e.qpn_base += 10;  // new physical identities, every time
+      for (const v1::Mapping& m : req.restore().peers())
+        for (FakeQp& q : e.qps)
+          if (q.remote_vgid == m.virtual_gid()) q.remote_pgid = m.physical_gid();
+    }
+  } else if (cmd == "resume") {
+    if (e.released) r.set_code(9), r.set_message("released");
+    else e.paused = false;
+  } else if (cmd == "peer_reconnect") {
+    if (!e.paused || e.released) r.set_code(9), r.set_message("peer reconnect needs a paused endpoint");
+    else {
+      e.reconnected_to.push_back(req.peer_reconnect().mapping());
+      for (FakeQp& q : e.qps)
+        if (q.remote_vgid == req.peer_reconnect().mapping().virtual_gid())
+          q.remote_pgid = req.peer_reconnect().mapping().physical_gid();
+      e.paused = false;
+    }
+  }
+  *r.mutable_summary() = Summary(e);
+  r.set_elapsed_us(5);
+  // The shim closes its socket once it answered a release.
+  if (cmd == "release" && r.code() == 0) e.connected = false;
+  return r;
+}
+
+absl::Status FakeHost::WaitClosed(pid_t pid, absl::Duration) {
+  absl::MutexLock lock(&mu_);
+  auto it = eps_.find(pid);
+  if (it != eps_.end() && it->second.alive && it->second.connected)
+    return absl::DeadlineExceededError("still connected");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShimInfo> FakeHost::WaitHello(pid_t pid, v1::EndpointPhase phase,
+                                             absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  struct Arg {
+    FakeHost* h;
+    pid_t pid;
+    v1::EndpointPhase phase;
+  } arg{this, pid, phase};
+  const bool ok = mu_.AwaitWithTimeout(
+      absl::Condition(
+          +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            auto it = a->h->eps_.find(a->pid);
+            return it != a->h->eps_.end() && it->second.alive && it->second.connected &&
+                   it->second.hello_phase == a->phase;
+          },
+          &arg),
+      timeout);
+  if (!ok) return absl::DeadlineExceededError(absl::StrCat("no Hello from ", pid));
+  return ShimInfo{pid, eps_[pid].endpoint_id, "app", phase};
+}
+
+absl::Status FakeHost::SetResumeMarker(pid_t pid, bool present) {
+  absl::MutexLock lock(&mu_);
+  if (present) markers_.insert(pid);
+  else markers_.erase(pid);
+  Tick();
+  return absl::OkStatus();
+}
+
+bool FakeHost::Exists(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  auto it = eps_.find(pid);
+  return plain_.contains(pid) || (it != eps_.end() && it->second.alive);
+}
+
+absl::Status FakeHost::Stop(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  eps_[pid].stopped = true;
+  return absl::OkStatus();
+}
+
+absl::Status FakeHost::Continue(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  eps_[pid].stopped = false;
+  Tick();
+  return absl::OkStatus();
+}
+
+absl::Status FakeHost::Kill(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  auto it = eps_.find(pid);
+  if (it != eps_.end()) {
+    it->second.alive = false;
+    it->second.connected = false;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FakeHost::Check() { return check_error; }
+
+absl::StatusOr<DumpStats> FakeHost::PreDump(pid_t pid, const std::string& dir,
+                                            const std::string& parent) {
+  absl::MutexLock lock(&mu_);
+  ++predumps;
+  if (!predump_error.ok()) return predump_error;
+  if (!eps_.contains(pid) || !eps_[pid].alive) return absl::NotFoundError("no such process");
+  std::filesystem::create_directories(dir);
+  WriteFile(dir + "/pages-1.img", std::string(predump_bytes, 'p'));
+  if (!parent.empty()) WriteFile(dir + "/parent.path", Relative(dir, parent) + "\n");
+  return DumpStats{10, predump_bytes};
+}
+
+absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
+                                         const std::string& parent, bool leave_running) {
+  absl::MutexLock lock(&mu_);
+  ++dumps;
+  if (!dump_error.ok()) return dump_error;
+  auto it = eps_.find(pid);
+  if (it == eps_.end() || !it->second.alive) return absl::NotFoundError("no such process");
+  if (it->second.connected)
+    return absl::FailedPreconditionError("Can't dump: the control socket is still open");
+  std::filesystem::create_directories(dir);
+  WriteFile(dir + "/core.img", Summary(it->second).SerializeAsString());
+  WriteFile(dir + "/pages-1.img", std::string(4096, 'f'));
+  if (!parent.empty()) WriteFile(dir + "/parent.path", Relative(dir, parent) + "\n");
+  if (!leave_running) it->second.alive = false;
+  return DumpStats{20, 8192};
+}
+
+absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir) {
+  absl::MutexLock lock(&mu_);
+  ++restores;
+  if (!restore_error.ok()) return restore_error;
+  std::ifstream in(dir + "/core.img", std::ios::binary);
+  std::stringstream buf;
+  buf << in.rdbuf();
+  v1::EndpointSummary s;
+  if (!in || !s.ParseFromString(buf.str())) return absl::DataLossError("no core.img");
+  const std::string parent_path = dir + "/parent.path";
+  if (std::filesystem::exists(parent_path)) {
+    std::ifstream p(parent_path);
+    std::string rel;
+    std::getline(p, rel);
+    if (!std::filesystem::exists(dir + "/" + rel + "/pages-1.img"))
+      return absl::NotFoundError("parent images missing");
+  }
+  const pid_t pid = s.pid();
+  if (eps_.contains(pid) && eps_[pid].alive) return absl::AlreadyExistsError("pid in use");
+  FakeEndpoint& e = eps_[pid];
+  auto fail = std::move(e.fail);  // faults set up for the restored process
+  e = FakeEndpoint{};
+  e.fail = std::move(fail);
+  e.pid = pid;
+  e.endpoint_id = s.endpoint_id();
+  e.vgid = s.mapping().virtual_gid();
+  for (const v1::QpSummary& q : s.qps())
+    e.qps.push_back({q.virtual_qpn(), q.qp_type(), q.remote_virtual_gid(), q.remote_virtual_qpn(),
+                     q.remote_physical_gid()});
+  e.qpn_base = 100 * static_cast<uint32_t>(n_) + 50;
+  e.released = true;
+  e.paused = true;
+  e.connected = false;
+  Tick();
+  return pid;
+}
+
+}  // namespace rdmavirt::migrator::testing

@@ -1,0 +1,116 @@
+// The migrator's gRPC services over real TCP on 127.0.0.1 with mutual TLS:
+// certificates from tools/rdmavirt-certs; a client with a certificate of
+// the CA gets through, one without a certificate or with another CA's does
+// not.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "grpcpp/grpcpp.h"
+#include "migrator/grpc_service.h"
+#include "migrator/migrator.h"
+#include "migrator/tls.h"
+#include "tests/migrator/fake_host.h"
+
+namespace rdmavirt::migrator {
+namespace {
+
+std::string MakeCerts(const std::string& name) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/grpc_tls_test-", getpid(), "-", name);
+  std::filesystem::remove_all(dir);
+  const std::string cmd = absl::StrCat(RDMAVIRT_SOURCE_DIR, "/tools/rdmavirt-certs --dir ", dir,
+                                       " lab 1 > /dev/null 2>&1");
+  EXPECT_EQ(system(cmd.c_str()), 0) << cmd;
+  std::filesystem::copy_file(dir + "/host1.pem", dir + "/host.pem");
+  std::filesystem::copy_file(dir + "/host1.key", dir + "/host.key");
+  return dir;
+}
+
+class GrpcTlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    certs_ = MakeCerts("a");
+    other_ca_ = MakeCerts("b");
+    absl::StatusOr<TlsFiles> tls = LoadTls(certs_, "host.pem", "host.key");
+    ASSERT_TRUE(tls.ok()) << tls.status();
+    Migrator::Options o;
+    o.host_name = "tls-host";
+    o.state_dir = certs_ + "/state";
+    o.connect = [](const std::string&) { return nullptr; };
+    o.list_devices = [] { return std::vector<v1::RdmaDevice>(); };
+    migrator_ = std::make_unique<Migrator>(o, &host_, &host_, &host_);
+    op_ = std::make_unique<OperatorService>(migrator_.get());
+    transfer_ = std::make_unique<TransferService>(migrator_.get());
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", MutualTlsServerCredentials(*tls), &port_);
+    b.RegisterService(op_.get());
+    b.RegisterService(transfer_.get());
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port_, 0);
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  grpc::Status HostInfo(std::shared_ptr<grpc::ChannelCredentials> creds, v1::HostInfo* out) {
+    auto stub = v1::Operator::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), creds));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    return stub->GetHostInfo(&ctx, v1::HostInfoRequest(), out);
+  }
+
+  std::string certs_, other_ca_;
+  testing::FakeHost host_{1};
+  std::unique_ptr<Migrator> migrator_;
+  std::unique_ptr<OperatorService> op_;
+  std::unique_ptr<TransferService> transfer_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+TEST_F(GrpcTlsTest, ClientWithACertificateOfTheCaGetsThrough) {
+  absl::StatusOr<TlsFiles> cli = LoadTls(certs_, "cli.pem", "cli.key");
+  ASSERT_TRUE(cli.ok()) << cli.status();
+  v1::HostInfo info;
+  grpc::Status st = HostInfo(MutualTlsChannelCredentials(*cli), &info);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(info.hostname(), "tls-host");
+  EXPECT_TRUE(info.criu_ok());
+}
+
+TEST_F(GrpcTlsTest, ClientWithoutACertificateIsRefused) {
+  absl::StatusOr<TlsFiles> cli = LoadTls(certs_, "cli.pem", "cli.key");
+  ASSERT_TRUE(cli.ok());
+  grpc::SslCredentialsOptions o;
+  o.pem_root_certs = cli->ca;  // trusts the server, shows nothing
+  v1::HostInfo info;
+  grpc::Status st = HostInfo(grpc::SslCredentials(o), &info);
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(GrpcTlsTest, ClientOfAnotherCaIsRefused) {
+  absl::StatusOr<TlsFiles> other = LoadTls(other_ca_, "cli.pem", "cli.key");
+  ASSERT_TRUE(other.ok());
+  absl::StatusOr<TlsFiles> mine = LoadTls(certs_, "cli.pem", "cli.key");
+  other->ca = mine->ca;  // trusts our server, but its certificate is not ours
+  v1::HostInfo info;
+  EXPECT_FALSE(HostInfo(MutualTlsChannelCredentials(*other), &info).ok());
+}
+
+TEST_F(GrpcTlsTest, PlaintextIsRefused) {
+  v1::HostInfo info;
+  EXPECT_FALSE(HostInfo(grpc::InsecureChannelCredentials(), &info).ok());
+}
+
+TEST(TlsFilesTest, MissingFilesAreNamed) {
+  absl::StatusOr<TlsFiles> f = LoadTls("/nonexistent-dir", "host.pem", "host.key");
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(f.status().message().find("/nonexistent-dir/ca.pem"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace rdmavirt::migrator

@@ -1,0 +1,592 @@
+// The migrator's orchestration over fake hosts (FakeHost: shims, processes
+// and CRIU), with real gRPC between migrators (in-process channels): the
+// happy path, refusals before anything is touched, rollback at each
+// failure point, checkpoint/restore, and recovery after a restart.
+#include "migrator/migrator.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "migrator/grpc_service.h"
+#include "migrator/image_dir.h"
+#include "migrator/record_store.h"
+#include "tests/migrator/fake_host.h"
+
+namespace rdmavirt::migrator {
+namespace {
+
+using ::testing::Contains;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using testing::FakeEndpoint;
+using testing::FakeHost;
+using testing::FakeQp;
+using testing::Gid;
+
+std::string VGid(int n) {
+  std::string g(16, '\0');
+  g[0] = static_cast<char>(0xfe);
+  g[1] = static_cast<char>(0x80);
+  g[15] = static_cast<char>(n);
+  return g;
+}
+
+std::string TempDir(const std::string& name) {
+  std::string dir = absl::StrCat(::testing::TempDir(), "/migrator_test-", getpid(), "-", name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// Hosts 1..3 ("h1:7700"...), each a FakeHost, a Migrator and its Transfer
+// service behind an in-process gRPC channel.
+class Cluster {
+ public:
+  struct Node {
+    std::unique_ptr<FakeHost> host;
+    std::string state_dir;
+    bool rdma = true;
+    std::unique_ptr<Migrator> m;
+    std::unique_ptr<TransferService> svc;
+    std::unique_ptr<grpc::Server> server;
+  };
+
+  explicit Cluster(const std::string& test) {
+    for (int n = 1; n <= 3; ++n) {
+      Node& node = nodes_[n];
+      node.host = std::make_unique<FakeHost>(n);
+      node.state_dir = TempDir(absl::StrCat(test, "-h", n));
+      Start(n);
+    }
+  }
+  ~Cluster() {
+    for (auto& [n, node] : nodes_) Stop(n);
+  }
+
+  static std::string Target(int n) { return absl::StrCat("h", n, ":7700"); }
+
+  // (Re)starts host n's migrator on its state directory.
+  void Start(int n) {
+    Node& node = nodes_[n];
+    Migrator::Options o;
+    o.host_name = absl::StrCat("h", n);
+    o.state_dir = node.state_dir;
+    o.version = "test";
+    o.hello_timeout = absl::Seconds(2);
+    o.close_timeout = absl::Seconds(1);
+    o.rpc_timeout = absl::Seconds(5);
+    o.transfer_timeout = absl::Seconds(10);
+    o.drain_timeout_ms = 100;
+    o.locate_peer = [this, n](const std::string& gid) -> std::string {
+      for (auto& [k, other] : nodes_)
+        if (other.host->gid() == gid) return k == n ? "" : Target(k);
+      return "unknown:7700";
+    };
+    o.connect = [this](const std::string& target) -> std::unique_ptr<v1::Transfer::StubInterface> {
+      for (auto& [k, other] : nodes_)
+        if (Target(k) == target && other.server != nullptr)
+          return v1::Transfer::NewStub(other.server->InProcessChannel(grpc::ChannelArguments()));
+      // Nothing listens there.
+      return v1::Transfer::NewStub(
+          grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
+    };
+    o.list_devices = [this, n] {
+      std::vector<v1::RdmaDevice> out;
+      if (!nodes_[n].rdma) return out;
+      v1::RdmaDevice d;
+      d.set_name("fake0");
+      v1::RdmaPort* p = d.add_ports();
+      p->set_port_num(1);
+      p->set_state("ACTIVE");
+      out.push_back(d);
+      return out;
+    };
+    FakeHost* h = node.host.get();
+    node.m = std::make_unique<Migrator>(o, h, h, h);
+    node.svc = std::make_unique<TransferService>(node.m.get());
+    grpc::ServerBuilder b;
+    b.RegisterService(node.svc.get());
+    node.server = b.BuildAndStart();
+  }
+
+  void Stop(int n) {
+    Node& node = nodes_[n];
+    if (node.server) node.server->Shutdown();
+    node.server.reset();
+    node.svc.reset();
+    node.m.reset();
+  }
+
+  Node& operator[](int n) { return nodes_[n]; }
+  FakeHost& host(int n) { return *nodes_[n].host; }
+  Migrator& m(int n) { return *nodes_[n].m; }
+
+ private:
+  std::map<int, Node> nodes_;
+};
+
+// Endpoint 100 on h1 (vgid 1) with an RC QP to endpoint 300 on h3 (vgid 3)
+// and one to endpoint 200 on h1 itself (vgid 2).
+void Topology(Cluster& c) {
+  c.host(1).Add(100, VGid(1),
+                {FakeQp{11, 2, VGid(3), 31, Gid(3)}, FakeQp{12, 2, VGid(2), 21, Gid(1)}});
+  c.host(1).Add(200, VGid(2), {FakeQp{21, 2, VGid(1), 12, Gid(1)}});
+  c.host(3).Add(300, VGid(3), {FakeQp{31, 2, VGid(1), 11, Gid(1)}});
+}
+
+struct MoveRun {
+  absl::Status status;
+  std::vector<std::string> phases;
+  v1::MigrationReport report;
+};
+
+MoveRun Migrate(Cluster& c, int pid, const std::string& to) {
+  MoveRun run;
+  v1::MigrateRequest req;
+  req.set_pid(pid);
+  req.set_destination(to);
+  run.status = c.m(1).Migrate(req, [&](const v1::Progress& p) {
+    if (p.has_report()) run.report = p.report();
+    else if (run.phases.empty() || run.phases.back() != p.phase()) run.phases.push_back(p.phase());
+  });
+  return run;
+}
+
+std::vector<std::string> Commands(const std::vector<std::string>& log) {
+  std::vector<std::string> out;
+  for (const auto& c : log)
+    if (c != "describe") out.push_back(c);
+  return out;
+}
+
+TEST(MigratorTest, MigratesAndReconnectsEveryPeer) {
+  Cluster c("ok");
+  Topology(c);
+  MoveRun run = Migrate(c, 100, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  EXPECT_FALSE(run.report.rolled_back());
+  EXPECT_THAT(run.phases, ElementsAre("prepare", "precopy", "quiesce", "release", "dump",
+                                      "transfer", "restore", "reconnect", "cleanup"))
+      << ::testing::PrintToString(run.phases);
+  // The source process is gone; the endpoint runs on h2, resumed.
+  EXPECT_FALSE(c.host(1).Exists(100));
+  FakeEndpoint moved = c.host(2).Get(100);
+  ASSERT_EQ(moved.pid, 100);
+  EXPECT_TRUE(moved.alive && moved.connected && !moved.released && !moved.paused);
+  EXPECT_THAT(Commands(moved.log), ElementsAre("restore", "resume"));
+  // Each peer was suspended, then re-pointed at h2.
+  for (auto [host, pid] : {std::pair{1, 200}, std::pair{3, 300}}) {
+    FakeEndpoint p = c.host(host).Get(pid);
+    EXPECT_THAT(Commands(p.log), ElementsAre("peer_quiesce", "peer_reconnect")) << pid;
+    ASSERT_EQ(p.reconnected_to.size(), 1u);
+    EXPECT_EQ(p.reconnected_to[0].virtual_gid(), VGid(1));
+    EXPECT_EQ(p.reconnected_to[0].physical_gid(), Gid(2));
+    EXPECT_FALSE(p.paused);
+  }
+  EXPECT_EQ(run.report.peers(), 2u);
+  EXPECT_EQ(run.report.qps(), 2u);
+  EXPECT_GE(run.report.precopy_iterations(), 1u);
+  EXPECT_GT(run.report.bytes_moved(), 64u << 10);
+  EXPECT_GT(run.report.breakdown().blackout_us(), 0u);
+  EXPECT_GE(run.report.breakdown().total_us(), run.report.breakdown().blackout_us());
+  // Recorded as done; the destination kept no images.
+  auto records = ListRecords(c[1].state_dir + "/migrations");
+  ASSERT_EQ(records.size(), 1u);
+  EXPECT_TRUE(records[0].second.done());
+  EXPECT_TRUE(records[0].second.report().ok());
+  auto incoming = ListRecords(c[2].state_dir + "/incoming");
+  ASSERT_EQ(incoming.size(), 1u);
+  EXPECT_TRUE(incoming[0].second.done());
+  EXPECT_FALSE(std::filesystem::exists(incoming[0].first + "/final"));
+  EXPECT_EQ(c.m(1).Status().recent_size(), 1);
+}
+
+TEST(MigratorTest, PreCopyIteratesWhileDumpsStayLarge) {
+  Cluster c("precopy");
+  Topology(c);
+  c.host(1).predump_bytes = 8 << 20;  // over precopy_small_bytes every time
+  MoveRun run = Migrate(c, 100, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_EQ(run.report.precopy_iterations(), 3u);
+  EXPECT_EQ(c.host(1).predumps, 3);
+  EXPECT_EQ(c.host(2).restores, 1);  // found its parents at pre-1..3
+}
+
+TEST(MigratorTest, UnreachableDestinationTouchesNothing) {
+  Cluster c("unreachable");
+  Topology(c);
+  MoveRun run = Migrate(c, 100, "10.77.0.9");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kUnavailable) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("unreachable"));
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_TRUE(Commands(c.host(1).Get(200).log).empty());
+  EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+  EXPECT_EQ(c.host(1).predumps, 0);
+  EXPECT_FALSE(run.report.ok());
+}
+
+TEST(MigratorTest, DestinationWithoutRdmaOrCriuIsRefused) {
+  Cluster c("norc");
+  Topology(c);
+  c[2].rdma = false;
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("no RDMA device"));
+  c[2].rdma = true;
+  c.host(2).check_error = absl::FailedPreconditionError("vdso");
+  c.Stop(2);
+  c.Start(2);  // CRIU's verdict is cached per run
+  run = Migrate(c, 100, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("CRIU does not work"));
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+}
+
+TEST(MigratorTest, RefusesProcessesNotUnderTheShim) {
+  Cluster c("noshim");
+  c.host(1).AddPlainProcess(555);
+  MoveRun run = Migrate(c, 555, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(run.status.message()),
+              HasSubstr("process 555 is not under the rdmavirt shim"));
+  run = Migrate(c, 556, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kNotFound);
+  run = Migrate(c, 555, "bad host!");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument);
+}
+
+// After a failure, the endpoint runs on h1 again, restored on its HCA, and
+// every peer points at it.
+void ExpectRolledBack(Cluster& c, const MoveRun& run, bool restored) {
+  EXPECT_FALSE(run.status.ok());
+  EXPECT_FALSE(run.report.ok());
+  EXPECT_TRUE(run.report.rolled_back()) << run.report.error();
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.released && !e.paused);
+  for (auto [host, pid] : {std::pair{1, 200}, std::pair{3, 300}}) {
+    FakeEndpoint p = c.host(host).Get(pid);
+    EXPECT_FALSE(p.paused) << pid;
+    if (restored) {
+      ASSERT_EQ(p.reconnected_to.size(), 1u) << pid;
+      EXPECT_EQ(p.reconnected_to[0].physical_gid(), Gid(1));
+    } else {
+      EXPECT_TRUE(p.reconnected_to.empty()) << pid;
+      EXPECT_THAT(p.log, Contains("resume")) << pid;
+    }
+  }
+  // Nothing stays on the destination.
+  FakeEndpoint d = c.host(2).Get(100);
+  EXPECT_FALSE(d.pid != 0 && d.alive);
+  auto incoming = ListRecords(c[2].state_dir + "/incoming");
+  for (const auto& [dir, rec] : incoming) {
+    EXPECT_TRUE(rec.done());
+    EXPECT_FALSE(std::filesystem::exists(dir + "/final"));
+  }
+}
+
+TEST(MigratorTest, RestoreFailureOnDestinationRollsBack) {
+  Cluster c("restorefail");
+  Topology(c);
+  c.host(2).restore_error = absl::InternalError("criu restore blew up");
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_THAT(run.phases, Contains("rollback"));
+  EXPECT_THAT(run.report.error(), HasSubstr("criu restore blew up"));
+  ExpectRolledBack(c, run, /*restored=*/true);
+  EXPECT_THAT(Commands(c.host(1).Get(100).log),
+              ElementsAre("quiesce", "release", "restore", "resume"));
+}
+
+TEST(MigratorTest, DestinationShimFailureKillsTheRestoredProcess) {
+  Cluster c("destshim");
+  Topology(c);
+  // The restored process comes up but its shim cannot restore.
+  c.host(2).Fail(100, "restore", absl::StatusCode::kResourceExhausted);
+  // (Fail() created a placeholder endpoint; CRIU's restore replaces it.)
+  ASSERT_TRUE(c.host(2).Kill(100).ok());
+  MoveRun run = Migrate(c, 100, "h2");
+  ExpectRolledBack(c, run, true);
+  EXPECT_EQ(c.host(2).restores, 1);
+}
+
+TEST(MigratorTest, FinalDumpFailureRollsBack) {
+  Cluster c("dumpfail");
+  Topology(c);
+  c.host(1).dump_error = absl::FailedPreconditionError("can't dump");
+  MoveRun run = Migrate(c, 100, "h2");
+  ExpectRolledBack(c, run, true);
+}
+
+TEST(MigratorTest, TransferFailureRollsBack) {
+  Cluster c("xferfail");
+  Topology(c);
+  // Once the endpoint is quiesced, h2 can no longer store the final dump.
+  v1::MigrateRequest req;
+  req.set_pid(100);
+  req.set_destination("h2");
+  MoveRun run;
+  run.status = c.m(1).Migrate(req, [&](const v1::Progress& p) {
+    if (p.has_report()) run.report = p.report();
+    if (p.phase() != "quiesce") return;
+    for (const auto& e : std::filesystem::directory_iterator(c[2].state_dir + "/incoming"))
+      std::ofstream(e.path().string() + "/final") << "in the way";
+  });
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kAlreadyExists) << run.status;
+  EXPECT_THAT(run.report.error(), HasSubstr("sending the final dump"));
+  ExpectRolledBack(c, run, true);
+}
+
+TEST(MigratorTest, QuiesceFailureResumesWithoutRestore) {
+  Cluster c("quiescefail");
+  Topology(c);
+  c.host(1).Fail(100, "quiesce", absl::StatusCode::kDeadlineExceeded);
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kDeadlineExceeded);
+  ExpectRolledBack(c, run, /*restored=*/false);
+  EXPECT_THAT(Commands(c.host(1).Get(100).log), ElementsAre("quiesce", "resume"));
+}
+
+TEST(MigratorTest, PeerQuiesceFailureResumesThePeers) {
+  Cluster c("peerfail");
+  Topology(c);
+  c.host(3).Fail(300, "peer_quiesce", absl::StatusCode::kDeadlineExceeded);
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(Commands(c.host(1).Get(100).log), ElementsAre());  // never quiesced
+  EXPECT_THAT(Commands(c.host(1).Get(200).log), ElementsAre("peer_quiesce", "resume"));
+  EXPECT_FALSE(c.host(1).Get(200).paused);
+}
+
+TEST(MigratorTest, CheckpointThenRestoreReconnectsPeers) {
+  Cluster c("ckpt");
+  Topology(c);
+  const std::string dir = TempDir("ckpt-dir") + "/cp";
+  v1::CheckpointRequest req;
+  req.set_pid(100);
+  req.set_dir(dir);
+  ASSERT_TRUE(c.m(1).Checkpoint(req, nullptr).ok());
+  EXPECT_FALSE(c.host(1).Exists(100));
+  absl::StatusOr<v1::Manifest> manifest = ReadManifest(dir);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_EQ(manifest->endpoint().mapping().virtual_gid(), VGid(1));
+  EXPECT_TRUE(VerifyImages(dir, *manifest).ok());
+  // The peers wait, suspended.
+  EXPECT_TRUE(c.host(3).Get(300).paused);
+  EXPECT_TRUE(c.host(1).Get(200).paused);
+  // A non-empty directory is refused, before anything is touched.
+  req.set_pid(200);
+  EXPECT_EQ(c.m(1).Checkpoint(req, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(Commands(c.host(1).Get(200).log), ElementsAre("peer_quiesce"));
+
+  v1::RestoreRequest rr;
+  rr.set_dir(dir);
+  absl::Status st = c.m(1).Restore(rr, nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_TRUE(e.alive && e.connected && !e.released && !e.paused);
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+  EXPECT_FALSE(c.host(1).Get(200).paused);
+  EXPECT_EQ(c.host(3).Get(300).reconnected_to.back().physical_gid(), Gid(1));
+}
+
+TEST(MigratorTest, CheckpointLeaveRunningRestoresInPlace) {
+  Cluster c("ckptrun");
+  Topology(c);
+  v1::CheckpointRequest req;
+  req.set_pid(100);
+  req.set_dir(TempDir("ckptrun-dir"));
+  req.set_leave_running(true);
+  ASSERT_TRUE(c.m(1).Checkpoint(req, nullptr).ok());
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_TRUE(e.alive && e.connected && !e.released && !e.paused);
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+}
+
+TEST(MigratorTest, RestoreElsewhereStreamsTheCheckpoint) {
+  Cluster c("ckptaway");
+  Topology(c);
+  const std::string dir = TempDir("ckptaway-dir");
+  v1::CheckpointRequest req;
+  req.set_pid(100);
+  req.set_dir(dir);
+  ASSERT_TRUE(c.m(1).Checkpoint(req, nullptr).ok());
+  v1::RestoreRequest rr;
+  rr.set_dir(dir);
+  rr.set_on("h2");
+  absl::Status st = c.m(1).Restore(rr, nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  FakeEndpoint e = c.host(2).Get(100);
+  EXPECT_TRUE(e.alive && e.connected && !e.released && !e.paused);
+  EXPECT_EQ(c.host(3).Get(300).reconnected_to.back().physical_gid(), Gid(2));
+}
+
+TEST(MigratorTest, CorruptedCheckpointIsRefusedAndNothingIsCreated) {
+  Cluster c("corrupt");
+  Topology(c);
+  const std::string dir = TempDir("corrupt-dir");
+  v1::CheckpointRequest req;
+  req.set_pid(100);
+  req.set_dir(dir);
+  ASSERT_TRUE(c.m(1).Checkpoint(req, nullptr).ok());
+  {
+    std::fstream f(dir + "/pages-1.img", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('X');
+  }
+  v1::RestoreRequest rr;
+  rr.set_dir(dir);
+  absl::Status st = c.m(1).Restore(rr, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  std::filesystem::resize_file(dir + "/pages-1.img", 10);
+  st = c.m(1).Restore(rr, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  std::filesystem::remove(dir + "/manifest.pb");
+  st = c.m(1).Restore(rr, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_EQ(c.host(1).restores, 0);
+  EXPECT_FALSE(c.host(1).Exists(100));
+}
+
+// ---- recovery after a restart ------------------------------------------
+
+// A migration that stopped in `phase` as a crash would leave it, written
+// the way the migrator writes it.
+v1::MigrationRecord CrashedRecord(const std::string& phase) {
+  v1::MigrationRecord rec;
+  v1::MigrationReport* r = rec.mutable_report();
+  r->set_migration_id("crashed-1");
+  r->set_kind("migrate");
+  r->set_pid(100);
+  rec.set_role("source");
+  rec.set_phase(phase);
+  rec.set_destination("h2:7700");
+  rec.set_local_peers(true);
+  rec.add_peer_hosts("h3:7700");
+  rec.mutable_endpoint()->mutable_mapping()->set_virtual_gid(VGid(1));
+  rec.mutable_endpoint()->mutable_mapping()->set_physical_gid(Gid(1));
+  rec.set_quiesced(true);
+  return rec;
+}
+
+// Puts the fakes where the crash left them: peers suspended, the endpoint
+// quiesced, released and SIGSTOPped (its socket closed).
+void Crash(Cluster& c, bool released, bool stopped) {
+  for (auto [h, pid] : {std::pair{1, 200}, std::pair{3, 300}})
+    ASSERT_TRUE(c.host(h).Call(pid, [] {
+                  v1::MigratorToShim q;
+                  q.mutable_peer_quiesce();
+                  return q;
+                }(), absl::Seconds(1)).ok());
+  v1::MigratorToShim q;
+  q.mutable_quiesce();
+  ASSERT_TRUE(c.host(1).Call(100, q, absl::Seconds(1)).ok());
+  if (released) {
+    v1::MigratorToShim r;
+    r.mutable_release();
+    ASSERT_TRUE(c.host(1).Call(100, r, absl::Seconds(1)).ok());
+  }
+  if (stopped) {
+    ASSERT_TRUE(c.host(1).Stop(100).ok());
+  }
+}
+
+TEST(MigratorRecoveryTest, SourceRollsBackAReleasedStoppedProcess) {
+  Cluster c("recover-src");
+  Topology(c);
+  Crash(c, /*released=*/true, /*stopped=*/true);
+  v1::MigrationRecord rec = CrashedRecord("transfer");
+  rec.set_released(true);
+  rec.set_stopped(true);
+  const std::string dir = c[1].state_dir + "/migrations/crashed-1";
+  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  c.Stop(1);
+  c.Start(1);
+  c.m(1).Recover();
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.released && !e.paused);
+  EXPECT_EQ(c.host(3).Get(300).reconnected_to.back().physical_gid(), Gid(1));
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+  EXPECT_FALSE(c.host(1).Get(200).paused);
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->done());
+  EXPECT_TRUE(after->report().rolled_back());
+  EXPECT_THAT(after->report().error(), HasSubstr("restarted"));
+}
+
+TEST(MigratorRecoveryTest, SourceResumesAQuiescedProcess) {
+  Cluster c("recover-q");
+  Topology(c);
+  Crash(c, /*released=*/false, /*stopped=*/false);
+  ASSERT_TRUE(WriteRecord(c[1].state_dir + "/migrations/crashed-1", CrashedRecord("quiesce")).ok());
+  c.Stop(1);
+  c.Start(1);
+  c.m(1).Recover();
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_FALSE(e.paused);
+  EXPECT_THAT(Commands(e.log), Not(Contains("restore")));
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+  EXPECT_TRUE(c.host(3).Get(300).reconnected_to.empty());
+}
+
+TEST(MigratorRecoveryTest, SourceRestoresAGoneProcessFromItsFinalDump) {
+  Cluster c("recover-gone");
+  Topology(c);
+  Crash(c, true, false);
+  const std::string dir = c[1].state_dir + "/migrations/crashed-1";
+  ASSERT_TRUE(c.host(1).Dump(100, dir + "/final", "", /*leave_running=*/false).ok());
+  v1::MigrationRecord rec = CrashedRecord("transfer");
+  rec.set_released(true);
+  rec.set_dumped(true);
+  rec.set_image_dir(dir + "/final");
+  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  ASSERT_FALSE(c.host(1).Exists(100));
+  c.Stop(1);
+  c.Start(1);
+  c.m(1).Recover();
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_TRUE(e.alive && e.connected && !e.released && !e.paused);
+  EXPECT_EQ(c.host(1).restores, 1);
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+  EXPECT_TRUE(ReadRecord(dir)->report().rolled_back());
+}
+
+TEST(MigratorRecoveryTest, DestinationKillsAHalfRestoredProcess) {
+  Cluster c("recover-dst");
+  // CRIU restored pid 100 on h2, then h2's migrator died before the restore completed.
+  c.host(2).Add(100, VGid(1), {});
+  v1::MigratorToShim q;
+  q.mutable_quiesce();
+  ASSERT_TRUE(c.host(2).Call(100, q, absl::Seconds(1)).ok());
+  const std::string dir = c[2].state_dir + "/incoming/crashed-1";
+  v1::MigrationRecord rec;
+  rec.mutable_report()->set_migration_id("crashed-1");
+  rec.set_role("destination");
+  rec.set_phase("restoring");
+  rec.set_restored_pid(100);
+  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  std::filesystem::create_directories(dir + "/final");
+  c.Stop(2);
+  c.Start(2);
+  c.m(2).Recover();
+  EXPECT_FALSE(c.host(2).Exists(100));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/final"));
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->done());
+  EXPECT_EQ(after->phase(), "aborted");
+}
+
+}  // namespace
+}  // namespace rdmavirt::migrator

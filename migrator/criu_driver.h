@@ -50,7 +50,8 @@ struct CriuResult {
 //   ALREADY_EXISTS       Restore: a pid of the tree is in use on this host;
 //                        PreDump/Dump: dir already holds a dump
 //   DATA_LOSS            Restore: the images do not parse
-//   INVALID_ARGUMENT     a relative dir, a parent that is not a directory
+//   INVALID_ARGUMENT     a relative dir, a parent that is not a directory,
+//                        a pid whose tree holds the caller
 //   INTERNAL             anything else CRIU reported
 class CriuDriver {
  public:
@@ -87,7 +88,6 @@ class CriuDriver {
 
  private:
   std::string log_dir_;
-  uint64_t calls_ = 0;  // makes log names unique within a microsecond
 };
 
 }  // namespace rdmavirt::migrator

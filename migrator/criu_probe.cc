@@ -36,10 +36,18 @@ std::string Json(const std::string& s) {
   std::string out = "\"";
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -139,9 +147,10 @@ int Main(int argc, char** argv) {
                         std::chrono::steady_clock::now() - start)
                         .count();
     if (!pid.ok()) return Fail(cmd, pid.status());
-    printf("{\"ok\": true, \"command\": \"restore\", \"dir\": %s, \"pid\": %d, "
-           "\"elapsed_us\": %lld}\n",
-           Json(dir).c_str(), *pid, static_cast<long long>(us));
+    printf(
+        "{\"ok\": true, \"command\": \"restore\", \"dir\": %s, \"pid\": %d, "
+        "\"elapsed_us\": %lld}\n",
+        Json(dir).c_str(), *pid, static_cast<long long>(us));
     return 0;
   }
   if (cmd == "manifest") {
@@ -163,9 +172,10 @@ int Main(int argc, char** argv) {
       *m.add_files() = std::move(f);
     }
     if (absl::Status s = WriteManifest(dir, m); !s.ok()) return Fail(cmd, s);
-    printf("{\"ok\": true, \"command\": \"manifest\", \"dir\": %s, \"bytes\": %llu, "
-           "\"files\": [%s]}\n",
-           Json(dir).c_str(), static_cast<unsigned long long>(total), list.c_str());
+    printf(
+        "{\"ok\": true, \"command\": \"manifest\", \"dir\": %s, \"bytes\": %llu, "
+        "\"files\": [%s]}\n",
+        Json(dir).c_str(), static_cast<unsigned long long>(total), list.c_str());
     return 0;
   }
   if (cmd == "verify") {
@@ -176,9 +186,10 @@ int Main(int argc, char** argv) {
     if (absl::Status s = VerifyImages(dir, *m); !s.ok()) return Fail(cmd, s);
     uint64_t total = 0;
     for (const v1::ImageFile& f : m->files()) total += f.size();
-    printf("{\"ok\": true, \"command\": \"verify\", \"dir\": %s, \"files\": %d, "
-           "\"bytes\": %llu}\n",
-           Json(dir).c_str(), m->files_size(), static_cast<unsigned long long>(total));
+    printf(
+        "{\"ok\": true, \"command\": \"verify\", \"dir\": %s, \"files\": %d, "
+        "\"bytes\": %llu}\n",
+        Json(dir).c_str(), m->files_size(), static_cast<unsigned long long>(total));
     return 0;
   }
   return Usage("unknown command " + cmd);

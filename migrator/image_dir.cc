@@ -150,9 +150,8 @@ absl::Status ScanDir(int dirfd, const std::string& root, const std::string& pref
       continue;
     }
     if (!S_ISREG(st.st_mode)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(shown, " is ", Kind(st.st_mode),
-                       ": a checkpoint directory holds regular files only"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          shown, " is ", Kind(st.st_mode), ": a checkpoint directory holds regular files only"));
     }
     if (prefix.empty() && (name == kManifestFile || name == kManifestTemp)) continue;
     // O_NONBLOCK: should it have become a fifo since the stat, do not hang.
@@ -286,8 +285,8 @@ absl::Status VerifyImages(const std::string& dir, const v1::Manifest& manifest) 
       return absl::DataLossError(absl::StrCat(shown, " is ", Kind(st.st_mode)));
     }
     if (static_cast<uint64_t>(st.st_size) != f.size()) {
-      return absl::DataLossError(absl::StrCat(shown, " has ", st.st_size,
-                                              " bytes, the manifest says ", f.size()));
+      return absl::DataLossError(
+          absl::StrCat(shown, " has ", st.st_size, " bytes, the manifest says ", f.size()));
     }
     std::string digest;
     uint64_t bytes = 0;
@@ -417,7 +416,8 @@ absl::StatusOr<v1::Manifest> ReadManifest(const std::string& dir) {
   }
   bytes.resize(done);
   absl::StatusOr<v1::Manifest> m = ParseManifestFile(bytes);
-  if (!m.ok()) return absl::Status(m.status().code(), absl::StrCat(path, ": ", m.status().message()));
+  if (!m.ok())
+    return absl::Status(m.status().code(), absl::StrCat(path, ": ", m.status().message()));
   return m;
 }
 

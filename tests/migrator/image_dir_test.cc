@@ -179,8 +179,8 @@ TEST_F(ImageDirTest, VerifyCatchesAMissingFile) {
 
 TEST_F(ImageDirTest, VerifyRefusesUnsafeNames) {
   const v1::Manifest good = Sample();
-  for (const char* name : {"../x", "/etc/passwd", "sub/../../x", "a//b", "./inventory.img", "",
-                           "sub/"}) {
+  for (const char* name :
+       {"../x", "/etc/passwd", "sub/../../x", "a//b", "./inventory.img", "", "sub/"}) {
     v1::Manifest m = good;
     m.mutable_files(0)->set_name(name);
     const absl::Status s = VerifyImages(dir_, m);

@@ -145,7 +145,10 @@ int Run(int argc, char** argv) {
       RDMAVIRT_VERSION, listen->Target(), flags.socket, flags.state_dir);
 
   // Moves a previous run left in flight; shims reconnect meanwhile.
-  std::thread recovery([&migrator] { migrator.Recover(); });
+  std::thread recovery([&migrator] {
+    (void)migrator.GetHostInfo();  // runs `criu check` once, before anyone waits for it
+    migrator.Recover();
+  });
 
   int sig = 0;
   sigwait(&stop, &sig);

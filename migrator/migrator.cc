@@ -104,7 +104,11 @@ v1::HostInfo Migrator::GetHostInfo() {
     criu = criu_status_;
   }
   info.set_criu_ok(criu.ok());
-  if (!criu.ok()) info.set_criu_version(absl::StrCat("unusable: ", criu.message()));
+  if (!criu.ok()) {
+    // The first line says why; the log file it names has the rest.
+    const absl::string_view why = criu.message();
+    info.set_criu_version(absl::StrCat("unusable: ", why.substr(0, why.find('\n'))));
+  }
   return info;
 }
 

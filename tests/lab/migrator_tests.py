@@ -1,0 +1,259 @@
+"""rdmavirt-migratord and rdmavirtctl on real lab hosts.
+
+Every host runs a migrator (certificates from tools/rdmavirt-certs, mutual
+TLS on port 7700) with its shim socket at a path of its own, so that the
+other test groups' programs do not find a migrator and stay unmigratable.
+The daemons stay up for the whole lab; each test starts them if needed.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+from labtest import (BUILD, LAB, ROOT, check, lab_test, main, run_ok, wait_listening,
+                     wait_until)
+
+DAEMON = f"{BUILD}/migrator/rdmavirt-migratord"
+CTL = f"{BUILD}/tools/rdmavirtctl/rdmavirtctl"
+PROBE = f"{BUILD}/migrator/rdmavirt-criu-probe"
+INTEGRITY = f"{BUILD}/tests/apps/integrity"
+SOCK = "/run/rdmavirt-lab/migratord.sock"
+SHIM = f"RDMAVIRT_SOCKET={SOCK} LD_PRELOAD={BUILD}/shim/librdmavirt.so "
+PORT = 7700
+CERTS = "/lab/migrator-certs"  # in the hosts; LAB.shared/migrator-certs here
+LOGS = "/lab/migrator-logs"
+REPORTS = "/lab/migrator-reports"
+
+
+def shared(path):
+    return os.path.join(LAB.shared, path[len("/lab/"):])
+
+
+def make_certs():
+    """A CA, each host's host.pem/host.key and cli.pem/cli.key in
+    CERTS/hostN; a second CA's client in CERTS/other (must be refused)."""
+    d = shared(CERTS)
+    if os.path.exists(os.path.join(d, "done")):
+        return
+    shutil.rmtree(d, ignore_errors=True)
+    tool = os.path.join(ROOT, "tools", "rdmavirt-certs")
+    subprocess.run([tool, "--dir", os.path.join(d, "all"), "lab", str(LAB.hosts())],
+                   check=True, capture_output=True)
+    subprocess.run([tool, "--dir", os.path.join(d, "other-ca"), "lab", "1"],
+                   check=True, capture_output=True)
+    for n in range(1, LAB.hosts() + 1):
+        h = os.path.join(d, f"host{n}")
+        os.makedirs(h)
+        for src, dst in (("ca.pem", "ca.pem"), (f"host{n}.pem", "host.pem"),
+                         (f"host{n}.key", "host.key"), ("cli.pem", "cli.pem"),
+                         ("cli.key", "cli.key")):
+            shutil.copy(os.path.join(d, "all", src), os.path.join(h, dst))
+    o = os.path.join(d, "other")
+    os.makedirs(o)
+    shutil.copy(os.path.join(d, "all", "ca.pem"), os.path.join(o, "ca.pem"))
+    for f in ("cli.pem", "cli.key"):
+        shutil.copy(os.path.join(d, "other-ca", f), os.path.join(o, f))
+    open(os.path.join(d, "done"), "w").close()
+
+
+def daemons_up():
+    make_certs()
+    for n in range(1, LAB.hosts() + 1):
+        if LAB.run(n, f"ss -Hltn 'sport = :{PORT}' | grep -q .").rc == 0:
+            continue
+        run_ok(n, f"mkdir -p {LOGS} && setsid {DAEMON} --listen 0.0.0.0:{PORT} --socket {SOCK} "
+                  f"--state-dir /var/lib/rdmavirt-lab --tls-dir {CERTS}/host{n} "
+                  f"--host-name host{n} >> {LOGS}/host{n}.log 2>&1 < /dev/null &")
+    for n in range(1, LAB.hosts() + 1):
+        wait_listening(n, PORT, 60)
+
+
+def ctl(host, args, timeout=300, tls=None):
+    return LAB.run(host, f"{CTL} --tls-dir {tls or f'{CERTS}/host{host}'} {args}", timeout)
+
+
+def start(host, cmd):
+    """Starts `cmd` as a session leader (CRIU dumps such a process tree) with
+    no terminal or socket; returns its pid."""
+    r = run_ok(host, f"setsid {cmd} < /dev/null > /dev/null 2>&1 & echo $!")
+    return int(r.out.split()[-1])
+
+
+def stop(host, pid):
+    LAB.run(host, f"kill -9 {pid} 2>/dev/null; true")
+
+
+def ps(host):
+    r = ctl(host, "--host 127.0.0.1 ps --json")
+    check(r.rc == 0, "ps failed", r)
+    return json.loads(r.out).get("endpoints", [])
+
+
+def under_shim(host, pid, timeout=60):
+    """Waits until the migrator of `host` lists `pid`."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if any(e.get("pid") == pid for e in ps(host)):
+            return
+        time.sleep(1)
+    check(False, f"host{host}: process {pid} never showed up under the shim")
+
+
+def idle_endpoint(host):
+    """A shimmed process holding an RDMA device and waiting (an
+    ibv_rc_pingpong server waiting for its client)."""
+    pid = start(host, f"env {SHIM} ibv_rc_pingpong -d rxe0 -g 1 -p 18600")
+    under_shim(host, pid)
+    return pid
+
+
+@lab_test
+def host_info_over_mutual_tls():
+    daemons_up()
+    r = ctl(1, "--host 10.77.0.2 host --json")
+    check(r.rc == 0, "rdmavirtctl host failed", r)
+    info = json.loads(r.out)
+    check(info["hostname"] == "host2", "wrong host", r)
+    check(info.get("criu_ok") is True, "CRIU not usable on host2", r)
+    check(any(d["name"] == "rxe0" and any(p["state"] == "ACTIVE" for p in d["ports"])
+              for d in info.get("devices", [])), "no ACTIVE rxe0 on host2", r)
+    r = ctl(1, "--host 10.77.0.2 ps")
+    check(r.rc == 0 and "PID" in r.out or "no process" in r.out, "ps failed", r)
+    # A client certificate of another CA, or none, gets nowhere.
+    r = ctl(1, "--host 10.77.0.2 host", tls=f"{CERTS}/other")
+    check(r.rc == 3 and "cannot reach" in r.err, "a foreign client was let in", r)
+    r = LAB.run(1, f"mkdir -p /tmp/nocert && cp {CERTS}/host1/ca.pem /tmp/nocert/ && "
+                   f"{CTL} --tls-dir /tmp/nocert --host 10.77.0.2 host")
+    check(r.rc == 3, "a client without a certificate was let in", r)
+    r = ctl(1, "--host 10.77.0.9 host", timeout=60)
+    check(r.rc == 3, "an unreachable host is not exit code 3", r)
+    r = ctl(1, "migrate notapid --to 10.77.0.2")
+    check(r.rc == 2 and "not a process id" in r.err, "bad PID accepted", r)
+    r = ctl(1, "migrate 12 --to 'bad host'")
+    check(r.rc == 2, "bad host accepted", r)
+
+
+@lab_test
+def migrate_a_process_not_under_the_shim():
+    daemons_up()
+    pid = start(1, "sleep 300")
+    try:
+        r = ctl(1, f"migrate {pid} --to 10.77.0.2")
+        check(r.rc == 1, "migrate of a plain process did not exit 1", r)
+        check(f"process {pid} is not under the rdmavirt shim" in r.err, "unclear error", r)
+        r = ctl(1, "migrate 999999 --to 10.77.0.2")
+        check(r.rc == 1 and "NOT_FOUND" in r.err, "a missing process is not NOT_FOUND", r)
+    finally:
+        stop(1, pid)
+
+
+@lab_test
+def migrate_to_an_unreachable_host_touches_nothing():
+    daemons_up()
+    pid = idle_endpoint(1)
+    try:
+        r = ctl(1, f"migrate {pid} --to 10.77.0.9")
+        check(r.rc == 1, "migrate to an unreachable host did not exit 1", r)
+        check("unreachable" in r.err and "nothing was quiesced" in r.err, "unclear error", r)
+        e = next(e for e in ps(1) if e["pid"] == pid)
+        check(not e.get("suspended") and e.get("phase") == "ENDPOINT_PHASE_RUNNING",
+              "the endpoint was touched", e)
+        log = run_ok(1, f"grep -c 'quiesce' {LOGS}/host1.log || true").out
+        run_ok(1, f"kill -0 {pid}")
+    finally:
+        stop(1, pid)
+
+
+@lab_test
+def migrate_to_a_host_without_rdma_is_refused():
+    daemons_up()
+    pid = idle_endpoint(1)
+    run_ok(2, "rdma link delete rxe0")
+    try:
+        r = ctl(1, f"migrate {pid} --to 10.77.0.2")
+        check(r.rc == 1 and "FAILED_PRECONDITION" in r.err and "no RDMA device" in r.err,
+              "a destination without RDMA was not refused", r)
+        e = next(e for e in ps(1) if e["pid"] == pid)
+        check(not e.get("suspended"), "the endpoint was touched", e)
+    finally:
+        run_ok(2, "rdma link add rxe0 type rxe netdev eth0")
+        stop(1, pid)
+    wait_until(2, "ibv_devinfo -d rxe0 | grep -q PORT_ACTIVE", 30, "rxe0 back on host2")
+
+
+@lab_test
+def restore_of_a_corrupted_checkpoint_is_refused():
+    daemons_up()
+    d = "/var/tmp/corrupt-ckpt"
+    # A real CRIU dump of a plain process, with its manifest, then damaged.
+    pid = start(1, "sleep 600")
+    try:
+        run_ok(1, f"rm -rf {d} && {PROBE} --log-dir /tmp/criu-probe dump {pid} {d} && "
+                  f"{PROBE} manifest {d} && {PROBE} verify {d}", 120)
+    finally:
+        stop(1, pid)
+    run_ok(1, f"f=$(ls {d}/pages-*.img | head -1); "
+              f"printf 'XXXX' | dd of=$f bs=1 seek=100 conv=notrunc 2>/dev/null")
+    before = run_ok(1, "pgrep -c sleep || true").out.strip()
+    r = ctl(1, f"restore --dir {d}")
+    check(r.rc == 1 and "DATA_LOSS" in r.err, "a corrupted checkpoint was not refused", r)
+    run_ok(1, f"f=$(ls {d}/pages-*.img | head -1); truncate -s 10 $f")
+    r = ctl(1, f"restore --dir {d}")
+    check(r.rc == 1 and "DATA_LOSS" in r.err, "a truncated checkpoint was not refused", r)
+    r = ctl(1, f"restore --dir {d} --on 10.77.0.2")
+    check(r.rc == 1 and "DATA_LOSS" in r.err, "a corrupted checkpoint was sent", r)
+    after = run_ok(1, "pgrep -c sleep || true").out.strip()
+    check(before == after, f"a process was created ({before} -> {after} sleeps)")
+
+
+@lab_test
+def migrate_a_live_workload():
+    """integrity between host1 and host3, both under the shim; host1's side
+    moves to host2 mid-run; nothing may be lost, repeated or corrupted."""
+    if LAB.hosts() < 3:
+        print("SKIP: needs 3 lab hosts (RDMAVIRT_LAB_HOSTS=3)")
+        return
+    daemons_up()
+    run_ok(1, f"mkdir -p {REPORTS} && rm -f {REPORTS}/live-*.json")
+    args = "--iterations 3000 --rate 50"
+    server = start(3, f"env {SHIM} {INTEGRITY} --server --port 18900 {args} "
+                      f"--report {REPORTS}/live-server.json")
+    client = None
+    try:
+        wait_listening(3, 18900)
+        client = start(1, f"env {SHIM} {INTEGRITY} --connect 10.77.0.3 --port 18900 {args} "
+                          f"--report {REPORTS}/live-client.json")
+        under_shim(1, client)
+        under_shim(3, server)
+        time.sleep(5)
+        r = ctl(1, f"--json migrate {client} --to 10.77.0.2", timeout=600)
+        print(r.err)
+        check(r.rc == 0, "migrate failed", r)
+        report = json.loads(r.out)
+        print("report:", json.dumps(report, indent=1))
+        check(report["ok"], "report not ok", r)
+        run_ok(2, f"kill -0 {client}")  # CRIU restored it with its pid
+        check(any(e["pid"] == client for e in ps(2)), "not under host2's migrator")
+        check(LAB.run(1, f"kill -0 {client}").rc != 0, "still running on host1")
+        # Both sides finish their run.
+        wait_until(3, f"test -s {REPORTS}/live-server.json && test -s {REPORTS}/live-client.json",
+                   300, "both integrity reports")
+        for side in ("server", "client"):
+            with open(os.path.join(shared(REPORTS), f"live-{side}.json")) as f:
+                rep = json.load(f)
+            check(rep["ok"], f"{side} saw errors", rep)
+            for key in ("lost", "duplicated", "corrupted", "out_of_order", "completion_errors"):
+                check(rep[key] == 0, f"{side}: {key} is {rep[key]}", rep)
+            check(rep["sends"] == 3000, f"{side}: sends {rep['sends']}", rep)
+    finally:
+        stop(3, server)
+        if client is not None:
+            stop(1, client)
+            stop(2, client)
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv))

@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 
@@ -51,8 +52,9 @@ std::vector<v1::RdmaDevice> ListRdmaDevices() {
           if (ibv_query_port(ctx, p, &pa) != 0) continue;
           v1::RdmaPort* port = d.add_ports();
           port->set_port_num(p);
-          // "PORT_ACTIVE" -> "ACTIVE", as host.proto spells states.
-          std::string state = ibv_port_state_str(pa.state);
+          // libibverbs spells states "active", "down" ...; host.proto
+          // upper-case ("ACTIVE").
+          std::string state = absl::AsciiStrToUpper(ibv_port_state_str(pa.state));
           if (absl::StartsWith(state, "PORT_")) state = state.substr(5);
           port->set_state(state);
           port->set_link_layer(LinkLayer(pa.link_layer));

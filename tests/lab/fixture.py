@@ -9,7 +9,7 @@ import sys
 
 from labtest import LAB, labmod
 
-HOSTS = int(os.environ.get("RDMAVIRT_LAB_HOSTS", "2"))
+HOSTS = int(os.environ.get("RDMAVIRT_LAB_HOSTS", "3"))
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["up"]:

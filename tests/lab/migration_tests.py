@@ -1,0 +1,167 @@
+"""Live migration and checkpoint/restore of RDMA processes, end to end.
+
+Real rxe hosts, real CRIU, a real rdmavirt-migratord on each host (mutual
+TLS between them and with rdmavirtctl), unmodified programs under the shim.
+The integrity workload (tests/apps/integrity) checks every byte and counts
+what is lost, duplicated, corrupted or reordered; it knows nothing of
+migration.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from labtest import (BUILD, LAB, ROOT, check, lab_test, main, run_ok, wait_listening,
+                     wait_until)
+
+PROG = f"{BUILD}/tests/apps/integrity"
+SHIM = f"LD_PRELOAD={BUILD}/shim/librdmavirt.so "
+DAEMON = f"{BUILD}/migrator/rdmavirt-migratord"
+CTL = f"{BUILD}/tools/rdmavirtctl/rdmavirtctl"
+PORT = 7700
+WORK = "/lab/migration"  # in the hosts; under LAB.shared here
+
+
+def ip(host):
+    return f"10.77.0.{host}"
+
+
+def ensure_daemons(hosts=(1, 2, 3)):
+    """Certificates for the lab (made on the machine, once) and one
+    migrator per host, started if it is not running."""
+    tls = os.path.join(LAB.shared, "tls")
+    if not os.path.exists(os.path.join(tls, "cli.pem")):
+        subprocess.run([f"{ROOT}/tools/rdmavirt-certs", "--dir", tls, "lab", "3"], check=True,
+                       capture_output=True)
+    for h in hosts:
+        if LAB.run(h, "pgrep -f rdmavirt-migratord > /dev/null").rc == 0:
+            continue
+        run_ok(h, f"mkdir -p /tmp/tls /tmp/tls-cli /run/rdmavirt && "
+                  f"cp /lab/tls/ca.pem /tmp/tls/ && cp /lab/tls/host{h}.pem /tmp/tls/host.pem && "
+                  f"cp /lab/tls/host{h}.key /tmp/tls/host.key && "
+                  f"cp /lab/tls/ca.pem /lab/tls/cli.pem /lab/tls/cli.key /tmp/tls-cli/ && "
+                  f"(setsid {DAEMON} --listen {ip(h)}:{PORT} --tls-dir /tmp/tls "
+                  f"--state-dir /tmp/rdmavirt-state --host-name host{h} "
+                  f"> /tmp/migratord.log 2>&1 < /dev/null &)")
+    for h in hosts:
+        wait_listening(h, PORT, 60)
+
+
+def ctl(host, args, timeout=600):
+    """rdmavirtctl on `host`, against that host's migrator; parsed JSON."""
+    r = LAB.run(host, f"{CTL} --host {ip(host)}:{PORT} --tls-dir /tmp/tls-cli --json {args}",
+                timeout)
+    try:
+        data = json.loads(r.out) if r.out.strip() else None
+    except json.JSONDecodeError:
+        data = None
+    return r, data
+
+
+def pid_of(host, pattern):
+    r = run_ok(host, f"pgrep -f '{pattern}' | head -1")
+    return int(r.out.strip())
+
+
+def start_pair(name, iterations, server=3, client=1):
+    """The workload under the shim: server Q on `server`, client P on
+    `client`. Output goes to the shared directory, the same path on every
+    host (CRIU restores the open files by path)."""
+    run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
+    args = f"--iterations {iterations} --ud-lost-after 1800 --port 18900"
+    run_ok(server, f"(setsid env {SHIM}{PROG} --server {args} --report {WORK}/{name}-q.json "
+                   f"> {WORK}/{name}-q.out 2>&1 < /dev/null &)")
+    wait_listening(server, 18900)
+    run_ok(client, f"(setsid env {SHIM}{PROG} --connect {ip(server)} {args} "
+                   f"--report {WORK}/{name}-p.json > {WORK}/{name}-p.out 2>&1 < /dev/null &)")
+    wait_until(client, f"grep -q 'sent=[1-9][0-9]' {WORK}/{name}-p.out", 120, "traffic flowing")
+    return pid_of(server, f"integrity --server.*{name}"), pid_of(client, f"integrity --connect.*{name}")
+
+
+def check_report(report, what):
+    check(report is not None and report.get("ok") is True, f"{what} failed", report)
+    check(report["breakdown"].get("blackoutUs", 0) or report["breakdown"].get("blackout_us", 0),
+          f"{what}: no blackout measured", report)
+
+
+def wait_reports(name, timeout=900):
+    deadline = time.time() + timeout
+    paths = [os.path.join(LAB.shared, "migration", f"{name}-{s}.json") for s in "pq"]
+    while time.time() < deadline and not all(os.path.exists(p) for p in paths):
+        time.sleep(2)
+    time.sleep(1)
+    out = []
+    for p in paths:
+        check(os.path.exists(p), f"no report {p}")
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
+@lab_test
+def integrity_survives_live_migrations_and_a_checkpoint():
+    ensure_daemons()
+    qpid, ppid = start_pair("accept", 15000)
+    # P: host1 -> host2, live, while traffic runs.
+    r, rep = ctl(1, f"migrate {ppid} --to {ip(2)}")
+    check(r.rc == 0, "migrate P host1 -> host2", r)
+    check_report(rep, "migrate P")
+    print("P host1->host2:", json.dumps(rep.get("breakdown")), flush=True)
+    wait_until(2, f"kill -0 {ppid}", 30, "P runs on host2")
+    # Q: host3 -> host1.
+    r, rep = ctl(3, f"migrate {qpid} --to {ip(1)}")
+    check(r.rc == 0, "migrate Q host3 -> host1", r)
+    check_report(rep, "migrate Q")
+    print("Q host3->host1:", json.dumps(rep.get("breakdown")), flush=True)
+    # P: checkpointed (and gone), then restored on host3 from host2's copy.
+    run_ok(2, "rm -rf /tmp/ckpt-p")
+    r, rep = ctl(2, f"checkpoint {ppid} --dir /tmp/ckpt-p")
+    check(r.rc == 0, "checkpoint P on host2", r)
+    check(LAB.run(2, f"kill -0 {ppid}").rc != 0, "P still runs on host2 after checkpoint")
+    r, rep = ctl(2, f"restore --dir /tmp/ckpt-p --on {ip(3)}")
+    check(r.rc == 0, "restore P on host3", r)
+    p, q = wait_reports("accept")
+    for side, rep in (("P", p), ("Q", q)):
+        check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and
+              rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
+              rep["completion_errors"] == 0, f"{side}'s integrity report", rep)
+        check(rep["sends"] == rep["iterations"], f"{side} did not finish", rep)
+
+
+@lab_test
+def a_process_not_under_the_shim_is_refused():
+    ensure_daemons((1, 2))
+    run_ok(1, "(setsid sleep 300 > /dev/null 2>&1 < /dev/null &)")
+    pid = pid_of(1, "sleep 300")
+    try:
+        r, _ = ctl(1, f"migrate {pid} --to {ip(2)}", 120)
+        check(r.rc == 1, "migrating a process without the shim did not fail", r)
+        check("not under the rdmavirt shim" in r.err + r.out, "unclear error", r)
+        check(LAB.run(1, f"kill -0 {pid}").rc == 0, "the process was harmed")
+    finally:
+        LAB.run(1, f"kill {pid}")
+
+
+@lab_test
+def an_unreachable_destination_is_refused_before_anything_is_quiesced():
+    ensure_daemons((1, 2))
+    qpid, ppid = start_pair("unreach", 600, server=2, client=1)
+    try:
+        r, _ = ctl(1, f"migrate {ppid} --to 10.77.0.9", 180)
+        check(r.rc == 1, "migrating to an unreachable host did not fail", r)
+        check("10.77.0.9" in r.err + r.out, "the error does not name the destination", r)
+        r, data = ctl(1, "ps")
+        check(r.rc == 0 and data is not None, "ps", r)
+        text = json.dumps(data)
+        check('"suspended": true' not in text, "something was left quiesced", r)
+        p, q = wait_reports("unreach", 600)
+        check(p["ok"] and q["ok"], "the workload did not end cleanly", p, q)
+    finally:
+        LAB.run(1, f"kill {ppid}")
+        LAB.run(2, f"kill {qpid}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -7,7 +7,13 @@
 // driver's log directory; every error carries the tail of that log.
 //
 // Thread-compatible: one call at a time per object. Distinct objects may
-// be used from distinct threads.
+// be used from distinct threads (libcriu keeps the errno CRIU answers with
+// in one global, so concurrent failures may be classified from the log
+// text alone).
+//
+// Restore trusts its images: CRIU 3.17's restorer spins forever on a
+// truncated pages file. Check a directory with VerifyImages (image_dir.h)
+// before restoring from it.
 //
 // The caller must not reap children it did not start: libcriu forks
 // `criu swrk` and waits for it with waitpid() (a SIGCHLD handler that

@@ -8,6 +8,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 
 from labtest import BUILD, LAB, Failure, check, lab_test, main, run_ok, wait_until
 
@@ -50,7 +51,9 @@ def install_probe():
 
 def probe(host, args, timeout=300, ok=True):
     """Runs the probe on a host; returns its JSON result."""
+    t0 = time.monotonic()
     r = LAB.run(host, f"{PROBE} --log-dir /tmp/criu-logs {args}", timeout)
+    print(f"  host{host}: probe {args.split()[0]}: {time.monotonic() - t0:.1f}s", flush=True)
     try:
         out = json.loads(r.out.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -102,10 +105,12 @@ def criu_precopy_moves_a_process_without_shared_images():
     install_probe()
     work = "/lab/criu/move"
     open(os.path.join(LAB.shared, "criu", "counter.py"), "w").write(COUNTER)
+    t0 = time.monotonic()
     pid = start(1, work, f"python3 /lab/criu/counter.py {work}")
     try:
         wait_until(1, f"[ \"$(cat {work}/count 2>/dev/null)\" -ge 3 ] 2>/dev/null", 120,
                    "counter running")
+        print(f"  host1: counter started: {time.monotonic() - t0:.1f}s", flush=True)
         run_ok(1, "rm -rf /tmp/criu-move")
         img = "/tmp/criu-move"
         pre1 = probe(1, f"predump {pid} {img}/pre-1")
@@ -135,11 +140,15 @@ def criu_precopy_moves_a_process_without_shared_images():
                 copies.append(f"mkdir -p {shlex.quote(os.path.dirname(dst))} && dd "
                               f"if={shlex.quote(f'{img}/{d}/{name}')} of={shlex.quote(dst)} "
                               "bs=4M status=none")
+        t0 = time.monotonic()
         run_ok(1, " && ".join(copies), 300)
+        print(f"  host1: images to the share: {time.monotonic() - t0:.1f}s", flush=True)
 
         # Destination: its own copy, verified, restored.
+        t0 = time.monotonic()
         run_ok(2, f"rm -rf {img} && mkdir -p {img} && cp -r {xfer}/. {img}/ && "
                   f"! test -e {img}/final/parent", 300)
+        print(f"  host2: images from the share: {time.monotonic() - t0:.1f}s", flush=True)
         for d in ("pre-1", "pre-2", "final"):
             probe(2, f"verify {img}/{d}")
         before = count(work)

@@ -262,7 +262,15 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   for (uint32_t k = 1; k <= std::min(max_iter, kMaxPreDumpIterations); ++k) {
     const std::string dir = absl::StrCat(m->dir, "/pre-", k);
     absl::StatusOr<DumpStats> d = criu_->PreDump(pid, dir, parent);
-    if (!d.ok()) return Annotate(d.status(), absl::StrCat("pre-dump ", k));
+    if (!d.ok()) {
+      // CRIU 3.17 cannot pre-dump a process while the HCA's pages are
+      // mapped into it ("Can't handle non-regular mapping"): pre-copy is
+      // an optimization, so the final dump, after the release, does it all.
+      Log("migration %s: pre-dump %d failed, continuing without pre-copy: %s", id, k,
+          d.status().ToString());
+      SetPhase(m, "precopy", "skipped: CRIU cannot pre-dump a process with the device mapped");
+      break;
+    }
     absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(dir);
     if (!files.ok()) return files.status();
     const v1::Manifest manifest = MakeManifest(id, m->rec.endpoint(), *files, options_.host_name);

@@ -1,7 +1,8 @@
 """CRIU through the migrator's driver (migrator/criu_driver.h) and image
 directories (migrator/image_dir.h), driven by rdmavirt-criu-probe in the lab:
 pre-copy iterations and a move to a host that shares no image directory,
-tampered images refused, a dump that leaves the process running."""
+tampered images refused, a dump that leaves the process running, file
+locks dumped and taken again."""
 
 import json
 import os
@@ -235,6 +236,54 @@ def criu_dump_can_leave_the_process_running():
     finally:
         LAB.run(1, f"kill {pid}")
         LAB.run(1, "rm -rf /tmp/criu-leave")
+
+
+# Holds an flock on the lab share and a POSIX lock on a local file, as
+# daemons do with their pid files and databases.
+LOCKER = r"""
+import fcntl, os, sys, time
+d = sys.argv[1]
+a = open(os.path.join(d, "lockfile"), "a")
+fcntl.flock(a, fcntl.LOCK_EX)
+b = open("/tmp/criu-locker", "a")
+fcntl.lockf(b, fcntl.LOCK_EX)
+n = 0
+while True:
+    with open(os.path.join(d, "count.tmp"), "w") as f:
+        f.write(str(n))
+    os.rename(os.path.join(d, "count.tmp"), os.path.join(d, "count"))
+    n += 1
+    time.sleep(0.2)
+"""
+
+
+@lab_test
+def criu_dumps_and_restores_file_locks():
+    install_probe()
+    work = "/lab/criu/locks"
+    open(os.path.join(LAB.shared, "criu", "locker.py"), "w").write(LOCKER)
+    pid = start(1, work, f"python3 /lab/criu/locker.py {work}")
+    img = "/tmp/criu-locks/img"
+    try:
+        wait_until(1, f"[ \"$(cat {work}/count 2>/dev/null)\" -ge 3 ] 2>/dev/null", 120,
+                   "locker running")
+
+        def locks():
+            return [ln for ln in run_ok(1, "cat /proc/locks").out.splitlines()
+                    if f" {pid} " in ln]
+
+        check(len(locks()) == 2, "the locker does not hold its two locks", locks())
+        run_ok(1, "rm -rf /tmp/criu-locks")
+        probe(1, f"dump {pid} {img}")
+        check(not locks(), "locks still held after the dump")
+        probe(1, f"restore {img}")
+        check(len(locks()) == 2, "locks not held again after the restore", locks())
+        n = count(work)
+        wait_until(1, f"[ \"$(cat {work}/count)\" -ge {n + 5} ]", 60,
+                   "locker advancing after restore")
+    finally:
+        LAB.run(1, f"kill {pid}")
+        LAB.run(1, "rm -rf /tmp/criu-locks /tmp/criu-locker")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,7 @@ grpc::Status OperatorService::GetHostInfo(grpc::ServerContext*, const v1::HostIn
   return grpc::Status::OK;
 }
 
-grpc::Status OperatorService::ListEndpoints(grpc::ServerContext*,
-                                            const v1::ListEndpointsRequest*,
+grpc::Status OperatorService::ListEndpoints(grpc::ServerContext*, const v1::ListEndpointsRequest*,
                                             v1::ListEndpointsResponse* out) {
   *out = m_->ListEndpoints();
   return grpc::Status::OK;
@@ -41,8 +40,7 @@ grpc::Status OperatorService::Migrate(grpc::ServerContext*, const v1::MigrateReq
   return ToGrpc(m_->Migrate(*request, Sink(writer)));
 }
 
-grpc::Status OperatorService::Checkpoint(grpc::ServerContext*,
-                                         const v1::CheckpointRequest* request,
+grpc::Status OperatorService::Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest* request,
                                          grpc::ServerWriter<v1::Progress>* writer) {
   return ToGrpc(m_->Checkpoint(*request, Sink(writer)));
 }

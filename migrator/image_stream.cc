@@ -25,9 +25,8 @@ std::string StreamSubdir(bool pre_dump, uint32_t iteration) {
 
 absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
                                     const std::string& migration_id, const std::string& dir,
-                                    const v1::Manifest& manifest, bool pre_dump,
-                                    uint32_t iteration, absl::Duration timeout,
-                                    const BytesProgress& progress) {
+                                    const v1::Manifest& manifest, bool pre_dump, uint32_t iteration,
+                                    absl::Duration timeout, const BytesProgress& progress) {
   uint64_t total = 0;
   for (const v1::ImageFile& f : manifest.files()) total += f.size();
   grpc::ClientContext ctx;
@@ -113,7 +112,8 @@ absl::Status ImageReceiver::Open(const std::string& name) {
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
   if (ec) return absl::UnavailableError(absl::StrCat("creating the directory of ", path));
   fd_ = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd_ < 0) return absl::UnavailableError(absl::StrCat("creating ", path, ": ", strerror(errno)));
+  if (fd_ < 0)
+    return absl::UnavailableError(absl::StrCat("creating ", path, ": ", strerror(errno)));
   current_ = name;
   return absl::OkStatus();
 }
@@ -125,14 +125,13 @@ absl::Status ImageReceiver::Add(const v1::ImageChunk& c) {
     return absl::InvalidArgumentError(absl::StrCat("\"", c.name(), "\" is not in the manifest"));
   auto [w, fresh] = written_.emplace(c.name(), 0);
   if (c.offset() != w->second)
-    return absl::InvalidArgumentError(absl::StrCat(c.name(), ": piece at offset ", c.offset(),
-                                                   ", expected ", w->second));
+    return absl::InvalidArgumentError(
+        absl::StrCat(c.name(), ": piece at offset ", c.offset(), ", expected ", w->second));
   if (w->second + c.data().size() > it->second)
     return absl::InvalidArgumentError(
         absl::StrCat(c.name(), ": more than the manifest's ", it->second, " bytes"));
   if (fresh || current_ != c.name()) {
-    if (!fresh)
-      return absl::InvalidArgumentError(absl::StrCat(c.name(), ": pieces out of order"));
+    if (!fresh) return absl::InvalidArgumentError(absl::StrCat(c.name(), ": pieces out of order"));
     if (absl::Status st = Open(c.name()); !st.ok()) return st;
   }
   const std::string& d = c.data();
@@ -140,7 +139,8 @@ absl::Status ImageReceiver::Add(const v1::ImageChunk& c) {
   while (done < d.size()) {
     const ssize_t n = write(fd_, d.data() + done, d.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return absl::UnavailableError(absl::StrCat("writing ", c.name(), ": ", strerror(errno)));
+    if (n < 0)
+      return absl::UnavailableError(absl::StrCat("writing ", c.name(), ": ", strerror(errno)));
     done += static_cast<size_t>(n);
   }
   w->second += d.size();

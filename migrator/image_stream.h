@@ -36,9 +36,8 @@ using BytesProgress = std::function<void(uint64_t done, uint64_t total)>;
 // the stream; the destination's own code when it refuses.
 absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
                                     const std::string& migration_id, const std::string& dir,
-                                    const v1::Manifest& manifest, bool pre_dump,
-                                    uint32_t iteration, absl::Duration timeout,
-                                    const BytesProgress& progress);
+                                    const v1::Manifest& manifest, bool pre_dump, uint32_t iteration,
+                                    absl::Duration timeout, const BytesProgress& progress);
 
 // The receiving end of one PushImages stream. Not thread-safe: one stream.
 class ImageReceiver {

@@ -38,8 +38,7 @@ std::string Migrator::IncomingDir(const std::string& id) const {
 void Migrator::PersistIncoming(Incoming* in) {
   in->mu.AssertHeld();
   if (absl::Status st = WriteRecord(in->dir, in->rec); !st.ok())
-    Log("incoming %s: cannot write its record: %s", in->rec.report().migration_id(),
-        st.ToString());
+    Log("incoming %s: cannot write its record: %s", in->rec.report().migration_id(), st.ToString());
 }
 
 absl::Status Migrator::CheckCanHost() {
@@ -61,8 +60,8 @@ absl::StatusOr<v1::PrepareResponse> Migrator::Prepare(const v1::PrepareRequest& 
   in->dir = IncomingDir(request.migration_id());
   std::error_code ec;
   if (std::filesystem::exists(in->dir, ec))
-    return absl::AlreadyExistsError(absl::StrCat("migration ", request.migration_id(),
-                                                 " was prepared here already"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("migration ", request.migration_id(), " was prepared here already"));
   {
     absl::MutexLock lock(&in->mu);
     v1::MigrationReport* r = in->rec.mutable_report();
@@ -107,8 +106,8 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
     return absl::FailedPreconditionError(
         absl::StrCat("migration ", first.migration_id(), " is ", in->rec.phase()));
   if (first.pre_dump() && first.iteration() != in->last_iteration + 1)
-    return absl::InvalidArgumentError(absl::StrCat("pre-dump iteration ", first.iteration(),
-                                                   " after ", in->last_iteration));
+    return absl::InvalidArgumentError(
+        absl::StrCat("pre-dump iteration ", first.iteration(), " after ", in->last_iteration));
   ImageReceiver rx(in->dir);
   if (absl::Status st = rx.Begin(first); !st.ok()) return st;
   v1::ImageChunk c;
@@ -146,8 +145,8 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir,
     // No half-made process stays behind.
     if (absl::Status st = procs_->Kill(*pid); !st.ok())
       Log("restore: killing process %d: %s", *pid, st.ToString());
-    return Annotate(e.status(), absl::StrCat("bringing back the endpoint of restored process ",
-                                             *pid));
+    return Annotate(e.status(),
+                    absl::StrCat("bringing back the endpoint of restored process ", *pid));
   }
   out->set_rdma_restore_us(MicrosSince(r0));
   out->set_pid(*pid);
@@ -254,8 +253,8 @@ absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {
     }
   }
   if (pid == 0)
-    return absl::NotFoundError(absl::StrCat("no endpoint ", request.migration_id(),
-                                            " to resume on ", options_.host_name));
+    return absl::NotFoundError(
+        absl::StrCat("no endpoint ", request.migration_id(), " to resume on ", options_.host_name));
   v1::MigratorToShim res;
   res.mutable_resume();
   absl::StatusOr<v1::Reply> r = Command(pid, res, options_.rpc_timeout, "resume");

@@ -4,9 +4,8 @@
 #ifndef RDMAVIRT_MIGRATOR_LOG_H_
 #define RDMAVIRT_MIGRATOR_LOG_H_
 
-#include "absl/strings/string_view.h"
-
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 
 namespace rdmavirt::migrator {
 

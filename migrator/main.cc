@@ -63,15 +63,20 @@ int ParseFlags(int argc, char** argv, Flags* f) {
       fprintf(stderr, "rdmavirt-migratord: %s needs a value\n%s", a.c_str(), kUsage);
       return 2;
     }
-    if (name == "--listen") f->listen = value;
-    else if (name == "--socket") f->socket = value;
-    else if (name == "--state-dir") f->state_dir = value;
-    else if (name == "--tls-dir") f->tls_dir = value;
-    else if (name == "--criu-log-dir") f->criu_log_dir = value;
-    else if (name == "--host-name") f->host_name = value;
+    if (name == "--listen")
+      f->listen = value;
+    else if (name == "--socket")
+      f->socket = value;
+    else if (name == "--state-dir")
+      f->state_dir = value;
+    else if (name == "--tls-dir")
+      f->tls_dir = value;
+    else if (name == "--criu-log-dir")
+      f->criu_log_dir = value;
+    else if (name == "--host-name")
+      f->host_name = value;
     else if (name == "--max-precopy") {
-      if (!absl::SimpleAtoi(value, &f->max_precopy) || f->max_precopy == 0 ||
-          f->max_precopy > 64) {
+      if (!absl::SimpleAtoi(value, &f->max_precopy) || f->max_precopy == 0 || f->max_precopy > 64) {
         fprintf(stderr, "rdmavirt-migratord: --max-precopy takes 1..64\n");
         return 2;
       }
@@ -89,7 +94,8 @@ int Run(int argc, char** argv) {
   if (int rc = ParseFlags(argc, argv, &flags); rc != 0) return rc < 0 ? 0 : rc;
   absl::StatusOr<HostPort> listen = ParseHostPort(flags.listen);
   if (!listen.ok()) {
-    fprintf(stderr, "rdmavirt-migratord: --listen: %s\n", std::string(listen.status().message()).c_str());
+    fprintf(stderr, "rdmavirt-migratord: --listen: %s\n",
+            std::string(listen.status().message()).c_str());
     return 2;
   }
   absl::StatusOr<TlsFiles> tls = LoadTls(flags.tls_dir, "host.pem", "host.key");

@@ -54,8 +54,7 @@ absl::Status FromGrpc(const grpc::Status& st, absl::string_view context) {
                       absl::StrCat(context, ": ", st.error_message()));
 }
 
-Migrator::Migrator(Options options, ShimChannel* shims, Checkpointer* criu,
-                   ProcessControl* procs)
+Migrator::Migrator(Options options, ShimChannel* shims, Checkpointer* criu, ProcessControl* procs)
     : options_(WithDefaults(std::move(options))), shims_(shims), criu_(criu), procs_(procs) {
   std::error_code ec;
   std::filesystem::create_directories(options_.state_dir + "/migrations", ec);
@@ -64,9 +63,8 @@ Migrator::Migrator(Options options, ShimChannel* shims, Checkpointer* criu,
   std::vector<v1::MigrationReport> old;
   for (auto& [dir, rec] : ListRecords(options_.state_dir + "/migrations"))
     if (rec.done()) old.push_back(rec.report());
-  std::sort(old.begin(), old.end(), [](const auto& a, const auto& b) {
-    return a.started_at() > b.started_at();
-  });
+  std::sort(old.begin(), old.end(),
+            [](const auto& a, const auto& b) { return a.started_at() > b.started_at(); });
   absl::MutexLock lock(&mu_);
   for (auto& r : old) {
     if (recent_.size() >= kRecentReports) break;
@@ -144,7 +142,8 @@ absl::Status Migrator::CheckShim(pid_t pid) {
   if (!procs_->Exists(pid))
     return absl::NotFoundError(absl::StrCat("no process ", pid, " on ", options_.host_name));
   return absl::FailedPreconditionError(
-      absl::StrCat("process ", pid, " is not under the rdmavirt shim (it was not started with "
+      absl::StrCat("process ", pid,
+                   " is not under the rdmavirt shim (it was not started with "
                    "LD_PRELOAD=librdmavirt.so while this migrator ran, or it has not opened an "
                    "RDMA device)"));
 }
@@ -165,8 +164,8 @@ absl::StatusOr<v1::EndpointSummary> Migrator::BringBack(pid_t pid, const std::st
 }
 
 std::vector<std::pair<pid_t, bool>> Migrator::LocalPeersOf(const std::string& vgid,
-                                                            const std::set<uint32_t>& qpns,
-                                                            bool with_ud, pid_t exclude) {
+                                                           const std::set<uint32_t>& qpns,
+                                                           bool with_ud, pid_t exclude) {
   std::vector<std::pair<pid_t, bool>> out;  // pid, suspended
   for (const ShimInfo& s : shims_->Connected()) {
     if (s.pid == exclude || s.phase != v1::ENDPOINT_PHASE_RUNNING) continue;
@@ -227,8 +226,8 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
   if (request.virtual_gid().size() != 16)
     return absl::InvalidArgumentError("virtual_gid must be 16 bytes");
   const std::set<uint32_t> qpns(request.virtual_qpns().begin(), request.virtual_qpns().end());
-  const uint32_t drain = request.drain_timeout_ms() ? request.drain_timeout_ms()
-                                                    : options_.drain_timeout_ms;
+  const uint32_t drain =
+      request.drain_timeout_ms() ? request.drain_timeout_ms() : options_.drain_timeout_ms;
   v1::QuiescePeersResponse out;
   for (const auto& [pid, suspended] :
        LocalPeersOf(request.virtual_gid(), qpns, /*with_ud=*/true, /*exclude=*/0)) {
@@ -252,8 +251,7 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
 absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
     const v1::ReconnectPeersRequest& request) {
   const v1::Mapping& m = request.mapping();
-  if (m.virtual_gid().size() != 16 ||
-      (!request.resume_only() && m.physical_gid().size() != 16))
+  if (m.virtual_gid().size() != 16 || (!request.resume_only() && m.physical_gid().size() != 16))
     return absl::InvalidArgumentError("a mapping needs its GIDs, 16 bytes each");
   std::set<pid_t> quiesced;
   {

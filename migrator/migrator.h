@@ -131,8 +131,8 @@ class Migrator {
   // QP toward `vgid`: connected to one of `qpns` (any QPN if empty), or UD
   // when `with_ud`.
   std::vector<std::pair<pid_t, bool>> LocalPeersOf(const std::string& vgid,
-                                                    const std::set<uint32_t>& qpns,
-                                                    bool with_ud, pid_t exclude);
+                                                   const std::set<uint32_t>& qpns, bool with_ud,
+                                                   pid_t exclude);
   std::string FirstActiveDeviceName();
 
   // ---- source side (outgoing.cc)
@@ -189,8 +189,8 @@ class Migrator {
 };
 
 // "migrate" phases in order, for reports and tests.
-inline constexpr const char* kPhases[] = {"prepare", "precopy",  "quiesce",   "release",
-                                          "dump",    "transfer", "restore",   "reconnect",
+inline constexpr const char* kPhases[] = {"prepare", "precopy",  "quiesce", "release",
+                                          "dump",    "transfer", "restore", "reconnect",
                                           "cleanup", "rollback", "done"};
 
 }  // namespace rdmavirt::migrator

@@ -73,8 +73,7 @@ std::unique_ptr<Migrator::Move> Migrator::NewMove(const std::string& kind, pid_t
 
 void Migrator::Persist(Move* m) {
   if (absl::Status st = WriteRecord(m->dir, m->rec); !st.ok())
-    Log("migration %s: cannot write its record: %s", m->rec.report().migration_id(),
-        st.ToString());
+    Log("migration %s: cannot write its record: %s", m->rec.report().migration_id(), st.ToString());
   absl::MutexLock lock(&mu_);
   if (!m->rec.done()) in_flight_[m->rec.report().migration_id()] = m->rec.report();
 }
@@ -82,8 +81,8 @@ void Migrator::Persist(Move* m) {
 void Migrator::SetPhase(Move* m, const std::string& phase, const std::string& detail) {
   m->rec.set_phase(phase);
   Persist(m);
-  Log("migration %s (%s of pid %d): %s%s%s", m->rec.report().migration_id(),
-      m->rec.report().kind(), m->rec.report().pid(), phase, detail.empty() ? "" : ": ", detail);
+  Log("migration %s (%s of pid %d): %s%s%s", m->rec.report().migration_id(), m->rec.report().kind(),
+      m->rec.report().pid(), phase, detail.empty() ? "" : ": ", detail);
   if (m->sink) {
     v1::Progress p;
     p.set_phase(phase);
@@ -193,9 +192,8 @@ absl::Status Migrator::QuiesceAndRelease(Move* m, v1::EndpointSummary* released)
   Persist(m);
   v1::MigratorToShim req;
   req.mutable_quiesce()->set_drain_timeout_ms(options_.drain_timeout_ms);
-  absl::StatusOr<v1::Reply> qr =
-      Command(pid, req, absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout,
-              "quiesce");
+  absl::StatusOr<v1::Reply> qr = Command(
+      pid, req, absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout, "quiesce");
   if (!qr.ok()) return qr.status();
   b->set_drain_us(qr->elapsed_us());
   b->set_quiesce_us(MicrosSince(q0));
@@ -276,9 +274,11 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
     const v1::Manifest manifest = MakeManifest(id, m->rec.endpoint(), *files, options_.host_name);
     SetPhase(m, "precopy", absl::StrCat("iteration ", k, ": ", SumSizes(*files), " bytes"));
     const uint64_t before = r->bytes_moved();
-    absl::StatusOr<uint64_t> sent = SendImages(
-        dest, id, dir, manifest, true, k, options_.transfer_timeout,
-        [&](uint64_t done, uint64_t total) { SendBytes(m, "precopy", before + done, before + total); });
+    absl::StatusOr<uint64_t> sent =
+        SendImages(dest, id, dir, manifest, true, k, options_.transfer_timeout,
+                   [&](uint64_t done, uint64_t total) {
+                     SendBytes(m, "precopy", before + done, before + total);
+                   });
     if (!sent.ok()) return Annotate(sent.status(), absl::StrCat("sending pre-dump ", k));
     r->set_bytes_moved(r->bytes_moved() + *sent);
     r->set_precopy_iterations(k);
@@ -310,9 +310,11 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   SetPhase(m, "transfer", absl::StrCat(SumSizes(*files), " bytes"));
   const absl::Time t0 = absl::Now();
   const uint64_t before = r->bytes_moved();
-  absl::StatusOr<uint64_t> sent = SendImages(
-      dest, id, final_dir, manifest, false, 0, options_.transfer_timeout,
-      [&](uint64_t done, uint64_t total) { SendBytes(m, "transfer", before + done, before + total); });
+  absl::StatusOr<uint64_t> sent =
+      SendImages(dest, id, final_dir, manifest, false, 0, options_.transfer_timeout,
+                 [&](uint64_t done, uint64_t total) {
+                   SendBytes(m, "transfer", before + done, before + total);
+                 });
   if (!sent.ok()) return Annotate(sent.status(), "sending the final dump");
   r->set_bytes_moved(r->bytes_moved() + *sent);
   b->set_transfer_us(MicrosSince(t0));
@@ -363,8 +365,7 @@ void Migrator::CompleteForward(Move* m) {
     if (e.is_directory()) std::filesystem::remove_all(e.path(), ec);
   absl::Status st = peers;
   if (!resumed.ok()) st = resumed.status();
-  if (!st.ok())
-    r->set_error(absl::StrCat("the endpoint moved, but: ", st.message()));
+  if (!st.ok()) r->set_error(absl::StrCat("the endpoint moved, but: ", st.message()));
   Finish(m, st);
 }
 
@@ -470,7 +471,9 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   v1::Transfer::StubInterface* stub = Stub(m.get(), target);
   absl::StatusOr<v1::PrepareResponse> ready = Rpc<v1::PrepareResponse>(
       std::min(options_.rpc_timeout, absl::Seconds(15)), absl::StrCat("destination ", target),
-      [&](grpc::ClientContext* c, v1::PrepareResponse* out) { return stub->Prepare(c, prep, out); });
+      [&](grpc::ClientContext* c, v1::PrepareResponse* out) {
+        return stub->Prepare(c, prep, out);
+      });
   if (!ready.ok()) {
     absl::Status st = ready.status();
     if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st))
@@ -541,7 +544,8 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
     if (!dump.ok()) st = Annotate(dump.status(), "dump");
     if (st.ok()) {
       absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(request.dir());
-      if (!files.ok()) st = files.status();
+      if (!files.ok())
+        st = files.status();
       else {
         st = WriteManifest(request.dir(),
                            MakeManifest(r->migration_id(), released, *files, options_.host_name));
@@ -607,12 +611,11 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   // Nothing is created before the images are known to be whole.
   absl::StatusOr<v1::Manifest> manifest = ReadManifest(request.dir());
   if (!manifest.ok())
-    return absl::DataLossError(absl::StrCat("checkpoint ", request.dir(),
-                                            " has no readable manifest: ",
-                                            manifest.status().message()));
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint ", request.dir(), " has no readable manifest: ", manifest.status().message()));
   if (absl::Status st = VerifyImages(request.dir(), *manifest); !st.ok())
-    return absl::DataLossError(absl::StrCat("checkpoint ", request.dir(),
-                                            " is corrupted or incomplete: ", st.message()));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", request.dir(), " is corrupted or incomplete: ", st.message()));
   std::unique_ptr<Move> m = NewMove("restore", manifest->endpoint().pid(), sink);
   v1::MigrationReport* r = m->rec.mutable_report();
   v1::Breakdown* b = r->mutable_breakdown();
@@ -628,7 +631,8 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   for (const v1::QpSummary& q : manifest->endpoint().qps()) {
     if (q.remote_physical_gid().empty()) continue;
     const std::string t = PeerTarget(q.remote_physical_gid());
-    if (t.empty()) m->rec.set_local_peers(true);
+    if (t.empty())
+      m->rec.set_local_peers(true);
     else if (std::find(m->rec.peer_hosts().begin(), m->rec.peer_hosts().end(), t) ==
              m->rec.peer_hosts().end())
       m->rec.add_peer_hosts(t);
@@ -645,11 +649,11 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
     v1::PrepareRequest prep;
     prep.set_migration_id(r->migration_id());
     *prep.mutable_endpoint() = manifest->endpoint();
-    absl::StatusOr<v1::PrepareResponse> ready = Rpc<v1::PrepareResponse>(
-        absl::Seconds(15), absl::StrCat("destination ", target),
-        [&](grpc::ClientContext* c, v1::PrepareResponse* out) {
-          return stub->Prepare(c, prep, out);
-        });
+    absl::StatusOr<v1::PrepareResponse> ready =
+        Rpc<v1::PrepareResponse>(absl::Seconds(15), absl::StrCat("destination ", target),
+                                 [&](grpc::ClientContext* c, v1::PrepareResponse* out) {
+                                   return stub->Prepare(c, prep, out);
+                                 });
     absl::Status st = ready.status();
     if (st.ok()) {
       m->prepared = true;

@@ -70,8 +70,8 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
         },
         {}, &out);
     if (!back.ok()) {
-      r->set_error(absl::StrCat(cause.message(), "; restoring the final dump failed: ",
-                                back.status().message()));
+      r->set_error(absl::StrCat(cause.message(),
+                                "; restoring the final dump failed: ", back.status().message()));
       Finish(&m, cause);
     } else {
       r->set_pid(*back);

@@ -138,6 +138,13 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir,
   absl::StatusOr<pid_t> pid = criu_->Restore(dir);
   if (!pid.ok()) return Annotate(pid.status(), "CRIU restore");
   restored(*pid);
+  // A live move dumps its process stopped, and CRIU restores it so; a
+  // checkpoint's process was running. Either way it runs from here on.
+  if (absl::Status st = procs_->Continue(*pid); !st.ok()) {
+    if (absl::Status k = procs_->Kill(*pid); !k.ok())
+      Log("restore: killing process %d: %s", *pid, k.ToString());
+    return Annotate(st, absl::StrCat("continuing restored process ", *pid));
+  }
   out->set_criu_restore_us(MicrosSince(c0));
   const absl::Time r0 = absl::Now();
   absl::StatusOr<v1::EndpointSummary> e = BringBack(*pid, FirstActiveDeviceName(), peers);

@@ -294,12 +294,17 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   const absl::Time d0 = absl::Now();
   const std::string final_dir = m->dir + "/final";
   m->rec.set_image_dir(final_dir);
-  absl::StatusOr<DumpStats> dump = criu_->Dump(pid, final_dir, parent, /*leave_running=*/true);
-  if (!dump.ok()) return Annotate(dump.status(), "final dump");
-  // Stopped, not killed: a rollback needs no CRIU restore.
+  // Stopped before the dump, so that nothing it does after (its output to a
+  // file, most often) makes the image disagree with the files CRIU will find
+  // at restore; stopped, not killed, so that a rollback needs no CRIU
+  // restore. CRIU restores a stopped task stopped; the destination resumes
+  // it (RestoreFromDir).
   absl::Status stopped = procs_->Stop(pid);
   m->rec.set_stopped(stopped.ok());
+  Persist(m);
   if (!stopped.ok()) return stopped;
+  absl::StatusOr<DumpStats> dump = criu_->Dump(pid, final_dir, parent, /*leave_running=*/true);
+  if (!dump.ok()) return Annotate(dump.status(), "final dump");
   absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(final_dir);
   if (!files.ok()) return files.status();
   const v1::Manifest manifest = MakeManifest(id, released, *files, options_.host_name);

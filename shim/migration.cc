@@ -27,6 +27,19 @@ uint64_t NowUs() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000u + static_cast<uint64_t>(ts.tv_nsec) / 1000u;
 }
 
+const char* QpStateName(int state) {
+  switch (state) {
+    case IBV_QPS_RESET: return "RESET";
+    case IBV_QPS_INIT: return "INIT";
+    case IBV_QPS_RTR: return "RTR";
+    case IBV_QPS_RTS: return "RTS";
+    case IBV_QPS_SQD: return "SQD";
+    case IBV_QPS_SQE: return "SQE";
+    case IBV_QPS_ERR: return "ERR";
+    default: return "unknown";
+  }
+}
+
 std::string Errno(const char* what, int err) {
   std::string s = what;
   s += ": ";
@@ -156,17 +169,32 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends) {
     }
     uint64_t in_flight = 0;
     unsignaled_tail = false;
+    std::string which;
+    const bool late = NowUs() > deadline;
     for (const Qp* qp : qps) {
       const uint64_t posted = qp->signaled_posted.load();
       const uint64_t done = qp->sends_done.load();
-      if (posted > done) in_flight += posted - done;
       unsignaled_tail |= qp->unsignaled_tail.load();
+      if (posted <= done) continue;
+      // A QP in the error state completes nothing more with success (its
+      // sends are flushed, in error, which is not counted as done): there
+      // is nothing to wait for on it.
+      if (RealQpState(qp) == IBV_QPS_ERR) continue;
+      in_flight += posted - done;
+      if (late) {
+        char buf[160];
+        snprintf(buf, sizeof(buf), "%sQP 0x%x: %llu of %llu in flight, state %s",
+                 which.empty() ? "" : "; ", qp->shadow.qp_base.qp_num,
+                 static_cast<unsigned long long>(posted - done),
+                 static_cast<unsigned long long>(posted), QpStateName(RealQpState(qp)));
+        which += buf;
+      }
     }
     if (in_flight == 0) break;
-    if (NowUs() > deadline) {
+    if (late) {
       return Error(Code::kDeadlineExceeded,
                    std::to_string(in_flight) + " signaled send(s) still in flight after " +
-                       std::to_string(drain_timeout_ms) + " ms");
+                       std::to_string(drain_timeout_ms) + " ms (" + which + ")");
     }
     usleep(200);
   }
@@ -248,6 +276,14 @@ Status Shim::ReleaseNow() {
   // reopen the device on an application thread; see OnAppThread.
   app_thread_steps_.store(true);
   return {};
+}
+
+int Shim::RealQpState(const Qp* qp) {
+  if (qp->real == nullptr) return -1;
+  ibv_qp_attr attr{};
+  ibv_qp_init_attr init{};
+  if (backend_->QueryQp(qp->real, &attr, IBV_QP_STATE, &init) != 0) return -1;
+  return attr.qp_state;
 }
 
 int Shim::ReplayTransitions(Qp* qp) {

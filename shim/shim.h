@@ -197,6 +197,7 @@ class Shim {
   Status RecreateReal(const std::string& device);  // requires mu_
   Status Reconnect(Qp* qp);                        // requires mu_
   int ReplayTransitions(Qp* qp);                   // requires mu_
+  int RealQpState(const Qp* qp);                   // the HCA's, or -1
 
   VerbsBackend* const backend_;
   const IdentityMode mode_;

@@ -212,6 +212,21 @@ TEST_F(MigrationTest, CompletionsFoundByTheDrainWaitInTheShadowCq) {
   EXPECT_TRUE(Drain(pdev_->cq).empty());
 }
 
+TEST_F(MigrationTest, AQpInTheErrorStateDoesNotHoldUpTheDrain) {
+  Connect();
+  // Q is not ready for it: RNR, retries exhausted, P's QP in error.
+  ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "x"), 0);
+  ASSERT_EQ(Send(pqp_, 2, pbuf_ + 2048, pmr_, "y"), 0);
+  uint32_t drained = 0;
+  const Status st = p_.Quiesce(1000, &drained);
+  ASSERT_TRUE(st.ok()) << st.message;
+  ASSERT_TRUE(p_.Resume().ok());
+  const std::vector<ibv_wc> wcs = Drain(pdev_->cq);
+  ASSERT_EQ(wcs.size(), 2u) << "the application still sees both";
+  EXPECT_EQ(wcs[0].status, IBV_WC_RNR_RETRY_EXC_ERR);
+  EXPECT_EQ(wcs[1].status, IBV_WC_WR_FLUSH_ERR);
+}
+
 TEST_F(MigrationTest, UdDatagramsReachAMovedQpThroughTheSameAddressHandle) {
   ibv_qp* pud = pdev_->Qp(IBV_QPT_UD);
   ibv_qp* qud = qdev_->Qp(IBV_QPT_UD);

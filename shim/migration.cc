@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -58,6 +59,26 @@ std::vector<QueuedRecv> Copy(const std::vector<const RecvLog::Entry*>& entries) 
   for (const RecvLog::Entry* e : entries)
     out.push_back({e->wr_id, std::vector<ibv_sge>(e->sge, e->sge + e->num_sge)});
   return out;
+}
+
+// Takes out the receives still posted to a queue, oldest first, to be
+// posted again: counted as done (Repost logs them anew) and no longer
+// looked up by the completion path in their old records.
+std::vector<QueuedRecv> TakeOutstanding(RecvLog* log, std::atomic<uint64_t>* done) {
+  std::vector<QueuedRecv> out = Copy(log->Recent(Outstanding(*log, *done)));
+  done->fetch_add(out.size());
+  log->ConsumeAll();
+  return out;
+}
+
+// Receives of `taken` that completed after all (a completion still on its
+// way when they were taken out): not to be posted again.
+void DropCompleted(std::vector<QueuedRecv>* taken, std::atomic<uint64_t>* done,
+                   uint64_t done_when_taken) {
+  const uint64_t late = done->load() - done_when_taken;
+  const size_t n = std::min<uint64_t>(late, taken->size());
+  taken->erase(taken->begin(), taken->begin() + static_cast<std::ptrdiff_t>(n));
+  done->fetch_sub(n);
 }
 
 // Posts `recvs` through `post` as one chain; they were counted as done
@@ -257,19 +278,28 @@ Status Shim::ReleaseNow() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!paused_) return Error(Code::kFailedPrecondition, "release needs a quiesced endpoint");
   if (released_) return {};
-  // What arrived since the drain, then which receives are still posted.
+  // Every QP to the error state, so that nothing completes after the
+  // count (its flushes are the shim's, dropped); then what arrived since
+  // the drain; then which receives are still posted.
+  const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
+  for (Qp* qp : qps) {
+    if (qp->real == nullptr) continue;
+    qp->flushing = true;
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_ERR;
+    if (const int rc = backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE); rc != 0) {
+      for (Qp* q : qps) q->flushing = false;
+      return Error(Code::kInternal, Errno("moving a QP to the error state", rc));
+    }
+  }
+  usleep(1000);
   for (Cq* cq : All<Cq>(Kind::kCq)) DrainCq(cq);
-  for (Qp* qp : All<Qp>(Kind::kQp)) {
-    if (qp->srq != nullptr) continue;
-    const uint32_t n = Outstanding(qp->own_recvs, qp->recvs_done);
-    qp->outstanding = Copy(qp->own_recvs.Recent(n));
-    qp->recvs_done.fetch_add(qp->outstanding.size());
+  for (Qp* qp : qps) {
+    qp->flushing = false;
+    if (qp->srq == nullptr) qp->outstanding = TakeOutstanding(&qp->own_recvs, &qp->recvs_done);
   }
-  for (Srq* srq : All<Srq>(Kind::kSrq)) {
-    const uint32_t n = Outstanding(srq->recvs, srq->recvs_done);
-    srq->outstanding = Copy(srq->recvs.Recent(n));
-    srq->recvs_done.fetch_add(srq->outstanding.size());
-  }
+  for (Srq* srq : All<Srq>(Kind::kSrq))
+    srq->outstanding = TakeOutstanding(&srq->recvs, &srq->recvs_done);
   DestroyReal();
   released_ = true;
   // Whatever brings the endpoint back (a CRIU restore, most likely) must
@@ -503,20 +533,20 @@ Status Shim::Reconnect(Qp* qp) {
   attr.qp_state = IBV_QPS_ERR;
   int rc = backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE);
   if (rc != 0) return Error(Code::kInternal, Errno("moving a QP to the error state", rc));
-  if (qp->srq == nullptr) {
-    const uint32_t n = Outstanding(qp->own_recvs, qp->recvs_done);
-    qp->outstanding = Copy(qp->own_recvs.Recent(n));
-    qp->recvs_done.fetch_add(qp->outstanding.size());
-  }
+  // Completions found now (successful ones that came in since the pause)
+  // are counted before the count of what is still posted.
   usleep(1000);
   if (qp->send_cq) DrainCq(qp->send_cq);
   if (qp->recv_cq) DrainCq(qp->recv_cq);
+  if (qp->srq == nullptr) qp->outstanding = TakeOutstanding(&qp->own_recvs, &qp->recvs_done);
+  const uint64_t counted = qp->recvs_done.load();
   attr.qp_state = IBV_QPS_RESET;
   rc = backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE);
   if (rc != 0) return Error(Code::kInternal, Errno("resetting a QP", rc));
   if (qp->send_cq) DrainCq(qp->send_cq);
   if (qp->recv_cq) DrainCq(qp->recv_cq);
   qp->flushing = false;
+  if (qp->srq == nullptr) DropCompleted(&qp->outstanding, &qp->recvs_done, counted);
   rc = ReplayTransitions(qp);
   if (rc != 0) return Error(Code::kInternal, Errno("re-connecting a QP", rc));
   rc = Repost(&qp->outstanding, &qp->recvs_done,

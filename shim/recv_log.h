@@ -75,6 +75,11 @@ class RecvLog {
     return nullptr;
   }
 
+  // Consume() starts after every post recorded so far: when the queue's
+  // outstanding receives are taken out to be posted again (and recorded
+  // again), so that the old records of the same WRs are not found first.
+  void ConsumeAll() { consumed_ = tail_; }
+
   // The last `n` posts, oldest first (n is capped by what the ring holds).
   std::vector<const Entry*> Recent(uint32_t n) const {
     if (n > tail_) n = tail_;

@@ -1073,7 +1073,8 @@ void Integrity::OnUdRecv(const ibv_wc& wc) {
       if (why.empty() && (!(wc.wc_flags & IBV_WC_WITH_IMM) || ntohl(wc.imm_data) != h.seq)) {
         why = "immediate data is not the seq";
       }
-      if (why.empty() && wc.src_qp != remote_.ud_qpn) why = "src_qp is not the peer's UD QP";
+      if (why.empty() && wc.src_qp != remote_.ud_qpn)
+        why = Sprintf("src_qp 0x%x is not the peer's UD QP 0x%x", wc.src_qp, remote_.ud_qpn);
       if (why.empty() && !(wc.wc_flags & IBV_WC_GRH)) why = "no GRH";
       if (!why.empty()) Complain("UD seq %" PRIu64 ": %s", h.seq, why.c_str());
       return why.empty();

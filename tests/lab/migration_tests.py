@@ -67,17 +67,16 @@ def pid_of(host, pattern):
 
 def start_pair(name, iterations, server=3, client=1):
     """The workload under the shim: server Q on `server`, client P on
-    `client`. Their live output goes to /dev/null: the source keeps running
-    (released, writing its counter line) between the final dump and its
-    end, and CRIU refuses to restore a regular file whose size changed.
-    The reports are written, by path, at the end."""
+    `client`, their output in files every host sees at the same path (CRIU
+    re-opens them on the destination; the migrator stops the source before
+    its final dump, so the files it finds are those the dump saw)."""
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
     args = f"--iterations {iterations} --ud-lost-after 1800 --port 18900"
     run_ok(server, f"(setsid env {SHIM}{PROG} --server {args} --report {WORK}/{name}-q.json "
-                   f"> /dev/null 2>&1 < /dev/null &)")
+                   f"> {WORK}/{name}-q.out 2>&1 < /dev/null &)")
     wait_listening(server, 18900)
     run_ok(client, f"(setsid env {SHIM}{PROG} --connect {ip(server)} {args} "
-                   f"--report {WORK}/{name}-p.json > /dev/null 2>&1 < /dev/null &)")
+                   f"--report {WORK}/{name}-p.json > {WORK}/{name}-p.out 2>&1 < /dev/null &)")
     time.sleep(15)  # connected, traffic flowing
     return pid_of(server, f"integrity --server.*{name}"), pid_of(client, f"integrity --connect.*{name}")
 
@@ -102,7 +101,34 @@ def wait_reports(name, timeout=900):
     return out
 
 
+def show_logs(name, hosts=(1, 2, 3)):
+    """What the migrators and the workload said: printed when a test fails."""
+    for h in hosts:
+        r = LAB.run(h, "tail -n 40 /tmp/migratord.log 2>/dev/null")
+        print(f"--- host{h} /tmp/migratord.log\n{r.out}", flush=True)
+    for side in "pq":
+        path = os.path.join(LAB.shared, "migration", f"{name}-{side}.out")
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                tail = f.read()[-3000:]
+            print(f"--- {side}.out\n{tail}", flush=True)
+
+
+def logs_on_failure(name, hosts=(1, 2, 3)):
+    def wrap(fn):
+        def run():
+            try:
+                fn()
+            except BaseException:
+                show_logs(name, hosts)
+                raise
+        run.__name__ = fn.__name__
+        return run
+    return wrap
+
+
 @lab_test
+@logs_on_failure("accept")
 def integrity_survives_live_migrations_and_a_checkpoint():
     ensure_daemons()
     qpid, ppid = start_pair("accept", 15000)
@@ -147,6 +173,7 @@ def a_process_not_under_the_shim_is_refused():
 
 
 @lab_test
+@logs_on_failure("unreach", (1, 2))
 def an_unreachable_destination_is_refused_before_anything_is_quiesced():
     ensure_daemons((1, 2))
     qpid, ppid = start_pair("unreach", 600, server=2, client=1)

@@ -157,6 +157,92 @@ TEST_F(MigrationTest, ReceivesAndSendsCarryOnAcrossAMoveInOrder) {
   EXPECT_STREQ(pbuf_ + 3000, "written");
 }
 
+TEST_F(MigrationTest, AReceiveDoneButNotYetPolledAtAPeerReconnectIsNotPostedAgain) {
+  Connect();
+  PostRecv(q_, qqp_, 100, qbuf_, qmr_);
+  PostRecv(q_, qqp_, 101, qbuf_ + 64, qmr_);
+  uint32_t drained = 0;
+  // Q pauses first; P's send lands in Q's receive 100 afterwards: done on
+  // the device, not yet polled by anyone.
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "one"), 0);
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Release().ok());
+  ASSERT_TRUE(p_.Restore("", {}).ok());
+  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  ASSERT_TRUE(p_.Resume().ok());
+  ASSERT_EQ(Send(pqp_, 2, pbuf_ + 2048 + 64, pmr_, "two"), 0);
+  EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{100, 101}))
+      << "only 101 was still posted";
+  EXPECT_STREQ(qbuf_, "one");
+  EXPECT_STREQ(qbuf_ + 64, "two");
+  // And Q's counters agree with the device: a move of Q re-posts nothing
+  // more, so a third send finds no receive.
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  EXPECT_EQ(q_.Describe().qp_list[0].outstanding_recvs, 0u);
+  ASSERT_TRUE(q_.Resume().ok());
+}
+
+TEST_F(MigrationTest, AUdReceiverMovedTwiceStillFindsTheBufferOfEachDatagram) {
+  ibv_qp* pud = pdev_->Qp(IBV_QPT_UD);
+  ibv_qp* qud = qdev_->Qp(IBV_QPT_UD);
+  ASSERT_EQ(ToRts(p_, pud, 0, {}), 0);
+  ASSERT_EQ(ToRts(q_, qud, 0, {}), 0);
+  ibv_ah* ah = pdev_->Ah(qdev_->gid);
+  constexpr int kDepth = 8;
+  constexpr int kSlot = 64;  // a 40-byte GRH, then the datagram
+  static char rbuf[kDepth * kSlot];
+  ibv_mr* rmr = qdev_->Reg(rbuf, sizeof(rbuf));
+  auto post_recv = [&](uint64_t slot) {
+    ibv_sge sge = Sge(rbuf + kSlot * slot, kSlot, rmr);
+    ibv_recv_wr wr{};
+    wr.wr_id = slot;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    return ibv_post_recv(qud, &wr, &bad);
+  };
+  for (int i = 0; i < kDepth; ++i) ASSERT_EQ(post_recv(i), 0);
+  // Q moves twice (its receives re-posted each time), then P moves (so
+  // only the GRH of each datagram says who sent it), then Q takes many
+  // datagrams, each receive re-posted as it completes.
+  for (int move = 0; move < 2; ++move) {
+    uint32_t drained = 0;
+    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(q_.Release().ok());
+    ASSERT_TRUE(q_.Restore("", {}).ok());
+    ASSERT_TRUE(p_.PeerReconnect(ToMapping(q_.Describe())).ok());
+    ASSERT_TRUE(q_.Resume().ok());
+  }
+  Move();
+  for (int n = 0; n < 5 * kDepth; ++n) {
+    strcpy(pbuf_, "datagram");
+    ibv_sge sge = Sge(pbuf_, 9, pmr_);
+    ibv_send_wr wr{};
+    wr.wr_id = n;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.ud.ah = ah;
+    wr.wr.ud.remote_qpn = qud->qp_num;
+    wr.wr.ud.remote_qkey = kQkey;
+    ibv_send_wr* bad = nullptr;
+    ASSERT_EQ(ibv_post_send(pud, &wr, &bad), 0);
+    const std::vector<ibv_wc> got = Drain(qdev_->cq);
+    ASSERT_EQ(got.size(), 1u) << n;
+    ASSERT_EQ(got[0].status, IBV_WC_SUCCESS);
+    EXPECT_EQ(got[0].src_qp, pud->qp_num) << "datagram " << n << ": the QPN P gave out";
+    const char* grh = rbuf + kSlot * got[0].wr_id;
+    // RoCE v2 over IPv4: the IPv4 header's source address, at 32.
+    EXPECT_TRUE(memcmp(grh + 32, pdev_->gid.raw + 12, 4) == 0)
+        << "datagram " << n << ": its GRH names P's address";
+    ASSERT_EQ(post_recv(got[0].wr_id), 0);
+    Drain(pdev_->cq);
+  }
+}
+
 TEST_F(MigrationTest, ReleaseLeavesNothingOfTheEndpointOnTheDevice) {
   Connect();
   const int before = fake_.live_objects();

@@ -257,6 +257,11 @@ void ShimServer::Serve(std::shared_ptr<Conn> c, Reader* reader) {
       break;
     }
     absl::MutexLock lock(&mu_);
+    // The phase its Hello gave changes with the steps (a restored process
+    // says RELEASED, then runs): every reply carries the current one.
+    if (msg.reply().has_summary() &&
+        msg.reply().summary().phase() != v1::ENDPOINT_PHASE_UNSPECIFIED)
+      c->info.phase = msg.reply().summary().phase();
     if (msg.request_id() != 0 && msg.request_id() == c->waiting_id) {
       c->reply = std::move(*msg.mutable_reply());
       c->waiting_id = 0;

@@ -113,6 +113,32 @@ TEST_F(ShimServerTest, AdmitsAHelloAndCarriesRequests) {
   EXPECT_TRUE(WaitConnected(false));
 }
 
+TEST_F(ShimServerTest, TheListedPhaseFollowsTheRepliesNotJustTheHello) {
+  // A restored process says RELEASED in its Hello, then runs again: its
+  // peers' migrations must find it among the running ones.
+  const int fd = Connect();
+  ASSERT_TRUE(
+      WriteFrame(fd, Hello(getpid(), v1::CONTROL_VERSION_V1, v1::ENDPOINT_PHASE_RELEASED)).ok());
+  ASSERT_TRUE(WaitConnected(true));
+  EXPECT_EQ(server_->Connected()[0].phase, v1::ENDPOINT_PHASE_RELEASED);
+  std::thread shim([fd] {
+    absl::StatusOr<std::string> f = ReadFrame(fd);
+    ASSERT_TRUE(f.ok());
+    v1::MigratorToShim req;
+    ASSERT_TRUE(req.ParseFromString(*f));
+    v1::ShimToMigrator rep;
+    rep.set_request_id(req.request_id());
+    rep.mutable_reply()->mutable_summary()->set_phase(v1::ENDPOINT_PHASE_RUNNING);
+    ASSERT_TRUE(WriteFrame(fd, rep.SerializeAsString()).ok());
+  });
+  v1::MigratorToShim req;
+  req.mutable_restore();
+  ASSERT_TRUE(server_->Call(getpid(), req, absl::Seconds(5)).ok());
+  shim.join();
+  EXPECT_EQ(server_->Connected()[0].phase, v1::ENDPOINT_PHASE_RUNNING);
+  close(fd);
+}
+
 TEST_F(ShimServerTest, RefusesAnOversizedFrame) {
   const int fd = Connect();
   const uint32_t n = kMaxFrame + 1;

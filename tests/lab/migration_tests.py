@@ -131,7 +131,7 @@ def logs_on_failure(name, hosts=(1, 2, 3)):
 @logs_on_failure("accept")
 def integrity_survives_live_migrations_and_a_checkpoint():
     ensure_daemons()
-    qpid, ppid = start_pair("accept", 15000)
+    qpid, ppid = start_pair("accept", 6000)
     # P: host1 -> host2, live, while traffic runs.
     r, rep = ctl(1, f"migrate {ppid} --to {ip(2)}")
     check(r.rc == 0, "migrate P host1 -> host2", r)
@@ -147,9 +147,11 @@ def integrity_survives_live_migrations_and_a_checkpoint():
     run_ok(2, "rm -rf /tmp/ckpt-p")
     r, rep = ctl(2, f"checkpoint {ppid} --dir /tmp/ckpt-p")
     check(r.rc == 0, "checkpoint P on host2", r)
+    print("P checkpoint on host2:", json.dumps(rep.get("breakdown")), flush=True)
     check(LAB.run(2, f"kill -0 {ppid}").rc != 0, "P still runs on host2 after checkpoint")
     r, rep = ctl(2, f"restore --dir /tmp/ckpt-p --on {ip(3)}")
     check(r.rc == 0, "restore P on host3", r)
+    print("P restore on host3:", json.dumps(rep.get("breakdown")), flush=True)
     p, q = wait_reports("accept")
     for side, rep in (("P", p), ("Q", q)):
         check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and

@@ -178,7 +178,7 @@ def a_process_not_under_the_shim_is_refused():
 @logs_on_failure("unreach", (1, 2))
 def an_unreachable_destination_is_refused_before_anything_is_quiesced():
     ensure_daemons((1, 2))
-    qpid, ppid = start_pair("unreach", 600, server=2, client=1)
+    qpid, ppid = start_pair("unreach", 3000, server=2, client=1)
     try:
         r, _ = ctl(1, f"migrate {ppid} --to 10.77.0.9", 180)
         check(r.rc == 1, "migrating to an unreachable host did not fail", r)

@@ -161,20 +161,6 @@ def integrity_survives_live_migrations_and_a_checkpoint():
 
 
 @lab_test
-def a_process_not_under_the_shim_is_refused():
-    ensure_daemons((1, 2))
-    run_ok(1, "(setsid sleep 300 > /dev/null 2>&1 < /dev/null &)")
-    pid = pid_of(1, "sleep 300")
-    try:
-        r, _ = ctl(1, f"migrate {pid} --to {ip(2)}", 120)
-        check(r.rc == 1, "migrating a process without the shim did not fail", r)
-        check("not under the rdmavirt shim" in r.err + r.out, "unclear error", r)
-        check(LAB.run(1, f"kill -0 {pid}").rc == 0, "the process was harmed")
-    finally:
-        LAB.run(1, f"kill {pid}")
-
-
-@lab_test
 @logs_on_failure("unreach", (1, 2))
 def an_unreachable_destination_is_refused_before_anything_is_quiesced():
     ensure_daemons((1, 2))
@@ -192,6 +178,40 @@ def an_unreachable_destination_is_refused_before_anything_is_quiesced():
     finally:
         LAB.run(1, f"kill {ppid}")
         LAB.run(2, f"kill {qpid}")
+
+
+@lab_test
+@logs_on_failure("dies")
+def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
+    ensure_daemons()
+    qpid, ppid = start_pair("dies", 4000, server=3, client=1)
+    # host2's migrator is killed (SIGKILL) once the first image file lands.
+    watcher = LAB.submit(2, "for i in $(seq 6000); do "
+                            "if ls /tmp/rdmavirt-state/incoming/*/*/* > /dev/null 2>&1; then "
+                            "pkill -9 -x rdmavirt-migrat; echo killed; exit 0; fi; "
+                            "sleep 0.05; done; exit 1", 400)
+    try:
+        r, rep = ctl(1, f"migrate {ppid} --to {ip(2)}", 400)
+        w = LAB.wait(2, watcher, 60)
+        check(w.rc == 0 and "killed" in w.out, "the destination's migrator was not killed", w)
+        check(r.rc == 1, "the migration did not fail", r)
+        check(rep is not None and rep.get("rolled_back") is True, "not rolled back", r)
+        print("rolled back:", rep.get("error"), flush=True)
+        check(LAB.run(1, f"kill -0 {ppid}").rc == 0, "P does not run on host1 any more")
+        check(LAB.run(2, "pgrep -f 'integrity .*--connect'").rc != 0, "something of P on host2")
+        p, q = wait_reports("dies", 600)
+        for side, rp in (("P", p), ("Q", q)):
+            check(rp["ok"] and rp["lost"] == 0 and rp["duplicated"] == 0 and
+                  rp["corrupted"] == 0 and rp["out_of_order"] == 0 and
+                  rp["completion_errors"] == 0 and rp["sends"] == rp["iterations"],
+                  f"{side}'s integrity report", rp)
+        # host2's migrator comes back and cleans up what it had received.
+        ensure_daemons((2,))
+        wait_until(2, "! ls /tmp/rdmavirt-state/incoming/*/*/* > /dev/null 2>&1", 60,
+                   "host2's half-received images deleted after its restart")
+    finally:
+        LAB.run(1, f"kill {ppid}")
+        LAB.run(3, f"kill {qpid}")
 
 
 if __name__ == "__main__":

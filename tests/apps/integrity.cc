@@ -60,7 +60,11 @@
 #include <utility>
 #include <vector>
 
+#include "tests/apps/app_common.h"
+
 namespace {
+
+using namespace rdmavirt::apps;  // NOLINT: the programs' shared helpers
 
 // ---------------------------------------------------------------------------
 // Constants.
@@ -102,38 +106,6 @@ constexpr int kMaxComplaints = 50;     // error lines on stderr
 // ---------------------------------------------------------------------------
 // Messages.
 
-std::string Vformat(const char* fmt, va_list ap) {
-  va_list copy;
-  va_copy(copy, ap);
-  const int n = std::vsnprintf(nullptr, 0, fmt, copy);
-  va_end(copy);
-  std::string out(n > 0 ? n : 0, '\0');
-  std::vsnprintf(out.data(), out.size() + 1, fmt, ap);
-  return out;
-}
-
-std::string Sprintf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-std::string Sprintf(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  std::string s = Vformat(fmt, ap);
-  va_end(ap);
-  return s;
-}
-
-// Setup failures: a test program, not a library, so it exits and the kernel
-// releases every verbs resource with the process.
-[[noreturn]] void Die(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-[[noreturn]] void Die(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  const std::string msg = Vformat(fmt, ap);
-  va_end(ap);
-  std::fflush(stdout);
-  std::fprintf(stderr, "integrity: FAIL: %s\n", msg.c_str());
-  std::exit(1);
-}
-
 // Errors seen while running are counted; the first few are also described.
 void Complain(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 void Complain(const char* fmt, ...) {
@@ -146,47 +118,6 @@ void Complain(const char* fmt, ...) {
   std::fprintf(stderr, "integrity: ERROR: %s%s\n", msg.c_str(),
                complaints == kMaxComplaints ? " (further errors not described)" : "");
 }
-
-// ---------------------------------------------------------------------------
-// RAII owners. Destroy failures are only reported: they happen at exit.
-
-template <auto kDestroy>
-struct Destroyer {
-  template <typename T>
-  void operator()(T* p) const {
-    if (const int rc = kDestroy(p); rc != 0) {
-      std::fprintf(stderr, "integrity: destroying a verbs object: %s\n", std::strerror(rc));
-    }
-  }
-};
-struct DeviceListDeleter {
-  void operator()(ibv_device** list) const { ibv_free_device_list(list); }
-};
-struct FreeDeleter {
-  void operator()(uint8_t* p) const { std::free(p); }
-};
-
-using DeviceList = std::unique_ptr<ibv_device*, DeviceListDeleter>;
-using Context = std::unique_ptr<ibv_context, Destroyer<&ibv_close_device>>;
-using Pd = std::unique_ptr<ibv_pd, Destroyer<&ibv_dealloc_pd>>;
-using Mr = std::unique_ptr<ibv_mr, Destroyer<&ibv_dereg_mr>>;
-using Cq = std::unique_ptr<ibv_cq, Destroyer<&ibv_destroy_cq>>;
-using Qp = std::unique_ptr<ibv_qp, Destroyer<&ibv_destroy_qp>>;
-using Ah = std::unique_ptr<ibv_ah, Destroyer<&ibv_destroy_ah>>;
-
-class UniqueFd {
- public:
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&&) = delete;
-  ~UniqueFd() {
-    if (fd_ >= 0) close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 // A page-aligned, zeroed buffer registered as one MR.
 class Buffer {
@@ -566,83 +497,6 @@ struct WireInfo {
   uint32_t reserved;
   uint8_t gid[16];
 };
-
-void SendAll(int fd, const void* data, size_t len) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (len > 0) {
-    const ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) Die("TCP send to the peer: %s", std::strerror(errno));
-    p += n;
-    len -= static_cast<size_t>(n);
-  }
-}
-
-void RecvAll(int fd, void* data, size_t len) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (len > 0) {
-    const ssize_t n = recv(fd, p, len, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n == 0) Die("the peer closed the TCP connection (did it fail?)");
-    if (n < 0) Die("TCP receive from the peer: %s", std::strerror(errno));
-    p += n;
-    len -= static_cast<size_t>(n);
-  }
-}
-
-UniqueFd WithTimeouts(UniqueFd fd) {
-  const timeval tv{300, 0};
-  setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  return fd;
-}
-
-// One connection on `port`; the listening socket is closed on return.
-UniqueFd AcceptOne(int port) {
-  UniqueFd ls(socket(AF_INET, SOCK_STREAM, 0));
-  if (ls.get() < 0) Die("socket: %s", std::strerror(errno));
-  const int one = 1;
-  setsockopt(ls.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (bind(ls.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    Die("bind TCP port %d: %s", port, std::strerror(errno));
-  }
-  if (listen(ls.get(), 1) != 0) Die("listen: %s", std::strerror(errno));
-  pollfd pfd{ls.get(), POLLIN, 0};
-  if (poll(&pfd, 1, 300 * 1000) <= 0) Die("no client connected within 300 s");
-  UniqueFd fd(accept(ls.get(), nullptr, nullptr));
-  if (fd.get() < 0) Die("accept: %s", std::strerror(errno));
-  return WithTimeouts(std::move(fd));
-}
-
-// The server may start after the client: retries for 120 s.
-UniqueFd ConnectTo(const std::string& host, int port) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  std::string error = "no address";
-  while (std::chrono::steady_clock::now() < deadline) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* res = nullptr;
-    if (const int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res)) {
-      error = gai_strerror(rc);
-    }
-    for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
-      UniqueFd fd(socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol));
-      if (fd.get() >= 0 && connect(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0) {
-        freeaddrinfo(res);
-        return WithTimeouts(std::move(fd));
-      }
-      error = std::strerror(errno);
-    }
-    if (res != nullptr) freeaddrinfo(res);
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
-  Die("cannot connect to %s:%d: %s", host.c_str(), port, error.c_str());
-}
 
 // ---------------------------------------------------------------------------
 // The workload.
@@ -1378,6 +1232,7 @@ int Integrity::Report() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  program_name = "integrity";
   const Options opt = ParseArgs(argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::printf("integrity: role=%s pid=%d iterations=%" PRIu64 " rate=%g\n",

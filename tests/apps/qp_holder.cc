@@ -1,0 +1,296 @@
+// qp_holder: a verbs process of a chosen size, for measuring what a move
+// costs as the number of connected QPs and the registered memory grow.
+//
+// The client and the server each create --qps RC QPs and connect them in
+// pairs (details exchanged over TCP, the socket closed before any RDMA).
+// The client registers --mr-mib MiB, fills it with a pattern, and for
+// --seconds of its own running time writes 64 bytes with RDMA WRITE on each
+// QP in turn, every --interval-ms, into the server's buffer, waiting for
+// each completion: every QP is used again after a move. At the end it
+// prints one JSON object (writes, errors) and exits 0 when nothing failed.
+//
+// --no-rdma: the client only allocates and fills --mr-mib MiB and runs for
+// --seconds: the same memory with no verbs, for a plain CRIU baseline.
+//
+//   qp_holder --server [--port P] [--qps N] [--seconds S]
+//   qp_holder --connect HOST [--port P] [--qps N] [--mr-mib M] [--seconds S]
+//             [--interval-ms MS] [--device rxe0] [--gid-index 1] [--no-rdma]
+#include <arpa/inet.h>
+#include <infiniband/verbs.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/apps/app_common.h"
+
+namespace {
+
+using namespace rdmavirt::apps;  // NOLINT: the programs' shared helpers
+
+constexpr uint8_t kIbPort = 1;
+constexpr uint32_t kWriteBytes = 64;
+constexpr uint32_t kMaxQps = 4096;
+
+struct Options {
+  bool server = false;
+  std::string host;
+  int port = 18950;
+  uint32_t qps = 1;
+  uint64_t mr_mib = 1;
+  double seconds = 60;
+  uint32_t interval_ms = 20;
+  std::string device;
+  int gid_index = 1;
+  bool no_rdma = false;
+};
+
+[[noreturn]] void Usage(const char* why, int status = 2) {
+  std::fprintf(status == 0 ? stdout : stderr,
+               "qp_holder: %s\n"
+               "usage: qp_holder --server|--connect HOST [--port P] [--qps N] [--mr-mib M]\n"
+               "                 [--seconds S] [--interval-ms MS] [--device NAME]\n"
+               "                 [--gid-index I] [--no-rdma]\n",
+               why);
+  std::exit(status);
+}
+
+Options ParseArgs(int argc, char** argv) {
+  Options o;
+  bool role = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) Usage((a + " needs a value").c_str());
+      return argv[++i];
+    };
+    auto number = [&](double min, double max) {
+      const std::string v = value();
+      char* end = nullptr;
+      const double d = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || d < min || d > max)
+        Usage(Sprintf("%s: %s is not a number in [%g, %g]", a.c_str(), v.c_str(), min, max)
+                  .c_str());
+      return d;
+    };
+    if (a == "--server") {
+      o.server = true;
+      role = true;
+    } else if (a == "--connect") {
+      o.host = value();
+      role = true;
+    } else if (a == "--port") {
+      o.port = static_cast<int>(number(1, 65535));
+    } else if (a == "--qps") {
+      o.qps = static_cast<uint32_t>(number(1, kMaxQps));
+    } else if (a == "--mr-mib") {
+      o.mr_mib = static_cast<uint64_t>(number(1, 65536));
+    } else if (a == "--seconds") {
+      o.seconds = number(1, 86400);
+    } else if (a == "--interval-ms") {
+      o.interval_ms = static_cast<uint32_t>(number(0, 60000));
+    } else if (a == "--device") {
+      o.device = value();
+    } else if (a == "--gid-index") {
+      o.gid_index = static_cast<int>(number(0, 255));
+    } else if (a == "--no-rdma") {
+      o.no_rdma = true;
+    } else if (a == "-h" || a == "--help") {
+      Usage("a verbs process of a chosen size: N connected RC QPs, M MiB registered", 0);
+    } else {
+      Usage(("unknown argument " + a).c_str());
+    }
+  }
+  if (!role) Usage("--server or --connect HOST is required");
+  if (o.server && o.no_rdma) Usage("--no-rdma is for the client");
+  return o;
+}
+
+// What each side tells the other: its QPNs, its GID, its buffer.
+struct Header {
+  uint32_t qps;
+  uint32_t rkey;
+  uint64_t addr;
+  uint8_t gid[16];
+};
+
+// The client's own time running: a stop (a dump, a move) does not count.
+class RunningClock {
+ public:
+  double Seconds() {
+    const auto now = std::chrono::steady_clock::now();
+    const double step = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    if (step < 1.0) total_ += step;  // a longer step is a stop
+    return total_;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+  double total_ = 0;
+};
+
+int RunWithoutRdma(const Options& o) {
+  const size_t bytes = o.mr_mib << 20;
+  auto* p = static_cast<uint8_t*>(
+      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (p == MAP_FAILED) Die("mmap %zu bytes: %s", bytes, std::strerror(errno));
+  for (size_t i = 0; i < bytes; i += 8) std::memcpy(p + i, &i, 8);
+  RunningClock clock;
+  while (clock.Seconds() < o.seconds) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::printf("{\"ok\": true, \"qps\": 0, \"mr_mib\": %" PRIu64 "}\n", o.mr_mib);
+  return 0;
+}
+
+int Run(const Options& o) {
+  int num = 0;
+  DeviceList list(ibv_get_device_list(&num));
+  if (!list || num == 0) Die("no RDMA device");
+  ibv_device* dev = nullptr;
+  for (int i = 0; i < num && dev == nullptr; ++i)
+    if (o.device.empty() || o.device == ibv_get_device_name(list.get()[i])) dev = list.get()[i];
+  if (dev == nullptr) Die("no RDMA device named %s", o.device.c_str());
+  Context ctx(ibv_open_device(dev));
+  if (!ctx) Die("ibv_open_device: %s", std::strerror(errno));
+  Pd pd(ibv_alloc_pd(ctx.get()));
+  if (!pd) Die("ibv_alloc_pd: %s", std::strerror(errno));
+  const size_t bytes = o.server ? size_t{o.qps} * kWriteBytes : (o.mr_mib << 20);
+  auto* buf = static_cast<uint8_t*>(
+      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (buf == MAP_FAILED) Die("mmap %zu bytes: %s", bytes, std::strerror(errno));
+  for (size_t i = 0; i + 8 <= bytes; i += 8) std::memcpy(buf + i, &i, 8);
+  Mr mr(ibv_reg_mr(pd.get(), buf, bytes,
+                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ));
+  if (!mr) Die("ibv_reg_mr of %zu bytes: %s", bytes, std::strerror(errno));
+  Cq cq(ibv_create_cq(ctx.get(), static_cast<int>(o.qps) + 16, nullptr, nullptr, 0));
+  if (!cq) Die("ibv_create_cq: %s", std::strerror(errno));
+  std::vector<Qp> qps;
+  std::vector<uint32_t> mine;
+  for (uint32_t i = 0; i < o.qps; ++i) {
+    ibv_qp_init_attr ia{};
+    ia.send_cq = cq.get();
+    ia.recv_cq = cq.get();
+    ia.qp_type = IBV_QPT_RC;
+    ia.cap.max_send_wr = 4;
+    ia.cap.max_recv_wr = 1;
+    ia.cap.max_send_sge = 1;
+    ia.cap.max_recv_sge = 1;
+    qps.emplace_back(ibv_create_qp(pd.get(), &ia));
+    if (!qps.back()) Die("ibv_create_qp %u of %u: %s", i + 1, o.qps, std::strerror(errno));
+    mine.push_back(qps.back()->qp_num);
+  }
+  Header me{o.qps, mr->rkey, reinterpret_cast<uintptr_t>(buf), {}};
+  ibv_gid gid;
+  if (ibv_query_gid(ctx.get(), kIbPort, o.gid_index, &gid) != 0)
+    Die("ibv_query_gid index %d: %s", o.gid_index, std::strerror(errno));
+  std::memcpy(me.gid, gid.raw, 16);
+  Header peer{};
+  std::vector<uint32_t> theirs(o.qps);
+  {
+    UniqueFd fd = o.server ? AcceptOne(o.port) : ConnectTo(o.host, o.port);
+    SendAll(fd.get(), &me, sizeof(me));
+    SendAll(fd.get(), mine.data(), mine.size() * sizeof(uint32_t));
+    RecvAll(fd.get(), &peer, sizeof(peer));
+    if (peer.qps != o.qps) Die("the peer has %u QPs, this side %u", peer.qps, o.qps);
+    RecvAll(fd.get(), theirs.data(), theirs.size() * sizeof(uint32_t));
+  }  // the socket is closed: nothing but RDMA from here on
+  for (uint32_t i = 0; i < o.qps; ++i) {
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = kIbPort;
+    a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+    if (const int rc = ibv_modify_qp(qps[i].get(), &a,
+                                     IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                                         IBV_QP_ACCESS_FLAGS))
+      Die("QP %u to INIT: %s", i, std::strerror(rc));
+    a = {};
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = IBV_MTU_1024;
+    a.dest_qp_num = theirs[i];
+    a.rq_psn = 0;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = 12;
+    a.ah_attr.is_global = 1;
+    a.ah_attr.port_num = kIbPort;
+    std::memcpy(a.ah_attr.grh.dgid.raw, peer.gid, 16);
+    a.ah_attr.grh.sgid_index = static_cast<uint8_t>(o.gid_index);
+    a.ah_attr.grh.hop_limit = 1;
+    if (const int rc = ibv_modify_qp(qps[i].get(), &a,
+                                     IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+                                         IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                         IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+      Die("QP %u to RTR: %s", i, std::strerror(rc));
+    a = {};
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = 14;
+    a.retry_cnt = 7;
+    a.rnr_retry = 7;
+    a.sq_psn = 0;
+    a.max_rd_atomic = 1;
+    if (const int rc = ibv_modify_qp(qps[i].get(), &a,
+                                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                         IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                                         IBV_QP_MAX_QP_RD_ATOMIC))
+      Die("QP %u to RTS: %s", i, std::strerror(rc));
+  }
+  std::printf("qp_holder: %s pid %d: %u QPs connected, %zu bytes registered\n",
+              o.server ? "server" : "client", static_cast<int>(getpid()), o.qps, bytes);
+  std::fflush(stdout);
+
+  RunningClock clock;
+  uint64_t writes = 0, errors = 0;
+  if (o.server) {
+    // The client writes; the server only keeps its QPs (a little longer).
+    while (clock.Seconds() < o.seconds + 120)
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  } else {
+    for (uint32_t i = 0; clock.Seconds() < o.seconds; i = (i + 1) % o.qps) {
+      ibv_sge sge{reinterpret_cast<uintptr_t>(buf) + (i * kWriteBytes) % bytes, kWriteBytes,
+                  mr->lkey};
+      ibv_send_wr wr{};
+      wr.wr_id = i;
+      wr.sg_list = &sge;
+      wr.num_sge = 1;
+      wr.opcode = IBV_WR_RDMA_WRITE;
+      wr.send_flags = IBV_SEND_SIGNALED;
+      wr.wr.rdma.remote_addr = peer.addr + uint64_t{i} * kWriteBytes;
+      wr.wr.rdma.rkey = peer.rkey;
+      ibv_send_wr* bad = nullptr;
+      if (const int rc = ibv_post_send(qps[i].get(), &wr, &bad))
+        Die("ibv_post_send on QP %u: %s", i, std::strerror(rc));
+      ibv_wc wc{};
+      int n = 0;
+      while ((n = ibv_poll_cq(cq.get(), 1, &wc)) == 0) std::this_thread::yield();
+      if (n < 0) Die("ibv_poll_cq: %d", n);
+      if (wc.status != IBV_WC_SUCCESS || wc.wr_id != i) {
+        ++errors;
+        std::fprintf(stderr, "qp_holder: QP %u: %s (wr_id %" PRIu64 ")\n", i,
+                     ibv_wc_status_str(wc.status), wc.wr_id);
+        break;  // that QP is in the error state now
+      }
+      ++writes;
+      if (o.interval_ms) std::this_thread::sleep_for(std::chrono::milliseconds(o.interval_ms));
+    }
+  }
+  std::printf("{\"ok\": %s, \"qps\": %u, \"mr_mib\": %" PRIu64 ", \"writes\": %" PRIu64
+              ", \"errors\": %" PRIu64 "}\n",
+              errors == 0 ? "true" : "false", o.qps, o.server ? 0 : o.mr_mib, writes, errors);
+  return errors == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  program_name = "qp_holder";
+  const Options o = ParseArgs(argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  return o.no_rdma ? RunWithoutRdma(o) : Run(o);
+}

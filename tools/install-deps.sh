@@ -16,7 +16,7 @@ packages=(
   # checkpoint/restore and VMs
   criu libprotobuf-c-dev libvirt-dev libvirt-daemon-system libvirt-clients
   # tests and benchmarks
-  libgtest-dev libgmock-dev libbenchmark-dev valgrind strace
+  libgtest-dev libgmock-dev libbenchmark-dev valgrind strace python3-matplotlib
   # the lab: TCG VMs on a VDE switch, booted from an initramfs
   qemu-system-x86 vde2 busybox-static cpio kmod iproute2 coreutils procps
   python3

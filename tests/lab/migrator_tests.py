@@ -3,7 +3,9 @@
 Every host runs a migrator (certificates from tools/rdmavirt-certs, mutual
 TLS on port 7700) with its shim socket at a path of its own, so that the
 other test groups' programs do not find a migrator and stay unmigratable.
-The daemons stay up for the whole lab; each test starts them if needed.
+The daemons stay up for the whole lab; each test starts them if needed
+(migration_tests.py uses the same ones). A live move under traffic is in
+migration_tests.py.
 """
 
 import json
@@ -206,52 +208,6 @@ def restore_of_a_corrupted_checkpoint_is_refused():
     check(r.rc == 1 and "DATA_LOSS" in r.err, "a corrupted checkpoint was sent", r)
     after = run_ok(1, "pgrep -c sleep || true").out.strip()
     check(before == after, f"a process was created ({before} -> {after} sleeps)")
-
-
-@lab_test
-def migrate_a_live_workload():
-    """integrity between host1 and host3, both under the shim; host1's side
-    moves to host2 mid-run; nothing may be lost, repeated or corrupted."""
-    if LAB.hosts() < 3:
-        print("SKIP: needs 3 lab hosts (RDMAVIRT_LAB_HOSTS=3)")
-        return
-    daemons_up()
-    run_ok(1, f"mkdir -p {REPORTS} && rm -f {REPORTS}/live-*.json")
-    args = "--iterations 3000 --rate 50"
-    server = start(3, f"env {SHIM} {INTEGRITY} --server --port 18900 {args} "
-                      f"--report {REPORTS}/live-server.json")
-    client = None
-    try:
-        wait_listening(3, 18900)
-        client = start(1, f"env {SHIM} {INTEGRITY} --connect 10.77.0.3 --port 18900 {args} "
-                          f"--report {REPORTS}/live-client.json")
-        under_shim(1, client)
-        under_shim(3, server)
-        time.sleep(5)
-        r = ctl(1, f"--json migrate {client} --to 10.77.0.2", timeout=600)
-        print(r.err)
-        check(r.rc == 0, "migrate failed", r)
-        report = json.loads(r.out)
-        print("report:", json.dumps(report, indent=1))
-        check(report["ok"], "report not ok", r)
-        run_ok(2, f"kill -0 {client}")  # CRIU restored it with its pid
-        check(any(e["pid"] == client for e in ps(2)), "not under host2's migrator")
-        check(LAB.run(1, f"kill -0 {client}").rc != 0, "still running on host1")
-        # Both sides finish their run.
-        wait_until(3, f"test -s {REPORTS}/live-server.json && test -s {REPORTS}/live-client.json",
-                   300, "both integrity reports")
-        for side in ("server", "client"):
-            with open(os.path.join(shared(REPORTS), f"live-{side}.json")) as f:
-                rep = json.load(f)
-            check(rep["ok"], f"{side} saw errors", rep)
-            for key in ("lost", "duplicated", "corrupted", "out_of_order", "completion_errors"):
-                check(rep[key] == 0, f"{side}: {key} is {rep[key]}", rep)
-            check(rep["sends"] == 3000, f"{side}: sends {rep['sends']}", rep)
-    finally:
-        stop(3, server)
-        if client is not None:
-            stop(1, client)
-            stop(2, client)
 
 
 if __name__ == "__main__":

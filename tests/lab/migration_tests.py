@@ -151,13 +151,13 @@ def integrity_survives_live_migrations_and_a_checkpoint():
 def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
     ensure_daemons()
     qpid, ppid = start_pair("dies", 4000, server=3, client=1)
-    # host2's migrator is killed (SIGKILL) as soon as host1's says the
-    # transfer of the final dump has begun.
-    log = f"{migrators.LOGS}/host1.log"
-    watcher = LAB.submit(2, f"n=$(wc -l < {log}); for i in $(seq 6000); do "
-                            f"if tail -n +$((n + 1)) {log} | grep -q 'of pid {ppid}): transfer'; "
-                            "then pkill -9 -x rdmavirt-migrat; echo killed; exit 0; fi; "
-                            "sleep 0.05; done; exit 1", 400)
+    # host2's migrator is killed (SIGKILL) as soon as the final dump's
+    # stream begins to arrive (its directory is made before the first byte).
+    watcher = LAB.submit(2, "/usr/bin/python3 -c \"import glob, subprocess, time\n"
+                            f"while not glob.glob('{STATE}/incoming/*/final'): time.sleep(0.01)\n"
+                            "subprocess.run(['pkill', '-9', '-x', 'rdmavirt-migrat'])\n"
+                            "print('killed')\"", 400)
+    time.sleep(3)  # the watcher's python is up
     try:
         r, rep = ctl(1, f"migrate {ppid} --to {ip(2)}", 400)
         w = LAB.wait(2, watcher, 60)
@@ -165,6 +165,7 @@ def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
         check(r.rc == 1, "the migration did not fail", r)
         check(rep is not None and rep.get("rolled_back") is True, "not rolled back", r)
         print("rolled back:", rep.get("error"), flush=True)
+        check("sending the final dump" in rep.get("error", ""), "not killed mid-transfer", rep)
         check(LAB.run(1, f"kill -0 {ppid}").rc == 0, "P does not run on host1 any more")
         p, q = wait_reports("dies", 600)
         for side, rp in (("P", p), ("Q", q)):

@@ -77,8 +77,8 @@ Options ParseArgs(int argc, char** argv) {
       char* end = nullptr;
       const double d = std::strtod(v.c_str(), &end);
       if (end == v.c_str() || *end != '\0' || d < min || d > max)
-        Usage(Sprintf("%s: %s is not a number in [%g, %g]", a.c_str(), v.c_str(), min, max)
-                  .c_str());
+        Usage(
+            Sprintf("%s: %s is not a number in [%g, %g]", a.c_str(), v.c_str(), min, max).c_str());
       return d;
     };
     if (a == "--server") {
@@ -207,9 +207,8 @@ int Run(const Options& o) {
     a.qp_state = IBV_QPS_INIT;
     a.port_num = kIbPort;
     a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-    if (const int rc = ibv_modify_qp(qps[i].get(), &a,
-                                     IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-                                         IBV_QP_ACCESS_FLAGS))
+    if (const int rc = ibv_modify_qp(
+            qps[i].get(), &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
       Die("QP %u to INIT: %s", i, std::strerror(rc));
     a = {};
     a.qp_state = IBV_QPS_RTR;
@@ -223,10 +222,10 @@ int Run(const Options& o) {
     std::memcpy(a.ah_attr.grh.dgid.raw, peer.gid, 16);
     a.ah_attr.grh.sgid_index = static_cast<uint8_t>(o.gid_index);
     a.ah_attr.grh.hop_limit = 1;
-    if (const int rc = ibv_modify_qp(qps[i].get(), &a,
-                                     IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
-                                         IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                                         IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+    if (const int rc =
+            ibv_modify_qp(qps[i].get(), &a,
+                          IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                              IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
       Die("QP %u to RTR: %s", i, std::strerror(rc));
     a = {};
     a.qp_state = IBV_QPS_RTS;
@@ -235,10 +234,10 @@ int Run(const Options& o) {
     a.rnr_retry = 7;
     a.sq_psn = 0;
     a.max_rd_atomic = 1;
-    if (const int rc = ibv_modify_qp(qps[i].get(), &a,
-                                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-                                         IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-                                         IBV_QP_MAX_QP_RD_ATOMIC))
+    if (const int rc =
+            ibv_modify_qp(qps[i].get(), &a,
+                          IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                              IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
       Die("QP %u to RTS: %s", i, std::strerror(rc));
   }
   std::printf("qp_holder: %s pid %d: %u QPs connected, %zu bytes registered\n",

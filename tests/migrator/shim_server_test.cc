@@ -231,9 +231,9 @@ TEST_F(ShimServerTest, ReleasedShimComesBackThroughTheResumeMarker) {
     struct stat st;
     while (stat(marker.c_str(), &st) != 0) absl::SleepFor(absl::Milliseconds(10));
     const int again = Connect();
-    ASSERT_TRUE(WriteFrame(again, Hello(getpid(), v1::CONTROL_VERSION_V1,
-                                        v1::ENDPOINT_PHASE_RELEASED))
-                    .ok());
+    ASSERT_TRUE(
+        WriteFrame(again, Hello(getpid(), v1::CONTROL_VERSION_V1, v1::ENDPOINT_PHASE_RELEASED))
+            .ok());
     char c;
     (void)recv(again, &c, 1, 0);  // until the server closes
     close(again);

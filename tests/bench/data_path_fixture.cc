@@ -86,9 +86,11 @@ void Destroy(Api* api, DataPathStack* s) {
 
 DataPathFixture::DataPathFixture()
     : shim_(&backend_, shim::IdentityMode{.offset = false}),
-      offset_shim_(&backend_, shim::IdentityMode{.offset = true}) {}
+      offset_shim_(&backend_, shim::IdentityMode{.offset = true}),
+      migratable_shim_(&backend_, shim::IdentityMode{}, /*migratable=*/true) {}
 
 DataPathFixture::~DataPathFixture() {
+  Destroy(&migratable_shim_, &migratable_stack_);
   Destroy(&offset_shim_, &offset_stack_);
   Destroy(&shim_, &shim_stack_);
   Destroy(&backend_, &direct_);
@@ -101,14 +103,17 @@ absl::StatusOr<std::unique_ptr<DataPathFixture>> DataPathFixture::Create() {
   if (devices == nullptr || num < 1) return absl::NotFoundError("null backend: no device");
   ibv_device* device = devices[0];
   f->backend_.FreeDeviceList(devices);
-  // Separate thirds of the buffer, so the stacks' work requests never alias.
-  const size_t third = sizeof(f->buffer_) / 3;
-  absl::Status st = Build(&f->backend_, device, f->buffer_, third, &f->direct_);
+  // Separate quarters of the buffer, so the stacks' work requests never alias.
+  const size_t quarter = sizeof(f->buffer_) / 4;
+  absl::Status st = Build(&f->backend_, device, f->buffer_, quarter, &f->direct_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("direct stack: ", st.message()));
-  st = Build(&f->shim_, device, f->buffer_ + third, third, &f->shim_stack_);
+  st = Build(&f->shim_, device, f->buffer_ + quarter, quarter, &f->shim_stack_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("shim stack: ", st.message()));
-  st = Build(&f->offset_shim_, device, f->buffer_ + 2 * third, third, &f->offset_stack_);
+  st = Build(&f->offset_shim_, device, f->buffer_ + 2 * quarter, quarter, &f->offset_stack_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("offset stack: ", st.message()));
+  st = Build(&f->migratable_shim_, device, f->buffer_ + 3 * quarter, quarter,
+             &f->migratable_stack_);
+  if (!st.ok()) return absl::Status(st.code(), absl::StrCat("migratable stack: ", st.message()));
   return f;
 }
 

@@ -1,14 +1,16 @@
-// DataPathFixture: the same RC QP stack built three times over one
+// DataPathFixture: the same RC QP stack built four times over one
 // NullBackend: on the backend directly, through a Shim in its default mode
-// (virtual identities equal to the hardware's until a move: the fast path)
-// and through a Shim in offset mode (every identity translated: the path
-// taken after a move), with ready-made work requests for each; what the
-// data-path benchmark and the instruction counter post and poll on.
+// (virtual identities equal to the hardware's until a move: the fast path),
+// through a Shim in offset mode (every identity translated: the path taken
+// after a move) and through a migratable Shim in its default mode (every
+// post and poll behind its queue's pause gate, on the translating path),
+// with ready-made work requests for each; what the data-path benchmark and
+// the instruction counter post and poll on.
 //
-// The two stacks differ only in the path the inline verbs take: on `direct`
-// ibv_post_send(qp, ...) calls the null backend's op; on `shim` it calls the
-// shim's, which translates and then calls the same null op. So the
-// difference between the two is what the shim adds.
+// The stacks differ only in the path the inline verbs take: on `direct`
+// ibv_post_send(qp, ...) calls the null backend's op; on a shim's stack it
+// calls the shim's, which translates and then calls the same null op. So
+// the difference between a shim's stack and `direct` is what that shim adds.
 //
 // Single-threaded: build, use and destroy on one thread.
 #ifndef RDMAVIRT_TESTS_BENCH_DATA_PATH_FIXTURE_H_
@@ -50,16 +52,17 @@ struct DataPathStack {
 
 class DataPathFixture {
  public:
-  // Both stacks, or the first error with the verb that failed.
+  // All four stacks, or the first error with the verb that failed.
   static absl::StatusOr<std::unique_ptr<DataPathFixture>> Create();
 
   DataPathFixture(const DataPathFixture&) = delete;
   DataPathFixture& operator=(const DataPathFixture&) = delete;
-  ~DataPathFixture();  // destroys both stacks, QP first
+  ~DataPathFixture();  // destroys every stack, QP first
 
   DataPathStack& direct() { return direct_; }
   DataPathStack& shim() { return shim_stack_; }
   DataPathStack& shim_offset() { return offset_stack_; }
+  DataPathStack& shim_migratable() { return migratable_stack_; }
 
  private:
   DataPathFixture();
@@ -67,10 +70,12 @@ class DataPathFixture {
   NullBackend backend_;
   shim::Shim shim_;
   shim::Shim offset_shim_;
+  shim::Shim migratable_shim_;
   char buffer_[6144] = {};
   DataPathStack direct_;
   DataPathStack shim_stack_;
   DataPathStack offset_stack_;
+  DataPathStack migratable_stack_;
 };
 
 }  // namespace rdmavirt::bench

@@ -1,7 +1,8 @@
 // Google Benchmark of the shim's data path over the null backend: each verb
-// posted or polled through the shim (*_Shim) against the same verb on the
-// null backend's own objects (*_Direct). Both sides use the inline verbs an
-// application calls, so the difference is what the shim adds.
+// posted or polled through the shim (*_Shim, *_ShimOffset,
+// *_ShimMigratable) against the same verb on the null backend's own objects
+// (*_Direct). Both sides use the inline verbs an application calls, so the
+// difference is what the shim adds.
 //
 // Receives are measured in the steady state of a real receiver: the shim
 // journals each posted receive and drops it at its completion, so
@@ -82,45 +83,56 @@ void RecvBatches(benchmark::State& state, DataPathStack& s, Timed timed) {
   state.SetItemsProcessed(state.iterations());
 }
 
-// Each verb three ways: straight to the null backend, through the shim in
-// its default mode (nothing to translate before a move) and in offset mode
-// (everything translated, as after a move).
-#define RDMAVIRT_BENCH3(name, body)                      \
-  void BM_##name##_Direct(benchmark::State& state) {     \
-    DataPathStack& s = Fixture().direct();               \
-    body;                                                \
-  }                                                      \
-  void BM_##name##_Shim(benchmark::State& state) {       \
-    DataPathStack& s = Fixture().shim();                 \
-    body;                                                \
-  }                                                      \
-  void BM_##name##_ShimOffset(benchmark::State& state) { \
-    DataPathStack& s = Fixture().shim_offset();          \
-    body;                                                \
+// Each verb four ways: straight to the null backend, through the shim in
+// its default mode (nothing to translate before a move), in offset mode
+// (everything translated, as after a move) and in the default mode of a
+// migratable process (nothing to translate, but every call through its
+// queue's pause gate on the translating path).
+#define RDMAVIRT_BENCH4(name, body)                          \
+  void BM_##name##_Direct(benchmark::State& state) {         \
+    DataPathStack& s = Fixture().direct();                   \
+    body;                                                    \
+  }                                                          \
+  void BM_##name##_Shim(benchmark::State& state) {           \
+    DataPathStack& s = Fixture().shim();                     \
+    body;                                                    \
+  }                                                          \
+  void BM_##name##_ShimOffset(benchmark::State& state) {     \
+    DataPathStack& s = Fixture().shim_offset();              \
+    body;                                                    \
+  }                                                          \
+  void BM_##name##_ShimMigratable(benchmark::State& state) { \
+    DataPathStack& s = Fixture().shim_migratable();          \
+    body;                                                    \
   }
 
-RDMAVIRT_BENCH3(PostSend, PostSendLoop(state, s.qp, &s.send))
-RDMAVIRT_BENCH3(PostSendRdmaWrite, PostSendLoop(state, s.qp, &s.write))
-RDMAVIRT_BENCH3(PostRecv, RecvBatches(state, s, Timed::kPost))
-RDMAVIRT_BENCH3(PollCq, PollCqLoop(state, s.send_cq))
-RDMAVIRT_BENCH3(PollCqRecv, RecvBatches(state, s, Timed::kPoll))
-#undef RDMAVIRT_BENCH3
+RDMAVIRT_BENCH4(PostSend, PostSendLoop(state, s.qp, &s.send))
+RDMAVIRT_BENCH4(PostSendRdmaWrite, PostSendLoop(state, s.qp, &s.write))
+RDMAVIRT_BENCH4(PostRecv, RecvBatches(state, s, Timed::kPost))
+RDMAVIRT_BENCH4(PollCq, PollCqLoop(state, s.send_cq))
+RDMAVIRT_BENCH4(PollCqRecv, RecvBatches(state, s, Timed::kPoll))
+#undef RDMAVIRT_BENCH4
 
 BENCHMARK(BM_PostSend_Direct);
 BENCHMARK(BM_PostSend_Shim);
 BENCHMARK(BM_PostSend_ShimOffset);
+BENCHMARK(BM_PostSend_ShimMigratable);
 BENCHMARK(BM_PostSendRdmaWrite_Direct);
 BENCHMARK(BM_PostSendRdmaWrite_Shim);
 BENCHMARK(BM_PostSendRdmaWrite_ShimOffset);
+BENCHMARK(BM_PostSendRdmaWrite_ShimMigratable);
 BENCHMARK(BM_PostRecv_Direct)->UseManualTime();
 BENCHMARK(BM_PostRecv_Shim)->UseManualTime();
 BENCHMARK(BM_PostRecv_ShimOffset)->UseManualTime();
+BENCHMARK(BM_PostRecv_ShimMigratable)->UseManualTime();
 BENCHMARK(BM_PollCq_Direct);
 BENCHMARK(BM_PollCq_Shim);
 BENCHMARK(BM_PollCq_ShimOffset);
+BENCHMARK(BM_PollCq_ShimMigratable);
 BENCHMARK(BM_PollCqRecv_Direct)->UseManualTime();
 BENCHMARK(BM_PollCqRecv_Shim)->UseManualTime();
 BENCHMARK(BM_PollCqRecv_ShimOffset)->UseManualTime();
+BENCHMARK(BM_PollCqRecv_ShimMigratable)->UseManualTime();
 
 }  // namespace
 }  // namespace rdmavirt::bench

@@ -74,8 +74,8 @@ absl::StatusOr<std::unique_ptr<ShimServer>> ShimServer::Start(Options options) {
           absl::StrCat(options.socket_path, " exists and is not a socket"));
     }
     const int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    const bool live = probe >= 0 && connect(probe, reinterpret_cast<sockaddr*>(&addr),
-                                            sizeof(addr)) == 0;
+    const bool live =
+        probe >= 0 && connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
     if (probe >= 0) close(probe);
     if (live) {
       close(fd);
@@ -320,10 +320,10 @@ absl::StatusOr<v1::Reply> ShimServer::Call(pid_t pid, v1::MigratorToShim request
   }
   absl::MutexLock lock(&mu_);
   Conn* raw = c.get();
-  const bool done = mu_.AwaitWithTimeout(
-      absl::Condition(
-          +[](Conn* c) { return c->reply.has_value() || c->closed; }, raw),
-      timeout);
+  const bool done =
+      mu_.AwaitWithTimeout(absl::Condition(
+                               +[](Conn* c) { return c->reply.has_value() || c->closed; }, raw),
+                           timeout);
   if (c->reply.has_value()) {
     v1::Reply reply = std::move(*c->reply);
     c->reply.reset();
@@ -331,9 +331,8 @@ absl::StatusOr<v1::Reply> ShimServer::Call(pid_t pid, v1::MigratorToShim request
   }
   c->waiting_id = 0;
   if (!done)
-    return absl::DeadlineExceededError(absl::StrCat("the shim of process ", pid,
-                                                    " did not answer within ",
-                                                    absl::FormatDuration(timeout)));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the shim of process ", pid, " did not answer within ", absl::FormatDuration(timeout)));
   return absl::UnavailableError(
       absl::StrCat("the shim of process ", pid, " disconnected before answering"));
 }
@@ -364,19 +363,18 @@ absl::StatusOr<ShimInfo> ShimServer::WaitHello(pid_t pid, v1::EndpointPhase phas
     pid_t pid;
     v1::EndpointPhase phase;
   } arg{this, pid, phase};
-  const bool ok = mu_.AwaitWithTimeout(
-      absl::Condition(
-          +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            auto it = a->s->by_pid_.find(a->pid);
-            return it != a->s->by_pid_.end() && it->second->info.phase == a->phase;
-          },
-          &arg),
-      timeout);
+  const bool ok = mu_.AwaitWithTimeout(absl::Condition(
+                                           +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                             auto it = a->s->by_pid_.find(a->pid);
+                                             return it != a->s->by_pid_.end() &&
+                                                    it->second->info.phase == a->phase;
+                                           },
+                                           &arg),
+                                       timeout);
   if (!ok)
-    return absl::DeadlineExceededError(absl::StrCat("the shim of process ", pid,
-                                                    " did not say Hello (",
-                                                    v1::EndpointPhase_Name(phase), ") within ",
-                                                    absl::FormatDuration(timeout)));
+    return absl::DeadlineExceededError(
+        absl::StrCat("the shim of process ", pid, " did not say Hello (",
+                     v1::EndpointPhase_Name(phase), ") within ", absl::FormatDuration(timeout)));
   return by_pid_[pid]->info;
 }
 

@@ -30,14 +30,22 @@ uint64_t NowUs() {
 
 const char* QpStateName(int state) {
   switch (state) {
-    case IBV_QPS_RESET: return "RESET";
-    case IBV_QPS_INIT: return "INIT";
-    case IBV_QPS_RTR: return "RTR";
-    case IBV_QPS_RTS: return "RTS";
-    case IBV_QPS_SQD: return "SQD";
-    case IBV_QPS_SQE: return "SQE";
-    case IBV_QPS_ERR: return "ERR";
-    default: return "unknown";
+    case IBV_QPS_RESET:
+      return "RESET";
+    case IBV_QPS_INIT:
+      return "INIT";
+    case IBV_QPS_RTR:
+      return "RTR";
+    case IBV_QPS_RTS:
+      return "RTS";
+    case IBV_QPS_SQD:
+      return "SQD";
+    case IBV_QPS_SQE:
+      return "SQE";
+    case IBV_QPS_ERR:
+      return "ERR";
+    default:
+      return "unknown";
   }
 }
 
@@ -368,8 +376,8 @@ Status Shim::RecreateReal(const std::string& device) {
   }
   for (Mr* mr : All<Mr>(Kind::kMr)) {
     // Same address, same length: the memory came back where it was.
-    mr->real = backend_->RegMr(mr->pd->real, mr->shadow.addr, mr->shadow.length, mr->iova,
-                               mr->access);
+    mr->real =
+        backend_->RegMr(mr->pd->real, mr->shadow.addr, mr->shadow.length, mr->iova, mr->access);
     if (mr->real == nullptr)
       return Error(Code::kResourceExhausted, Errno("re-registering a memory region", errno));
     mrs_.Set(mr->slot, mr->shadow.lkey, mr->real->lkey);
@@ -397,7 +405,8 @@ Status Shim::RecreateReal(const std::string& device) {
     ibv_srq_init_attr attr = srq->init;
     attr.srq_context = nullptr;
     srq->real = backend_->CreateSrq(srq->pd->real, &attr);
-    if (srq->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_srq", errno));
+    if (srq->real == nullptr)
+      return Error(Code::kResourceExhausted, Errno("ibv_create_srq", errno));
     srq->real->srq_context = srq;
     srq->real_post_srq_recv = srq->real->context->ops.post_srq_recv;
     srq->shadow.handle = srq->real->handle;
@@ -437,15 +446,14 @@ Status Shim::RecreateReal(const std::string& device) {
   }
   // The receives that were posted when the endpoint was released.
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
-    const int rc = Repost(&srq->outstanding, &srq->recvs_done, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
-      return PostSrqRecvReal(srq, w, b);
-    });
+    const int rc =
+        Repost(&srq->outstanding, &srq->recvs_done,
+               [srq](ibv_recv_wr* w, ibv_recv_wr** b) { return PostSrqRecvReal(srq, w, b); });
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting SRQ receives", rc));
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
-    const int rc = Repost(&qp->outstanding, &qp->recvs_done, [qp](ibv_recv_wr* w, ibv_recv_wr** b) {
-      return PostRecvReal(qp, w, b);
-    });
+    const int rc = Repost(&qp->outstanding, &qp->recvs_done,
+                          [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
   }
   if (endpoint_gid_known_) {
@@ -475,8 +483,8 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
   }
   released_ = false;
   moved_ = true;
-  gid_moved_.store(memcmp(endpoint_physical_gid_.raw, mode_.PhysicalGid(endpoint_virtual_gid_).raw,
-                          16) != 0);
+  gid_moved_.store(
+      memcmp(endpoint_physical_gid_.raw, mode_.PhysicalGid(endpoint_virtual_gid_).raw, 16) != 0);
   return {};
 }
 
@@ -487,17 +495,16 @@ Status Shim::ResumeNow() {
   Status st;
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
     std::lock_guard<std::mutex> q(srq->queue_mu);
-    const int rc = Repost(&srq->queued_recvs, &srq->recvs_done, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
-      return PostSrqRecvReal(srq, w, b);
-    });
+    const int rc =
+        Repost(&srq->queued_recvs, &srq->recvs_done,
+               [srq](ibv_recv_wr* w, ibv_recv_wr** b) { return PostSrqRecvReal(srq, w, b); });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued SRQ receives", rc));
     srq->gate.Open();
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
     std::lock_guard<std::mutex> q(qp->queue_mu);
-    int rc = Repost(&qp->queued_recvs, &qp->recvs_done, [qp](ibv_recv_wr* w, ibv_recv_wr** b) {
-      return PostRecvReal(qp, w, b);
-    });
+    int rc = Repost(&qp->queued_recvs, &qp->recvs_done,
+                    [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued receives", rc));
     for (QueuedSend& s : qp->queued_sends) {
       ibv_sge inline_sge;
@@ -641,7 +648,8 @@ EndpointView Shim::Describe() const {
       case Kind::kContext: {
         ++v.devices;
         const Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
-        if (ctx->real != nullptr && ctx->real->device != nullptr) v.device = ctx->real->device->name;
+        if (ctx->real != nullptr && ctx->real->device != nullptr)
+          v.device = ctx->real->device->name;
         break;
       }
       case Kind::kPd:

@@ -17,8 +17,8 @@
 #include <atomic>
 #include <functional>
 #include <memory>
-#include <string>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -181,7 +181,7 @@ class Shim {
   void KeysDiverged();  // requires mu_
   // To what the hardware takes; `remote`: the moved peer addressed, if any.
   void PhysicalizeQpAttr(ibv_qp_attr* attr, int mask, const RemoteEndpoint* remote) const;
-  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid) const;  // requires mu_
+  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid) const;      // requires mu_
   const RemoteEndpoint* PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> e);  // requires mu_
   // The port GID this endpoint's QPs use becomes its virtual GID.
   void NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index);  // requires mu_

@@ -117,7 +117,7 @@ def logs_on_failure(name, hosts=(1, 2, 3)):
 @logs_on_failure("accept")
 def integrity_survives_live_migrations_and_a_checkpoint():
     ensure_daemons()
-    qpid, ppid = start_pair("accept", 4000)
+    qpid, ppid = start_pair("accept", 6000)
     # P: host1 -> host2, live, while traffic runs.
     r, rep = ctl(1, f"migrate {ppid} --to {ip(2)}")
     check(r.rc == 0, "migrate P host1 -> host2", r)

@@ -111,8 +111,8 @@ absl::StatusOr<std::unique_ptr<DataPathFixture>> DataPathFixture::Create() {
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("shim stack: ", st.message()));
   st = Build(&f->offset_shim_, device, f->buffer_ + 2 * quarter, quarter, &f->offset_stack_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("offset stack: ", st.message()));
-  st = Build(&f->migratable_shim_, device, f->buffer_ + 3 * quarter, quarter,
-             &f->migratable_stack_);
+  st =
+      Build(&f->migratable_shim_, device, f->buffer_ + 3 * quarter, quarter, &f->migratable_stack_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("migratable stack: ", st.message()));
   return f;
 }

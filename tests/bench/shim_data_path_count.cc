@@ -4,34 +4,38 @@
 //   shim_data_path_count OP PATH N
 //     OP: post_send | post_send_rdma_write | post_recv | poll_cq |
 //         poll_cq_recv | all
-//     PATH: direct | shim
+//     PATH: direct | shim | shim-offset | shim-migratable
 //   Runs OP N times (rounded up to whole batches of kQueueDepth) on the null
-//   backend's own objects (direct) or on the shim's (shim), inside the loop
-//   function for OP: rdmavirt_bench_*_loop. poll_cq polls send completions,
-//   poll_cq_recv receive completions. Receives go in batches: post
-//   kQueueDepth, then poll their completions, so the shim's journal of
+//   backend's own objects (direct) or on one shim's (data_path_fixture.h:
+//   default mode, offset mode, default mode of a migratable process), inside
+//   the loop function for OP: rdmavirt_bench_*_loop. poll_cq polls send
+//   completions, poll_cq_recv receive completions. Receives go in batches:
+//   post kQueueDepth, then poll their completions, so the shim's journal of
 //   receives stays in its steady state; the half of a batch that is not OP
-//   runs outside the loop functions. The same machine code runs for both
-//   paths, so under
+//   runs outside the loop functions. The same machine code runs for every
+//   path, so under
 //   `valgrind --tool=callgrind --collect-atstart=no --toggle-collect=LOOP`
 //   (Ir_shim - Ir_direct) / N is exactly the instructions the shim adds.
 //
 //   shim_data_path_count --check N
-//   Runs every op N times through the shim and prints how many heap
+//   Runs every op N times through each shim stack and prints how many heap
 //   allocations and lock acquisitions happened inside the loops (this file
 //   interposes malloc and the pthread locks), after checking that the
 //   shim translated (completions carry the virtual QPN) and restored (work
-//   requests are as the application made them). Exit status 1 on a failed
-//   check, 2 on bad usage.
+//   requests are as the application made them), and that the migratable
+//   stack's posts and polls went through the pause gate. Exit status 1 on a
+//   failed check, 2 on bad usage.
 #include <dlfcn.h>
 #include <infiniband/verbs.h>
 #include <pthread.h>
 #include <stdlib.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 
+#include "shim/objects.h"
 #include "tests/bench/data_path_fixture.h"
 
 // ------------------------------------------------------------- interposers
@@ -136,6 +140,24 @@ enum Op { kPostSend, kPostSendRdmaWrite, kPostRecv, kPollCq, kPollCqRecv, kNumOp
 constexpr const char* kOpNames[kNumOps] = {"post_send", "post_send_rdma_write", "post_recv",
                                            "poll_cq", "poll_cq_recv"};
 
+enum Path { kDirect, kShim, kShimOffset, kShimMigratable, kNumPaths };
+constexpr const char* kPathNames[kNumPaths] = {"direct", "shim", "shim-offset", "shim-migratable"};
+
+DataPathStack& StackOf(DataPathFixture& f, Path path) {
+  switch (path) {
+    case kShim:
+      return f.shim();
+    case kShimOffset:
+      return f.shim_offset();
+    case kShimMigratable:
+      return f.shim_migratable();
+    case kDirect:
+    case kNumPaths:
+      break;
+  }
+  return f.direct();
+}
+
 // The other half of a receive batch, outside the measured loops.
 bool PostReceives(DataPathStack& s, int n) {
   ibv_recv_wr* bad = nullptr;
@@ -219,13 +241,43 @@ bool CheckShimSemantics(DataPathFixture& f) {
   return ok;
 }
 
+// The migratable stack's numbers are the gated path's only if it ran: its
+// QP and CQs are not on the fast path, and a post and a poll move the
+// counters only the gated path keeps (the drain at a pause waits on them).
+bool CheckGatedPath(DataPathFixture& f) {
+  DataPathStack& s = f.shim_migratable();
+  // The shim hands out its shadow objects' embedded verbs structs, first
+  // members (shim/objects.h).
+  const shim::Qp* qp = reinterpret_cast<const shim::Qp*>(s.qp);
+  const shim::Cq* send_cq = reinterpret_cast<const shim::Cq*>(s.send_cq);
+  const shim::Cq* recv_cq = reinterpret_cast<const shim::Cq*>(s.recv_cq);
+  if (qp->fast.load() || send_cq->fast.load() || recv_cq->fast.load()) {
+    std::fprintf(stderr, "check: the migratable stack has a queue on the fast path\n");
+    return false;
+  }
+  const uint64_t posted = qp->signaled_posted.load();
+  const uint64_t done = qp->sends_done.load();
+  ibv_send_wr* bad = nullptr;
+  ibv_wc wc{};
+  if (ibv_post_send(s.qp, &s.send, &bad) != 0 || ibv_poll_cq(s.send_cq, 1, &wc) != 1) {
+    std::fprintf(stderr, "check: a post or poll on the migratable stack failed\n");
+    return false;
+  }
+  if (qp->signaled_posted.load() != posted + 1 || qp->sends_done.load() != done + 1 ||
+      qp->gate.busy.load() != 0 || send_cq->gate.busy.load() != 0) {
+    std::fprintf(stderr, "check: the migratable stack's post and poll did not pass the gate\n");
+    return false;
+  }
+  return true;
+}
+
 int Check(long n) {
   auto f = DataPathFixture::Create();
   if (!f.ok()) {
     std::fprintf(stderr, "shim_data_path_count: %s\n", f.status().ToString().c_str());
     return 1;
   }
-  if (!CheckShimSemantics(**f)) return 1;
+  if (!CheckShimSemantics(**f) || !CheckGatedPath(**f)) return 1;
 
   // The counters see what they should: one allocation, one lock.
   g_counting = true;
@@ -244,15 +296,15 @@ int Check(long n) {
 
   const long calls = (n + kQueueDepth - 1) / kQueueDepth * kQueueDepth;  // what Run does
   bool ok = true;
-  for (const char* mode : {"shim", "shim-offset"}) {
-    DataPathStack& s = std::strcmp(mode, "shim") == 0 ? (*f)->shim() : (*f)->shim_offset();
+  for (Path path : {kShim, kShimOffset, kShimMigratable}) {
+    DataPathStack& s = StackOf(**f, path);
     for (int op = 0; op < kNumOps; ++op) {
       g_allocations = g_locks = 0;
       g_counting = true;
       const bool ran = Run(static_cast<Op>(op), s, n);
       g_counting = false;
-      std::printf("%s %s x%ld: allocations %ld locks %ld%s\n", kOpNames[op], mode, calls,
-                  g_allocations, g_locks, ran ? "" : " (calls failed)");
+      std::printf("%s %s x%ld: allocations %ld locks %ld%s\n", kOpNames[op], kPathNames[path],
+                  calls, g_allocations, g_locks, ran ? "" : " (calls failed)");
       ok = ok && ran && g_allocations == 0 && g_locks == 0;
     }
   }
@@ -261,7 +313,7 @@ int Check(long n) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: shim_data_path_count OP direct|shim|shim-offset N\n"
+               "usage: shim_data_path_count OP direct|shim|shim-offset|shim-migratable N\n"
                "       shim_data_path_count --check N\n"
                "OP: post_send post_send_rdma_write post_recv poll_cq poll_cq_recv all\n");
   return 2;
@@ -284,17 +336,18 @@ int Main(int argc, char** argv) {
   for (int op = 0; op < kNumOps; ++op) {
     if (std::strcmp(argv[1], kOpNames[op]) == 0) only = op;
   }
-  const bool shim = std::strcmp(argv[2], "shim") == 0;
-  const bool offset = std::strcmp(argv[2], "shim-offset") == 0;
-  if ((!all && only < 0) || (!shim && !offset && std::strcmp(argv[2], "direct") != 0))
-    return Usage();
+  int path = -1;
+  for (int p = 0; p < kNumPaths; ++p) {
+    if (std::strcmp(argv[2], kPathNames[p]) == 0) path = p;
+  }
+  if ((!all && only < 0) || path < 0) return Usage();
 
   auto f = DataPathFixture::Create();
   if (!f.ok()) {
     std::fprintf(stderr, "shim_data_path_count: %s\n", f.status().ToString().c_str());
     return 1;
   }
-  DataPathStack& s = shim ? (*f)->shim() : offset ? (*f)->shim_offset() : (*f)->direct();
+  DataPathStack& s = StackOf(**f, static_cast<Path>(path));
   for (int op = 0; op < kNumOps; ++op) {
     if (!all && op != only) continue;
     if (!Run(static_cast<Op>(op), s, n)) {

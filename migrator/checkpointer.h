@@ -33,11 +33,15 @@ class Checkpointer {
   virtual absl::StatusOr<DumpStats> PreDump(pid_t pid, const std::string& dir,
                                             const std::string& parent) = 0;
   // The final dump; the process keeps running when `leave_running`.
+  // `tcp_established` dumps its established TCP connections (only when
+  // their addresses move with it) instead of refusing them.
   virtual absl::StatusOr<DumpStats> Dump(pid_t pid, const std::string& dir,
-                                         const std::string& parent, bool leave_running) = 0;
+                                         const std::string& parent, bool leave_running,
+                                         bool tcp_established) = 0;
   // Restores the dump in `dir` (pre-dump parents reachable through its
   // `parent` link); the restored process is detached from the caller.
-  virtual absl::StatusOr<pid_t> Restore(const std::string& dir) = 0;
+  // `tcp_established` as the dump had it.
+  virtual absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established) = 0;
 };
 
 // CRIU through CriuDriver; logs go to `log_dir`.

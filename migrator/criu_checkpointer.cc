@@ -20,14 +20,15 @@ class CriuCheckpointer final : public Checkpointer {
   }
 
   absl::StatusOr<DumpStats> Dump(pid_t pid, const std::string& dir, const std::string& parent,
-                                 bool leave_running) override {
-    absl::StatusOr<CriuResult> r = CriuDriver(log_dir_).Dump(pid, dir, parent, leave_running);
+                                 bool leave_running, bool tcp_established) override {
+    absl::StatusOr<CriuResult> r =
+        CriuDriver(log_dir_).Dump(pid, dir, parent, leave_running, tcp_established);
     if (!r.ok()) return r.status();
     return DumpStats{r->elapsed_us, r->image_bytes};
   }
 
-  absl::StatusOr<pid_t> Restore(const std::string& dir) override {
-    return CriuDriver(log_dir_).Restore(dir);
+  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established) override {
+    return CriuDriver(log_dir_).Restore(dir, tcp_established);
   }
 
  private:

@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "migrator/scoped_fd.h"
 
 extern "C" {
 #include <criu/criu.h>
@@ -42,21 +43,6 @@ struct OptsDeleter {
   void operator()(criu_opts* o) const { criu_local_free_opts(o); }
 };
 using OptsPtr = std::unique_ptr<criu_opts, OptsDeleter>;
-
-// An fd closed on scope exit.
-class ScopedFd {
- public:
-  explicit ScopedFd(int fd) : fd_(fd) {}
-  ScopedFd(const ScopedFd&) = delete;
-  ScopedFd& operator=(const ScopedFd&) = delete;
-  ~ScopedFd() {
-    if (fd_ >= 0) close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 uint64_t ElapsedUs(std::chrono::steady_clock::time_point start) {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
@@ -239,7 +225,8 @@ std::string FindCriu() {
 //                         controlling terminal; a shell job would need one.
 //   tcp_established=false a live TCP connection cannot follow the process to
 //                         another host's address: refuse it rather than
-//                         restore a connection nobody can reach.
+//                         restore a connection nobody can reach (a dump or
+//                         restore whose addresses move turns it on).
 //   ext_unix_sk=false     same for a Unix socket connected outside the tree
 //                         (the shim closes its migrator socket when released).
 //   file_locks=true       applications hold flock/POSIX locks on their own
@@ -266,6 +253,17 @@ absl::StatusOr<OptsPtr> NewOpts(const std::string& criu, int work_dir_fd,
   criu_local_set_file_locks(opts.get(), true);
   criu_local_set_manage_cgroups(opts.get(), true);
   return opts;
+}
+
+// Established TCP connections are dumped and restored through repair mode.
+// While CRIU works on them the network is locked, through nftables: the
+// lab's kernels and Debian's CRIU have it, and it leaves no rule behind
+// (its table goes with the unlock) where iptables' would need a cleanup.
+absl::Status AllowTcp(criu_opts* o) {
+  criu_local_set_tcp_established(o, true);
+  if (criu_local_set_network_lock(o, CRIU_NETWORK_LOCK_NFTABLES) != 0)
+    return absl::ResourceExhaustedError("criu options");
+  return absl::OkStatus();
 }
 
 // Relative path from dir to parent, as CRIU wants it (it resolves the
@@ -352,6 +350,7 @@ struct DumpArgs {
   const std::string& dir;
   const std::string& parent;
   bool leave_running;
+  bool tcp_established;
 };
 
 absl::StatusOr<CriuResult> RunDump(const std::string& log_dir, const DumpArgs& a);
@@ -469,6 +468,9 @@ absl::StatusOr<CriuResult> RunDump(const std::string& log_dir, const DumpArgs& a
     }
   } else {
     criu_local_set_leave_running(o, a.leave_running);
+    if (a.tcp_established) {
+      if (absl::Status s = AllowTcp(o); !s.ok()) return s;
+    }
   }
 
   const auto start = std::chrono::steady_clock::now();
@@ -494,15 +496,16 @@ absl::StatusOr<CriuResult> RunDump(const std::string& log_dir, const DumpArgs& a
 
 absl::StatusOr<CriuResult> CriuDriver::PreDump(pid_t pid, const std::string& dir,
                                                const std::string& parent) {
-  return RunDump(log_dir_, {true, pid, dir, parent, true});
+  return RunDump(log_dir_, {true, pid, dir, parent, true, false});
 }
 
 absl::StatusOr<CriuResult> CriuDriver::Dump(pid_t pid, const std::string& dir,
-                                            const std::string& parent, bool leave_running) {
-  return RunDump(log_dir_, {false, pid, dir, parent, leave_running});
+                                            const std::string& parent, bool leave_running,
+                                            bool tcp_established) {
+  return RunDump(log_dir_, {false, pid, dir, parent, leave_running, tcp_established});
 }
 
-absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir) {
+absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir, bool tcp_established) {
   if (dir.empty() || dir[0] != '/') {
     return absl::InvalidArgumentError(
         absl::StrCat("restore: images dir must be an absolute path: \"", dir, "\""));
@@ -529,6 +532,9 @@ absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir) {
   absl::StatusOr<OptsPtr> opts = NewOpts(criu, log_fd.get(), log_name);
   if (!opts.ok()) return opts.status();
   criu_local_set_images_dir_fd(opts->get(), dir_fd.get());
+  if (tcp_established) {
+    if (absl::Status s = AllowTcp(opts->get()); !s.ok()) return s;
+  }
   // criu_local_restore (not _restore_child): CRIU's service always restores
   // detached, under its swrk process, which then exits.
   errno = 0;

@@ -79,8 +79,11 @@ class CriuDriver {
   // Final dump (tracking memory against `parent` if not empty, so only the
   // pages dirtied since the parent are written). leave_running keeps the
   // process running after the dump; otherwise it is killed once dumped.
+  // tcp_established dumps established TCP connections (their sockets in
+  // repair mode, the network locked with nftables meanwhile) instead of
+  // refusing them: only for a process whose addresses move with it.
   absl::StatusOr<CriuResult> Dump(pid_t pid, const std::string& dir, const std::string& parent,
-                                  bool leave_running);
+                                  bool leave_running, bool tcp_established = false);
 
   // Restores the tree dumped in dir (with its parent chain present at the
   // same relative paths); returns the restored root pid. The restored tree
@@ -88,7 +91,9 @@ class CriuDriver {
   // swrk` child, which exits, so the tree is re-parented to init (or the
   // nearest subreaper) and keeps its own session; it keeps running if the
   // caller exits or is killed.
-  absl::StatusOr<pid_t> Restore(const std::string& dir);
+  // tcp_established restores the connections a dump made with it holds;
+  // their local addresses must be on this host.
+  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established = false);
 
   const std::string& log_dir() const { return log_dir_; }
 

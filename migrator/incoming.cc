@@ -56,6 +56,8 @@ absl::StatusOr<v1::PrepareResponse> Migrator::Prepare(const v1::PrepareRequest& 
   if (!ValidId(request.migration_id()))
     return absl::InvalidArgumentError("a migration id is 1..64 letters, digits, '-' or '_'");
   if (absl::Status st = CheckCanHost(); !st.ok()) return st;
+  v1::MigrationRecord homed;
+  if (absl::Status st = HomeAddresses(request, &homed); !st.ok()) return st;
   auto in = std::make_unique<Incoming>();
   in->dir = IncomingDir(request.migration_id());
   std::error_code ec;
@@ -75,6 +77,7 @@ absl::StatusOr<v1::PrepareResponse> Migrator::Prepare(const v1::PrepareRequest& 
     in->rec.set_phase("prepared");
     *in->rec.mutable_endpoint() = request.endpoint();
     in->rec.set_image_dir(in->dir);
+    *in->rec.mutable_addresses() = homed.addresses();
     PersistIncoming(in.get());
   }
   Log("incoming %s: prepared for endpoint %s (pid %d on its source)", request.migration_id(),
@@ -130,12 +133,12 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
   return out;
 }
 
-absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir,
+absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_established,
                                                const std::function<void(pid_t)>& restored,
                                                const std::vector<v1::Mapping>& peers,
                                                v1::RestoreIncomingResponse* out) {
   const absl::Time c0 = absl::Now();
-  absl::StatusOr<pid_t> pid = criu_->Restore(dir);
+  absl::StatusOr<pid_t> pid = criu_->Restore(dir, tcp_established);
   if (!pid.ok()) return Annotate(pid.status(), "CRIU restore");
   restored(*pid);
   // A live move dumps its process stopped, and CRIU restores it so; a
@@ -183,17 +186,34 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
     return absl::FailedPreconditionError(
         absl::StrCat("no complete final dump received: ", manifest.status().message()));
   in->rec.set_phase("restoring");
-  PersistIncoming(in);
+  // Its service addresses first: CRIU binds its sockets to them.
+  const bool tcp = in->rec.addresses_size() > 0;
+  if (tcp) {
+    in->rec.set_addresses_moved(true);
+    PersistIncoming(in);
+    if (absl::Status st = AddAddresses(in->rec); !st.ok()) {
+      in->rec.set_addresses_moved(false);
+      in->rec.set_phase("receiving");
+      PersistIncoming(in);
+      return Annotate(st, "adding the service addresses");
+    }
+  }
   std::vector<v1::Mapping> peers(request.peers().begin(), request.peers().end());
   v1::RestoreIncomingResponse out;
   absl::StatusOr<pid_t> pid = RestoreFromDir(
-      final_dir,
+      final_dir, tcp,
       [&](pid_t p) ABSL_NO_THREAD_SAFETY_ANALYSIS {
         in->rec.set_restored_pid(p);
         PersistIncoming(in);
       },
       peers, &out);
   if (!pid.ok()) {
+    if (tcp) {
+      if (absl::Status st = RemoveAddresses(in->rec); st.ok())
+        in->rec.set_addresses_moved(false);
+      else
+        Log("incoming %s: %s", request.migration_id(), st.ToString());
+    }
     in->rec.set_restored_pid(0);
     in->rec.set_phase("receiving");
     PersistIncoming(in);
@@ -226,6 +246,13 @@ absl::Status Migrator::AbortIncoming(const v1::AbortIncomingRequest& request) {
   if (pid > 0 && procs_->Exists(pid)) {
     if (absl::Status st = procs_->Kill(pid); !st.ok())
       Log("incoming %s: killing process %d: %s", request.migration_id(), pid, st.ToString());
+  }
+  if (in->rec.addresses_moved()) {
+    // The source takes them back.
+    if (absl::Status st = RemoveAddresses(in->rec); !st.ok())
+      Log("incoming %s: %s", request.migration_id(), st.ToString());
+    else
+      in->rec.set_addresses_moved(false);
   }
   RemoveImages(in->dir);
   in->rec.set_done(true);

@@ -7,6 +7,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "migrator/addresses.h"
 #include "migrator/log.h"
@@ -55,7 +56,12 @@ absl::Status FromGrpc(const grpc::Status& st, absl::string_view context) {
 }
 
 Migrator::Migrator(Options options, ShimChannel* shims, Checkpointer* criu, ProcessControl* procs)
-    : options_(WithDefaults(std::move(options))), shims_(shims), criu_(criu), procs_(procs) {
+    : options_(WithDefaults(std::move(options))),
+      shims_(shims),
+      criu_(criu),
+      procs_(procs),
+      own_addresses_(options_.addresses == nullptr ? NewNetlinkAddressControl() : nullptr),
+      addresses_(options_.addresses != nullptr ? options_.addresses : own_addresses_.get()) {
   std::error_code ec;
   std::filesystem::create_directories(options_.state_dir + "/migrations", ec);
   std::filesystem::create_directories(options_.state_dir + "/incoming", ec);
@@ -302,6 +308,90 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   }
   if (!first.ok()) return Annotate(first, options_.host_name);
   return out;
+}
+
+namespace {
+
+// A MigrationRecord.addresses entry: "a.b.c.d/len@interface".
+std::string AddressEntry(const ServiceAddress& a, const std::string& ifname) {
+  return absl::StrCat(a.Text(), "@", ifname);
+}
+
+absl::Status ParseAddressEntry(const std::string& entry, ServiceAddress* a, std::string* ifname) {
+  const size_t at = entry.rfind('@');
+  if (at == std::string::npos || at + 1 == entry.size())
+    return absl::DataLossError(absl::StrCat("bad address entry \"", entry, "\" in a record"));
+  absl::StatusOr<ServiceAddress> parsed = ParseServiceAddress(entry.substr(0, at));
+  if (!parsed.ok()) return absl::DataLossError(parsed.status().message());
+  *a = *parsed;
+  *ifname = entry.substr(at + 1);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Migrator::LocateAddresses(const v1::MigrateRequest& request,
+                                       v1::MigrationRecord* rec) {
+  for (const std::string& text : request.addresses()) {
+    absl::StatusOr<ServiceAddress> a = ParseServiceAddress(text);
+    if (!a.ok()) return a.status();
+    absl::StatusOr<std::string> holder = addresses_->Holder(&*a);
+    if (!holder.ok()) {
+      if (absl::IsNotFound(holder.status()))
+        return absl::FailedPreconditionError(
+            absl::StrCat("the service address ", text, " is not on ", options_.host_name,
+                         ": it moves from the host that holds it"));
+      return holder.status();
+    }
+    rec->add_addresses(AddressEntry(*a, *holder));
+    rec->mutable_report()->add_addresses(a->Text());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::HomeAddresses(const v1::PrepareRequest& request, v1::MigrationRecord* rec) {
+  for (const std::string& text : request.addresses()) {
+    absl::StatusOr<ServiceAddress> a = ParseServiceAddress(text);
+    if (!a.ok()) return a.status();
+    absl::StatusOr<std::string> home = addresses_->Home(*a);
+    if (!home.ok())
+      return absl::Status(home.status().code(), absl::StrCat("host ", options_.host_name,
+                                                             " cannot take the service address ",
+                                                             text, ": ", home.status().message()));
+    rec->add_addresses(AddressEntry(*a, *home));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::AddAddresses(const v1::MigrationRecord& rec) {
+  std::vector<std::pair<ServiceAddress, std::string>> added;
+  absl::Status st;
+  for (const std::string& entry : rec.addresses()) {
+    ServiceAddress a;
+    std::string ifname;
+    st = ParseAddressEntry(entry, &a, &ifname);
+    if (st.ok()) st = addresses_->Add(ifname, a);
+    if (!st.ok()) break;
+    added.emplace_back(a, ifname);
+  }
+  if (st.ok()) return st;
+  for (const auto& [a, ifname] : added)
+    if (absl::Status undo = addresses_->Remove(ifname, a); !undo.ok())
+      Log("removing service address %s again: %s", a.Text(), undo.ToString());
+  return st;
+}
+
+absl::Status Migrator::RemoveAddresses(const v1::MigrationRecord& rec) {
+  std::vector<std::string> errors;
+  for (const std::string& entry : rec.addresses()) {
+    ServiceAddress a;
+    std::string ifname;
+    absl::Status st = ParseAddressEntry(entry, &a, &ifname);
+    if (st.ok()) st = addresses_->Remove(ifname, a);
+    if (!st.ok()) errors.push_back(std::string(st.message()));
+  }
+  if (errors.empty()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrJoin(errors, "; "));
 }
 
 }  // namespace rdmavirt::migrator

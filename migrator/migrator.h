@@ -40,6 +40,7 @@
 #include "absl/time/time.h"
 #include "migrator/checkpointer.h"
 #include "migrator/process_control.h"
+#include "migrator/service_address.h"
 #include "migrator/shim_channel.h"
 #include "rdmavirt/v1/migrator.grpc.pb.h"
 
@@ -72,6 +73,9 @@ class Migrator {
     std::function<std::unique_ptr<v1::Transfer::StubInterface>(const std::string& target)> connect;
     // This host's RDMA devices. Default: libibverbs.
     std::function<std::vector<v1::RdmaDevice>()> list_devices;
+    // This host's network addresses, for the service addresses that move
+    // with a process. Default: the kernel's (NewNetlinkAddressControl).
+    AddressControl* addresses = nullptr;
   };
 
   using ProgressSink = std::function<void(const v1::Progress&)>;
@@ -159,7 +163,7 @@ class Migrator {
   // CRIU-restores `dir`, then brings the endpoint back (paused) on this
   // host's HCA; `restored` learns the pid as soon as CRIU gives it. A
   // failure kills whatever was restored.
-  absl::StatusOr<pid_t> RestoreFromDir(const std::string& dir,
+  absl::StatusOr<pid_t> RestoreFromDir(const std::string& dir, bool tcp_established,
                                        const std::function<void(pid_t)>& restored,
                                        const std::vector<v1::Mapping>& peers,
                                        v1::RestoreIncomingResponse* out);
@@ -169,6 +173,14 @@ class Migrator {
   void RecoverSource(const std::string& dir, v1::MigrationRecord record);
   void RecoverDestination(const std::string& dir, v1::MigrationRecord record);
 
+  // Service addresses: checked where they are, then moved ("a.b.c.d/len@if"
+  // entries of MigrationRecord.addresses). Add undoes itself on failure;
+  // Remove goes on past a failure and reports them all.
+  absl::Status LocateAddresses(const v1::MigrateRequest& request, v1::MigrationRecord* rec);
+  absl::Status HomeAddresses(const v1::PrepareRequest& request, v1::MigrationRecord* rec);
+  absl::Status AddAddresses(const v1::MigrationRecord& rec);
+  absl::Status RemoveAddresses(const v1::MigrationRecord& rec);
+
   std::string PeerTarget(const std::string& gid);
   std::string NewId();
 
@@ -176,6 +188,8 @@ class Migrator {
   ShimChannel* const shims_;
   Checkpointer* const criu_;
   ProcessControl* const procs_;
+  std::unique_ptr<AddressControl> own_addresses_;
+  AddressControl* const addresses_;
 
   absl::Mutex mu_;
   std::set<pid_t> moving_ ABSL_GUARDED_BY(mu_);

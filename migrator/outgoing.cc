@@ -303,7 +303,17 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   m->rec.set_stopped(stopped.ok());
   Persist(m);
   if (!stopped.ok()) return stopped;
-  absl::StatusOr<DumpStats> dump = criu_->Dump(pid, final_dir, parent, /*leave_running=*/true);
+  // Its service addresses leave with it (service_address.h): from here on
+  // its TCP connections are frozen as the dump sees them.
+  const bool tcp = m->rec.addresses_size() > 0;
+  if (tcp) {
+    m->rec.set_addresses_moved(true);
+    Persist(m);
+    if (absl::Status st = RemoveAddresses(m->rec); !st.ok())
+      return Annotate(st, "removing the service addresses");
+  }
+  absl::StatusOr<DumpStats> dump =
+      criu_->Dump(pid, final_dir, parent, /*leave_running=*/true, /*tcp_established=*/tcp);
   if (!dump.ok()) return Annotate(dump.status(), "final dump");
   absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(final_dir);
   if (!files.ok()) return files.status();
@@ -393,6 +403,14 @@ void Migrator::RollBack(Move* m, const absl::Status& cause) {
   }
   bool back = true;
   bool peers_done = false;
+  if (m->rec.addresses_moved()) {
+    if (absl::Status st = AddAddresses(m->rec); !st.ok()) {
+      problems.push_back(absl::StrCat("adding the service addresses back: ", st.message()));
+    } else {
+      m->rec.set_addresses_moved(false);
+      Persist(m);
+    }
+  }
   if (m->rec.stopped()) {
     if (absl::Status st = procs_->Continue(pid); !st.ok()) problems.push_back(st.ToString());
   }
@@ -463,6 +481,11 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   const std::string target = dest->Target();
   m->rec.set_destination(target);
   m->rec.mutable_report()->set_destination(target);
+  if (absl::Status st = LocateAddresses(request, &m->rec); !st.ok()) {
+    st = Annotate(st, "nothing was quiesced");
+    Finish(m.get(), st);
+    return st;
+  }
 
   // Nothing is touched until the destination said yes.
   SetPhase(m.get(), "prepare", target);
@@ -473,6 +496,8 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   v1::PrepareRequest prep;
   prep.set_migration_id(m->rec.report().migration_id());
   *prep.mutable_endpoint() = *e;
+  // With the prefix this host has for them.
+  for (const std::string& a : m->rec.report().addresses()) prep.add_addresses(a);
   v1::Transfer::StubInterface* stub = Stub(m.get(), target);
   absl::StatusOr<v1::PrepareResponse> ready = Rpc<v1::PrepareResponse>(
       std::min(options_.rpc_timeout, absl::Seconds(15)), absl::StrCat("destination ", target),
@@ -545,7 +570,8 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
   if (st.ok()) {
     SetPhase(m.get(), "dump", request.dir());
     const absl::Time d0 = absl::Now();
-    absl::StatusOr<DumpStats> dump = criu_->Dump(pid, request.dir(), "", request.leave_running());
+    absl::StatusOr<DumpStats> dump =
+        criu_->Dump(pid, request.dir(), "", request.leave_running(), false);
     if (!dump.ok()) st = Annotate(dump.status(), "dump");
     if (st.ok()) {
       absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(request.dir());
@@ -712,7 +738,7 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
     SetPhase(m.get(), "restore", "on this host");
     v1::RestoreIncomingResponse out;
     absl::StatusOr<pid_t> pid = RestoreFromDir(
-        request.dir(),
+        request.dir(), /*tcp_established=*/false,
         [&](pid_t p) {
           m->rec.set_restored_pid(p);
           Persist(m.get());

@@ -61,9 +61,18 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
   } else if (!procs_->Exists(pid) && m.rec.dumped() && r->kind() == "migrate") {
     // Gone (killed with us?), but its final dump is whole: restore it here.
     SetPhase(&m, "rollback", "restoring the final dump on this host");
+    // Its service addresses come back first: CRIU binds its sockets to them.
+    const bool tcp = m.rec.addresses_size() > 0;
+    if (m.rec.addresses_moved()) {
+      if (absl::Status st = AddAddresses(m.rec); !st.ok())
+        Log("recovery: migration %s: adding the service addresses back: %s", r->migration_id(),
+            st.ToString());
+      else
+        m.rec.set_addresses_moved(false);
+    }
     v1::RestoreIncomingResponse out;
     absl::StatusOr<pid_t> back = RestoreFromDir(
-        m.rec.image_dir(),
+        m.rec.image_dir(), tcp,
         [&](pid_t p) {
           m.rec.set_restored_pid(p);
           Persist(&m);
@@ -119,6 +128,13 @@ void Migrator::RecoverDestination(const std::string& dir, v1::MigrationRecord re
   if (pid > 0 && procs_->Exists(pid)) {
     if (absl::Status st = procs_->Kill(pid); !st.ok())
       Log("recovery: incoming %s: killing process %d: %s", id, pid, st.ToString());
+  }
+  // The source takes its service addresses back on its rollback.
+  if (in->rec.addresses_moved()) {
+    if (absl::Status st = RemoveAddresses(in->rec); !st.ok())
+      Log("recovery: incoming %s: %s", id, st.ToString());
+    else
+      in->rec.set_addresses_moved(false);
   }
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec))

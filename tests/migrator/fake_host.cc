@@ -27,6 +27,65 @@ std::string Gid(int n) {
   return g;
 }
 
+FakeHost::FakeHost(int n) : gid_(Gid(n)), n_(n) {
+  HoldAddress("eth0", absl::StrCat("10.0.0.", n, "/24"));
+}
+
+void FakeHost::HoldAddress(const std::string& ifname, const std::string& address) {
+  absl::StatusOr<ServiceAddress> a = ParseServiceAddress(address);
+  absl::MutexLock lock(&mu_);
+  if (a.ok()) addrs_[a->addr] = {ifname, a->prefix};
+}
+
+std::vector<std::string> FakeHost::Addresses() {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> out;
+  for (const auto& [addr, where] : addrs_)
+    out.push_back(absl::StrCat(ServiceAddress{addr, where.second}.Text(), "@", where.first));
+  return out;
+}
+
+std::vector<std::string> FakeHost::Events() {
+  absl::MutexLock lock(&mu_);
+  return events_;
+}
+
+absl::StatusOr<std::string> FakeHost::Holder(ServiceAddress* a) {
+  absl::MutexLock lock(&mu_);
+  auto it = addrs_.find(a->addr);
+  if (it == addrs_.end()) return absl::NotFoundError(absl::StrCat(a->Text(), " is not here"));
+  a->prefix = it->second.second;
+  return it->second.first;
+}
+
+absl::StatusOr<std::string> FakeHost::Home(const ServiceAddress& a) {
+  absl::MutexLock lock(&mu_);
+  if (addrs_.contains(a.addr)) return absl::AlreadyExistsError(absl::StrCat(a.Text(), " is here"));
+  for (const auto& [addr, where] : addrs_)
+    if (a.SameSubnet(addr)) return where.first;
+  return absl::FailedPreconditionError(absl::StrCat("no interface on the subnet of ", a.Text()));
+}
+
+absl::Status FakeHost::Add(const std::string& ifname, const ServiceAddress& a) {
+  absl::MutexLock lock(&mu_);
+  if (!add_address_error.ok()) return add_address_error;
+  addrs_[a.addr] = {ifname, a.prefix};
+  events_.push_back(absl::StrCat("add ", a.Text(), "@", ifname));
+  return absl::OkStatus();
+}
+
+absl::Status FakeHost::Remove(const std::string& ifname, const ServiceAddress& a) {
+  absl::MutexLock lock(&mu_);
+  addrs_.erase(a.addr);
+  events_.push_back(absl::StrCat("remove ", a.Text(), "@", ifname));
+  return absl::OkStatus();
+}
+
+void FakeHost::SetTcpAddress(pid_t pid, const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  eps_[pid].tcp_address = address;
+}
+
 FakeEndpoint& FakeHost::Add(pid_t pid, const std::string& vgid, std::vector<FakeQp> qps) {
   absl::MutexLock lock(&mu_);
   FakeEndpoint& e = eps_[pid];
@@ -110,14 +169,29 @@ absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl
   FakeEndpoint& e = it->second;
   std::string cmd;
   switch (req.command_case()) {
-    case v1::MigratorToShim::kQuiesce: cmd = "quiesce"; break;
-    case v1::MigratorToShim::kRelease: cmd = "release"; break;
-    case v1::MigratorToShim::kRestore: cmd = "restore"; break;
-    case v1::MigratorToShim::kResume: cmd = "resume"; break;
-    case v1::MigratorToShim::kPeerQuiesce: cmd = "peer_quiesce"; break;
-    case v1::MigratorToShim::kPeerReconnect: cmd = "peer_reconnect"; break;
-    case v1::MigratorToShim::kDescribe: cmd = "describe"; break;
-    default: return absl::InvalidArgumentError("no command");
+    case v1::MigratorToShim::kQuiesce:
+      cmd = "quiesce";
+      break;
+    case v1::MigratorToShim::kRelease:
+      cmd = "release";
+      break;
+    case v1::MigratorToShim::kRestore:
+      cmd = "restore";
+      break;
+    case v1::MigratorToShim::kResume:
+      cmd = "resume";
+      break;
+    case v1::MigratorToShim::kPeerQuiesce:
+      cmd = "peer_quiesce";
+      break;
+    case v1::MigratorToShim::kPeerReconnect:
+      cmd = "peer_reconnect";
+      break;
+    case v1::MigratorToShim::kDescribe:
+      cmd = "describe";
+      break;
+    default:
+      return absl::InvalidArgumentError("no command");
   }
   e.log.push_back(cmd);
   v1::Reply r;
@@ -126,13 +200,18 @@ absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl
     r.set_code(static_cast<int>(fail->second));
     r.set_message(absl::StrCat("injected ", cmd, " failure"));
   } else if (cmd == "quiesce" || cmd == "peer_quiesce") {
-    if (e.released) r.set_code(9), r.set_message("released");
-    else e.paused = true;
+    if (e.released)
+      r.set_code(9), r.set_message("released");
+    else
+      e.paused = true;
   } else if (cmd == "release") {
-    if (!e.paused) r.set_code(9), r.set_message("release needs a quiesced endpoint");
-    else e.released = true;
+    if (!e.paused)
+      r.set_code(9), r.set_message("release needs a quiesced endpoint");
+    else
+      e.released = true;
   } else if (cmd == "restore") {
-    if (!e.released) r.set_code(9), r.set_message("restore needs a released endpoint");
+    if (!e.released)
+      r.set_code(9), r.set_message("restore needs a released endpoint");
     else {
       e.released = false;
       e.qpn_base += 10;  // new physical identities, every time
@@ -141,10 +220,13 @@ absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl
           if (q.remote_vgid == m.virtual_gid()) q.remote_pgid = m.physical_gid();
     }
   } else if (cmd == "resume") {
-    if (e.released) r.set_code(9), r.set_message("released");
-    else e.paused = false;
+    if (e.released)
+      r.set_code(9), r.set_message("released");
+    else
+      e.paused = false;
   } else if (cmd == "peer_reconnect") {
-    if (!e.paused || e.released) r.set_code(9), r.set_message("peer reconnect needs a paused endpoint");
+    if (!e.paused || e.released)
+      r.set_code(9), r.set_message("peer reconnect needs a paused endpoint");
     else {
       e.reconnected_to.push_back(req.peer_reconnect().mapping());
       for (FakeQp& q : e.qps)
@@ -176,23 +258,25 @@ absl::StatusOr<ShimInfo> FakeHost::WaitHello(pid_t pid, v1::EndpointPhase phase,
     pid_t pid;
     v1::EndpointPhase phase;
   } arg{this, pid, phase};
-  const bool ok = mu_.AwaitWithTimeout(
-      absl::Condition(
-          +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            auto it = a->h->eps_.find(a->pid);
-            return it != a->h->eps_.end() && it->second.alive && it->second.connected &&
-                   it->second.hello_phase == a->phase;
-          },
-          &arg),
-      timeout);
+  const bool ok = mu_.AwaitWithTimeout(absl::Condition(
+                                           +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                             auto it = a->h->eps_.find(a->pid);
+                                             return it != a->h->eps_.end() && it->second.alive &&
+                                                    it->second.connected &&
+                                                    it->second.hello_phase == a->phase;
+                                           },
+                                           &arg),
+                                       timeout);
   if (!ok) return absl::DeadlineExceededError(absl::StrCat("no Hello from ", pid));
   return ShimInfo{pid, eps_[pid].endpoint_id, "app", phase};
 }
 
 absl::Status FakeHost::SetResumeMarker(pid_t pid, bool present) {
   absl::MutexLock lock(&mu_);
-  if (present) markers_.insert(pid);
-  else markers_.erase(pid);
+  if (present)
+    markers_.insert(pid);
+  else
+    markers_.erase(pid);
   Tick();
   return absl::OkStatus();
 }
@@ -206,18 +290,21 @@ bool FakeHost::Exists(pid_t pid) {
 absl::Status FakeHost::Stop(pid_t pid) {
   absl::MutexLock lock(&mu_);
   eps_[pid].stopped = true;
+  events_.push_back(absl::StrCat("stop ", pid));
   return absl::OkStatus();
 }
 
 absl::Status FakeHost::Continue(pid_t pid) {
   absl::MutexLock lock(&mu_);
   eps_[pid].stopped = false;
+  events_.push_back(absl::StrCat("continue ", pid));
   Tick();
   return absl::OkStatus();
 }
 
 absl::Status FakeHost::Kill(pid_t pid) {
   absl::MutexLock lock(&mu_);
+  events_.push_back(absl::StrCat("kill ", pid));
   auto it = eps_.find(pid);
   if (it != eps_.end()) {
     it->second.alive = false;
@@ -241,7 +328,8 @@ absl::StatusOr<DumpStats> FakeHost::PreDump(pid_t pid, const std::string& dir,
 }
 
 absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
-                                         const std::string& parent, bool leave_running) {
+                                         const std::string& parent, bool leave_running,
+                                         bool tcp_established) {
   absl::MutexLock lock(&mu_);
   ++dumps;
   if (!dump_error.ok()) return dump_error;
@@ -249,17 +337,23 @@ absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
   if (it == eps_.end() || !it->second.alive) return absl::NotFoundError("no such process");
   if (it->second.connected)
     return absl::FailedPreconditionError("Can't dump: the control socket is still open");
+  events_.push_back(absl::StrCat("dump ", pid, tcp_established ? " tcp" : ""));
+  if (!it->second.tcp_address.empty() && !tcp_established)
+    return absl::FailedPreconditionError(
+        "Connected TCP socket, consider using --tcp-established option");
   std::filesystem::create_directories(dir);
   WriteFile(dir + "/core.img", Summary(it->second).SerializeAsString());
+  if (!it->second.tcp_address.empty()) WriteFile(dir + "/tcp.img", it->second.tcp_address);
   WriteFile(dir + "/pages-1.img", std::string(4096, 'f'));
   if (!parent.empty()) WriteFile(dir + "/parent.path", Relative(dir, parent) + "\n");
   if (!leave_running) it->second.alive = false;
   return DumpStats{20, 8192};
 }
 
-absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir) {
+absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_established) {
   absl::MutexLock lock(&mu_);
   ++restores;
+  events_.push_back(absl::StrCat("restore", tcp_established ? " tcp" : ""));
   if (!restore_error.ok()) return restore_error;
   std::ifstream in(dir + "/core.img", std::ios::binary);
   std::stringstream buf;
@@ -276,11 +370,21 @@ absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir) {
   }
   const pid_t pid = s.pid();
   if (eps_.contains(pid) && eps_[pid].alive) return absl::AlreadyExistsError("pid in use");
+  std::string tcp_address;
+  if (std::filesystem::exists(dir + "/tcp.img")) {
+    std::ifstream t(dir + "/tcp.img");
+    std::getline(t, tcp_address);
+    absl::StatusOr<ServiceAddress> a = ParseServiceAddress(tcp_address);
+    if (!tcp_established || !a.ok() || !addrs_.contains(a->addr))
+      return absl::FailedPreconditionError(
+          "Can't bind inet socket: Cannot assign requested address");
+  }
   FakeEndpoint& e = eps_[pid];
   auto fail = std::move(e.fail);  // faults set up for the restored process
   e = FakeEndpoint{};
   e.fail = std::move(fail);
   e.pid = pid;
+  e.tcp_address = tcp_address;
   e.endpoint_id = s.endpoint_id();
   e.vgid = s.mapping().virtual_gid();
   for (const v1::QpSummary& q : s.qps())

@@ -4,7 +4,11 @@
 // given the others: a released shim reconnects only once its resume marker
 // exists and its process is not stopped; a dump refuses a process whose
 // control socket is still open; a restore brings back a released endpoint
-// that waits for its marker. Switches inject faults. Thread-safe.
+// that waits for its marker. It is also the host's network addresses
+// (AddressControl): eth0 holds 10.0.0.N/24, and a dump or restore with
+// tcp_established of an endpoint that holds a TCP connection (tcp_address)
+// fails like CRIU's unless that address is where CRIU needs it. Switches
+// inject faults. Thread-safe.
 #ifndef RDMAVIRT_TESTS_MIGRATOR_FAKE_HOST_H_
 #define RDMAVIRT_TESTS_MIGRATOR_FAKE_HOST_H_
 
@@ -16,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "migrator/checkpointer.h"
 #include "migrator/process_control.h"
+#include "migrator/service_address.h"
 #include "migrator/shim_channel.h"
 
 namespace rdmavirt::migrator::testing {
@@ -46,19 +51,36 @@ struct FakeEndpoint {
   std::vector<std::string> log;  // every command received, in order
   std::vector<v1::Mapping> reconnected_to;
   std::map<std::string, absl::StatusCode> fail;  // command -> the shim's answer
+  std::string tcp_address;  // "a.b.c.d": the local address of its TCP connection
 };
 
-class FakeHost final : public ShimChannel, public ProcessControl, public Checkpointer {
+class FakeHost final : public ShimChannel,
+                       public ProcessControl,
+                       public Checkpointer,
+                       public AddressControl {
  public:
-  explicit FakeHost(int n) : gid_(Gid(n)), n_(n) {}
+  explicit FakeHost(int n);
 
   FakeEndpoint& Add(pid_t pid, const std::string& vgid, std::vector<FakeQp> qps);
   // A copy of the endpoint's state (empty pid when there is none).
   FakeEndpoint Get(pid_t pid);
   void Fail(pid_t pid, const std::string& command, absl::StatusCode code);
+  // The endpoint holds a TCP connection on `address` ("a.b.c.d/len").
+  void SetTcpAddress(pid_t pid, const std::string& address);
   // A process that is not under the shim.
   void AddPlainProcess(pid_t pid);
   const std::string& gid() const { return gid_; }
+
+  // Network: `ifname` holds `address` ("a.b.c.d/len").
+  void HoldAddress(const std::string& ifname, const std::string& address);
+  // "a.b.c.d/len@ifname" for every address held, sorted.
+  std::vector<std::string> Addresses();
+  absl::Status add_address_error;
+  // What happened to processes, images and addresses, in order: "stop 100",
+  // "continue 100", "kill 100", "dump 100 tcp", "restore tcp",
+  // "add 10.0.0.50/24@eth0", "remove 10.0.0.50/24@eth0" ("tcp" when
+  // tcp_established was asked for).
+  std::vector<std::string> Events();
 
   // CRIU switches and counters.
   absl::Status check_error, predump_error, dump_error, restore_error;
@@ -83,8 +105,13 @@ class FakeHost final : public ShimChannel, public ProcessControl, public Checkpo
   absl::StatusOr<DumpStats> PreDump(pid_t pid, const std::string& dir,
                                     const std::string& parent) override;
   absl::StatusOr<DumpStats> Dump(pid_t pid, const std::string& dir, const std::string& parent,
-                                 bool leave_running) override;
-  absl::StatusOr<pid_t> Restore(const std::string& dir) override;
+                                 bool leave_running, bool tcp_established) override;
+  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established) override;
+  // AddressControl
+  absl::StatusOr<std::string> Holder(ServiceAddress* a) override;
+  absl::StatusOr<std::string> Home(const ServiceAddress& a) override;
+  absl::Status Add(const std::string& ifname, const ServiceAddress& a) override;
+  absl::Status Remove(const std::string& ifname, const ServiceAddress& a) override;
 
  private:
   v1::EndpointSummary Summary(const FakeEndpoint& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -96,6 +123,9 @@ class FakeHost final : public ShimChannel, public ProcessControl, public Checkpo
   std::map<pid_t, FakeEndpoint> eps_ ABSL_GUARDED_BY(mu_);
   std::set<pid_t> plain_ ABSL_GUARDED_BY(mu_);
   std::set<pid_t> markers_ ABSL_GUARDED_BY(mu_);
+  // address (host order) -> (interface, prefix)
+  std::map<uint32_t, std::pair<std::string, int>> addrs_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace rdmavirt::migrator::testing

@@ -25,12 +25,12 @@ namespace {
 
 using ::testing::Contains;
 using ::testing::ElementsAre;
-using ::testing::HasSubstr;
-using ::testing::Not;
 using testing::FakeEndpoint;
 using testing::FakeHost;
 using testing::FakeQp;
 using testing::Gid;
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string VGid(int n) {
   std::string g(16, '\0');
@@ -111,6 +111,7 @@ class Cluster {
       return out;
     };
     FakeHost* h = node.host.get();
+    o.addresses = h;
     node.m = std::make_unique<Migrator>(o, h, h, h);
     node.svc = std::make_unique<TransferService>(node.m.get());
     grpc::ServerBuilder b;
@@ -149,14 +150,18 @@ struct MoveRun {
   v1::MigrationReport report;
 };
 
-MoveRun Migrate(Cluster& c, int pid, const std::string& to) {
+MoveRun Migrate(Cluster& c, int pid, const std::string& to,
+                const std::vector<std::string>& addresses = {}) {
   MoveRun run;
   v1::MigrateRequest req;
   req.set_pid(pid);
   req.set_destination(to);
+  for (const std::string& a : addresses) req.add_addresses(a);
   run.status = c.m(1).Migrate(req, [&](const v1::Progress& p) {
-    if (p.has_report()) run.report = p.report();
-    else if (run.phases.empty() || run.phases.back() != p.phase()) run.phases.push_back(p.phase());
+    if (p.has_report())
+      run.report = p.report();
+    else if (run.phases.empty() || run.phases.back() != p.phase())
+      run.phases.push_back(p.phase());
   });
   return run;
 }
@@ -318,6 +323,93 @@ TEST(MigratorTest, DestinationShimFailureKillsTheRestoredProcess) {
   MoveRun run = Migrate(c, 100, "h2");
   ExpectRolledBack(c, run, true);
   EXPECT_EQ(c.host(2).restores, 1);
+}
+
+TEST(MigratorTest, AServiceAddressAndItsTcpConnectionsMoveWithTheProcess) {
+  Cluster c("svcaddr");
+  Topology(c);
+  c.host(1).HoldAddress("eth0", "10.0.0.50/24");
+  c.host(1).SetTcpAddress(100, "10.0.0.50/24");
+  MoveRun run = Migrate(c, 100, "h2", {"10.0.0.50"});
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  // The source gave it up once the process was stopped, before the dump;
+  // the destination took it (on its interface on that subnet) before the
+  // restore. The prefix is the one the source had.
+  EXPECT_THAT(c.host(1).Events(),
+              ElementsAre("stop 100", "remove 10.0.0.50/24@eth0", "dump 100 tcp", "kill 100"));
+  EXPECT_THAT(c.host(2).Events(),
+              ElementsAre("add 10.0.0.50/24@eth0", "restore tcp", "continue 100"));
+  EXPECT_THAT(c.host(1).Addresses(), ElementsAre("10.0.0.1/24@eth0"));
+  EXPECT_THAT(c.host(2).Addresses(), ElementsAre("10.0.0.2/24@eth0", "10.0.0.50/24@eth0"));
+  EXPECT_THAT(run.report.addresses(), ElementsAre("10.0.0.50/24"));
+  EXPECT_EQ(c.host(2).Get(100).tcp_address, "10.0.0.50/24");
+}
+
+TEST(MigratorTest, WithoutItsServiceAddressAProcessWithTcpDoesNotMove) {
+  Cluster c("svcaddr-none");
+  Topology(c);
+  c.host(1).HoldAddress("eth0", "10.0.0.50/24");
+  c.host(1).SetTcpAddress(100, "10.0.0.50/24");
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_THAT(run.report.error(), HasSubstr("--tcp-established"));
+  ExpectRolledBack(c, run, true);
+  EXPECT_THAT(c.host(1).Addresses(), Contains("10.0.0.50/24@eth0"));
+}
+
+TEST(MigratorTest, AServiceAddressTheSourceDoesNotHoldIsRefusedBeforeAnything) {
+  Cluster c("svcaddr-notheld");
+  Topology(c);
+  MoveRun run = Migrate(c, 100, "h2", {"10.0.0.60/24"});
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("10.0.0.60/24 is not on h1"));
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_EQ(c.host(1).predumps, 0);
+}
+
+TEST(MigratorTest, ADestinationOffTheServiceSubnetIsRefusedBeforeAnything) {
+  Cluster c("svcaddr-subnet");
+  Topology(c);
+  c.host(1).HoldAddress("eth1", "192.168.7.5/24");
+  MoveRun run = Migrate(c, 100, "h2", {"192.168.7.5/24"});
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()),
+              HasSubstr("host h2 cannot take the service address 192.168.7.5/24"));
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+  EXPECT_THAT(c.host(1).Addresses(), Contains("192.168.7.5/24@eth1"));
+  EXPECT_TRUE(c.host(1).Events().empty());
+}
+
+TEST(MigratorTest, BadServiceAddressesAreRefused) {
+  Cluster c("svcaddr-bad");
+  Topology(c);
+  for (const char* bad : {"fe80::1/64", "10.0.0.300", "10.0.0.5/40", "127.0.0.1", "10.0.0.0/24"}) {
+    MoveRun run = Migrate(c, 100, "h2", {bad});
+    EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument) << bad << run.status;
+  }
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+}
+
+TEST(MigratorTest, ARollbackGivesTheServiceAddressBackToTheSource) {
+  Cluster c("svcaddr-rollback");
+  Topology(c);
+  c.host(1).HoldAddress("eth0", "10.0.0.50/24");
+  c.host(1).SetTcpAddress(100, "10.0.0.50/24");
+  c.host(2).restore_error = absl::InternalError("criu restore blew up");
+  MoveRun run = Migrate(c, 100, "h2", {"10.0.0.50/24"});
+  ExpectRolledBack(c, run, true);
+  // h2 took it for the restore and gave it up at the abort; h1 took it
+  // back before the process continued.
+  EXPECT_THAT(c.host(2).Events(),
+              ElementsAre("add 10.0.0.50/24@eth0", "restore tcp", "remove 10.0.0.50/24@eth0"));
+  EXPECT_THAT(c.host(1).Events(),
+              ElementsAre("stop 100", "remove 10.0.0.50/24@eth0", "dump 100 tcp",
+                          "add 10.0.0.50/24@eth0", "continue 100"));
+  EXPECT_THAT(c.host(1).Addresses(), Contains("10.0.0.50/24@eth0"));
+  EXPECT_THAT(c.host(2).Addresses(), ElementsAre("10.0.0.2/24@eth0"));
 }
 
 TEST(MigratorTest, FinalDumpFailureRollsBack) {
@@ -483,11 +575,16 @@ v1::MigrationRecord CrashedRecord(const std::string& phase) {
 // quiesced, released and SIGSTOPped (its socket closed).
 void Crash(Cluster& c, bool released, bool stopped) {
   for (auto [h, pid] : {std::pair{1, 200}, std::pair{3, 300}})
-    ASSERT_TRUE(c.host(h).Call(pid, [] {
-                  v1::MigratorToShim q;
-                  q.mutable_peer_quiesce();
-                  return q;
-                }(), absl::Seconds(1)).ok());
+    ASSERT_TRUE(c.host(h)
+                    .Call(
+                        pid,
+                        [] {
+                          v1::MigratorToShim q;
+                          q.mutable_peer_quiesce();
+                          return q;
+                        }(),
+                        absl::Seconds(1))
+                    .ok());
   v1::MigratorToShim q;
   q.mutable_quiesce();
   ASSERT_TRUE(c.host(1).Call(100, q, absl::Seconds(1)).ok());
@@ -545,7 +642,7 @@ TEST(MigratorRecoveryTest, SourceRestoresAGoneProcessFromItsFinalDump) {
   Topology(c);
   Crash(c, true, false);
   const std::string dir = c[1].state_dir + "/migrations/crashed-1";
-  ASSERT_TRUE(c.host(1).Dump(100, dir + "/final", "", /*leave_running=*/false).ok());
+  ASSERT_TRUE(c.host(1).Dump(100, dir + "/final", "", /*leave_running=*/false, false).ok());
   v1::MigrationRecord rec = CrashedRecord("transfer");
   rec.set_released(true);
   rec.set_dumped(true);

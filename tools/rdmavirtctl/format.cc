@@ -29,9 +29,9 @@ std::string Table(const std::vector<std::vector<std::string>>& rows) {
 }
 
 std::string Phase(const v1::EndpointSummary& e) {
-  std::string p = e.phase() == v1::ENDPOINT_PHASE_RELEASED ? "released"
+  std::string p = e.phase() == v1::ENDPOINT_PHASE_RELEASED  ? "released"
                   : e.phase() == v1::ENDPOINT_PHASE_RUNNING ? "running"
-                                                              : "?";
+                                                            : "?";
   if (e.suspended() && e.phase() != v1::ENDPOINT_PHASE_RELEASED) p = "suspended";
   return p;
 }
@@ -108,7 +108,8 @@ std::string ReportText(const v1::MigrationReport& r) {
   const v1::Breakdown& b = r.breakdown();
   std::string what;
   if (r.kind() == "migrate")
-    what = absl::StrCat("migration of pid ", r.pid(), " from ", r.source(), " to ", r.destination());
+    what =
+        absl::StrCat("migration of pid ", r.pid(), " from ", r.source(), " to ", r.destination());
   else if (r.kind() == "checkpoint")
     what = absl::StrCat("checkpoint of pid ", r.pid(), " into ", r.destination());
   else
@@ -118,13 +119,13 @@ std::string ReportText(const v1::MigrationReport& r) {
   if (r.ok()) {
     absl::StrAppend(&out, what, ": done in ", Micros(b.total_us()), "\n");
   } else {
-    absl::StrAppend(&out, what, ": FAILED after ", Micros(b.total_us()), "\n  error: ", r.error(),
-                    "\n  ",
-                    r.rolled_back() ? "rolled back: the process runs on the source again"
-                                    : "not rolled back",
-                    "\n");
+    absl::StrAppend(
+        &out, what, ": FAILED after ", Micros(b.total_us()), "\n  error: ", r.error(), "\n  ",
+        r.rolled_back() ? "rolled back: the process runs on the source again" : "not rolled back",
+        "\n");
   }
-  absl::StrAppend(&out, "  blackout ", Micros(b.blackout_us()), " (peers and endpoint suspended)\n");
+  absl::StrAppend(&out, "  blackout ", Micros(b.blackout_us()),
+                  " (peers and endpoint suspended)\n");
   std::vector<std::string> parts;
   auto add = [&](const char* name, uint64_t us) {
     if (us) parts.push_back(absl::StrCat(name, " ", Micros(us)));
@@ -144,7 +145,11 @@ std::string ReportText(const v1::MigrationReport& r) {
                   r.precopy_iterations()
                       ? absl::StrCat("; ", r.precopy_iterations(), " pre-copy iteration(s)")
                       : "",
-                  "\n  id ", r.migration_id(), "\n");
+                  "\n");
+  if (!r.addresses().empty())
+    absl::StrAppend(&out, "  service addresses moved with it: ", absl::StrJoin(r.addresses(), ", "),
+                    "\n");
+  absl::StrAppend(&out, "  id ", r.migration_id(), "\n");
   return out;
 }
 

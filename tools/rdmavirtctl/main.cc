@@ -11,10 +11,12 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "migrator/addresses.h"
+#include "migrator/service_address.h"
 #include "migrator/tls.h"
 #include "rdmavirt/v1/migrator.grpc.pb.h"
 #include "tools/rdmavirtctl/format.h"
@@ -32,7 +34,8 @@ constexpr char kUsageText[] =
     "\n"
     "commands:\n"
     "  ps                                   processes under the shim on HOST\n"
-    "  migrate PID --to HOST[:PORT]         live-migrate PID from HOST to another host\n"
+    "  migrate PID --to HOST[:PORT] [--address A.B.C.D/LEN]\n"
+    "                                       live-migrate PID from HOST to another host\n"
     "  checkpoint PID --dir DIR [--leave-running]\n"
     "                                       checkpoint PID into DIR on HOST\n"
     "  restore --dir DIR [--on HOST[:PORT]] restore a checkpoint of HOST (on another host)\n"
@@ -52,10 +55,15 @@ const std::map<std::string, std::string>& CommandHelp() {
        "REG MEM (registered memory), CQ PENDING (completions held in shadow CQs).\n"},
       {"migrate",
        "usage: rdmavirtctl migrate PID --to HOST[:PORT] [--max-precopy N] [--drain-timeout-ms MS]\n"
+       "                           [--address A.B.C.D/LEN[,...]]\n"
        "Live-migrates process PID of --host to the migrator at --to (port 7700 by\n"
        "default). The destination is checked before anything is touched; any failure\n"
        "before the process runs on the destination rolls it back onto the source.\n"
-       "Progress goes to stderr; the summary (blackout, breakdown) to stdout.\n"},
+       "Progress goes to stderr; the summary (blackout, breakdown) to stdout.\n"
+       "--address names IPv4 addresses of --host that belong to the process (its\n"
+       "service addresses): they move with it, and so do its established TCP\n"
+       "connections on them. The destination must have an interface on their subnet.\n"
+       "Without it a process holding a TCP connection cannot move.\n"},
       {"checkpoint",
        "usage: rdmavirtctl checkpoint PID --dir DIR [--leave-running]\n"
        "Checkpoints process PID into DIR (an absolute path on --host, absent or empty).\n"
@@ -91,15 +99,16 @@ struct Args {
 int UsageError(const std::string& message, const std::string& command = "") {
   fprintf(stderr, "rdmavirtctl: %s\n", message.c_str());
   auto it = CommandHelp().find(command);
-  fprintf(stderr, "%s", it != CommandHelp().end() ? it->second.c_str()
-                                                  : "run `rdmavirtctl --help` for usage\n");
+  fprintf(stderr, "%s",
+          it != CommandHelp().end() ? it->second.c_str() : "run `rdmavirtctl --help` for usage\n");
   return kUsage;
 }
 
 // 0 to go on, else an exit code (after printing why).
 int Parse(int argc, char** argv, Args* a) {
-  static const std::vector<std::string> kValued = {"--host", "--tls-dir", "--to", "--dir", "--on",
-                                                   "--max-precopy", "--drain-timeout-ms"};
+  static const std::vector<std::string> kValued = {
+      "--host",        "--tls-dir",          "--to",     "--dir", "--on",
+      "--max-precopy", "--drain-timeout-ms", "--address"};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") {
@@ -127,14 +136,22 @@ int Parse(int argc, char** argv, Args* a) {
       } else {
         return UsageError(absl::StrCat(name, " needs a value"), a->command);
       }
-      if (name == "--host") a->host = value;
-      else if (name == "--tls-dir") a->tls_dir = value;
-      else a->options[name] = value;
+      if (name == "--host")
+        a->host = value;
+      else if (name == "--tls-dir")
+        a->tls_dir = value;
+      // --address may be given more than once.
+      else if (name == "--address" && a->options.contains(name))
+        a->options[name] += "," + value;
+      else
+        a->options[name] = value;
       continue;
     }
     if (arg.size() > 1 && arg[0] == '-') return UsageError(absl::StrCat("unknown option ", arg));
-    if (a->command.empty()) a->command = arg;
-    else a->positional.push_back(arg);
+    if (a->command.empty())
+      a->command = arg;
+    else
+      a->positional.push_back(arg);
   }
   return 0;
 }
@@ -143,7 +160,8 @@ absl::StatusOr<int> ParsePid(const std::string& s) {
   int pid = 0;
   if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos ||
       !absl::SimpleAtoi(s, &pid) || pid <= 0)
-    return absl::InvalidArgumentError(absl::StrCat("\"", s, "\" is not a process id (a positive integer)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("\"", s, "\" is not a process id (a positive integer)"));
   return pid;
 }
 
@@ -202,21 +220,36 @@ class Client {
 
   static const char* CodeName(grpc::StatusCode c) {
     switch (c) {
-      case grpc::StatusCode::CANCELLED: return "CANCELLED";
-      case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-      case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-      case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-      case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-      case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-      case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-      case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-      case grpc::StatusCode::ABORTED: return "ABORTED";
-      case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-      case grpc::StatusCode::INTERNAL: return "INTERNAL";
-      case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-      case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-      case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-      default: return "UNKNOWN";
+      case grpc::StatusCode::CANCELLED:
+        return "CANCELLED";
+      case grpc::StatusCode::INVALID_ARGUMENT:
+        return "INVALID_ARGUMENT";
+      case grpc::StatusCode::DEADLINE_EXCEEDED:
+        return "DEADLINE_EXCEEDED";
+      case grpc::StatusCode::NOT_FOUND:
+        return "NOT_FOUND";
+      case grpc::StatusCode::ALREADY_EXISTS:
+        return "ALREADY_EXISTS";
+      case grpc::StatusCode::PERMISSION_DENIED:
+        return "PERMISSION_DENIED";
+      case grpc::StatusCode::RESOURCE_EXHAUSTED:
+        return "RESOURCE_EXHAUSTED";
+      case grpc::StatusCode::FAILED_PRECONDITION:
+        return "FAILED_PRECONDITION";
+      case grpc::StatusCode::ABORTED:
+        return "ABORTED";
+      case grpc::StatusCode::UNIMPLEMENTED:
+        return "UNIMPLEMENTED";
+      case grpc::StatusCode::INTERNAL:
+        return "INTERNAL";
+      case grpc::StatusCode::UNAVAILABLE:
+        return "UNAVAILABLE";
+      case grpc::StatusCode::DATA_LOSS:
+        return "DATA_LOSS";
+      case grpc::StatusCode::UNAUTHENTICATED:
+        return "UNAUTHENTICATED";
+      default:
+        return "UNKNOWN";
     }
   }
 
@@ -252,8 +285,10 @@ int FollowMove(Client* c, const Args& args, const char* what,
   }
   const grpc::Status st = reader->Finish();
   if (have_report) {
-    if (args.json) printf("%s\n", Json(report).c_str());
-    else printf("%s", ReportText(report).c_str());
+    if (args.json)
+      printf("%s\n", Json(report).c_str());
+    else
+      printf("%s", ReportText(report).c_str());
   }
   if (!st.ok()) return c->Failed(what, st);
   if (have_report && !report.ok()) return kFailed;
@@ -284,7 +319,7 @@ int Main(int argc, char** argv) {
       {"ps", {0, {}}},
       {"status", {0, {}}},
       {"host", {0, {}}},
-      {"migrate", {1, {"--to", "--max-precopy", "--drain-timeout-ms"}}},
+      {"migrate", {1, {"--to", "--max-precopy", "--drain-timeout-ms", "--address"}}},
       {"checkpoint", {1, {"--dir"}}},
       {"restore", {0, {"--dir", "--on"}}},
   };
@@ -332,6 +367,14 @@ int Main(int argc, char** argv) {
           ParseCount("--drain-timeout-ms", opt("--drain-timeout-ms"), 600000);
       if (!n.ok()) return UsageError(std::string(n.status().message()), "migrate");
       migrate.set_drain_timeout_ms(*n);
+    }
+    if (args.options.contains("--address")) {
+      for (absl::string_view a : absl::StrSplit(opt("--address"), ',')) {
+        absl::StatusOr<migrator::ServiceAddress> parsed = migrator::ParseServiceAddress(a);
+        if (!parsed.ok())
+          return UsageError(absl::StrCat("--address: ", parsed.status().message()), "migrate");
+        migrate.add_addresses(std::string(a));
+      }
     }
   } else if (args.command == "checkpoint") {
     if (opt("--dir").empty() || opt("--dir")[0] != '/')

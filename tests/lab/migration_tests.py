@@ -9,6 +9,7 @@ migration.
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -150,7 +151,7 @@ def integrity_survives_live_migrations_and_a_checkpoint():
 @logs_on_failure("dies")
 def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
     ensure_daemons()
-    qpid, ppid = start_pair("dies", 4000, server=3, client=1)
+    qpid, ppid = start_pair("dies", 2500, server=3, client=1)
     # host2's migrator is killed (SIGKILL) as soon as the final dump's
     # stream begins to arrive (its directory is made before the first byte).
     watcher = LAB.submit(2, "/usr/bin/python3 -c \"import glob, subprocess, time\n"
@@ -181,6 +182,80 @@ def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
     finally:
         LAB.run(1, f"kill {ppid}")
         LAB.run(3, f"kill {qpid}")
+
+
+# perftest's server, reached by its client at an address of its own that
+# moves with it: its TCP connection to the client stays open for the whole
+# run (perftest syncs over it at the end) and must survive the move.
+SERVICE = "10.77.0.101"
+PERF_PORT = 18515
+
+
+def perftest_survives_a_move_of_its_server(name, prog, args):
+    ensure_daemons()
+    out = f"{WORK}/{name}"
+    for h in (1, 2):
+        LAB.run(h, f"ip addr del {SERVICE}/24 dev eth0 2> /dev/null; pkill -x {prog}")
+    LAB.run(3, f"pkill -x {prog}")
+    run_ok(1, f"mkdir -p {WORK} && rm -f {out}-* && ip addr add {SERVICE}/24 dev eth0")
+    cmd = f"{prog} -d rxe0 -x 1 -F -p {PERF_PORT} {args}"
+    run_ok(1, f"(setsid env {SHIM}{cmd} > {out}-server.out 2>&1 < /dev/null &)")
+    wait_listening(1, PERF_PORT)
+    client = LAB.submit(3, f"env {SHIM}{cmd} {SERVICE} > {out}-client.out 2>&1", 600)
+    try:
+        t0 = time.monotonic()
+        wait_until(1, f"ss -Htn state established 'sport = :{PERF_PORT}' | grep -q .", 30,
+                   "the client connected")
+        spid = pid_of(1, f"^{prog} ")
+        time.sleep(max(0.0, 10 - (time.monotonic() - t0)))  # traffic flowing
+        print(f"moving the server {time.monotonic() - t0:.1f}s after the client started",
+              flush=True)
+        r, rep = ctl(1, f"migrate {spid} --to {ip(2)} --address {SERVICE}/24")
+        check(r.rc == 0, f"migrate the {prog} server host1 -> host2", r)
+        check_report(rep, f"migrate the {prog} server")
+        check(rep.get("addresses") == [f"{SERVICE}/24"], "the address did not move", rep)
+        print(f"{prog} server host1->host2:", json.dumps(rep.get("breakdown")), flush=True)
+        check(LAB.run(2, f"ip -4 addr show dev eth0 | grep -q ' {SERVICE}/24'").rc == 0,
+              "the service address is not on host2")
+        check(LAB.run(1, f"ip -4 addr show dev eth0 | grep -q ' {SERVICE}/'").rc != 0,
+              "the service address is still on host1")
+        c = LAB.wait(3, client, 600)
+        # The server ran on host2 to its end: its output (a file CRIU re-opened).
+        wait_until(2, f"! kill -0 {spid} 2> /dev/null", 60, "the server finished on host2")
+        with open(os.path.join(LAB.shared, "migration", f"{name}-server.out"), errors="replace") as f:
+            server_out = f.read()
+        with open(os.path.join(LAB.shared, "migration", f"{name}-client.out"), errors="replace") as f:
+            client_out = f.read()
+        print(f"--- client\n{client_out[-1500:]}\n--- server\n{server_out[-1500:]}", flush=True)
+        check(c.rc == 0, f"the {prog} client failed", c, client_out)
+        for side, text in (("client", client_out), ("server", server_out)):
+            check(not re.search(r"(?i)error|fail|couldn't|unable", text),
+                  f"the {prog} {side} reported an error", text[-2000:])
+        # "#bytes #iterations" then numbers, or inf where perftest's
+        # cycle-counter calibration fails under TCG (it says so on stderr).
+        check(re.search(r"^\s*\d+\s+\d+\s+(\d|inf)", client_out, re.M),
+              f"no result line from the {prog} client", client_out[-2000:])
+    finally:
+        LAB.run(3, f"pkill -x {prog}")
+        for h in (1, 2):
+            LAB.run(h, f"pkill -x {prog}; ip addr del {SERVICE}/24 dev eth0 2> /dev/null")
+
+
+@lab_test
+@logs_on_failure("perf-bw", hosts=(1, 2))
+def ib_write_bw_survives_a_move_of_its_server():
+    # 45 s of writes; the server moves about 10 s in and is back about 30 s in.
+    perftest_survives_a_move_of_its_server("perf-bw", "ib_write_bw", "-D 45")
+
+
+@lab_test
+@logs_on_failure("perf-lat", hosts=(1, 2))
+def ib_send_lat_survives_a_move_of_its_server():
+    # About 100 round trips a second between TCG guests: 3000 run about
+    # 30 s, across the move. A count, not -D: in duration mode both sides
+    # kept polling after a move and never ended (perftest's send-completion
+    # wait has no end condition), which is still to be understood.
+    perftest_survives_a_move_of_its_server("perf-lat", "ib_send_lat", "-n 3000")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,27 @@ grpc::Status OperatorService::Status(grpc::ServerContext*, const v1::StatusReque
   return grpc::Status::OK;
 }
 
+grpc::Status OperatorService::Suspend(grpc::ServerContext*, const v1::SuspendRequest* request,
+                                      v1::GuestReport* out) {
+  return Reply(m_->Suspend(*request), out);
+}
+
+grpc::Status OperatorService::Resume(grpc::ServerContext*, const v1::ResumeRequest* request,
+                                     v1::GuestReport* out) {
+  return Reply(m_->Resume(*request), out);
+}
+
+grpc::Status OperatorService::GuestEvent(grpc::ServerContext*, const v1::GuestEventRequest* request,
+                                         v1::GuestEventResponse*) {
+  return ToGrpc(m_->GuestEvent(*request));
+}
+
+grpc::Status OperatorService::AllocateGuestNic(grpc::ServerContext*,
+                                               const v1::AllocateGuestNicRequest* request,
+                                               v1::GuestNic* out) {
+  return Reply(m_->AllocateGuestNic(*request), out);
+}
+
 grpc::Status TransferService::Prepare(grpc::ServerContext*, const v1::PrepareRequest* request,
                                       v1::PrepareResponse* out) {
   return Reply(m_->Prepare(*request), out);

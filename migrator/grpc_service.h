@@ -27,6 +27,14 @@ class OperatorService final : public v1::Operator::Service {
                        grpc::ServerWriter<v1::Progress>* writer) override;
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*,
                       v1::StatusResponse* out) override;
+  grpc::Status Suspend(grpc::ServerContext*, const v1::SuspendRequest* request,
+                       v1::GuestReport* out) override;
+  grpc::Status Resume(grpc::ServerContext*, const v1::ResumeRequest* request,
+                      v1::GuestReport* out) override;
+  grpc::Status GuestEvent(grpc::ServerContext*, const v1::GuestEventRequest* request,
+                          v1::GuestEventResponse* out) override;
+  grpc::Status AllocateGuestNic(grpc::ServerContext*, const v1::AllocateGuestNicRequest* request,
+                                v1::GuestNic* out) override;
 
  private:
   Migrator* const m_;

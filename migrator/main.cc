@@ -3,6 +3,8 @@
 // Operator and Transfer services over gRPC with mutual TLS.
 #include <signal.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -17,6 +19,7 @@
 #include "migrator/log.h"
 #include "migrator/migrator.h"
 #include "migrator/process_control.h"
+#include "migrator/service_address.h"
 #include "migrator/shim_server.h"
 #include "migrator/tls.h"
 
@@ -32,6 +35,10 @@ constexpr char kUsage[] =
     "  --criu-log-dir DIR    CRIU's logs (default STATE-DIR/criu-logs)\n"
     "  --host-name NAME      this host's name in reports (default: hostname)\n"
     "  --max-precopy N       pre-dump iterations at most (default 3)\n"
+    "  --guest-nic-bridge BR  this host gives its RDMA guests NICs on bridge BR\n"
+    "  --guest-nic-first A.B.C.D/LEN\n"
+    "                        the first of the guests' fabric addresses (with BR)\n"
+    "  --guest-nic-capacity N  RDMA guests this host can run (with BR, default 8)\n"
     "SIGTERM or SIGINT stops it cleanly.\n";
 
 struct Flags {
@@ -42,6 +49,9 @@ struct Flags {
   std::string criu_log_dir;
   std::string host_name;
   uint32_t max_precopy = 3;
+  std::string guest_nic_bridge;
+  std::string guest_nic_first;
+  uint32_t guest_nic_capacity = 8;
 };
 
 // 0 to go on, else the exit code.
@@ -80,10 +90,42 @@ int ParseFlags(int argc, char** argv, Flags* f) {
         fprintf(stderr, "rdmavirt-migratord: --max-precopy takes 1..64\n");
         return 2;
       }
+    } else if (name == "--guest-nic-bridge") {
+      f->guest_nic_bridge = value;
+    } else if (name == "--guest-nic-first") {
+      f->guest_nic_first = value;
+    } else if (name == "--guest-nic-capacity") {
+      if (!absl::SimpleAtoi(value, &f->guest_nic_capacity) || f->guest_nic_capacity == 0 ||
+          f->guest_nic_capacity > 4096) {
+        fprintf(stderr, "rdmavirt-migratord: --guest-nic-capacity takes 1..4096\n");
+        return 2;
+      }
     } else {
       fprintf(stderr, "rdmavirt-migratord: unknown option %s\n%s", name.c_str(), kUsage);
       return 2;
     }
+  }
+  if (!f->guest_nic_bridge.empty()) {
+    // A Linux interface name: it goes into the guests' domain XML as is.
+    const bool name_ok =
+        f->guest_nic_bridge.size() <= 15 &&
+        std::all_of(f->guest_nic_bridge.begin(), f->guest_nic_bridge.end(), [](char c) {
+          return isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+        });
+    if (!name_ok) {
+      fprintf(stderr, "rdmavirt-migratord: --guest-nic-bridge: not an interface name: %s\n",
+              f->guest_nic_bridge.c_str());
+      return 2;
+    }
+    absl::StatusOr<ServiceAddress> first = ParseServiceAddress(f->guest_nic_first);
+    if (!first.ok()) {
+      fprintf(stderr, "rdmavirt-migratord: --guest-nic-first: %s\n",
+              std::string(first.status().message()).c_str());
+      return 2;
+    }
+  } else if (!f->guest_nic_first.empty()) {
+    fprintf(stderr, "rdmavirt-migratord: --guest-nic-first needs --guest-nic-bridge\n");
+    return 2;
   }
   if (f->criu_log_dir.empty()) f->criu_log_dir = f->state_dir + "/criu-logs";
   return 0;
@@ -128,6 +170,9 @@ int Run(int argc, char** argv) {
   mo.version = RDMAVIRT_VERSION;
   mo.port = listen->port;
   mo.max_precopy_iterations = flags.max_precopy;
+  mo.guest_nic_bridge = flags.guest_nic_bridge;
+  mo.guest_nic_first = flags.guest_nic_first;
+  mo.guest_nic_capacity = flags.guest_nic_capacity;
   std::shared_ptr<grpc::ChannelCredentials> peer_creds = MutualTlsChannelCredentials(*tls);
   mo.connect = [peer_creds](const std::string& target) {
     return v1::Transfer::NewStub(grpc::CreateChannel(target, peer_creds));

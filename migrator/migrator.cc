@@ -71,6 +71,7 @@ Migrator::Migrator(Options options, ShimChannel* shims, Checkpointer* criu, Proc
     if (rec.done()) old.push_back(rec.report());
   std::sort(old.begin(), old.end(),
             [](const auto& a, const auto& b) { return a.started_at() > b.started_at(); });
+  LoadGuestNics();
   absl::MutexLock lock(&mu_);
   for (auto& r : old) {
     if (recent_.size() >= kRecentReports) break;
@@ -107,6 +108,7 @@ v1::HostInfo Migrator::GetHostInfo() {
     }
     criu = criu_status_;
   }
+  FillGuestNics(&info);
   info.set_criu_ok(criu.ok());
   if (!criu.ok()) {
     // The first line says why; the log file it names has the rest.

@@ -76,6 +76,12 @@ class Migrator {
     // This host's network addresses, for the service addresses that move
     // with a process. Default: the kernel's (NewNetlinkAddressControl).
     AddressControl* addresses = nullptr;
+    // The RDMA NICs this host gives its guests (guests.cc): none when
+    // guest_nic_bridge is empty. Addresses are handed out from
+    // guest_nic_first (a.b.c.d/len) upward, at most guest_nic_capacity.
+    std::string guest_nic_bridge;
+    std::string guest_nic_first;
+    uint32_t guest_nic_capacity = 0;
   };
 
   using ProgressSink = std::function<void(const v1::Progress&)>;
@@ -96,6 +102,22 @@ class Migrator {
   absl::Status Checkpoint(const v1::CheckpointRequest& request, const ProgressSink& sink);
   absl::Status Restore(const v1::RestoreRequest& request, const ProgressSink& sink);
   v1::StatusResponse Status();
+
+  // ---- guests (guests.cc)
+  // Guest side: every endpoint (or the listed ones) and its peers quiesced
+  // and released, held until Resume brings them back on this host's
+  // device. A failure puts back what it had suspended. INVALID_ARGUMENT
+  // for bad pids, FAILED_PRECONDITION when endpoints of the set are
+  // connected to each other or one is moving already.
+  absl::StatusOr<v1::GuestReport> Suspend(const v1::SuspendRequest& request);
+  // FAILED_PRECONDITION without a device; an endpoint that cannot come back
+  // stays suspended (the report says which), the others resume.
+  absl::StatusOr<v1::GuestReport> Resume(const v1::ResumeRequest& request);
+  // Host side: the libvirt hook's starts and stops, and a NIC for a guest
+  // that moves in (RESOURCE_EXHAUSTED when the host is full,
+  // FAILED_PRECONDITION when it has no NICs for guests).
+  absl::Status GuestEvent(const v1::GuestEventRequest& request);
+  absl::StatusOr<v1::GuestNic> AllocateGuestNic(const v1::AllocateGuestNicRequest& request);
 
   // ---- Transfer
   absl::StatusOr<v1::PrepareResponse> Prepare(const v1::PrepareRequest& request);
@@ -181,6 +203,12 @@ class Migrator {
   absl::Status AddAddresses(const v1::MigrationRecord& rec);
   absl::Status RemoveAddresses(const v1::MigrationRecord& rec);
 
+  // ---- guests (guests.cc)
+  void LoadGuestNics();
+  void FillGuestNics(v1::HostInfo* info);
+  void SaveGuestNics() ABSL_EXCLUSIVE_LOCKS_REQUIRED(guests_mu_);
+  void ResumeOne(Move* m, const std::string& device, v1::MigrationReport* out);
+
   std::string PeerTarget(const std::string& gid);
   std::string NewId();
 
@@ -199,8 +227,19 @@ class Migrator {
   // Pids this host peer-quiesced for each migration id.
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
   bool criu_checked_ ABSL_GUARDED_BY(mu_) = false;
+  // Endpoints this host suspended (Suspend), by pid, until Resume. Their
+  // pids stay in moving_ meanwhile. Suspend and Resume run one at a time.
+  absl::Mutex suspend_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::map<pid_t, std::unique_ptr<Move>> suspended_ ABSL_GUARDED_BY(suspend_mu_);
+  absl::Mutex guests_mu_;
+  v1::GuestNicTable guest_nics_ ABSL_GUARDED_BY(guests_mu_);
   absl::Status criu_status_ ABSL_GUARDED_BY(mu_);
 };
+
+// A guest's RDMA NIC in its domain XML: the <interface> with this alias
+// (a libvirt user alias), and the <interface> that hot-plugs one.
+inline constexpr char kGuestNicAlias[] = "ua-rdmavirt-nic";
+std::string GuestInterfaceXml(const std::string& bridge, const std::string& mac);
 
 // "migrate" phases in order, for reports and tests.
 inline constexpr const char* kPhases[] = {"prepare", "precopy",  "quiesce", "release",

@@ -55,6 +55,7 @@ class Cluster {
     std::unique_ptr<FakeHost> host;
     std::string state_dir;
     bool rdma = true;
+    uint32_t guest_nics = 0;  // capacity; 0: no NICs for guests
     std::unique_ptr<Migrator> m;
     std::unique_ptr<TransferService> svc;
     std::unique_ptr<grpc::Server> server;
@@ -110,6 +111,11 @@ class Cluster {
       out.push_back(d);
       return out;
     };
+    if (node.guest_nics > 0) {
+      o.guest_nic_bridge = "br0";
+      o.guest_nic_first = absl::StrCat("10.9.", n, ".1/16");
+      o.guest_nic_capacity = node.guest_nics;
+    }
     FakeHost* h = node.host.get();
     o.addresses = h;
     node.m = std::make_unique<Migrator>(o, h, h, h);
@@ -684,6 +690,176 @@ TEST(MigratorRecoveryTest, DestinationKillsAHalfRestoredProcess) {
   EXPECT_TRUE(after->done());
   EXPECT_EQ(after->phase(), "aborted");
 }
+
+// ---- guests ---------------------------------------------------------------
+
+namespace guests {
+
+// Endpoints 100 and 400 in a guest (h1), their peers 300 and 500 on h3.
+void GuestTopology(Cluster& c) {
+  c.host(1).Add(100, VGid(1), {FakeQp{11, 2, VGid(3), 31, Gid(3)}});
+  c.host(1).Add(400, VGid(4), {FakeQp{41, 2, VGid(5), 51, Gid(3)}});
+  c.host(3).Add(300, VGid(3), {FakeQp{31, 2, VGid(1), 11, Gid(1)}});
+  c.host(3).Add(500, VGid(5), {FakeQp{51, 2, VGid(4), 41, Gid(1)}});
+}
+
+TEST(GuestTest, SuspendReleasesEveryEndpointAndResumeReconnectsItsPeers) {
+  Cluster c("suspend");
+  GuestTopology(c);
+  absl::StatusOr<v1::GuestReport> s = c.m(1).Suspend(v1::SuspendRequest());
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(s->ok());
+  ASSERT_EQ(s->endpoints_size(), 2);
+  for (pid_t pid : {100, 400}) {
+    FakeEndpoint e = c.host(1).Get(pid);
+    EXPECT_TRUE(e.alive && e.released) << pid;  // running, no device
+    EXPECT_THAT(Commands(e.log), ElementsAre("quiesce", "release")) << pid;
+  }
+  for (pid_t pid : {300, 500}) {
+    EXPECT_THAT(Commands(c.host(3).Get(pid).log), ElementsAre("peer_quiesce")) << pid;
+    EXPECT_TRUE(c.host(3).Get(pid).paused) << pid;
+  }
+  // Suspended endpoints cannot be moved meanwhile; they show as in flight.
+  EXPECT_EQ(Migrate(c, 100, "h2").status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c.m(1).Status().in_flight_size(), 2);
+
+  absl::StatusOr<v1::GuestReport> r = c.m(1).Resume(v1::ResumeRequest());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->ok()) << r->error();
+  ASSERT_EQ(r->endpoints_size(), 2);
+  for (const v1::MigrationReport& e : r->endpoints()) {
+    EXPECT_TRUE(e.ok()) << e.error();
+    EXPECT_GT(e.breakdown().blackout_us(), 0u);
+    EXPECT_EQ(e.peers(), 1u);
+  }
+  for (pid_t pid : {100, 400}) {
+    FakeEndpoint e = c.host(1).Get(pid);
+    EXPECT_FALSE(e.released || e.paused) << pid;
+    EXPECT_THAT(Commands(e.log), ElementsAre("quiesce", "release", "restore", "resume")) << pid;
+  }
+  for (auto [pid, vgid] : {std::pair{300, 1}, std::pair{500, 4}}) {
+    FakeEndpoint p = c.host(3).Get(pid);
+    EXPECT_THAT(Commands(p.log), ElementsAre("peer_quiesce", "peer_reconnect")) << pid;
+    ASSERT_EQ(p.reconnected_to.size(), 1u);
+    EXPECT_EQ(p.reconnected_to[0].virtual_gid(), VGid(vgid));
+    EXPECT_FALSE(p.paused);
+  }
+  EXPECT_EQ(c.m(1).Status().in_flight_size(), 0);
+  // Nothing left to resume; a second resume is a no-op.
+  r = c.m(1).Resume(v1::ResumeRequest());
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->endpoints_size(), 0);
+}
+
+TEST(GuestTest, SuspendRefusesEndpointsConnectedToEachOther) {
+  Cluster c("suspend-local");
+  Topology(c);  // 100 and 200 on h1 talk to each other
+  absl::StatusOr<v1::GuestReport> s = c.m(1).Suspend(v1::SuspendRequest());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("connected to each other"));
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+  // One of them alone is fine: its local peer is peer-quiesced.
+  v1::SuspendRequest one;
+  one.add_pids(100);
+  s = c.m(1).Suspend(one);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(Commands(c.host(1).Get(200).log), ElementsAre("peer_quiesce"));
+  ASSERT_TRUE(c.m(1).Resume(v1::ResumeRequest()).ok());
+  EXPECT_THAT(Commands(c.host(1).Get(200).log), ElementsAre("peer_quiesce", "peer_reconnect"));
+}
+
+TEST(GuestTest, AFailedSuspendPutsBackWhatItSuspended) {
+  Cluster c("suspend-fail");
+  GuestTopology(c);
+  c.host(1).Fail(400, "release", absl::StatusCode::kInternal);
+  absl::StatusOr<v1::GuestReport> s = c.m(1).Suspend(v1::SuspendRequest());
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("release"));
+  FakeEndpoint first = c.host(1).Get(100);
+  EXPECT_FALSE(first.released || first.paused);
+  EXPECT_THAT(Commands(first.log), ElementsAre("quiesce", "release", "restore", "resume"));
+  EXPECT_FALSE(c.host(1).Get(400).paused);
+  for (pid_t pid : {300, 500}) EXPECT_FALSE(c.host(3).Get(pid).paused) << pid;
+  // Nothing stays busy.
+  v1::SuspendRequest one;
+  one.add_pids(100);
+  ASSERT_TRUE(c.m(1).Suspend(one).ok());
+  ASSERT_TRUE(c.m(1).Resume(v1::ResumeRequest()).ok());
+}
+
+TEST(GuestTest, ResumeWithoutADeviceKeepsThemSuspended) {
+  Cluster c("resume-nodev");
+  GuestTopology(c);
+  ASSERT_TRUE(c.m(1).Suspend(v1::SuspendRequest()).ok());
+  c[1].rdma = false;  // the NIC is gone
+  absl::StatusOr<v1::GuestReport> r = c.m(1).Resume(v1::ResumeRequest());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_TRUE(c.host(1).Get(100).released);
+  EXPECT_TRUE(c.host(3).Get(300).paused);
+  c[1].rdma = true;  // a new NIC
+  r = c.m(1).Resume(v1::ResumeRequest());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->ok()) << r->error();
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+}
+
+TEST(GuestTest, HostHandsOutNicsUpToItsCapacityAndKeepsTrack) {
+  Cluster c("nics");
+  v1::AllocateGuestNicRequest a;
+  a.set_domain("vm-a");
+  EXPECT_EQ(c.m(1).AllocateGuestNic(a).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(c.m(1).GetHostInfo().has_guest_nics());
+  c[1].guest_nics = 2;
+  c.Stop(1);
+  c.Start(1);
+  absl::StatusOr<v1::GuestNic> na = c.m(1).AllocateGuestNic(a);
+  ASSERT_TRUE(na.ok()) << na.status();
+  EXPECT_EQ(na->address(), "10.9.1.1/16");
+  EXPECT_THAT(na->mac(), ::testing::MatchesRegex("52:54:00(:[0-9a-f][0-9a-f]){3}"));
+  EXPECT_THAT(na->interface_xml(), HasSubstr("<source bridge='br0'/>"));
+  EXPECT_THAT(na->interface_xml(), HasSubstr(kGuestNicAlias));
+  EXPECT_THAT(na->interface_xml(), HasSubstr(na->mac()));
+  // Asked again (a retry): the same NIC.
+  absl::StatusOr<v1::GuestNic> again = c.m(1).AllocateGuestNic(a);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->mac(), na->mac());
+  v1::AllocateGuestNicRequest b;
+  b.set_domain("vm-b");
+  absl::StatusOr<v1::GuestNic> nb = c.m(1).AllocateGuestNic(b);
+  ASSERT_TRUE(nb.ok());
+  EXPECT_EQ(nb->address(), "10.9.1.2/16");
+  v1::AllocateGuestNicRequest d;
+  d.set_domain("vm-c");
+  EXPECT_EQ(c.m(1).AllocateGuestNic(d).status().code(), absl::StatusCode::kResourceExhausted);
+
+  v1::GuestEventRequest ev;
+  ev.set_domain("vm-b");
+  ev.set_event("started");
+  ASSERT_TRUE(c.m(1).GuestEvent(ev).ok());
+  v1::HostInfo info = c.m(1).GetHostInfo();
+  ASSERT_TRUE(info.has_guest_nics());
+  EXPECT_EQ(info.guest_nics().in_use(), 2u);
+  EXPECT_THAT(info.guest_nics().domains(), ElementsAre("vm-b"));
+  EXPECT_THAT(info.guest_nics().reserved(), ElementsAre("vm-a"));
+  // A running guest gets no second NIC.
+  EXPECT_EQ(c.m(1).AllocateGuestNic(b).status().code(), absl::StatusCode::kFailedPrecondition);
+
+  // Kept across a restart; a stop frees the NIC and its address.
+  c.Stop(1);
+  c.Start(1);
+  EXPECT_EQ(c.m(1).GetHostInfo().guest_nics().in_use(), 2u);
+  ev.set_domain("vm-a");
+  ev.set_event("stopped");
+  ASSERT_TRUE(c.m(1).GuestEvent(ev).ok());
+  absl::StatusOr<v1::GuestNic> nc = c.m(1).AllocateGuestNic(d);
+  ASSERT_TRUE(nc.ok()) << nc.status();
+  EXPECT_EQ(nc->address(), "10.9.1.1/16");
+  ev.set_event("rebooted");
+  EXPECT_EQ(c.m(1).GuestEvent(ev).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace guests
 
 }  // namespace
 }  // namespace rdmavirt::migrator

@@ -162,4 +162,28 @@ std::string ProgressLine(const v1::Progress& p) {
   return line;
 }
 
+std::string GuestReportText(const v1::GuestReport& report) {
+  std::string out;
+  for (const v1::MigrationReport& e : report.endpoints()) {
+    const v1::Breakdown& b = e.breakdown();
+    if (!e.error().empty()) {
+      absl::StrAppend(&out, "pid ", e.pid(), ": FAILED: ", e.error(),
+                      e.rolled_back() ? " (put back)" : "", "\n");
+    } else if (e.kind() == "suspend" && !e.ok()) {  // suspended, not finished
+      absl::StrAppend(&out, "pid ", e.pid(), ": suspended, ", e.qps(), " QPs, ", e.mrs(), " MRs, ",
+                      e.peers(), " peers; quiesce ", Micros(b.quiesce_us()), " (drain ",
+                      Micros(b.drain_us()), "), release ", Micros(b.release_us()), "\n");
+    } else {
+      absl::StrAppend(&out, "pid ", e.pid(), ": resumed, blackout ", Micros(b.blackout_us()),
+                      " (RDMA restore ", Micros(b.rdma_restore_us()), ", reconnect ",
+                      Micros(b.reconnect_us()), ")\n");
+    }
+  }
+  if (report.endpoints_size() == 0) out = "no endpoints\n";
+  if (!report.ok() && !report.error().empty())
+    absl::StrAppend(&out, "FAILED: ", report.error(), "\n");
+  absl::StrAppend(&out, "in ", Micros(report.elapsed_us()), "\n");
+  return out;
+}
+
 }  // namespace rdmavirt::ctl

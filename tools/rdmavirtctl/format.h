@@ -10,13 +10,15 @@
 
 namespace rdmavirt::ctl {
 
-std::string Bytes(uint64_t n);         // "12.3 MiB"
-std::string Micros(uint64_t us);       // "812 ms", "5.21 s", "40 us"
+std::string Bytes(uint64_t n);    // "12.3 MiB"
+std::string Micros(uint64_t us);  // "812 ms", "5.21 s", "40 us"
 std::string EndpointTable(const v1::ListEndpointsResponse& list);
 std::string HostText(const v1::HostInfo& host);
 std::string StatusText(const v1::StatusResponse& status);
 // The summary printed after migrate, checkpoint and restore.
 std::string ReportText(const v1::MigrationReport& report);
+// The endpoints a guest suspended or resumed.
+std::string GuestReportText(const v1::GuestReport& report);
 // One line of progress for stderr.
 std::string ProgressLine(const v1::Progress& p);
 

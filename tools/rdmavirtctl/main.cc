@@ -19,12 +19,12 @@
 #include "migrator/service_address.h"
 #include "migrator/tls.h"
 #include "rdmavirt/v1/migrator.grpc.pb.h"
+#include "tools/rdmavirtctl/cli.h"
 #include "tools/rdmavirtctl/format.h"
+#include "tools/rdmavirtctl/vm.h"
 
 namespace rdmavirt::ctl {
 namespace {
-
-constexpr int kOk = 0, kFailed = 1, kUsage = 2, kUnreachable = 3;
 
 constexpr char kUsageText[] =
     "usage: rdmavirtctl [--host HOST[:PORT]] [--tls-dir DIR] [--json] COMMAND [ARGS]\n"
@@ -41,6 +41,15 @@ constexpr char kUsageText[] =
     "  restore --dir DIR [--on HOST[:PORT]] restore a checkpoint of HOST (on another host)\n"
     "  status                               moves in flight and recent, and HostInfo\n"
     "  host                                 HostInfo: RDMA devices, ports, GIDs, CRIU\n"
+    "\n"
+    "VMs (libvirt; HOST's migrator is the destination's):\n"
+    "  vm-migrate DOMAIN --to URI [--to-migrator HOST[:PORT]] [--connect URI]\n"
+    "                                       live-migrate an RDMA guest, its connections kept\n"
+    "in a guest, or on a host for its hooks:\n"
+    "  suspend [PID...]                     quiesce and release every endpoint (or PIDs)\n"
+    "  resume [--device DEV]                bring the suspended endpoints back, reconnect\n"
+    "  guest-event DOMAIN started|stopped [--mac MAC]\n"
+    "                                       tell HOST's migrator about an RDMA guest\n"
     "  help [COMMAND]                       this text, or a command's\n"
     "\n"
     "--json prints the result (report, listing) as JSON on stdout.\n"
@@ -77,6 +86,32 @@ const std::map<std::string, std::string>& CommandHelp() {
       {"status",
        "usage: rdmavirtctl status\n"
        "Moves in flight and the recent ones on --host, with their results, and HostInfo.\n"},
+      {"vm-migrate",
+       "usage: rdmavirtctl vm-migrate DOMAIN --to URI [--to-migrator HOST[:PORT]]\n"
+       "                              [--connect URI] [--migrate-uri URI] [--unsafe]\n"
+       "                              [--guest-command PATH]\n"
+       "Live-migrates the RDMA guest DOMAIN from the libvirt at --connect (default\n"
+       "qemu:///system) to the libvirt at --to, keeping its RDMA connections: the guest's\n"
+       "endpoints and their peers are suspended (through the guest agent: PATH suspend,\n"
+       "default /usr/sbin/rdmavirt-guest), its RDMA NIC unplugged, the VM migrated, a NIC\n"
+       "of the destination plugged in (asked of the destination's rdmavirt-migratord,\n"
+       "--to-migrator, default the host of --to, port 7700) and the endpoints resumed\n"
+       "there. The destination is checked first; a failure before the VM has moved puts\n"
+       "it back as it was, resumed. --migrate-uri and --unsafe go to libvirt as they are.\n"
+       "Progress goes to stderr; the report (blackout, steps, NICs) to stdout.\n"},
+      {"suspend",
+       "usage: rdmavirtctl suspend [PID...]\n"
+       "Quiesces every endpoint of --host (or the PIDs), with their peers wherever they\n"
+       "are, and releases them: the processes keep running with no RDMA device open, so\n"
+       "that the host's RDMA NIC can go or its memory be snapshotted. All or nothing.\n"},
+      {"resume",
+       "usage: rdmavirtctl resume [--device DEV]\n"
+       "Brings the endpoints `suspend` released back on DEV (default: the first device\n"
+       "with an active port), re-points their peers at them and resumes everything.\n"},
+      {"guest-event",
+       "usage: rdmavirtctl guest-event DOMAIN started|stopped [--mac MAC]\n"
+       "Tells the migrator of --host that the RDMA guest DOMAIN started (with its RDMA\n"
+       "NIC MAC) or stopped there; the libvirt hook calls it.\n"},
       {"host",
        "usage: rdmavirtctl host\n"
        "HostInfo of --host: name, version, RDMA devices with their ports and GIDs, and\n"
@@ -93,6 +128,7 @@ struct Args {
   std::vector<std::string> positional;
   std::map<std::string, std::string> options;  // --to, --dir, --on, ...
   bool leave_running = false;
+  bool unsafe = false;
   bool help = false;
 };
 
@@ -107,8 +143,9 @@ int UsageError(const std::string& message, const std::string& command = "") {
 // 0 to go on, else an exit code (after printing why).
 int Parse(int argc, char** argv, Args* a) {
   static const std::vector<std::string> kValued = {
-      "--host",        "--tls-dir",          "--to",     "--dir", "--on",
-      "--max-precopy", "--drain-timeout-ms", "--address"};
+      "--host",        "--tls-dir",          "--to",          "--dir",          "--on",
+      "--max-precopy", "--drain-timeout-ms", "--address",     "--device",       "--mac",
+      "--to-migrator", "--connect",          "--migrate-uri", "--guest-command"};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") {
@@ -121,6 +158,10 @@ int Parse(int argc, char** argv, Args* a) {
     }
     if (arg == "--leave-running") {
       a->leave_running = true;
+      continue;
+    }
+    if (arg == "--unsafe") {
+      a->unsafe = true;
       continue;
     }
     if (arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
@@ -173,93 +214,6 @@ absl::StatusOr<uint32_t> ParseCount(const std::string& name, const std::string& 
   return v;
 }
 
-std::string Json(const google::protobuf::Message& m) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions o;
-  o.add_whitespace = true;
-  o.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
-  return out;
-}
-
-class Client {
- public:
-  Client(const Args& args, std::string target) : args_(args), target_(std::move(target)) {}
-
-  // kOk, or kUnreachable after saying why.
-  int Connect() {
-    absl::StatusOr<migrator::TlsFiles> tls = migrator::LoadTls(args_.tls_dir, "cli.pem", "cli.key");
-    if (!tls.ok()) {
-      fprintf(stderr, "rdmavirtctl: %s\n", std::string(tls.status().message()).c_str());
-      return kUnreachable;
-    }
-    channel_ = grpc::CreateChannel(target_, migrator::MutualTlsChannelCredentials(*tls));
-    if (!channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
-      fprintf(stderr,
-              "rdmavirtctl: cannot reach rdmavirt-migratord at %s (is it running there, and "
-              "are its certificates and those in %s of the same CA?)\n",
-              target_.c_str(), args_.tls_dir.c_str());
-      return kUnreachable;
-    }
-    stub_ = v1::Operator::NewStub(channel_);
-    return kOk;
-  }
-
-  v1::Operator::Stub* stub() { return stub_.get(); }
-  const std::string& target() const { return target_; }
-
-  // A failed RPC: 1, or 3 when the daemon went away.
-  int Failed(const char* what, const grpc::Status& st) {
-    fprintf(stderr, "rdmavirtctl: %s: %s (%s)\n", what, st.error_message().c_str(),
-            CodeName(st.error_code()));
-    if (st.error_code() == grpc::StatusCode::UNAVAILABLE &&
-        channel_->GetState(false) != GRPC_CHANNEL_READY)
-      return kUnreachable;
-    return kFailed;
-  }
-
-  static const char* CodeName(grpc::StatusCode c) {
-    switch (c) {
-      case grpc::StatusCode::CANCELLED:
-        return "CANCELLED";
-      case grpc::StatusCode::INVALID_ARGUMENT:
-        return "INVALID_ARGUMENT";
-      case grpc::StatusCode::DEADLINE_EXCEEDED:
-        return "DEADLINE_EXCEEDED";
-      case grpc::StatusCode::NOT_FOUND:
-        return "NOT_FOUND";
-      case grpc::StatusCode::ALREADY_EXISTS:
-        return "ALREADY_EXISTS";
-      case grpc::StatusCode::PERMISSION_DENIED:
-        return "PERMISSION_DENIED";
-      case grpc::StatusCode::RESOURCE_EXHAUSTED:
-        return "RESOURCE_EXHAUSTED";
-      case grpc::StatusCode::FAILED_PRECONDITION:
-        return "FAILED_PRECONDITION";
-      case grpc::StatusCode::ABORTED:
-        return "ABORTED";
-      case grpc::StatusCode::UNIMPLEMENTED:
-        return "UNIMPLEMENTED";
-      case grpc::StatusCode::INTERNAL:
-        return "INTERNAL";
-      case grpc::StatusCode::UNAVAILABLE:
-        return "UNAVAILABLE";
-      case grpc::StatusCode::DATA_LOSS:
-        return "DATA_LOSS";
-      case grpc::StatusCode::UNAUTHENTICATED:
-        return "UNAUTHENTICATED";
-      default:
-        return "UNKNOWN";
-    }
-  }
-
- private:
-  const Args& args_;
-  const std::string target_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Operator::Stub> stub_;
-};
-
 // Reads a Progress stream: lines on stderr, the report at the end.
 int FollowMove(Client* c, const Args& args, const char* what,
                std::unique_ptr<grpc::ClientReaderInterface<v1::Progress>> reader) {
@@ -295,6 +249,104 @@ int FollowMove(Client* c, const Args& args, const char* what,
   return kOk;
 }
 
+std::string Opt(const Args& a, const std::string& name) {
+  auto it = a.options.find(name);
+  return it == a.options.end() ? std::string() : it->second;
+}
+
+// The commands of guests and VMs: vm-migrate, suspend, resume, guest-event.
+int GuestCommand(const Args& args) {
+  static const std::map<std::string, std::vector<std::string>> kAllowed = {
+      {"vm-migrate", {"--to", "--to-migrator", "--connect", "--migrate-uri", "--guest-command"}},
+      {"suspend", {"--drain-timeout-ms"}},
+      {"resume", {"--device"}},
+      {"guest-event", {"--mac"}},
+  };
+  const std::vector<std::string>& allowed = kAllowed.at(args.command);
+  for (const auto& [name, value] : args.options)
+    if (std::find(allowed.begin(), allowed.end(), name) == allowed.end())
+      return UsageError(absl::StrCat(args.command, " does not take ", name), args.command);
+  if (args.unsafe && args.command != "vm-migrate")
+    return UsageError("--unsafe is for vm-migrate", args.command);
+  if (args.leave_running) return UsageError("--leave-running is for checkpoint", args.command);
+
+  if (args.command == "vm-migrate") {
+    if (args.positional.size() != 1) return UsageError("vm-migrate takes a DOMAIN", args.command);
+    VmOptions o;
+    o.domain = args.positional[0];
+    o.to = Opt(args, "--to");
+    if (o.to.empty() || o.to.find("://") == std::string::npos)
+      return UsageError("vm-migrate needs --to with a libvirt URI (qemu+ssh://HOST/system)",
+                        args.command);
+    o.to_migrator = Opt(args, "--to-migrator");
+    if (o.to_migrator.empty()) o.to_migrator = UriHost(o.to);
+    if (o.to_migrator.empty())
+      return UsageError("--to names no host: give --to-migrator HOST[:PORT]", args.command);
+    absl::StatusOr<migrator::HostPort> m = migrator::ParseHostPort(o.to_migrator);
+    if (!m.ok())
+      return UsageError(absl::StrCat("--to-migrator: ", m.status().message()), args.command);
+    o.to_migrator = m->Target();
+    if (!Opt(args, "--connect").empty()) o.connect = Opt(args, "--connect");
+    o.migrate_uri = Opt(args, "--migrate-uri");
+    if (!Opt(args, "--guest-command").empty()) {
+      o.guest_command = Opt(args, "--guest-command");
+      if (o.guest_command[0] != '/')
+        return UsageError("--guest-command takes an absolute path", args.command);
+    }
+    o.unsafe = args.unsafe;
+    o.tls_dir = args.tls_dir;
+    o.json = args.json;
+    return VmMigrate(o);
+  }
+
+  v1::SuspendRequest suspend;
+  v1::GuestEventRequest event;
+  if (args.command == "suspend") {
+    for (const std::string& p : args.positional) {
+      absl::StatusOr<int> pid = ParsePid(p);
+      if (!pid.ok()) return UsageError(std::string(pid.status().message()), args.command);
+      suspend.add_pids(*pid);
+    }
+    if (!Opt(args, "--drain-timeout-ms").empty()) {
+      absl::StatusOr<uint32_t> n =
+          ParseCount("--drain-timeout-ms", Opt(args, "--drain-timeout-ms"), 600000);
+      if (!n.ok()) return UsageError(std::string(n.status().message()), args.command);
+      suspend.set_drain_timeout_ms(*n);
+    }
+  } else if (args.command == "resume") {
+    if (!args.positional.empty()) return UsageError("resume takes no arguments", args.command);
+  } else {
+    if (args.positional.size() != 2 ||
+        (args.positional[1] != "started" && args.positional[1] != "stopped"))
+      return UsageError("guest-event takes DOMAIN and started or stopped", args.command);
+    event.set_domain(args.positional[0]);
+    event.set_event(args.positional[1]);
+    event.set_mac(Opt(args, "--mac"));
+  }
+  absl::StatusOr<migrator::HostPort> host = migrator::ParseHostPort(args.host);
+  if (!host.ok()) return UsageError(absl::StrCat("--host: ", host.status().message()));
+  Client client(args.tls_dir, host->Target());
+  if (int rc = client.Connect(); rc != kOk) return rc;
+  grpc::ClientContext ctx;
+  if (args.command == "guest-event") {
+    v1::GuestEventResponse out;
+    const grpc::Status st = client.stub()->GuestEvent(&ctx, event, &out);
+    return st.ok() ? kOk : client.Failed("guest-event", st);
+  }
+  v1::GuestReport out;
+  grpc::Status st;
+  if (args.command == "suspend") {
+    st = client.stub()->Suspend(&ctx, suspend, &out);
+  } else {
+    v1::ResumeRequest req;
+    req.set_device(Opt(args, "--device"));
+    st = client.stub()->Resume(&ctx, req, &out);
+  }
+  if (!st.ok()) return client.Failed(args.command.c_str(), st);
+  printf("%s", args.json ? (Json(out) + "\n").c_str() : GuestReportText(out).c_str());
+  return out.ok() ? kOk : kFailed;
+}
+
 int Main(int argc, char** argv) {
   Args args;
   if (int rc = Parse(argc, argv, &args); rc != 0) return rc;
@@ -314,6 +366,9 @@ int Main(int argc, char** argv) {
     printf("%s", help->second.c_str());
     return kOk;
   }
+  if (args.command == "vm-migrate" || args.command == "suspend" || args.command == "resume" ||
+      args.command == "guest-event")
+    return GuestCommand(args);
   // What each command takes.
   static const std::map<std::string, std::pair<size_t, std::vector<std::string>>> kTakes = {
       {"ps", {0, {}}},
@@ -393,7 +448,7 @@ int Main(int argc, char** argv) {
     }
   }
 
-  Client client(args, host->Target());
+  Client client(args.tls_dir, host->Target());
   if (int rc = client.Connect(); rc != kOk) return rc;
   grpc::ClientContext ctx;
   if (args.command == "ps") {

@@ -1,0 +1,44 @@
+// What the commands of rdmavirtctl share: exit codes, JSON output and a
+// client of a host's rdmavirt-migratord (Operator service, mutual TLS).
+#ifndef RDMAVIRT_TOOLS_RDMAVIRTCTL_CLI_H_
+#define RDMAVIRT_TOOLS_RDMAVIRTCTL_CLI_H_
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "google/protobuf/message.h"
+#include "grpcpp/grpcpp.h"
+#include "rdmavirt/v1/migrator.grpc.pb.h"
+
+namespace rdmavirt::ctl {
+
+inline constexpr int kOk = 0, kFailed = 1, kUsage = 2, kUnreachable = 3;
+
+// Indented, with the protos' field names.
+std::string Json(const google::protobuf::Message& m);
+
+class Client {
+ public:
+  Client(std::string tls_dir, std::string target)
+      : tls_dir_(std::move(tls_dir)), target_(std::move(target)) {}
+
+  // kOk, or kUnreachable after saying why (on stderr).
+  int Connect();
+  v1::Operator::Stub* stub() { return stub_.get(); }
+  const std::string& target() const { return target_; }
+  // A failed RPC, said on stderr: kFailed, or kUnreachable when the daemon
+  // went away.
+  int Failed(const char* what, const grpc::Status& st);
+  static const char* CodeName(grpc::StatusCode c);
+
+ private:
+  const std::string tls_dir_;
+  const std::string target_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Operator::Stub> stub_;
+};
+
+}  // namespace rdmavirt::ctl
+
+#endif  // RDMAVIRT_TOOLS_RDMAVIRTCTL_CLI_H_

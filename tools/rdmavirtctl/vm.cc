@@ -1,0 +1,461 @@
+#include "tools/rdmavirtctl/vm.h"
+
+#include <libvirt/libvirt-qemu.h>
+#include <libvirt/libvirt.h>
+#include <libvirt/virterror.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "migrator/addresses.h"
+#include "migrator/migrator.h"
+#include "tools/rdmavirtctl/cli.h"
+#include "tools/rdmavirtctl/format.h"
+
+namespace rdmavirt::ctl {
+namespace {
+
+using google::protobuf::Struct;
+using google::protobuf::Value;
+
+uint64_t MicrosSince(absl::Time t) {
+  return static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - t));
+}
+
+std::string LibvirtError(absl::string_view what) {
+  const char* m = virGetLastErrorMessage();
+  return absl::StrCat(what, ": ", m != nullptr ? m : "unknown libvirt error");
+}
+
+struct ConnDeleter {
+  void operator()(virConnectPtr c) const { virConnectClose(c); }
+};
+struct DomainDeleter {
+  void operator()(virDomainPtr d) const { virDomainFree(d); }
+};
+using Conn = std::unique_ptr<virConnect, ConnDeleter>;
+using Domain = std::unique_ptr<virDomain, DomainDeleter>;
+
+absl::StatusOr<Conn> Open(const std::string& uri) {
+  Conn c(virConnectOpen(uri.c_str()));
+  if (c == nullptr) return absl::UnavailableError(LibvirtError(absl::StrCat("libvirt at ", uri)));
+  return c;
+}
+
+absl::StatusOr<std::string> DomainXml(virDomainPtr d) {
+  char* x = virDomainGetXMLDesc(d, 0);
+  if (x == nullptr) return absl::UnavailableError(LibvirtError("the domain's XML"));
+  std::string out(x);
+  free(x);
+  return out;
+}
+
+std::string JsonQuote(absl::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", c);
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// One command to the guest agent; its "return" value.
+absl::StatusOr<Value> Agent(virDomainPtr d, const std::string& json, int timeout_s) {
+  char* r = virDomainQemuAgentCommand(d, json.c_str(), timeout_s, 0);
+  if (r == nullptr) return absl::UnavailableError(LibvirtError("the guest agent"));
+  std::string text(r);
+  free(r);
+  Struct reply;
+  if (!google::protobuf::util::JsonStringToMessage(text, &reply).ok())
+    return absl::InternalError(absl::StrCat("the guest agent answered ", text));
+  auto it = reply.fields().find("return");
+  if (it == reply.fields().end())
+    return absl::InternalError(absl::StrCat("the guest agent answered ", text));
+  return it->second;
+}
+
+struct ExecResult {
+  int exitcode = -1;
+  std::string out, err;
+};
+
+// Runs PATH ARGS in the guest (guest-exec) and waits for it to end.
+absl::StatusOr<ExecResult> GuestExec(virDomainPtr d, const std::string& path,
+                                     const std::vector<std::string>& args, absl::Duration timeout) {
+  std::string argv;
+  for (const std::string& a : args) absl::StrAppend(&argv, argv.empty() ? "" : ",", JsonQuote(a));
+  absl::StatusOr<Value> started =
+      Agent(d,
+            absl::StrCat(R"({"execute":"guest-exec","arguments":{"path":)", JsonQuote(path),
+                         R"(,"arg":[)", argv, R"(],"capture-output":true}})"),
+            10);
+  if (!started.ok()) return started.status();
+  auto pid_it = started->struct_value().fields().find("pid");
+  if (pid_it == started->struct_value().fields().end())
+    return absl::InternalError("guest-exec gave no pid");
+  const int pid = static_cast<int>(pid_it->second.number_value());
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    absl::StatusOr<Value> st = Agent(
+        d, absl::StrCat(R"({"execute":"guest-exec-status","arguments":{"pid":)", pid, "}}"), 10);
+    if (!st.ok()) return st.status();
+    const auto& f = st->struct_value().fields();
+    auto exited = f.find("exited");
+    if (exited != f.end() && exited->second.bool_value()) {
+      ExecResult r;
+      if (auto c = f.find("exitcode"); c != f.end()) r.exitcode = c->second.number_value();
+      if (auto c = f.find("signal"); c != f.end())
+        r.exitcode = 128 + static_cast<int>(c->second.number_value());
+      if (auto o = f.find("out-data"); o != f.end())
+        absl::Base64Unescape(o->second.string_value(), &r.out);
+      if (auto e = f.find("err-data"); e != f.end())
+        absl::Base64Unescape(e->second.string_value(), &r.err);
+      return r;
+    }
+    if (absl::Now() > deadline)
+      return absl::DeadlineExceededError(absl::StrCat(path, " in the guest did not finish within ",
+                                                      absl::FormatDuration(timeout)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+// The guest-side command with --json; its GuestReport.
+absl::StatusOr<v1::GuestReport> GuestStep(virDomainPtr d, const VmOptions& o,
+                                          const std::vector<std::string>& args) {
+  absl::StatusOr<ExecResult> r = GuestExec(d, o.guest_command, args, absl::Minutes(3));
+  if (!r.ok()) return r.status();
+  v1::GuestReport report;
+  const bool parsed =
+      !r->out.empty() && google::protobuf::util::JsonStringToMessage(r->out, &report).ok();
+  if (r->exitcode != 0 || !parsed) {
+    std::string why = r->err.empty() ? r->out : r->err;
+    while (!why.empty() && why.back() == '\n') why.pop_back();
+    if (parsed && !report.error().empty()) why = report.error();
+    return absl::AbortedError(absl::StrCat("`", o.guest_command, " ", args[0],
+                                           "` in the guest exited ", r->exitcode, ": ", why));
+  }
+  return report;
+}
+
+// The fabric address (a.b.c.d/len) the guest has on interface MAC, from
+// its agent.
+std::string GuestAddress(virDomainPtr d, const std::string& mac) {
+  virDomainInterfacePtr* ifaces = nullptr;
+  const int n =
+      virDomainInterfaceAddresses(d, &ifaces, VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT, 0);
+  std::string out;
+  for (int i = 0; i < n; ++i) {
+    if (ifaces[i]->hwaddr != nullptr && absl::EqualsIgnoreCase(ifaces[i]->hwaddr, mac)) {
+      for (unsigned j = 0; j < ifaces[i]->naddrs; ++j)
+        if (ifaces[i]->addrs[j].type == VIR_IP_ADDR_TYPE_IPV4 && out.empty())
+          out = absl::StrCat(ifaces[i]->addrs[j].addr, "/", ifaces[i]->addrs[j].prefix);
+    }
+    virDomainInterfaceFree(ifaces[i]);
+  }
+  free(ifaces);
+  return out;
+}
+
+// Unplugs the device with `alias` and waits until it is gone (the guest
+// lets go of it asynchronously).
+absl::Status Unplug(virDomainPtr d, const std::string& alias, absl::Duration timeout) {
+  if (virDomainDetachDeviceAlias(d, alias.c_str(), VIR_DOMAIN_AFFECT_LIVE) < 0)
+    return absl::UnavailableError(LibvirtError("unplugging the RDMA NIC"));
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    absl::StatusOr<std::string> x = DomainXml(d);
+    if (!x.ok()) return x.status();
+    if (InterfaceWithAlias(*x, alias).empty()) return absl::OkStatus();
+    if (absl::Now() > deadline)
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the guest did not let go of its RDMA NIC within ", absl::FormatDuration(timeout)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+absl::Status Plug(virDomainPtr d, const std::string& xml, bool persistent) {
+  unsigned flags = VIR_DOMAIN_AFFECT_LIVE;
+  if (persistent) flags |= VIR_DOMAIN_AFFECT_CONFIG;
+  if (virDomainAttachDeviceFlags(d, xml.c_str(), flags) < 0)
+    return absl::UnavailableError(LibvirtError("plugging the RDMA NIC"));
+  return absl::OkStatus();
+}
+
+uint64_t LongestBlackout(const v1::GuestReport& r) {
+  uint64_t m = 0;
+  for (const v1::MigrationReport& e : r.endpoints())
+    m = std::max<uint64_t>(m, e.breakdown().blackout_us());
+  return m;
+}
+
+void PrintReport(const VmOptions& o, const v1::VmReport& r) {
+  if (o.json) {
+    printf("%s\n", Json(r).c_str());
+    return;
+  }
+  printf("%s of %s %s%s\n", r.kind().c_str(), r.domain().c_str(),
+         r.ok() ? "done" : (r.rolled_back() ? "FAILED, rolled back" : "FAILED"),
+         r.ok() ? "" : absl::StrCat(": ", r.error()).c_str());
+  printf("  %s -> %s\n", r.source().c_str(), r.destination().c_str());
+  printf("  endpoints %d, RDMA blackout %s (the longest a peer waited)\n",
+         r.suspended().endpoints_size(), Micros(r.blackout_us()).c_str());
+  printf("  suspend %s, unplug %s, migrate %s, plug %s, resume %s, total %s\n",
+         Micros(r.suspend_us()).c_str(), Micros(r.detach_us()).c_str(),
+         Micros(r.migrate_us()).c_str(), Micros(r.attach_us()).c_str(),
+         Micros(r.resume_us()).c_str(), Micros(r.total_us()).c_str());
+  if (!r.old_nic().empty() || !r.new_nic().empty())
+    printf("  RDMA NIC %s -> %s\n", r.old_nic().c_str(), r.new_nic().c_str());
+}
+
+void Step(const VmOptions& o, const std::string& what) {
+  fprintf(stderr, "%s: %s\n", o.domain.c_str(), what.c_str());
+}
+
+}  // namespace
+
+std::string UriHost(absl::string_view uri) {
+  size_t p = uri.find("://");
+  if (p == absl::string_view::npos) return "";
+  absl::string_view rest = uri.substr(p + 3);
+  rest = rest.substr(0, rest.find_first_of("/?"));
+  if (size_t at = rest.find('@'); at != absl::string_view::npos) rest = rest.substr(at + 1);
+  if (!rest.empty() && rest[0] != '[') rest = rest.substr(0, rest.find(':'));
+  return std::string(rest);
+}
+
+std::string InterfaceWithAlias(absl::string_view xml, absl::string_view alias) {
+  for (size_t from = 0;;) {
+    const size_t start = xml.find("<interface ", from);
+    if (start == absl::string_view::npos) return "";
+    const size_t end = xml.find("</interface>", start);
+    if (end == absl::string_view::npos) return "";
+    absl::string_view block = xml.substr(start, end + 12 - start);
+    if (absl::StrContains(block, absl::StrCat("<alias name='", alias, "'/>")) ||
+        absl::StrContains(block, absl::StrCat("<alias name=\"", alias, "\"/>")))
+      return std::string(block);
+    from = end;
+  }
+}
+
+std::string ElementAttribute(absl::string_view xml, absl::string_view tag, absl::string_view attr) {
+  const size_t t = xml.find(absl::StrCat("<", tag, " "));
+  if (t == absl::string_view::npos) return "";
+  const size_t close = xml.find('>', t);
+  absl::string_view el = xml.substr(t, close == absl::string_view::npos ? xml.npos : close - t);
+  for (char q : {'\'', '"'}) {
+    const std::string key = absl::StrCat(" ", attr, "=", std::string(1, q));
+    const size_t a = el.find(key);
+    if (a == absl::string_view::npos) continue;
+    const size_t v = a + key.size();
+    const size_t e = el.find(q, v);
+    if (e != absl::string_view::npos) return std::string(el.substr(v, e - v));
+  }
+  return "";
+}
+
+int VmMigrate(const VmOptions& o) {
+  const absl::Time start = absl::Now();
+  v1::VmReport rep;
+  rep.set_kind("vm-migrate");
+  rep.set_domain(o.domain);
+  rep.set_source(o.connect);
+  rep.set_destination(o.to);
+  auto fail = [&](const std::string& why, bool rolled_back) {
+    rep.set_ok(false);
+    rep.set_error(why);
+    rep.set_rolled_back(rolled_back);
+    rep.set_total_us(MicrosSince(start));
+    fprintf(stderr, "rdmavirtctl: vm-migrate %s: %s\n", o.domain.c_str(), why.c_str());
+    PrintReport(o, rep);
+    return kFailed;
+  };
+
+  // ---- checks: nothing is touched until both sides said yes.
+  absl::StatusOr<Conn> src = Open(o.connect);
+  if (!src.ok()) return fail(std::string(src.status().message()), false);
+  Domain dom(virDomainLookupByName(src->get(), o.domain.c_str()));
+  if (dom == nullptr) return fail(LibvirtError(absl::StrCat("domain ", o.domain)), false);
+  if (virDomainIsActive(dom.get()) != 1)
+    return fail(absl::StrCat("domain ", o.domain, " is not running"), false);
+  const bool persistent = virDomainIsPersistent(dom.get()) == 1;
+  char* meta = virDomainGetMetadata(dom.get(), VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
+                                    VIR_DOMAIN_AFFECT_LIVE);
+  if (meta == nullptr)
+    return fail(
+        absl::StrCat("domain ", o.domain, " is not an RDMA guest (no <metadata> element in ",
+                     kGuestMetadataUri, "); migrate it with virsh"),
+        false);
+  free(meta);
+  absl::StatusOr<std::string> xml = DomainXml(dom.get());
+  if (!xml.ok()) return fail(std::string(xml.status().message()), false);
+  const std::string old_iface = InterfaceWithAlias(*xml, migrator::kGuestNicAlias);
+  if (old_iface.empty())
+    return fail(absl::StrCat("domain ", o.domain, " has no RDMA NIC (an <interface> with alias ",
+                             migrator::kGuestNicAlias, ")"),
+                false);
+  const std::string old_mac = ElementAttribute(old_iface, "mac", "address");
+  const std::string old_bridge = ElementAttribute(old_iface, "source", "bridge");
+  if (old_bridge.empty())
+    return fail(absl::StrCat("the RDMA NIC of ", o.domain,
+                             " is not on a bridge (<interface type='bridge'>), the only kind "
+                             "this version moves"),
+                false);
+  const std::string old_addr = GuestAddress(dom.get(), old_mac);
+  if (old_addr.empty())
+    return fail(
+        absl::StrCat("the guest agent of ", o.domain,
+                     " does not answer or the guest has no IPv4 address on its RDMA NIC ", old_mac),
+        false);
+  rep.set_old_nic(absl::StrCat(old_mac, " ", old_addr));
+
+  Client dest_migrator(o.tls_dir, o.to_migrator);
+  if (int rc = dest_migrator.Connect(); rc != kOk) {
+    rep.set_error(absl::StrCat("the destination's rdmavirt-migratord (", o.to_migrator,
+                               ") is unreachable; nothing was suspended"));
+    PrintReport(o, rep);
+    return rc;
+  }
+  v1::HostInfo dest_info;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    grpc::Status st = dest_migrator.stub()->GetHostInfo(&ctx, v1::HostInfoRequest(), &dest_info);
+    if (!st.ok())
+      return fail(absl::StrCat("the destination's migrator: ", st.error_message()), false);
+  }
+  if (!dest_info.has_guest_nics())
+    return fail(absl::StrCat("the destination ", dest_info.hostname(),
+                             " has no RDMA device for guests; nothing was suspended"),
+                false);
+  absl::StatusOr<Conn> dst = Open(o.to);
+  if (!dst.ok())
+    return fail(absl::StrCat(dst.status().message(), "; nothing was suspended"), false);
+  v1::GuestNic nic;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::AllocateGuestNicRequest req;
+    req.set_domain(o.domain);
+    grpc::Status st = dest_migrator.stub()->AllocateGuestNic(&ctx, req, &nic);
+    if (!st.ok())
+      return fail(absl::StrCat("the destination ", dest_info.hostname(), ": ", st.error_message(),
+                               "; nothing was suspended"),
+                  false);
+  }
+  rep.set_new_nic(absl::StrCat(nic.mac(), " ", nic.address()));
+  // Until the guest runs there, the NIC it holds is given back on failure.
+  bool moved = false;
+  absl::Cleanup give_back = [&] {
+    if (moved) return;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::GuestEventRequest req;
+    req.set_domain(o.domain);
+    req.set_event("stopped");
+    v1::GuestEventResponse out;
+    (void)dest_migrator.stub()->GuestEvent(&ctx, req, &out);
+  };
+
+  // ---- suspend, unplug
+  Step(o, "suspending its RDMA endpoints and their peers");
+  absl::Time t = absl::Now();
+  absl::StatusOr<v1::GuestReport> suspended = GuestStep(dom.get(), o, {"suspend", "--json"});
+  rep.set_suspend_us(MicrosSince(t));
+  if (!suspended.ok())
+    return fail(absl::StrCat(suspended.status().message(),
+                             " (the guest put back what it had "
+                             "suspended)"),
+                true);
+  *rep.mutable_suspended() = *suspended;
+  const std::string old_nic_arg = absl::StrCat(old_mac, "=", old_addr);
+  bool unplugged = false;
+  auto resume_here = [&](const std::string& cause) {
+    Step(o, absl::StrCat("rolling back: ", cause));
+    if (unplugged) {
+      if (absl::Status st =
+              Plug(dom.get(), migrator::GuestInterfaceXml(old_bridge, old_mac), false);
+          !st.ok())
+        return fail(absl::StrCat(cause, " (rollback: ", st.message(),
+                                 "; the guest's endpoints stay suspended)"),
+                    false);
+    }
+    absl::StatusOr<v1::GuestReport> back =
+        GuestStep(dom.get(), o, {"resume", "--nic", old_nic_arg, "--json"});
+    if (!back.ok())
+      return fail(absl::StrCat(cause, " (rollback: ", back.status().message(), ")"), false);
+    *rep.mutable_resumed() = *back;
+    rep.set_blackout_us(LongestBlackout(*back));
+    return fail(cause, true);
+  };
+  Step(o, absl::StrCat("unplugging its RDMA NIC ", old_mac));
+  t = absl::Now();
+  if (absl::Status st = Unplug(dom.get(), migrator::kGuestNicAlias, absl::Seconds(60)); !st.ok())
+    return resume_here(std::string(st.message()));
+  unplugged = true;
+  rep.set_detach_us(MicrosSince(t));
+
+  // ---- migrate
+  Step(o, absl::StrCat("live-migrating to ", o.to));
+  t = absl::Now();
+  virTypedParameterPtr params = nullptr;
+  int nparams = 0, maxparams = 0;
+  if (!o.migrate_uri.empty())
+    virTypedParamsAddString(&params, &nparams, &maxparams, VIR_MIGRATE_PARAM_URI,
+                            o.migrate_uri.c_str());
+  unsigned flags = VIR_MIGRATE_LIVE;
+  if (persistent) flags |= VIR_MIGRATE_PERSIST_DEST | VIR_MIGRATE_UNDEFINE_SOURCE;
+  if (o.unsafe) flags |= VIR_MIGRATE_UNSAFE;
+  Domain ddom(virDomainMigrate3(dom.get(), dst->get(), params, nparams, flags));
+  virTypedParamsFree(params, nparams);
+  if (ddom == nullptr) return resume_here(LibvirtError("libvirt's migration"));
+  rep.set_migrate_us(MicrosSince(t));
+  moved = true;
+
+  // ---- plug, resume: the VM runs on the destination from here on.
+  Step(o, absl::StrCat("plugging a NIC of the destination: ", nic.mac(), " ", nic.address()));
+  t = absl::Now();
+  if (absl::Status st = Plug(ddom.get(), nic.interface_xml(), persistent); !st.ok())
+    return fail(absl::StrCat(st.message(),
+                             "; the guest runs on the destination with its endpoints suspended: "
+                             "plug a NIC and run `",
+                             o.guest_command, " resume` in it"),
+                false);
+  rep.set_attach_us(MicrosSince(t));
+  Step(o, "resuming its RDMA endpoints; their peers reconnect");
+  t = absl::Now();
+  absl::StatusOr<v1::GuestReport> resumed = GuestStep(
+      ddom.get(), o, {"resume", "--nic", absl::StrCat(nic.mac(), "=", nic.address()), "--json"});
+  rep.set_resume_us(MicrosSince(t));
+  if (!resumed.ok())
+    return fail(absl::StrCat(resumed.status().message(),
+                             "; the guest runs on the destination, its endpoints suspended"),
+                false);
+  *rep.mutable_resumed() = *resumed;
+  rep.set_blackout_us(LongestBlackout(*resumed));
+  rep.set_ok(resumed->ok());
+  rep.set_error(resumed->error());
+  rep.set_total_us(MicrosSince(start));
+  PrintReport(o, rep);
+  return rep.ok() ? kOk : kFailed;
+}
+
+}  // namespace rdmavirt::ctl

@@ -1,0 +1,50 @@
+// The VM workflows of rdmavirtctl, through the libvirt API (docs/vms.md).
+// The guest side runs in the guest, reached through its guest agent: a
+// command (rdmavirt-guest) that suspends or resumes every RDMA endpoint of
+// the guest through the guest's own rdmavirt-migratord.
+#ifndef RDMAVIRT_TOOLS_RDMAVIRTCTL_VM_H_
+#define RDMAVIRT_TOOLS_RDMAVIRTCTL_VM_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace rdmavirt::ctl {
+
+// The namespace of the <metadata> element that marks a domain as an RDMA
+// guest (its NIC is the <interface> with alias migrator::kGuestNicAlias).
+inline constexpr char kGuestMetadataUri[] = "urn:rdmavirt:guest:1";
+
+struct VmOptions {
+  std::string domain;
+  std::string connect = "qemu:///system";  // the source's libvirt
+  std::string tls_dir;
+  bool json = false;
+  // The guest-side command, a path inside the guest.
+  std::string guest_command = "/usr/sbin/rdmavirt-guest";
+  // vm-migrate
+  std::string to;           // the destination's libvirt URI
+  std::string to_migrator;  // its rdmavirt-migratord, HOST[:PORT]
+  std::string migrate_uri;  // libvirt's VIR_MIGRATE_PARAM_URI, if set
+  bool unsafe = false;
+};
+
+// Live-migrates an RDMA guest: guest endpoints suspended, its NIC
+// unplugged, the VM migrated, a NIC of the destination plugged, the
+// endpoints resumed there. A failure before the VM has moved puts it back
+// as it was. Returns an exit code (cli.h).
+int VmMigrate(const VmOptions& o);
+
+// "qemu+ssh://host/system" -> "host"; "" without a host part.
+std::string UriHost(absl::string_view uri);
+
+// The <interface> of `domain_xml` whose alias is `alias`, "" if none.
+std::string InterfaceWithAlias(absl::string_view domain_xml, absl::string_view alias);
+// The value of attribute `attr` of the first element `tag` in `xml`
+// ("<mac address='...'/>"): "" if absent.
+std::string ElementAttribute(absl::string_view xml, absl::string_view tag, absl::string_view attr);
+
+}  // namespace rdmavirt::ctl
+
+#endif  // RDMAVIRT_TOOLS_RDMAVIRTCTL_VM_H_

@@ -154,6 +154,9 @@ void Migrator::ResumeOne(Move* m, const std::string& device, v1::MigrationReport
   *m->rec.mutable_new_mapping() = e->mapping();
   SetPhase(m, "reconnect");
   const absl::Time c0 = absl::Now();
+  // The connections the suspend made went out of an address this host may
+  // not have any more (a VM's NIC swapped): new ones.
+  m->stubs.clear();
   absl::Status st = ReconnectAll(m, e->mapping(), false);
   v1::MigratorToShim res;
   res.mutable_resume();

@@ -175,7 +175,12 @@ int Run(int argc, char** argv) {
   mo.guest_nic_capacity = flags.guest_nic_capacity;
   std::shared_ptr<grpc::ChannelCredentials> peer_creds = MutualTlsChannelCredentials(*tls);
   mo.connect = [peer_creds](const std::string& target) {
-    return v1::Transfer::NewStub(grpc::CreateChannel(target, peer_creds));
+    // A channel of its own (no subchannel shared with an earlier one): a
+    // guest's address changes under its connections when its NIC is
+    // swapped, and a fresh stub must not inherit a dead connection.
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    return v1::Transfer::NewStub(grpc::CreateCustomChannel(target, peer_creds, args));
   };
   Migrator migrator(mo, shims->get(), criu.get(), procs.get());
 

@@ -15,6 +15,8 @@ packages=(
   libabsl-dev libssl-dev openssl
   # checkpoint/restore and VMs
   criu libprotobuf-c-dev libvirt-dev libvirt-daemon-system libvirt-clients
+  # the VM lab's guests: their agent, copied into their initramfs
+  qemu-guest-agent
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev valgrind strace python3-matplotlib
   # the lab: TCG VMs on a VDE switch, booted from an initramfs

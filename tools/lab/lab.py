@@ -21,6 +21,7 @@ is built.
 """
 
 import ctypes
+import hashlib
 import json
 import os
 import shlex
@@ -51,6 +52,8 @@ MODULES = [
 OPTIONAL_MODULES = [
     "unix_diag", "netlink_diag", "inet_diag", "tcp_diag", "udp_diag",
     "packet_diag", "af_packet_diag", "nft_compat", "nf_conntrack", "tun",
+    # VM guests (vmlab.py): the guest agent's virtio-serial port.
+    "virtio_console",
 ]
 
 
@@ -100,7 +103,9 @@ def kernel_dir():
                     if "Depends:" in l and "linux-image-" in l), None)
     if pkg is None:
         raise LabError("cannot find the kernel package linux-image-amd64 depends on")
-    kdir = os.path.join(CACHE_DIR, pkg)
+    # The cache is per kernel and per module list.
+    mods_key = hashlib.sha256(" ".join(MODULES + OPTIONAL_MODULES).encode()).hexdigest()[:8]
+    kdir = os.path.join(CACHE_DIR, f"{pkg}-{mods_key}")
     if os.path.exists(os.path.join(kdir, "modules.order")):
         return kdir
 

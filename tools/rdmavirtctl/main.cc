@@ -5,7 +5,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -45,6 +47,8 @@ constexpr char kUsageText[] =
     "VMs (libvirt; HOST's migrator is the destination's):\n"
     "  vm-migrate DOMAIN --to URI [--to-migrator HOST[:PORT]] [--connect URI]\n"
     "                                       live-migrate an RDMA guest, its connections kept\n"
+    "  drain (--to URI | --auto) [--dry-run]\n"
+    "                                       move every RDMA guest and shimmed process away\n"
     "in a guest, or on a host for its hooks:\n"
     "  suspend [PID...]                     quiesce and release every endpoint (or PIDs)\n"
     "  resume [--device DEV]                bring the suspended endpoints back, reconnect\n"
@@ -99,6 +103,17 @@ const std::map<std::string, std::string>& CommandHelp() {
        "there. The destination is checked first; a failure before the VM has moved puts\n"
        "it back as it was, resumed. --migrate-uri and --unsafe go to libvirt as they are.\n"
        "Progress goes to stderr; the report (blackout, steps, NICs) to stdout.\n"},
+      {"drain",
+       "usage: rdmavirtctl drain (--to URI [--to-migrator HOST[:PORT]] | --auto [--hosts FILE])\n"
+       "                         [--connect URI] [--migrate-uri URI] [--dry-run]\n"
+       "Moves every RDMA guest of the libvirt at --connect (default qemu:///system) with\n"
+       "vm-migrate, and every process under the shim on --host with migrate, off this\n"
+       "host: to --to (guests) and --to-migrator (processes; default the host of --to,\n"
+       "port 7700), or with --auto, each guest to the host of FILE (default\n"
+       "/etc/rdmavirt/hosts: \"LIBVIRT-URI MIGRATOR-HOST:PORT\" lines) with the most free\n"
+       "RDMA NICs for guests, processes to the first host listed. One at a time, with\n"
+       "progress on stderr and a summary; --dry-run prints the plan and moves nothing.\n"
+       "Exit code 1 if anything stayed.\n"},
       {"suspend",
        "usage: rdmavirtctl suspend [PID...]\n"
        "Quiesces every endpoint of --host (or the PIDs), with their peers wherever they\n"
@@ -129,6 +144,8 @@ struct Args {
   std::map<std::string, std::string> options;  // --to, --dir, --on, ...
   bool leave_running = false;
   bool unsafe = false;
+  bool dry_run = false;
+  bool auto_pick = false;
   bool help = false;
 };
 
@@ -162,6 +179,14 @@ int Parse(int argc, char** argv, Args* a) {
     }
     if (arg == "--unsafe") {
       a->unsafe = true;
+      continue;
+    }
+    if (arg == "--dry-run") {
+      a->dry_run = true;
+      continue;
+    }
+    if (arg == "--auto") {
+      a->auto_pick = true;
       continue;
     }
     if (arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
@@ -258,6 +283,8 @@ std::string Opt(const Args& a, const std::string& name) {
 int GuestCommand(const Args& args) {
   static const std::map<std::string, std::vector<std::string>> kAllowed = {
       {"vm-migrate", {"--to", "--to-migrator", "--connect", "--migrate-uri", "--guest-command"}},
+      {"drain",
+       {"--to", "--to-migrator", "--connect", "--migrate-uri", "--guest-command", "--hosts"}},
       {"suspend", {"--drain-timeout-ms"}},
       {"resume", {"--device"}},
       {"guest-event", {"--mac"}},
@@ -266,26 +293,57 @@ int GuestCommand(const Args& args) {
   for (const auto& [name, value] : args.options)
     if (std::find(allowed.begin(), allowed.end(), name) == allowed.end())
       return UsageError(absl::StrCat(args.command, " does not take ", name), args.command);
-  if (args.unsafe && args.command != "vm-migrate")
-    return UsageError("--unsafe is for vm-migrate", args.command);
+  if (args.unsafe && args.command != "vm-migrate" && args.command != "drain")
+    return UsageError("--unsafe is for vm-migrate and drain", args.command);
+  if ((args.dry_run || args.auto_pick) && args.command != "drain")
+    return UsageError("--dry-run and --auto are for drain", args.command);
   if (args.leave_running) return UsageError("--leave-running is for checkpoint", args.command);
 
-  if (args.command == "vm-migrate") {
-    if (args.positional.size() != 1) return UsageError("vm-migrate takes a DOMAIN", args.command);
-    VmOptions o;
-    o.domain = args.positional[0];
-    o.to = Opt(args, "--to");
-    if (o.to.empty() || o.to.find("://") == std::string::npos)
-      return UsageError("vm-migrate needs --to with a libvirt URI (qemu+ssh://HOST/system)",
+  if (args.command == "vm-migrate" || args.command == "drain") {
+    const bool drain = args.command == "drain";
+    if (drain ? !args.positional.empty() : args.positional.size() != 1)
+      return UsageError(drain ? "drain takes no arguments" : "vm-migrate takes a DOMAIN",
                         args.command);
-    o.to_migrator = Opt(args, "--to-migrator");
-    if (o.to_migrator.empty()) o.to_migrator = UriHost(o.to);
-    if (o.to_migrator.empty())
-      return UsageError("--to names no host: give --to-migrator HOST[:PORT]", args.command);
-    absl::StatusOr<migrator::HostPort> m = migrator::ParseHostPort(o.to_migrator);
-    if (!m.ok())
-      return UsageError(absl::StrCat("--to-migrator: ", m.status().message()), args.command);
-    o.to_migrator = m->Target();
+    VmOptions o;
+    if (!drain) o.domain = args.positional[0];
+    o.to = Opt(args, "--to");
+    DrainOptions d;
+    if (drain && args.auto_pick) {
+      if (!o.to.empty() || !Opt(args, "--to-migrator").empty())
+        return UsageError("--auto or --to, not both", args.command);
+      const std::string path =
+          Opt(args, "--hosts").empty() ? "/etc/rdmavirt/hosts" : Opt(args, "--hosts");
+      std::ifstream in(path);
+      if (!in) return UsageError(absl::StrCat("cannot read ", path), args.command);
+      std::stringstream text;
+      text << in.rdbuf();
+      absl::StatusOr<std::vector<std::pair<std::string, std::string>>> hosts =
+          ParseHostsFile(text.str());
+      if (!hosts.ok())
+        return UsageError(absl::StrCat(path, ": ", hosts.status().message()), args.command);
+      for (auto& [uri, m] : *hosts) {
+        absl::StatusOr<migrator::HostPort> hp = migrator::ParseHostPort(m);
+        d.candidates.emplace_back(uri, hp->Target());
+      }
+    } else if (o.to.empty() || o.to.find("://") == std::string::npos) {
+      return UsageError(absl::StrCat(args.command,
+                                     drain ? " needs --auto or --to with a libvirt URI"
+                                           : " needs --to with a libvirt URI",
+                                     " (qemu+ssh://HOST/system)"),
+                        args.command);
+    } else if (!Opt(args, "--hosts").empty()) {
+      return UsageError("--hosts is for --auto", args.command);
+    }
+    if (!o.to.empty()) {
+      o.to_migrator = Opt(args, "--to-migrator");
+      if (o.to_migrator.empty()) o.to_migrator = UriHost(o.to);
+      if (o.to_migrator.empty())
+        return UsageError("--to names no host: give --to-migrator HOST[:PORT]", args.command);
+      absl::StatusOr<migrator::HostPort> m = migrator::ParseHostPort(o.to_migrator);
+      if (!m.ok())
+        return UsageError(absl::StrCat("--to-migrator: ", m.status().message()), args.command);
+      o.to_migrator = m->Target();
+    }
     if (!Opt(args, "--connect").empty()) o.connect = Opt(args, "--connect");
     o.migrate_uri = Opt(args, "--migrate-uri");
     if (!Opt(args, "--guest-command").empty()) {
@@ -296,7 +354,13 @@ int GuestCommand(const Args& args) {
     o.unsafe = args.unsafe;
     o.tls_dir = args.tls_dir;
     o.json = args.json;
-    return VmMigrate(o);
+    if (!drain) return VmMigrate(o);
+    absl::StatusOr<migrator::HostPort> host = migrator::ParseHostPort(args.host);
+    if (!host.ok()) return UsageError(absl::StrCat("--host: ", host.status().message()));
+    d.vm = o;
+    d.host = host->Target();
+    d.dry_run = args.dry_run;
+    return Drain(d);
   }
 
   v1::SuspendRequest suspend;
@@ -367,7 +431,7 @@ int Main(int argc, char** argv) {
     return kOk;
   }
   if (args.command == "vm-migrate" || args.command == "suspend" || args.command == "resume" ||
-      args.command == "guest-event")
+      args.command == "guest-event" || args.command == "drain")
     return GuestCommand(args);
   // What each command takes.
   static const std::map<std::string, std::pair<size_t, std::vector<std::string>>> kTakes = {

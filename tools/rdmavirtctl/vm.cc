@@ -4,6 +4,7 @@
 #include <libvirt/libvirt.h>
 #include <libvirt/virterror.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -13,10 +14,13 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -273,8 +277,15 @@ std::string ElementAttribute(absl::string_view xml, absl::string_view tag, absl:
 }
 
 int VmMigrate(const VmOptions& o) {
-  const absl::Time start = absl::Now();
   v1::VmReport rep;
+  const int rc = RunVmMigrate(o, &rep);
+  PrintReport(o, rep);
+  return rc;
+}
+
+int RunVmMigrate(const VmOptions& o, v1::VmReport* out) {
+  const absl::Time start = absl::Now();
+  v1::VmReport& rep = *out;
   rep.set_kind("vm-migrate");
   rep.set_domain(o.domain);
   rep.set_source(o.connect);
@@ -285,7 +296,6 @@ int VmMigrate(const VmOptions& o) {
     rep.set_rolled_back(rolled_back);
     rep.set_total_us(MicrosSince(start));
     fprintf(stderr, "rdmavirtctl: vm-migrate %s: %s\n", o.domain.c_str(), why.c_str());
-    PrintReport(o, rep);
     return kFailed;
   };
 
@@ -331,7 +341,6 @@ int VmMigrate(const VmOptions& o) {
   if (int rc = dest_migrator.Connect(); rc != kOk) {
     rep.set_error(absl::StrCat("the destination's rdmavirt-migratord (", o.to_migrator,
                                ") is unreachable; nothing was suspended"));
-    PrintReport(o, rep);
     return rc;
   }
   v1::HostInfo dest_info;
@@ -454,8 +463,162 @@ int VmMigrate(const VmOptions& o) {
   rep.set_ok(resumed->ok());
   rep.set_error(resumed->error());
   rep.set_total_us(MicrosSince(start));
-  PrintReport(o, rep);
   return rep.ok() ? kOk : kFailed;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseHostsFile(
+    absl::string_view text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  int n = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++n;
+    line = absl::StripAsciiWhitespace(line.substr(0, line.find('#')));
+    if (line.empty()) continue;
+    std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    if (f.size() != 2 || !absl::StrContains(f[0], "://") || !migrator::ParseHostPort(f[1]).ok())
+      return absl::InvalidArgumentError(absl::StrCat(
+          "line ", n, ": want \"LIBVIRT-URI MIGRATOR-HOST:PORT\", got \"", line, "\""));
+    out.emplace_back(std::string(f[0]), std::string(f[1]));
+  }
+  if (out.empty()) return absl::InvalidArgumentError("no hosts listed");
+  return out;
+}
+
+namespace {
+
+// Free RDMA NICs for guests at a migrator; -1 when it cannot say.
+int FreeGuestNics(const std::string& tls_dir, const std::string& target) {
+  Client c(tls_dir, target);
+  if (c.Connect() != kOk) return -1;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  v1::HostInfo info;
+  if (!c.stub()->GetHostInfo(&ctx, v1::HostInfoRequest(), &info).ok() || !info.has_guest_nics())
+    return -1;
+  return static_cast<int>(info.guest_nics().capacity()) -
+         static_cast<int>(info.guest_nics().in_use());
+}
+
+}  // namespace
+
+int Drain(const DrainOptions& o) {
+  v1::DrainReport rep;
+  rep.set_dry_run(o.dry_run);
+  auto finish = [&](int rc) {
+    rep.set_ok(rc == kOk && rep.stayed_size() == 0);
+    if (o.vm.json) {
+      printf("%s\n", Json(rep).c_str());
+    } else {
+      for (const std::string& p : rep.plan())
+        printf("%s%s\n", o.dry_run ? "would move " : "", p.c_str());
+      if (!o.dry_run) {
+        printf(
+            "drain: %d guests and %d processes moved, %d stayed\n",
+            rep.vms_size() - static_cast<int>(std::count_if(rep.vms().begin(), rep.vms().end(),
+                                                            [](const auto& v) { return !v.ok(); })),
+            rep.processes_size() -
+                static_cast<int>(std::count_if(rep.processes().begin(), rep.processes().end(),
+                                               [](const auto& p) { return !p.ok(); })),
+            rep.stayed_size());
+        for (const std::string& s : rep.stayed()) printf("  stayed: %s\n", s.c_str());
+      }
+    }
+    if (rc != kOk) return rc;
+    return rep.ok() ? kOk : kFailed;
+  };
+
+  // ---- what is here
+  absl::StatusOr<Conn> src = Open(o.vm.connect);
+  if (!src.ok()) {
+    fprintf(stderr, "rdmavirtctl: drain: %s\n", std::string(src.status().message()).c_str());
+    return finish(kUnreachable);
+  }
+  std::vector<std::string> guests;
+  virDomainPtr* doms = nullptr;
+  const int n = virConnectListAllDomains(src->get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE);
+  for (int i = 0; i < n; ++i) {
+    char* meta = virDomainGetMetadata(doms[i], VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
+                                      VIR_DOMAIN_AFFECT_LIVE);
+    if (meta != nullptr) {
+      guests.push_back(virDomainGetName(doms[i]));
+      free(meta);
+    }
+    virDomainFree(doms[i]);
+  }
+  free(doms);
+  std::sort(guests.begin(), guests.end());
+  Client here(o.vm.tls_dir, o.host);
+  std::vector<v1::EndpointSummary> procs;
+  if (here.Connect() != kOk) return finish(kUnreachable);
+  {
+    grpc::ClientContext ctx;
+    v1::ListEndpointsResponse list;
+    grpc::Status st = here.stub()->ListEndpoints(&ctx, v1::ListEndpointsRequest(), &list);
+    if (!st.ok()) return finish(here.Failed("drain: listing the processes", st));
+    procs.assign(list.endpoints().begin(), list.endpoints().end());
+  }
+
+  // ---- where each goes
+  auto pick = [&](std::string* uri, std::string* migrator_target) -> bool {
+    if (!o.vm.to.empty()) {
+      *uri = o.vm.to;
+      *migrator_target = o.vm.to_migrator;
+      return true;
+    }
+    int best = 0;
+    for (const auto& [u, m] : o.candidates) {
+      const int free_nics = FreeGuestNics(o.vm.tls_dir, m);
+      if (free_nics > best) {
+        best = free_nics;
+        *uri = u;
+        *migrator_target = m;
+      }
+    }
+    return best > 0;
+  };
+  for (const std::string& g : guests) {
+    std::string uri, m;
+    if (!pick(&uri, &m)) {
+      rep.add_stayed(absl::StrCat(g, ": no candidate host has a free RDMA NIC for guests"));
+      continue;
+    }
+    rep.add_plan(absl::StrCat(g, " -> ", uri));
+    if (o.dry_run) continue;
+    fprintf(stderr, "drain: [%d/%zu] %s -> %s\n", rep.vms_size() + 1, guests.size(), g.c_str(),
+            uri.c_str());
+    VmOptions vo = o.vm;
+    vo.domain = g;
+    vo.to = uri;
+    vo.to_migrator = m;
+    v1::VmReport* r = rep.add_vms();
+    if (RunVmMigrate(vo, r) != kOk || !r->ok()) rep.add_stayed(absl::StrCat(g, ": ", r->error()));
+  }
+  const std::string proc_dest = !o.vm.to_migrator.empty()
+                                    ? o.vm.to_migrator
+                                    : (o.candidates.empty() ? "" : o.candidates[0].second);
+  for (const v1::EndpointSummary& e : procs) {
+    if (proc_dest.empty()) {
+      rep.add_stayed(absl::StrCat("pid ", e.pid(), ": no destination"));
+      continue;
+    }
+    rep.add_plan(absl::StrCat("pid ", e.pid(), " (", e.program(), ") -> ", proc_dest));
+    if (o.dry_run) continue;
+    fprintf(stderr, "drain: pid %d (%s) -> %s\n", e.pid(), e.program().c_str(), proc_dest.c_str());
+    grpc::ClientContext ctx;
+    v1::MigrateRequest req;
+    req.set_pid(e.pid());
+    req.set_destination(proc_dest);
+    std::unique_ptr<grpc::ClientReader<v1::Progress>> reader = here.stub()->Migrate(&ctx, req);
+    v1::Progress p;
+    v1::MigrationReport* r = rep.add_processes();
+    while (reader->Read(&p))
+      if (p.has_report()) *r = p.report();
+    const grpc::Status st = reader->Finish();
+    if (!st.ok() || !r->ok())
+      rep.add_stayed(
+          absl::StrCat("pid ", e.pid(), ": ", st.ok() ? r->error() : st.error_message()));
+  }
+  return finish(kOk);
 }
 
 }  // namespace rdmavirt::ctl

@@ -6,9 +6,12 @@
 #define RDMAVIRT_TOOLS_RDMAVIRTCTL_VM_H_
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "rdmavirt/v1/migrator.pb.h"
 
 namespace rdmavirt::ctl {
 
@@ -35,6 +38,25 @@ struct VmOptions {
 // endpoints resumed there. A failure before the VM has moved puts it back
 // as it was. Returns an exit code (cli.h).
 int VmMigrate(const VmOptions& o);
+// The same without printing the report: it goes to `report`.
+int RunVmMigrate(const VmOptions& o, v1::VmReport* report);
+
+// Moves every RDMA guest of --connect's libvirt and every process under the
+// shim on `host` (its migrator, HOST:PORT) off this host: to o.to (and
+// o.to_migrator), or with `candidates` ("URI MIGRATOR" each) to the one with
+// the most free RDMA NICs for each guest. `dry_run` only says what it would
+// do. Exit code: kOk when nothing stayed.
+struct DrainOptions {
+  VmOptions vm;
+  std::string host;
+  std::vector<std::pair<std::string, std::string>> candidates;
+  bool dry_run = false;
+};
+int Drain(const DrainOptions& o);
+// "URI MIGRATOR" lines of a hosts file (# comments); INVALID_ARGUMENT saying
+// which line is wrong.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseHostsFile(
+    absl::string_view text);
 
 // "qemu+ssh://host/system" -> "host"; "" without a host part.
 std::string UriHost(absl::string_view uri);

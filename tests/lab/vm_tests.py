@@ -26,25 +26,35 @@ SHIM_ENV = ["LD_PRELOAD=/usr/local/lib/rdmavirt/librdmavirt.so",
 INTEGRITY = "/usr/local/bin/integrity"
 
 
+def where(name):
+    """The host (1 or 2) that runs guest `name`, or None."""
+    for h in (1, 2):
+        if name in LAB.virsh(h, "list", "--name").stdout.split():
+            return h
+    return None
+
+
 def guests_up():
-    """vmhost1 runs guest1 and guest2 (started if not running)."""
+    """guest1 and guest2 run (started on vmhost1 if they run nowhere);
+    returns their hosts."""
     if LAB._state() is None:
         LAB.up()
-    running = LAB.virsh(1, "list", "--name").stdout.split()
     for n in (1, 2):
-        if f"guest{n}" not in running:
+        if where(f"guest{n}") is None:
             LAB.start_guest(1, f"guest{n}", n)
+    return where("guest1"), where("guest2")
 
 
-def start_workload(iterations):
-    """Q (server) in guest2, P (client) in guest1; returns their agent pids."""
+def start_workload(iterations, hp, hq):
+    """Q (server) in guest2 on vmhost`hq`, P (client) in guest1 on
+    vmhost`hp`; returns their agent pids."""
     # rdmavirt-guest names a NIC's Soft-RoCE device after it.
     args = ["--iterations", str(iterations), "--ud-lost-after", "1800", "--port", "18900",
             "--device", "rxe_eth0"]
-    q = LAB.guest_spawn(1, "guest2", [INTEGRITY, "--server"] + args +
+    q = LAB.guest_spawn(hq, "guest2", [INTEGRITY, "--server"] + args +
                         ["--report", "/tmp/q.json"], SHIM_ENV)
     time.sleep(3)
-    p = LAB.guest_spawn(1, "guest1", [INTEGRITY, "--connect", vmlab.guest_address(2)] + args +
+    p = LAB.guest_spawn(hp, "guest1", [INTEGRITY, "--connect", LAB.guest_ip(hq, "guest2")] + args +
                         ["--report", "/tmp/p.json"], SHIM_ENV)
     return p, q
 
@@ -74,53 +84,98 @@ def guest_log(h, name, path):
         return str(e)
 
 
+def check_workload(p, q):
+    """Waits for P (guest1) and Q (guest2), wherever they run now."""
+    pr = LAB.guest_wait(where("guest1"), "guest1", p, 900)
+    qr = LAB.guest_wait(where("guest2"), "guest2", q, 300)
+    for side, res, name in (("P", pr, "guest1"), ("Q", qr, "guest2")):
+        rep = check_integrity(side, res, where(name), name, f"/tmp/{side.lower()}.json")
+        print(side, {k: rep[k] for k in ("sends", "lost", "duplicated", "corrupted")},
+              flush=True)
+
+
+def rdmavirtctl(h, *args, timeout=600):
+    """rdmavirtctl --json ARGS with vmhost`h`'s certificates; (result, report)."""
+    r = vmlab._run([LAB.ctl, "--tls-dir", LAB.tls(h), "--json"] + list(args), check=False,
+                   timeout=timeout)
+    print(r.stderr, flush=True)
+    return r, (json.loads(r.stdout) if r.stdout.strip() else None)
+
+
+def vm_logs_on_failure(fn):
+    def run():
+        try:
+            fn()
+        except BaseException:
+            show_logs()
+            for name in ("guest1", "guest2"):
+                h = where(name)
+                if h:
+                    print(f"--- {name} migrator log\n"
+                          f"{guest_log(h, name, '/var/log/rdmavirt-migratord.log')}", flush=True)
+            raise
+    run.__name__ = fn.__name__
+    return run
+
+
 @lab_test
+@vm_logs_on_failure
 def integrity_survives_a_live_vm_migration():
-    guests_up()
-    try:
-        p, q = start_workload(4000)
-        time.sleep(20)  # connected, traffic flowing
-        early = LAB.guest_status(1, "guest1", p)
-        check(early is None, "P ended before the move", early)
-        r = vmlab._run([LAB.ctl, "--tls-dir", LAB.tls(1), "--json", "vm-migrate", "guest1",
-                        "--connect", LAB.uri(1), "--to", LAB.uri(2),
-                        "--to-migrator", LAB.migrator(2),
-                        "--migrate-uri", "tcp://127.0.0.1:49400"], check=False, timeout=600)
-        print(r.stderr, flush=True)
-        rep = json.loads(r.stdout) if r.stdout.strip() else None
-        check(r.returncode == 0 and rep and rep["ok"], "vm-migrate guest1 vmhost1 -> vmhost2",
-              r.stdout[-3000:], r.stderr[-2000:])
-        print("vm-migrate:", json.dumps({k: v for k, v in rep.items()
-                                         if k not in ("suspended", "resumed")}), flush=True)
-        check(int(rep.get("blackout_us", 0)) > 0, "no blackout measured", rep)
-        check(rep["old_nic"].split()[0] != rep["new_nic"].split()[0], "the NIC did not change",
-              rep)
-        check("guest1" in LAB.virsh(2, "list", "--name").stdout.split(),
-              "guest1 does not run on vmhost2")
-        # The source host's migrator heard that guest1 left; vmhost2's holds it.
-        time.sleep(2)
-        h2 = json.loads(LAB.rdmavirtctl(2, "--json", "host").stdout)
-        check("guest1" in h2["guest_nics"].get("domains", []), "vmhost2 does not count guest1",
-              h2)
-        pr = LAB.guest_wait(2, "guest1", p, 900)
-        qr = LAB.guest_wait(1, "guest2", q, 120)
-        for side, res, h, name in (("P", pr, 2, "guest1"), ("Q", qr, 1, "guest2")):
-            rep_side = check_integrity(side, res, h, name, f"/tmp/{side.lower()}.json")
-            print(side, {k: rep_side[k] for k in ("sends", "lost", "duplicated", "corrupted")},
-                  flush=True)
-    except BaseException:
-        show_logs()
-        for h, name in ((1, "guest2"), (2, "guest1"), (1, "guest1")):
-            print(f"--- {name} migrator log\n"
-                  f"{guest_log(h, name, '/var/log/rdmavirt-migratord.log')}", flush=True)
-        raise
+    hp, hq = guests_up()
+    p, q = start_workload(4000, hp, hq)
+    time.sleep(20)  # connected, traffic flowing
+    early = LAB.guest_status(hp, "guest1", p)
+    check(early is None, "P ended before the move", early)
+    dst = 3 - hp
+    r, rep = rdmavirtctl(hp, "vm-migrate", "guest1", "--connect", LAB.uri(hp),
+                         "--to", LAB.uri(dst), "--to-migrator", LAB.migrator(dst),
+                         "--migrate-uri", "tcp://127.0.0.1:49400")
+    check(r.returncode == 0 and rep and rep["ok"], f"vm-migrate guest1 vmhost{hp} -> vmhost{dst}",
+          r.stdout[-3000:], r.stderr[-2000:])
+    print("vm-migrate:", json.dumps({k: v for k, v in rep.items()
+                                     if k not in ("suspended", "resumed")}), flush=True)
+    check(int(rep.get("blackout_us", 0)) > 0, "no blackout measured", rep)
+    check(rep["old_nic"].split()[0] != rep["new_nic"].split()[0], "the NIC did not change", rep)
+    check(where("guest1") == dst, f"guest1 does not run on vmhost{dst}")
+    # The destination's migrator counts guest1 (its hook said it started).
+    time.sleep(2)
+    info = json.loads(LAB.rdmavirtctl(dst, "--json", "host").stdout)
+    check("guest1" in info["guest_nics"].get("domains", []),
+          f"vmhost{dst} does not count guest1", info)
+    check_workload(p, q)
+
+
+@lab_test
+@vm_logs_on_failure
+def drain_moves_every_rdma_guest_off_a_host():
+    hp, hq = guests_up()
+    src, dst = hp, 3 - hp
+    here = [n for n in ("guest1", "guest2") if where(n) == src]
+    p, q = start_workload(3000, hp, hq)
+    time.sleep(15)
+    common = ["drain", "--connect", LAB.uri(src), "--to", LAB.uri(dst),
+              "--to-migrator", LAB.migrator(dst), "--host", LAB.migrator(src)]
+    r, plan = rdmavirtctl(src, *common, "--dry-run")
+    check(r.returncode == 0 and plan and plan["dry_run"], "drain --dry-run", r.stdout, r.stderr)
+    check(sorted(x.split()[0] for x in plan.get("plan", [])) == here, "the plan", plan)
+    check(sorted(n for n in ("guest1", "guest2") if where(n) == src) == here,
+          "--dry-run moved something")
+    r, rep = rdmavirtctl(src, *common, "--migrate-uri", "tcp://127.0.0.1:49401")
+    check(r.returncode == 0 and rep and rep["ok"], f"drain vmhost{src}", r.stdout[-4000:],
+          r.stderr[-2000:])
+    check(len(rep.get("vms", [])) == len(here) and all(v["ok"] for v in rep["vms"]),
+          "not every guest moved", rep)
+    for v in rep["vms"]:
+        print(f"drained {v['domain']}: blackout {int(v['blackout_us']) / 1e6:.1f}s, "
+              f"migrate {int(v['migrate_us']) / 1e6:.1f}s", flush=True)
+    check(not [n for n in ("guest1", "guest2") if where(n) == src],
+          f"an RDMA guest is still on vmhost{src}")
+    check_workload(p, q)
 
 
 @lab_test
 def the_destination_hook_refuses_a_host_without_an_rdma_device():
-    guests_up()
-    running = {h: LAB.virsh(h, "list", "--name").stdout.split() for h in (1, 2)}
-    src = 1 if "guest2" in running[1] else 2
+    _, src = guests_up()
     dst = 3 - src
     LAB.start_migrator(dst, guest_nics=False)
     try:

@@ -443,6 +443,17 @@ class VmLab:
                 "out": base64.b64decode(r.get("out-data", "")).decode(errors="replace"),
                 "err": base64.b64decode(r.get("err-data", "")).decode(errors="replace")}
 
+    def guest_ip(self, h, name):
+        """The guest's IPv4 address on its RDMA NIC (it changes when the
+        guest moves)."""
+        for iface in self.agent(h, name, {"execute": "guest-network-get-interfaces"}):
+            if iface.get("name") == "lo":
+                continue
+            for a in iface.get("ip-addresses", []):
+                if a.get("ip-address-type") == "ipv4":
+                    return a["ip-address"]
+        raise VmLabError(f"{name} has no IPv4 address")
+
     def guest_wait(self, h, name, pid, timeout):
         end = time.monotonic() + timeout
         while time.monotonic() < end:

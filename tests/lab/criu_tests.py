@@ -179,22 +179,10 @@ def criu_tampered_images_are_refused():
     try:
         run_ok(1, "rm -rf /tmp/criu-tamper; sleep 1")
         probe(1, f"dump {pid} {img}")
-        probe(1, f"manifest {img}")
-        probe(1, f"verify {img}")
-        # One flipped bit in the middle of the memory pages.
-        run_ok(1, f"cp -r {img} {img}-flip && python3 -c \"import sys; p=sys.argv[1]; "
-                  "b=bytearray(open(p,'rb').read()); b[len(b)//2]^=1; open(p,'wb').write(b)\" "
-                  f"{img}-flip/pages-1.img")
-        out = probe(1, f"verify {img}-flip", ok=False)
-        check(out["code"] == "DATA_LOSS" and "pages-1.img has SHA-256" in out["error"],
-              "a flipped bit not reported as DATA_LOSS of pages-1.img", out)
-        # A truncated file.
-        run_ok(1, f"cp -r {img} {img}-cut && truncate -s 4096 {img}-cut/pages-1.img")
-        out = probe(1, f"verify {img}-cut", ok=False)
-        check(out["code"] == "DATA_LOSS" and "bytes, the manifest says" in out["error"],
-              "a truncated file not reported as DATA_LOSS", out)
-        # CRIU itself on an image that does not parse (it hangs on a cut
-        # pages file, hence the verification above): DATA_LOSS too.
+        # Flipped and cut files are refused by the manifest check before
+        # CRIU sees them (image_dir_test; migrator_tests: a corrupted
+        # checkpoint; CRIU itself hangs on a cut pages file). Here: CRIU on
+        # an image that does not parse is DATA_LOSS too.
         run_ok(1, f"cp -r {img} {img}-badmap && truncate -s 10 {img}-badmap/pagemap-*.img")
         out = probe(1, f"restore {img}-badmap", ok=False)
         check(out["code"] == "DATA_LOSS", "CRIU's parse error not DATA_LOSS", out)
@@ -204,38 +192,6 @@ def criu_tampered_images_are_refused():
     finally:
         LAB.run(1, f"kill {pid}")
         LAB.run(1, "rm -rf /tmp/criu-tamper")
-
-
-@lab_test
-def criu_dump_can_leave_the_process_running():
-    install_probe()
-    work = "/lab/criu/leave"
-    pid = start(1, work, f"bash -c 'i=0; while :; do echo $i > {work}/count; i=$((i+1)); "
-                         "sleep 0.2; done'")
-    img = "/tmp/criu-leave/img"
-    try:
-        wait_until(1, f"[ \"$(cat {work}/count 2>/dev/null)\" -ge 3 ] 2>/dev/null", 60,
-                   "counter running")
-        run_ok(1, "rm -rf /tmp/criu-leave")
-        out = probe(1, f"dump {pid} {img} --leave-running")
-        check(out["leave_running"], "dump did not leave the process running", out)
-        n = count(work)
-        wait_until(1, f"[ \"$(cat {work}/count)\" -ge {n + 5} ]", 60,
-                   "counter advancing after a leave-running dump")
-        # Its pid is taken while it runs: ALREADY_EXISTS, and it keeps running.
-        out = probe(1, f"restore {img}", ok=False)
-        check(out["code"] == "ALREADY_EXISTS", "restore over a live pid not ALREADY_EXISTS", out)
-        run_ok(1, f"kill -0 {pid}")
-        # Once it is gone, the dump brings it back.
-        run_ok(1, f"kill {pid}; while kill -0 {pid} 2>/dev/null; do sleep 0.1; done")
-        out = probe(1, f"restore {img}")
-        check(out["pid"] == pid, "restored under another pid", out)
-        n = count(work)
-        wait_until(1, f"[ \"$(cat {work}/count)\" -ge {n + 5} ]", 60,
-                   "counter advancing after restore")
-    finally:
-        LAB.run(1, f"kill {pid}")
-        LAB.run(1, "rm -rf /tmp/criu-leave")
 
 
 # Holds an flock on the lab share and a POSIX lock on a local file, as
@@ -258,7 +214,7 @@ while True:
 
 
 @lab_test
-def criu_dumps_and_restores_file_locks():
+def criu_dump_leaves_running_and_restores_file_locks():
     install_probe()
     work = "/lab/criu/locks"
     open(os.path.join(LAB.shared, "criu", "locker.py"), "w").write(LOCKER)
@@ -274,9 +230,22 @@ def criu_dumps_and_restores_file_locks():
 
         check(len(locks()) == 2, "the locker does not hold its two locks", locks())
         run_ok(1, "rm -rf /tmp/criu-locks")
-        probe(1, f"dump {pid} {img}")
-        check(not locks(), "locks still held after the dump")
-        probe(1, f"restore {img}")
+        # A dump that leaves it running: it keeps counting and its locks.
+        out = probe(1, f"dump {pid} {img} --leave-running")
+        check(out["leave_running"], "dump did not leave the process running", out)
+        n = count(work)
+        wait_until(1, f"[ \"$(cat {work}/count)\" -ge {n + 5} ]", 60,
+                   "locker advancing after a leave-running dump")
+        check(len(locks()) == 2, "locks lost by a leave-running dump", locks())
+        # Its pid is taken while it runs: ALREADY_EXISTS, and it keeps running.
+        out = probe(1, f"restore {img}", ok=False)
+        check(out["code"] == "ALREADY_EXISTS", "restore over a live pid not ALREADY_EXISTS", out)
+        run_ok(1, f"kill -0 {pid}")
+        # Once it is gone (and its locks with it), the dump brings both back.
+        run_ok(1, f"kill {pid}; while kill -0 {pid} 2>/dev/null; do sleep 0.1; done")
+        check(not locks(), "locks still held after the process is gone")
+        out = probe(1, f"restore {img}")
+        check(out["pid"] == pid, "restored under another pid", out)
         check(len(locks()) == 2, "locks not held again after the restore", locks())
         n = count(work)
         wait_until(1, f"[ \"$(cat {work}/count)\" -ge {n + 5} ]", 60,

@@ -420,6 +420,10 @@ struct Options {
   std::string report;
   int ack_timeout = 20;  // 4.096 us << 20 = 4.3 s per try; 8 tries: 34 s of silence
   double ud_lost_after_s = 60;
+  // Private memory that no verb touches, filled with a known pattern and
+  // checked at the end: a larger image to dump and move, and a check that
+  // the process's plain memory came through intact too.
+  uint64_t ballast_mib = 0;
   // Testing the checker: corrupts one byte of the SEND, the ring slot and the
   // datagram of this seq, and one byte of the region the peer reads.
   int64_t inject_corruption = -1;
@@ -431,6 +435,7 @@ struct Options {
                "         [--device NAME (rxe0)] [--gid-index N (1)] [--iterations N (1000)]\n"
                "         [--rate ITERATIONS_PER_S (50; 0: unpaced)] [--report FILE]\n"
                "         [--ack-timeout T (20: 4.096 us * 2^T per try)] [--ud-lost-after S (60)]\n"
+               "         [--ballast MIB (0)]\n"
                "Each iteration is one SEND, one RDMA WRITE, one RDMA READ and one UD\n"
                "datagram in each direction.\n");
   std::exit(2);
@@ -464,6 +469,8 @@ Options ParseArgs(int argc, char** argv) {
       o.ack_timeout = std::atoi(value());
     } else if (a == "--ud-lost-after") {
       o.ud_lost_after_s = std::atof(value());
+    } else if (a == "--ballast") {
+      o.ballast_mib = std::strtoull(value(), nullptr, 10);
     } else if (a == "--inject-corruption") {
       o.inject_corruption = std::atoll(value());
     } else {
@@ -473,7 +480,7 @@ Options ParseArgs(int argc, char** argv) {
   // Immediate data carries the seq: 32 bits.
   if (o.server == !o.connect.empty() || o.port <= 0 || o.port > 65535 || o.gid_index < 0 ||
       o.iterations == 0 || o.iterations > UINT32_MAX || o.rate < 0 || o.ack_timeout < 1 ||
-      o.ack_timeout > 31 || o.ud_lost_after_s <= 0) {
+      o.ack_timeout > 31 || o.ud_lost_after_s <= 0 || o.ballast_mib > 65536) {
     Usage();
   }
   return o;
@@ -607,6 +614,11 @@ class Integrity {
   RunClock clock_;
   double now_ = 0, last_progress_ = 0, last_live_ = 0;
   double start_wall_ = 0, end_wall_ = 0;
+
+  // --ballast: word i holds BallastWord(i); each differing 4 KiB page counts
+  // as one corrupted.
+  std::vector<uint64_t> ballast_;
+  uint64_t BallastWord(uint64_t i) const { return (i + 1) * 0x9e3779b97f4a7c15ull ^ seed_; }
 };
 
 Integrity::Integrity(const Options& opt)
@@ -615,6 +627,8 @@ Integrity::Integrity(const Options& opt)
                                            {kWrote, kRingSlots}, {kRead, kReadDepth},
                                            {kUd, kUdRecvDepth},  {kStatus, kStatusSlots}};
   for (const auto& [kind, n] : slots) lanes_[kind].slots.resize(n);
+  ballast_.resize(opt.ballast_mib << 17);  // 2^20 / 8 words per MiB
+  for (uint64_t i = 0; i < ballast_.size(); ++i) ballast_[i] = BallastWord(i);
 }
 
 void Integrity::Open() {
@@ -1173,15 +1187,22 @@ std::string JsonString(const std::string& s) {
 int Integrity::Report() {
   // Whatever never arrived is lost.
   for (Stream* s : {&sends_in_, &writes_in_, &ud_in_}) s->tally.lost += s->total() - s->handled();
+  Tally ballast;
+  constexpr uint64_t kPageWords = 4096 / sizeof(uint64_t);
+  for (uint64_t page = 0; page < ballast_.size(); page += kPageWords) {
+    bool intact = true;
+    for (uint64_t i = page; i < page + kPageWords; ++i) intact &= ballast_[i] == BallastWord(i);
+    ++(intact ? ballast.ok : ballast.corrupted);
+  }
   Tally sum;
-  for (const Tally* t : {&sends_in_.tally, &writes_in_.tally, &reads_, &ud_in_.tally}) {
+  for (const Tally* t : {&sends_in_.tally, &writes_in_.tally, &reads_, &ud_in_.tally, &ballast}) {
     sum.lost += t->lost;
     sum.duplicated += t->duplicated;
     sum.corrupted += t->corrupted;
     sum.out_of_order += t->out_of_order;
   }
   const bool peer_finished = peer_.state == kFinished;
-  const bool ok = Errors() == 0 && peer_finished && peer_.errors == 0;
+  const bool ok = Errors() == 0 && ballast.corrupted == 0 && peer_finished && peer_.errors == 0;
   const auto n = [](uint64_t v) { return std::to_string(v); };
   const std::pair<const char*, std::string> fields[] = {
       {"role", JsonString(opt_.server ? "server" : "client")},
@@ -1197,14 +1218,16 @@ int Integrity::Report() {
       {"ud_sent", n(lanes_[kUd].done)},
       {"ud_received", n(ud_in_.tally.ok)},
       {"ud_reordered", n(ud_in_.reordered)},  // allowed: not an error
+      {"ballast_pages_verified", n(ballast.ok)},
       {"lost", n(sum.lost)},
       {"duplicated", n(sum.duplicated)},
       {"corrupted", n(sum.corrupted)},
       {"out_of_order", n(sum.out_of_order)},
       {"completion_errors", n(completion_errors_)},
-      {"kinds",
-       "{\"send\": " + JsonTally(sends_in_.tally) + ", \"write\": " + JsonTally(writes_in_.tally) +
-           ", \"read\": " + JsonTally(reads_) + ", \"ud\": " + JsonTally(ud_in_.tally) + "}"},
+      {"kinds", "{\"send\": " + JsonTally(sends_in_.tally) +
+                    ", \"write\": " + JsonTally(writes_in_.tally) +
+                    ", \"read\": " + JsonTally(reads_) + ", \"ud\": " + JsonTally(ud_in_.tally) +
+                    ", \"ballast\": " + JsonTally(ballast) + "}"},
       {"fatal", fatal_.empty() ? "null" : JsonString(fatal_)},
       {"peer_finished", peer_finished ? "true" : "false"},
       {"peer_errors", n(peer_.errors)},

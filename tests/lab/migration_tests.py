@@ -50,17 +50,19 @@ def pid_of(host, pattern):
     return int(r.out.strip())
 
 
-def start_pair(name, iterations, server=3, client=1):
+def start_pair(name, iterations, server=3, client=1, ballast_mib=0):
     """The workload under the shim: server Q on `server`, client P on
     `client`, their output in files every host sees at the same path (CRIU
     re-opens them on the destination; the migrator stops the source before
-    its final dump, so the files it finds are those the dump saw)."""
+    its final dump, so the files it finds are those the dump saw). P carries
+    `ballast_mib` MiB of plain memory that it verifies at the end."""
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
     args = f"--iterations {iterations} --ud-lost-after 1800 --port 18900"
     run_ok(server, f"(setsid env {SHIM}{PROG} --server {args} --report {WORK}/{name}-q.json "
                    f"> {WORK}/{name}-q.out 2>&1 < /dev/null &)")
     wait_listening(server, 18900)
     run_ok(client, f"(setsid env {SHIM}{PROG} --connect {ip(server)} {args} "
+                   f"--ballast {ballast_mib} "
                    f"--report {WORK}/{name}-p.json > {WORK}/{name}-p.out 2>&1 < /dev/null &)")
     time.sleep(15)  # connected, traffic flowing
     return pid_of(server, f"integrity --server.*{name}"), pid_of(client, f"integrity --connect.*{name}")
@@ -151,12 +153,20 @@ def integrity_survives_live_migrations_and_a_checkpoint():
 @logs_on_failure("dies")
 def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
     ensure_daemons()
-    qpid, ppid = start_pair("dies", 4000, server=3, client=1)
+    # P's 32 MiB of ballast make the final dump's transfer last seconds
+    # (TLS under TCG moves a few MB/s), so that the kill lands in it however
+    # slowly the watcher below reacts.
+    qpid, ppid = start_pair("dies", 4000, server=3, client=1, ballast_mib=32)
     # host2's migrator is killed (SIGKILL) as soon as the final dump's
     # stream begins to arrive (its directory is made before the first byte).
-    watcher = LAB.submit(2, "/usr/bin/python3 -c \"import glob, subprocess, time\n"
-                            f"while not glob.glob('{STATE}/incoming/*/final'): time.sleep(0.01)\n"
-                            "subprocess.run(['pkill', '-9', '-x', 'rdmavirt-migrat'])\n"
+    # Its pid is looked up first and the kill is a plain kill(2).
+    watcher = LAB.submit(2, "/usr/bin/python3 -c \"import os, subprocess, time\n"
+                            "pid = int(subprocess.check_output(['pgrep', '-x', "
+                            "'rdmavirt-migrat']).split()[0])\n"
+                            f"inc = '{STATE}/incoming'\n"
+                            "while not any(os.path.isdir(f'{inc}/{d}/final') "
+                            "for d in os.listdir(inc)): time.sleep(0.005)\n"
+                            "os.kill(pid, 9)\n"
                             "print('killed')\"", 400)
     time.sleep(3)  # the watcher's python is up
     try:
@@ -174,6 +184,7 @@ def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
                   rp["corrupted"] == 0 and rp["out_of_order"] == 0 and
                   rp["completion_errors"] == 0 and rp["sends"] == rp["iterations"],
                   f"{side}'s integrity report", rp)
+        check(p["ballast_pages_verified"] == 32 * 256, "P's ballast not verified", p)
         # host2's migrator comes back and removes what it had received.
         ensure_daemons()
         wait_until(2, f"! ls {STATE}/incoming/*/*/* > /dev/null 2>&1", 60,

@@ -115,12 +115,18 @@ absl::StatusOr<v1::GuestReport> Migrator::Suspend(const v1::SuspendRequest& requ
     *out.add_endpoints() = m->rec.report();
     suspended_[pid] = std::move(m);
     done.push_back(pid);
+    absl::MutexLock lock(&mu_);
+    held_peers_[pid];
   }
   if (!failure.ok()) {
     // All or nothing: the ones suspended before the failure come back.
     for (pid_t pid : done) {
       std::unique_ptr<Move> m = std::move(suspended_[pid]);
       suspended_.erase(pid);
+      {
+        absl::MutexLock lock(&mu_);
+        held_peers_.erase(pid);
+      }
       RollBack(m.get(), absl::AbortedError(absl::StrCat("suspending process ", pids.back(),
                                                         " failed: ", failure.message())));
       absl::MutexLock lock(&mu_);
@@ -139,7 +145,12 @@ void Migrator::ResumeOne(Move* m, const std::string& device, v1::MigrationReport
   v1::Breakdown* b = m->rec.mutable_report()->mutable_breakdown();
   SetPhase(m, "restore", device);
   const absl::Time r0 = absl::Now();
-  absl::StatusOr<v1::EndpointSummary> e = BringBack(pid, device, {});
+  std::vector<v1::Mapping> peers;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [vgid, mapping] : held_peers_[pid]) peers.push_back(mapping);
+  }
+  absl::StatusOr<v1::EndpointSummary> e = BringBack(pid, device, peers);
   if (!e.ok()) {
     // Still released: it stays suspended, and so do its peers.
     SetPhase(m, "suspended", absl::StrCat("restore failed: ", e.status().message()));
@@ -151,17 +162,31 @@ void Migrator::ResumeOne(Move* m, const std::string& device, v1::MigrationReport
   }
   b->set_rdma_restore_us(MicrosSince(r0));
   m->rec.set_released(false);
+  {
+    absl::MutexLock lock(&mu_);
+    held_peers_.erase(pid);
+  }
   *m->rec.mutable_new_mapping() = e->mapping();
   SetPhase(m, "reconnect");
   const absl::Time c0 = absl::Now();
   // The connections the suspend made went out of an address this host may
   // not have any more (a VM's NIC swapped): new ones.
   m->stubs.clear();
-  absl::Status st = ReconnectAll(m, e->mapping(), false);
-  v1::MigratorToShim res;
-  res.mutable_resume();
-  absl::StatusOr<v1::Reply> rr = Command(pid, res, options_.rpc_timeout, "resume");
-  if (st.ok() && !rr.ok()) st = rr.status();
+  uint32_t waiting = 0;
+  absl::Status st = ReconnectAll(m, e->mapping(), false, &waiting);
+  m->rec.mutable_report()->set_peers_waiting(waiting);
+  if (waiting > 0) {
+    // A peer is suspended too: it connects to this endpoint when it comes
+    // back, and only then may this one post toward it (PeerReconnect lifts
+    // the pause).
+    Log("%s: process %d restored; paused until %u suspended peer(s) resume",
+        m->rec.report().migration_id(), pid, waiting);
+  } else {
+    v1::MigratorToShim res;
+    res.mutable_resume();
+    absl::StatusOr<v1::Reply> rr = Command(pid, res, options_.rpc_timeout, "resume");
+    if (st.ok() && !rr.ok()) st = rr.status();
+  }
   b->set_reconnect_us(MicrosSince(c0));
   b->set_blackout_us(MicrosSince(m->blackout_start));
   Finish(m, st);

@@ -279,6 +279,16 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   v1::ReconnectPeersResponse out;
   absl::Status first;
   for (const auto& [pid, suspended] : targets) {
+    {
+      // Released itself: it learns where the endpoint is when it comes back.
+      absl::MutexLock lock(&mu_);
+      auto held = held_peers_.find(pid);
+      if (held != held_peers_.end()) {
+        if (!request.resume_only()) held->second[m.virtual_gid()] = m;
+        out.add_held_pids(pid);
+        continue;
+      }
+    }
     v1::MigratorToShim req;
     absl::StatusOr<v1::Reply> r;
     if (request.resume_only()) {

@@ -171,7 +171,9 @@ class Migrator {
   absl::Status QuiescePeersOf(Move* m, const v1::EndpointSummary& summary);
   absl::Status QuiesceAndRelease(Move* m, v1::EndpointSummary* released);
   // ReconnectPeers on every host whose peers were quiesced (this one too).
-  absl::Status ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only);
+  // `held` (if given) counts the peers that are released themselves.
+  absl::Status ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only,
+                            uint32_t* held = nullptr);
   absl::Status RunSource(Move* m, const v1::MigrateRequest& request);
   void CompleteForward(Move* m);
   // Puts the endpoint back on this host after a failure; `cause` is why.
@@ -231,6 +233,11 @@ class Migrator {
   // pids stay in moving_ meanwhile. Suspend and Resume run one at a time.
   absl::Mutex suspend_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::map<pid_t, std::unique_ptr<Move>> suspended_ ABSL_GUARDED_BY(suspend_mu_);
+  // The same endpoints, released: where each of their peers is now (by
+  // virtual GID), noted when a peer came back while they were released
+  // (both ends suspended, as for a snapshot of two VMs). Their restore
+  // connects there.
+  std::map<pid_t, std::map<std::string, v1::Mapping>> held_peers_ ABSL_GUARDED_BY(mu_);
   absl::Mutex guests_mu_;
   v1::GuestNicTable guest_nics_ ABSL_GUARDED_BY(guests_mu_);
   absl::Status criu_status_ ABSL_GUARDED_BY(mu_);

@@ -220,7 +220,9 @@ absl::Status Migrator::QuiesceAndRelease(Move* m, v1::EndpointSummary* released)
   return absl::OkStatus();
 }
 
-absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only) {
+absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only,
+                                    uint32_t* held) {
+  if (held != nullptr) *held = 0;
   v1::ReconnectPeersRequest req;
   req.set_migration_id(m->rec.report().migration_id());
   *req.mutable_mapping() = mapping;
@@ -229,6 +231,7 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
   if (m->rec.local_peers()) {
     absl::StatusOr<v1::ReconnectPeersResponse> r = ReconnectPeers(req);
     if (!r.ok()) errors.push_back(std::string(r.status().message()));
+    if (r.ok() && held != nullptr) *held += r->held_pids_size();
   }
   for (const std::string& t : m->rec.peer_hosts()) {
     if (t == m->rec.destination() && m->rec.confirmed()) continue;  // last, with the resume
@@ -239,6 +242,7 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
           return stub->ReconnectPeers(c, req, out);
         });
     if (!r.ok()) errors.push_back(std::string(r.status().message()));
+    if (r.ok() && held != nullptr) *held += r->held_pids_size();
   }
   if (errors.empty()) return absl::OkStatus();
   return absl::UnavailableError(absl::StrJoin(errors, "; "));

@@ -20,7 +20,7 @@ packages=(
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev valgrind strace python3-matplotlib
   # the lab: TCG VMs on a VDE switch, booted from an initramfs
-  qemu-system-x86 vde2 busybox-static cpio kmod iproute2 coreutils procps
+  qemu-system-x86 qemu-utils vde2 busybox-static cpio kmod iproute2 coreutils procps
   python3
 )
 

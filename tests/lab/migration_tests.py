@@ -153,10 +153,10 @@ def integrity_survives_live_migrations_and_a_checkpoint():
 @logs_on_failure("dies")
 def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
     ensure_daemons()
-    # P's 32 MiB of ballast make the final dump's transfer last seconds
+    # P's 16 MiB of ballast make the final dump's transfer last seconds
     # (TLS under TCG moves a few MB/s), so that the kill lands in it however
     # slowly the watcher below reacts.
-    qpid, ppid = start_pair("dies", 4000, server=3, client=1, ballast_mib=32)
+    qpid, ppid = start_pair("dies", 3000, server=3, client=1, ballast_mib=16)
     # host2's migrator is killed (SIGKILL) as soon as the final dump's
     # stream begins to arrive (its directory is made before the first byte).
     # Its pid is looked up first and the kill is a plain kill(2).
@@ -184,7 +184,7 @@ def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
                   rp["corrupted"] == 0 and rp["out_of_order"] == 0 and
                   rp["completion_errors"] == 0 and rp["sends"] == rp["iterations"],
                   f"{side}'s integrity report", rp)
-        check(p["ballast_pages_verified"] == 32 * 256, "P's ballast not verified", p)
+        check(p["ballast_pages_verified"] == 16 * 256, "P's ballast not verified", p)
         # host2's migrator comes back and removes what it had received.
         ensure_daemons()
         wait_until(2, f"! ls {STATE}/incoming/*/*/* > /dev/null 2>&1", 60,

@@ -1,5 +1,6 @@
-"""RDMA guests under real libvirt: live VM migration with live connections,
-and the destination hook refusing a host that cannot take them.
+"""RDMA guests under real libvirt: a drain, a live VM migration, snapshots of
+two guests taken together and reverted, all with live connections; and the
+destination hook refusing a host that cannot take them.
 
 The VM lab (tools/lab/vmlab.py): two libvirt daemons on this machine, each
 with its own rdmavirt-migratord and rdmavirt's qemu hook; TCG guests whose
@@ -118,59 +119,94 @@ def vm_logs_on_failure(fn):
     return run
 
 
-@lab_test
-@vm_logs_on_failure
-def integrity_survives_a_live_vm_migration():
-    hp, hq = guests_up()
-    p, q = start_workload(4000, hp, hq)
-    time.sleep(20)  # connected, traffic flowing
-    early = LAB.guest_status(hp, "guest1", p)
-    check(early is None, "P ended before the move", early)
-    dst = 3 - hp
-    r, rep = rdmavirtctl(hp, "vm-migrate", "guest1", "--connect", LAB.uri(hp),
-                         "--to", LAB.uri(dst), "--to-migrator", LAB.migrator(dst),
-                         "--migrate-uri", "tcp://127.0.0.1:49400")
-    check(r.returncode == 0 and rep and rep["ok"], f"vm-migrate guest1 vmhost{hp} -> vmhost{dst}",
-          r.stdout[-3000:], r.stderr[-2000:])
-    print("vm-migrate:", json.dumps({k: v for k, v in rep.items()
-                                     if k not in ("suspended", "resumed")}), flush=True)
-    check(int(rep.get("blackout_us", 0)) > 0, "no blackout measured", rep)
-    check(rep["old_nic"].split()[0] != rep["new_nic"].split()[0], "the NIC did not change", rep)
-    check(where("guest1") == dst, f"guest1 does not run on vmhost{dst}")
-    # The destination's migrator counts guest1 (its hook said it started).
-    time.sleep(2)
-    info = json.loads(LAB.rdmavirtctl(dst, "--json", "host").stdout)
-    check("guest1" in info["guest_nics"].get("domains", []),
-          f"vmhost{dst} does not count guest1", info)
-    check_workload(p, q)
+def report_summary(rep):
+    return json.dumps({k: v for k, v in rep.items() if k not in ("suspended", "resumed")})
 
 
 @lab_test
 @vm_logs_on_failure
-def drain_moves_every_rdma_guest_off_a_host():
-    hp, hq = guests_up()
-    src, dst = hp, 3 - hp
-    here = [n for n in ("guest1", "guest2") if where(n) == src]
-    p, q = start_workload(3000, hp, hq)
-    time.sleep(15)
-    common = ["drain", "--connect", LAB.uri(src), "--to", LAB.uri(dst),
-              "--to-migrator", LAB.migrator(dst), "--host", LAB.migrator(src)]
-    r, plan = rdmavirtctl(src, *common, "--dry-run")
+def two_guests_keep_their_connections_through_drain_migration_snapshot_and_revert():
+    """The integrity workload between guest1 and guest2 while: vmhost1 is
+    drained (both guests live-migrate to vmhost2, one after the other),
+    guest1 live-migrates back, both are snapshotted together (one on each
+    host), the workload goes on past the snapshot, and both are reverted to
+    it. P and Q end with nothing lost, duplicated or corrupted."""
+    guests_up()
+    for n in (1, 2):
+        if where(f"guest{n}") != 1:  # left elsewhere by an earlier run
+            LAB.virsh(where(f"guest{n}"), "destroy", f"guest{n}")
+            LAB.start_guest(1, f"guest{n}", n)
+    p, q = start_workload(6000, 1, 1)
+    time.sleep(15)  # connected, traffic flowing
+
+    # Drain vmhost1: both guests (each the other's peer) to vmhost2.
+    common = ["drain", "--connect", LAB.uri(1), "--to", LAB.uri(2), "--to-migrator",
+              LAB.migrator(2), "--host", LAB.migrator(1), "--unsafe"]
+    r, plan = rdmavirtctl(1, *common, "--dry-run")
     check(r.returncode == 0 and plan and plan["dry_run"], "drain --dry-run", r.stdout, r.stderr)
-    check(sorted(x.split()[0] for x in plan.get("plan", [])) == here, "the plan", plan)
-    check(sorted(n for n in ("guest1", "guest2") if where(n) == src) == here,
-          "--dry-run moved something")
-    r, rep = rdmavirtctl(src, *common, "--migrate-uri", "tcp://127.0.0.1:49401")
-    check(r.returncode == 0 and rep and rep["ok"], f"drain vmhost{src}", r.stdout[-4000:],
+    check(sorted(x.split()[0] for x in plan.get("plan", [])) == ["guest1", "guest2"],
+          "the plan", plan)
+    check(where("guest1") == 1 and where("guest2") == 1, "--dry-run moved something")
+    r, rep = rdmavirtctl(1, *common, "--migrate-uri", "tcp://127.0.0.1:49401")
+    check(r.returncode == 0 and rep and rep["ok"], "drain vmhost1", r.stdout[-4000:],
           r.stderr[-2000:])
-    check(len(rep.get("vms", [])) == len(here) and all(v["ok"] for v in rep["vms"]),
+    check(len(rep.get("vms", [])) == 2 and all(v["ok"] for v in rep["vms"]),
           "not every guest moved", rep)
     for v in rep["vms"]:
         print(f"drained {v['domain']}: blackout {int(v['blackout_us']) / 1e6:.1f}s, "
               f"migrate {int(v['migrate_us']) / 1e6:.1f}s", flush=True)
-    check(not [n for n in ("guest1", "guest2") if where(n) == src],
-          f"an RDMA guest is still on vmhost{src}")
+    check(where("guest1") == 2 and where("guest2") == 2, "an RDMA guest is still on vmhost1")
+    check(LAB.guest_status(2, "guest1", p) is None, "P ended during the drain")
+
+    # guest1 back to vmhost1, live, with a NIC of vmhost1 (a new GID).
+    r, rep = rdmavirtctl(2, "vm-migrate", "guest1", "--connect", LAB.uri(2),
+                         "--to", LAB.uri(1), "--to-migrator", LAB.migrator(1),
+                         "--migrate-uri", "tcp://127.0.0.1:49400", "--unsafe")
+    check(r.returncode == 0 and rep and rep["ok"], "vm-migrate guest1 vmhost2 -> vmhost1",
+          r.stdout[-3000:], r.stderr[-2000:])
+    print("vm-migrate:", report_summary(rep), flush=True)
+    check(int(rep.get("blackout_us", 0)) > 0, "no blackout measured", rep)
+    check(rep["old_nic"].split()[0] != rep["new_nic"].split()[0], "the NIC did not change", rep)
+    check(where("guest1") == 1, "guest1 does not run on vmhost1")
+    time.sleep(2)  # the hook tells the migrator in the background
+    info = json.loads(LAB.rdmavirtctl(1, "--json", "host").stdout)
+    check("guest1" in info["guest_nics"].get("domains", []), "vmhost1 does not count guest1",
+          info)
+
+    # A snapshot of both at one cut, across the two hosts.
+    r, rep = rdmavirtctl(1, "snapshot", "guest1", "cut", "--connect", LAB.uri(1),
+                         "--with", f"guest2@{LAB.uri(2)}")
+    check(r.returncode == 0 and rep and rep["ok"], "snapshot guest1 + guest2",
+          r.stdout[-3000:], r.stderr[-2000:])
+    print("snapshot:", report_summary(rep), flush=True)
+    check(rep["members"] == [f"guest1@{LAB.uri(1)}", f"guest2@{LAB.uri(2)}"], "members", rep)
+    listed = LAB.virsh(2, "snapshot-list", "guest2", "--name").stdout.split()
+    check(listed == ["cut"], "guest2's snapshots", listed)
+    time.sleep(10)  # the workload goes on past the cut
+    check(LAB.guest_status(1, "guest1", p) is None, "P ended before the revert")
+
+    # Both back to the cut: they reconnect, and P and Q carry on from there.
+    r, rep = rdmavirtctl(1, "revert", "guest1", "cut", "--connect", LAB.uri(1))
+    check(r.returncode == 0 and rep and rep["ok"], "revert guest1 + guest2",
+          r.stdout[-3000:], r.stderr[-2000:])
+    print("revert:", report_summary(rep), flush=True)
+    waiting = [e.get("peers_waiting", 0) for g in rep["resumed"] for e in g["endpoints"]]
+    check(waiting == [1, 0], "the first guest back waits for the second", rep["resumed"])
     check_workload(p, q)
+
+    # A snapshot rdmavirtctl did not take (live connections in it) is refused.
+    LAB.virsh(2, "snapshot-create-as", "guest2", "plain")
+    r, _ = rdmavirtctl(2, "revert", "guest2", "plain", "--connect", LAB.uri(2))
+    check(r.returncode == 1 and "was not taken by `rdmavirtctl snapshot`" in r.stderr,
+          "a plain snapshot was not refused", r.stdout, r.stderr)
+    LAB.virsh(2, "snapshot-delete", "guest2", "plain")
+    # libvirt migrates no domain that has snapshots: vm-migrate says so first.
+    r, rep = rdmavirtctl(2, "vm-migrate", "guest2", "--connect", LAB.uri(2), "--to",
+                         LAB.uri(1), "--to-migrator", LAB.migrator(1), "--unsafe")
+    check(r.returncode == 1 and "snapshot" in rep.get("error", "") and
+          not rep.get("rolled_back"), "vm-migrate of a guest with a snapshot", r.stdout, r.stderr)
+    LAB.virsh(1, "snapshot-delete", "guest1", "cut")
+    LAB.virsh(2, "snapshot-delete", "guest2", "cut")
 
 
 @lab_test
@@ -180,7 +216,8 @@ def the_destination_hook_refuses_a_host_without_an_rdma_device():
     LAB.start_migrator(dst, guest_nics=False)
     try:
         # Straight through libvirt: the hook on the destination refuses.
-        r = LAB.virsh(src, "migrate", "--live", "guest2", LAB.uri(dst),
+        # (--unsafe: the lab's guests share their disk files, vmlab.py.)
+        r = LAB.virsh(src, "migrate", "--live", "--unsafe", "guest2", LAB.uri(dst),
                       "--migrateuri", f"tcp://127.0.0.1:{49152 + 100 * dst + 10}",
                       check=False, timeout=300)
         check(r.returncode != 0, "libvirt migrated an RDMA guest to a host without RDMA", r)
@@ -191,12 +228,13 @@ def the_destination_hook_refuses_a_host_without_an_rdma_device():
         # Through rdmavirtctl: refused before anything is suspended.
         r = vmlab._run([LAB.ctl, "--tls-dir", LAB.tls(src), "vm-migrate", "guest2",
                         "--connect", LAB.uri(src), "--to", LAB.uri(dst),
-                        "--to-migrator", LAB.migrator(dst)], check=False, timeout=120)
+                        "--to-migrator", LAB.migrator(dst), "--unsafe"], check=False,
+                       timeout=120)
         check(r.returncode == 1 and "no RDMA device for guests" in r.stderr and
               "nothing was suspended" in r.stderr, "vm-migrate was not refused", r.stderr)
         # And a host whose migrator is down.
         LAB.stop_migrator(dst)
-        r = LAB.virsh(src, "migrate", "--live", "guest2", LAB.uri(dst),
+        r = LAB.virsh(src, "migrate", "--live", "--unsafe", "guest2", LAB.uri(dst),
                       "--migrateuri", f"tcp://127.0.0.1:{49152 + 100 * dst + 11}",
                       check=False, timeout=300)
         check(r.returncode != 0 and "does not answer" in r.stderr,

@@ -50,6 +50,7 @@ struct FakeEndpoint {
   uint32_t qpn_base = 100;
   std::vector<std::string> log;  // every command received, in order
   std::vector<v1::Mapping> reconnected_to;
+  std::vector<v1::Mapping> restored_with;        // the peers of its last restore
   std::map<std::string, absl::StatusCode> fail;  // command -> the shim's answer
   std::string tcp_address;  // "a.b.c.d": the local address of its TCP connection
 };

@@ -751,6 +751,49 @@ TEST(GuestTest, SuspendReleasesEveryEndpointAndResumeReconnectsItsPeers) {
   EXPECT_EQ(r->endpoints_size(), 0);
 }
 
+// Two guests that talk to each other, suspended one after the other (as for
+// a snapshot of both): neither is asked anything once released; the first
+// back stays paused until the second is back and connected to it.
+TEST(GuestTest, TwoGuestsSuspendedTogetherComeBackConnectedToEachOther) {
+  Cluster c("suspend-both");
+  c.host(1).Add(100, VGid(1), {FakeQp{11, 2, VGid(3), 31, Gid(3)}});
+  c.host(3).Add(300, VGid(3), {FakeQp{31, 2, VGid(1), 11, Gid(1)}});
+  ASSERT_TRUE(c.m(1).Suspend(v1::SuspendRequest()).ok());
+  absl::StatusOr<v1::GuestReport> s = c.m(3).Suspend(v1::SuspendRequest());
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(Commands(c.host(1).Get(100).log), ElementsAre("quiesce", "release"));
+  EXPECT_THAT(Commands(c.host(3).Get(300).log), ElementsAre("peer_quiesce", "quiesce", "release"));
+
+  absl::StatusOr<v1::GuestReport> r = c.m(1).Resume(v1::ResumeRequest());
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->ok()) << r->error();
+  ASSERT_EQ(r->endpoints_size(), 1);
+  EXPECT_EQ(r->endpoints(0).peers_waiting(), 1u);
+  FakeEndpoint first = c.host(1).Get(100);
+  EXPECT_TRUE(first.paused && !first.released);
+  EXPECT_THAT(Commands(first.log), ElementsAre("quiesce", "release", "restore"));
+  EXPECT_TRUE(c.host(3).Get(300).released);
+  EXPECT_THAT(Commands(c.host(3).Get(300).log), ElementsAre("peer_quiesce", "quiesce", "release"));
+
+  r = c.m(3).Resume(v1::ResumeRequest());
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->ok()) << r->error();
+  EXPECT_EQ(r->endpoints(0).peers_waiting(), 0u);
+  FakeEndpoint second = c.host(3).Get(300);
+  EXPECT_FALSE(second.paused || second.released);
+  ASSERT_EQ(second.restored_with.size(), 1u);  // restored toward where 100 is now
+  EXPECT_EQ(second.restored_with[0].virtual_gid(), VGid(1));
+  EXPECT_THAT(Commands(second.log),
+              ElementsAre("peer_quiesce", "quiesce", "release", "restore", "resume"));
+  first = c.host(1).Get(100);
+  EXPECT_FALSE(first.paused || first.released);
+  EXPECT_THAT(Commands(first.log), ElementsAre("quiesce", "release", "restore", "peer_reconnect"));
+  ASSERT_EQ(first.reconnected_to.size(), 1u);
+  EXPECT_EQ(first.reconnected_to[0].virtual_gid(), VGid(3));
+  EXPECT_EQ(c.m(1).Status().in_flight_size(), 0);
+  EXPECT_EQ(c.m(3).Status().in_flight_size(), 0);
+}
+
 TEST(GuestTest, SuspendRefusesEndpointsConnectedToEachOther) {
   Cluster c("suspend-local");
   Topology(c);  // 100 and 200 on h1 talk to each other

@@ -368,8 +368,18 @@ class VmLab:
 
     # -- guests
 
-    def domain_xml(self, name, n, memory_mb=768):
+    def domain_xml(self, name, n, memory_mb=768, disk=None):
         st = self._state()
+        # A qcow2 disk holds internal snapshots (memory too). Both hosts
+        # see the same file, shared storage in effect, but libvirt cannot
+        # tell (a local filesystem) and calls a live migration unsafe: the
+        # lab's migrations pass --unsafe.
+        disk_xml = "" if disk is None else f"""
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='qcow2'/>
+      <source file='{disk}'/>
+      <target dev='vda' bus='virtio'/>
+    </disk>"""
         return f"""<domain type='qemu'>
   <name>{name}</name>
   <memory unit='MiB'>{memory_mb}</memory>
@@ -384,7 +394,7 @@ class VmLab:
   <features><acpi/><apic/></features>
   <on_reboot>destroy</on_reboot>
   <devices>
-    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>{disk_xml}
     <serial type='file'><source path='{self.console(name)}' append='on'/></serial>
     <channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>
     <interface type='bridge'>
@@ -398,12 +408,16 @@ class VmLab:
 </domain>
 """
 
-    def start_guest(self, h, name, n, timeout=180):
-        """Starts guest `name` (number n) on vmhost`h`; returns once its
-        agent and its migrator answer."""
+    def start_guest(self, h, name, n, timeout=180, disk=True):
+        """Starts guest `name` (number n) on vmhost`h`, with a fresh qcow2
+        disk if `disk`; returns once its agent and its migrator answer."""
+        image = None
+        if disk:
+            image = os.path.join(self.dir, f"{name}.qcow2")
+            _run(["qemu-img", "create", "-q", "-f", "qcow2", image, "64M"])
         path = os.path.join(self.dir, f"{name}.xml")
         with open(path, "w") as f:
-            f.write(self.domain_xml(name, n))
+            f.write(self.domain_xml(name, n, disk=image))
         self.virsh(h, "create", path)
         end = time.monotonic() + timeout
         last = None
@@ -522,6 +536,8 @@ def main(argv):
     g = sub.add_parser("guest", help="start guestN on vmhostH")
     g.add_argument("host", type=int)
     g.add_argument("n", type=int)
+    g.add_argument("--no-disk", action="store_true",
+                   help="without the qcow2 disk that holds its snapshots")
     a = ap.parse_args(argv[1:])
     lab = VmLab(a.dir)
     try:
@@ -531,7 +547,7 @@ def main(argv):
         elif a.cmd == "down":
             print("stopped" if lab.down() else "no VM lab running")
         elif a.cmd == "guest":
-            lab.start_guest(a.host, f"guest{a.n}", a.n)
+            lab.start_guest(a.host, f"guest{a.n}", a.n, disk=not a.no_disk)
             print(f"guest{a.n} runs on vmhost{a.host}")
     except labmod.LabError as e:
         print(f"rdmavirt-vmlab: {e}", file=sys.stderr)

@@ -49,6 +49,9 @@ constexpr char kUsageText[] =
     "                                       live-migrate an RDMA guest, its connections kept\n"
     "  drain (--to URI | --auto) [--dry-run]\n"
     "                                       move every RDMA guest and shimmed process away\n"
+    "  snapshot DOMAIN NAME [--with DOMAIN[@URI]]... [--connect URI]\n"
+    "                                       snapshot RDMA guests together, connections kept\n"
+    "  revert DOMAIN NAME [--connect URI]   revert them together; they reconnect\n"
     "in a guest, or on a host for its hooks:\n"
     "  suspend [PID...]                     quiesce and release every endpoint (or PIDs)\n"
     "  resume [--device DEV]                bring the suspended endpoints back, reconnect\n"
@@ -114,6 +117,25 @@ const std::map<std::string, std::string>& CommandHelp() {
        "RDMA NICs for guests, processes to the first host listed. One at a time, with\n"
        "progress on stderr and a summary; --dry-run prints the plan and moves nothing.\n"
        "Exit code 1 if anything stayed.\n"},
+      {"snapshot",
+       "usage: rdmavirtctl snapshot DOMAIN NAME [--with DOMAIN[@URI]]... [--connect URI]\n"
+       "                            [--guest-command PATH]\n"
+       "Takes snapshot NAME (internal: memory and disks, which must be qcow2) of the\n"
+       "running RDMA guest DOMAIN (libvirt at --connect, default qemu:///system) and of\n"
+       "each --with guest (on --connect, or at URI), all at one cut: every guest's\n"
+       "endpoints and their peers are suspended first (through the guest agent: PATH\n"
+       "suspend, default /usr/sbin/rdmavirt-guest), so that no RDMA state is in any\n"
+       "snapshot and nothing is in flight between them, then each is snapshotted and\n"
+       "all resume. Name every guest DOMAIN's programs talk to: a revert is consistent\n"
+       "only when it brings back both ends. A failure deletes the snapshots taken and\n"
+       "resumes every guest. Progress goes to stderr; the report to stdout.\n"},
+      {"revert",
+       "usage: rdmavirtctl revert DOMAIN NAME [--connect URI] [--guest-command PATH]\n"
+       "Reverts DOMAIN and every guest snapshotted with it (`snapshot --with`, named in\n"
+       "the snapshot) to NAME, running, then resumes their endpoints: each reconnects to\n"
+       "the others where they are now. Every snapshot is checked before anything is\n"
+       "reverted. A snapshot that `rdmavirtctl snapshot` did not take is refused: its\n"
+       "RDMA connections were live in it.\n"},
       {"suspend",
        "usage: rdmavirtctl suspend [PID...]\n"
        "Quiesces every endpoint of --host (or the PIDs), with their peers wherever they\n"
@@ -160,9 +182,9 @@ int UsageError(const std::string& message, const std::string& command = "") {
 // 0 to go on, else an exit code (after printing why).
 int Parse(int argc, char** argv, Args* a) {
   static const std::vector<std::string> kValued = {
-      "--host",        "--tls-dir",          "--to",          "--dir",          "--on",
-      "--max-precopy", "--drain-timeout-ms", "--address",     "--device",       "--mac",
-      "--to-migrator", "--connect",          "--migrate-uri", "--guest-command"};
+      "--host",        "--tls-dir",          "--to",          "--dir",           "--on",
+      "--max-precopy", "--drain-timeout-ms", "--address",     "--device",        "--mac",
+      "--to-migrator", "--connect",          "--migrate-uri", "--guest-command", "--with"};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") {
@@ -206,9 +228,11 @@ int Parse(int argc, char** argv, Args* a) {
         a->host = value;
       else if (name == "--tls-dir")
         a->tls_dir = value;
-      // --address may be given more than once.
+      // --address and --with may be given more than once.
       else if (name == "--address" && a->options.contains(name))
         a->options[name] += "," + value;
+      else if (name == "--with" && a->options.contains(name))
+        a->options[name] += "\n" + value;
       else
         a->options[name] = value;
       continue;
@@ -279,12 +303,15 @@ std::string Opt(const Args& a, const std::string& name) {
   return it == a.options.end() ? std::string() : it->second;
 }
 
-// The commands of guests and VMs: vm-migrate, suspend, resume, guest-event.
+// The commands of guests and VMs: vm-migrate, drain, snapshot, revert,
+// suspend, resume, guest-event.
 int GuestCommand(const Args& args) {
   static const std::map<std::string, std::vector<std::string>> kAllowed = {
       {"vm-migrate", {"--to", "--to-migrator", "--connect", "--migrate-uri", "--guest-command"}},
       {"drain",
        {"--to", "--to-migrator", "--connect", "--migrate-uri", "--guest-command", "--hosts"}},
+      {"snapshot", {"--with", "--connect", "--guest-command"}},
+      {"revert", {"--connect", "--guest-command"}},
       {"suspend", {"--drain-timeout-ms"}},
       {"resume", {"--device"}},
       {"guest-event", {"--mac"}},
@@ -298,6 +325,30 @@ int GuestCommand(const Args& args) {
   if ((args.dry_run || args.auto_pick) && args.command != "drain")
     return UsageError("--dry-run and --auto are for drain", args.command);
   if (args.leave_running) return UsageError("--leave-running is for checkpoint", args.command);
+
+  if (args.command == "snapshot" || args.command == "revert") {
+    if (args.positional.size() != 2)
+      return UsageError(absl::StrCat(args.command, " takes a DOMAIN and a snapshot NAME"),
+                        args.command);
+    SnapshotOptions o;
+    o.vm.domain = args.positional[0];
+    o.name = args.positional[1];
+    if (!ValidSnapshotName(o.name))
+      return UsageError(absl::StrCat("\"", o.name,
+                                     "\" is not a snapshot name (letters, digits, '.', '_', "
+                                     "'-'; not first '.' or '-')"),
+                        args.command);
+    if (!Opt(args, "--with").empty()) o.with = absl::StrSplit(Opt(args, "--with"), '\n');
+    if (!Opt(args, "--connect").empty()) o.vm.connect = Opt(args, "--connect");
+    if (!Opt(args, "--guest-command").empty()) {
+      o.vm.guest_command = Opt(args, "--guest-command");
+      if (o.vm.guest_command[0] != '/')
+        return UsageError("--guest-command takes an absolute path", args.command);
+    }
+    o.vm.tls_dir = args.tls_dir;
+    o.vm.json = args.json;
+    return args.command == "snapshot" ? Snapshot(o) : Revert(o);
+  }
 
   if (args.command == "vm-migrate" || args.command == "drain") {
     const bool drain = args.command == "drain";
@@ -431,7 +482,8 @@ int Main(int argc, char** argv) {
     return kOk;
   }
   if (args.command == "vm-migrate" || args.command == "suspend" || args.command == "resume" ||
-      args.command == "guest-event" || args.command == "drain")
+      args.command == "guest-event" || args.command == "drain" || args.command == "snapshot" ||
+      args.command == "revert")
     return GuestCommand(args);
   // What each command takes.
   static const std::map<std::string, std::pair<size_t, std::vector<std::string>>> kTakes = {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -19,6 +20,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
@@ -53,7 +56,13 @@ struct DomainDeleter {
 using Conn = std::unique_ptr<virConnect, ConnDeleter>;
 using Domain = std::unique_ptr<virDomain, DomainDeleter>;
 
+// libvirt prints every error to stderr unless told otherwise; ours are
+// reported once, with their context (LibvirtError).
+void QuietLibvirtError(void*, virErrorPtr) {}
+
 absl::StatusOr<Conn> Open(const std::string& uri) {
+  static const bool quiet = (virSetErrorFunc(nullptr, QuietLibvirtError), true);
+  (void)quiet;
   Conn c(virConnectOpen(uri.c_str()));
   if (c == nullptr) return absl::UnavailableError(LibvirtError(absl::StrCat("libvirt at ", uri)));
   return c;
@@ -307,6 +316,11 @@ int RunVmMigrate(const VmOptions& o, v1::VmReport* out) {
   if (virDomainIsActive(dom.get()) != 1)
     return fail(absl::StrCat("domain ", o.domain, " is not running"), false);
   const bool persistent = virDomainIsPersistent(dom.get()) == 1;
+  if (const int n = virDomainSnapshotNum(dom.get(), 0); n > 0)
+    return fail(absl::StrCat("domain ", o.domain, " has ", n,
+                             " snapshot(s), and libvirt does not migrate a domain with "
+                             "snapshots; delete them first (virsh snapshot-delete)"),
+                false);
   char* meta = virDomainGetMetadata(dom.get(), VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
                                     VIR_DOMAIN_AFFECT_LIVE);
   if (meta == nullptr)
@@ -619,6 +633,329 @@ int Drain(const DrainOptions& o) {
           absl::StrCat("pid ", e.pid(), ": ", st.ok() ? r->error() : st.error_message()));
   }
   return finish(kOk);
+}
+
+// ---- snapshot, revert ---------------------------------------------------------
+
+namespace {
+
+constexpr char kGroupHeader[] = "rdmavirt group:";
+
+struct SnapshotDeleter {
+  void operator()(virDomainSnapshotPtr s) const { virDomainSnapshotFree(s); }
+};
+using Snap = std::unique_ptr<virDomainSnapshot, SnapshotDeleter>;
+
+struct Member {
+  std::string domain, uri;
+  Conn conn;
+  Domain dom;
+  std::string Label() const { return absl::StrCat(domain, "@", uri); }
+};
+
+std::string XmlEscape(absl::string_view s) {
+  return absl::StrReplaceAll(s, {{"&", "&amp;"}, {"<", "&lt;"}, {">", "&gt;"}});
+}
+
+// The text of the first element `tag` of `xml`, unescaped; "" if none.
+std::string ElementText(absl::string_view xml, absl::string_view tag) {
+  const std::string open = absl::StrCat("<", tag, ">"), close = absl::StrCat("</", tag, ">");
+  const size_t a = xml.find(open);
+  if (a == absl::string_view::npos) return "";
+  const size_t b = xml.find(close, a + open.size());
+  if (b == absl::string_view::npos) return "";
+  return absl::StrReplaceAll(
+      xml.substr(a + open.size(), b - a - open.size()),
+      {{"&lt;", "<"}, {"&gt;", ">"}, {"&quot;", "\""}, {"&apos;", "'"}, {"&amp;", "&"}});
+}
+
+// Opens each "DOMAIN[@URI]" of `labels` and finds its domain; with
+// `running`, it must run and be an RDMA guest.
+absl::Status OpenMembers(const std::vector<std::string>& labels, const std::string& default_uri,
+                         bool running, std::vector<Member>* out) {
+  for (const std::string& label : labels) {
+    Member m;
+    std::tie(m.domain, m.uri) = ParseMember(label, default_uri);
+    if (m.domain.empty() || m.uri.empty())
+      return absl::InvalidArgumentError(absl::StrCat("\"", label, "\" names no domain"));
+    for (const Member& other : *out)
+      if (other.Label() == m.Label())
+        return absl::InvalidArgumentError(absl::StrCat(m.Label(), " is named twice"));
+    absl::StatusOr<Conn> c = Open(m.uri);
+    if (!c.ok()) return c.status();
+    m.conn = *std::move(c);
+    m.dom.reset(virDomainLookupByName(m.conn.get(), m.domain.c_str()));
+    if (m.dom == nullptr)
+      return absl::NotFoundError(LibvirtError(absl::StrCat("domain ", m.domain, " at ", m.uri)));
+    if (running) {
+      if (virDomainIsActive(m.dom.get()) != 1)
+        return absl::FailedPreconditionError(absl::StrCat("domain ", m.domain, " is not running"));
+      char* meta = virDomainGetMetadata(m.dom.get(), VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
+                                        VIR_DOMAIN_AFFECT_LIVE);
+      if (meta == nullptr)
+        return absl::FailedPreconditionError(
+            absl::StrCat("domain ", m.domain, " is not an RDMA guest (no <metadata> element in ",
+                         kGuestMetadataUri, "); snapshot it with virsh"));
+      free(meta);
+    }
+    out->push_back(std::move(m));
+  }
+  return absl::OkStatus();
+}
+
+// Waits until the guest agent answers (after a revert the agent channel
+// comes back with the guest).
+absl::Status WaitAgent(virDomainPtr d, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    absl::StatusOr<Value> r = Agent(d, R"({"execute":"guest-ping"})", 5);
+    if (r.ok()) return absl::OkStatus();
+    if (absl::Now() > deadline)
+      return absl::DeadlineExceededError(absl::StrCat("the guest agent did not answer within ",
+                                                      absl::FormatDuration(timeout), ": ",
+                                                      r.status().message()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+}
+
+void PrintSnapshotReport(const SnapshotOptions& o, const v1::SnapshotReport& r) {
+  if (o.vm.json) {
+    printf("%s\n", Json(r).c_str());
+    return;
+  }
+  printf("%s %s of %s %s%s\n", r.kind().c_str(), r.name().c_str(),
+         r.members().empty() ? o.vm.domain.c_str() : absl::StrJoin(r.members(), ", ").c_str(),
+         r.ok() ? "done" : (r.rolled_back() ? "FAILED, rolled back" : "FAILED"),
+         r.ok() ? "" : absl::StrCat(": ", r.error()).c_str());
+  int endpoints = 0;
+  for (const v1::GuestReport& g : r.resumed()) endpoints += g.endpoints_size();
+  printf("  endpoints %d, RDMA blackout %s (the longest a peer waited)\n", endpoints,
+         Micros(r.blackout_us()).c_str());
+  printf("  suspend %s, %s %s, resume %s, total %s\n", Micros(r.suspend_us()).c_str(),
+         r.kind().c_str(), Micros(r.snapshot_us()).c_str(), Micros(r.resume_us()).c_str(),
+         Micros(r.total_us()).c_str());
+}
+
+// Resumes the first `n` members, in order (a member whose peers are still
+// suspended waits, paused, for them); "" or what failed.
+std::string ResumeMembers(const SnapshotOptions& o, std::vector<Member>& members, size_t n,
+                          v1::SnapshotReport* rep) {
+  std::vector<std::string> errors;
+  for (size_t i = 0; i < n; ++i) {
+    fprintf(stderr, "%s: resuming its RDMA endpoints; their peers reconnect\n",
+            members[i].domain.c_str());
+    absl::StatusOr<v1::GuestReport> back =
+        GuestStep(members[i].dom.get(), o.vm, {"resume", "--json"});
+    if (!back.ok()) {
+      errors.push_back(absl::StrCat(members[i].domain, ": ", back.status().message()));
+      continue;
+    }
+    rep->set_blackout_us(std::max(rep->blackout_us(), LongestBlackout(*back)));
+    *rep->add_resumed() = *std::move(back);
+  }
+  return absl::StrJoin(errors, "; ");
+}
+
+}  // namespace
+
+std::pair<std::string, std::string> ParseMember(absl::string_view member,
+                                                const std::string& default_uri) {
+  const size_t at = member.find('@');
+  if (at == absl::string_view::npos) return {std::string(member), default_uri};
+  return {std::string(member.substr(0, at)), std::string(member.substr(at + 1))};
+}
+
+std::string GroupDescription(const std::vector<std::string>& members) {
+  return absl::StrCat(kGroupHeader, "\n", absl::StrJoin(members, "\n"));
+}
+
+std::vector<std::string> GroupMembers(absl::string_view description) {
+  std::vector<std::string> out;
+  std::vector<absl::string_view> lines = absl::StrSplit(description, '\n');
+  if (lines.empty() || absl::StripAsciiWhitespace(lines[0]) != kGroupHeader) return out;
+  for (size_t i = 1; i < lines.size(); ++i) {
+    absl::string_view l = absl::StripAsciiWhitespace(lines[i]);
+    if (!l.empty()) out.emplace_back(l);
+  }
+  return out;
+}
+
+bool ValidSnapshotName(absl::string_view name) {
+  if (name.empty() || name.size() > 200 || name[0] == '.' || name[0] == '-') return false;
+  for (char c : name)
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-')
+      return false;
+  return true;
+}
+
+int Snapshot(const SnapshotOptions& o) {
+  const absl::Time start = absl::Now();
+  v1::SnapshotReport rep;
+  rep.set_kind("snapshot");
+  rep.set_name(o.name);
+  auto fail = [&](const std::string& why, bool rolled_back) {
+    rep.set_ok(false);
+    rep.set_error(why);
+    rep.set_rolled_back(rolled_back);
+    rep.set_total_us(MicrosSince(start));
+    fprintf(stderr, "rdmavirtctl: snapshot %s: %s\n", o.name.c_str(), why.c_str());
+    PrintSnapshotReport(o, rep);
+    return kFailed;
+  };
+
+  // ---- checks: every member runs, is an RDMA guest, has no snapshot NAME.
+  std::vector<std::string> labels = {o.vm.domain};
+  labels.insert(labels.end(), o.with.begin(), o.with.end());
+  std::vector<Member> members;
+  if (absl::Status st = OpenMembers(labels, o.vm.connect, true, &members); !st.ok())
+    return fail(absl::StrCat(st.message(), "; nothing was suspended"), false);
+  std::vector<std::string> names;
+  for (const Member& m : members) {
+    names.push_back(m.Label());
+    rep.add_members(m.Label());
+    Snap existing(virDomainSnapshotLookupByName(m.dom.get(), o.name.c_str(), 0));
+    if (existing != nullptr)
+      return fail(
+          absl::StrCat(m.domain, " already has a snapshot ", o.name, "; nothing was suspended"),
+          false);
+  }
+
+  // ---- suspend every member: from here on nothing moves between them.
+  absl::Time t = absl::Now();
+  for (size_t i = 0; i < members.size(); ++i) {
+    fprintf(stderr, "%s: suspending its RDMA endpoints and their peers\n",
+            members[i].domain.c_str());
+    absl::StatusOr<v1::GuestReport> s =
+        GuestStep(members[i].dom.get(), o.vm, {"suspend", "--json"});
+    if (!s.ok()) {
+      const std::string back = ResumeMembers(o, members, i, &rep);
+      return fail(absl::StrCat(s.status().message(), back.empty() ? "" : " (resuming: ", back,
+                               back.empty() ? "" : ")"),
+                  back.empty());
+    }
+    *rep.add_suspended() = *std::move(s);
+  }
+  rep.set_suspend_us(MicrosSince(t));
+
+  // ---- one internal snapshot of each: memory and disks.
+  t = absl::Now();
+  const std::string xml =
+      absl::StrCat("<domainsnapshot><name>", o.name, "</name><description>",
+                   XmlEscape(GroupDescription(names)), "</description></domainsnapshot>");
+  std::vector<Snap> taken;
+  for (Member& m : members) {
+    fprintf(stderr, "%s: taking snapshot %s (memory and disks)\n", m.domain.c_str(),
+            o.name.c_str());
+    Snap s(virDomainSnapshotCreateXML(m.dom.get(), xml.c_str(), 0));
+    if (s == nullptr) {
+      const std::string cause = LibvirtError(absl::StrCat("snapshot of ", m.domain));
+      for (Snap& done : taken) virDomainSnapshotDelete(done.get(), 0);
+      const std::string back = ResumeMembers(o, members, members.size(), &rep);
+      return fail(
+          absl::StrCat(cause, back.empty() ? "" : " (resuming: ", back, back.empty() ? "" : ")"),
+          back.empty());
+    }
+    taken.push_back(std::move(s));
+  }
+  rep.set_snapshot_us(MicrosSince(t));
+
+  // ---- resume: each reconnects to the others.
+  t = absl::Now();
+  const std::string back = ResumeMembers(o, members, members.size(), &rep);
+  rep.set_resume_us(MicrosSince(t));
+  if (!back.empty())
+    return fail(absl::StrCat("the snapshots are taken, but resuming failed: ", back, "; run `",
+                             o.vm.guest_command, " resume` in those guests"),
+                false);
+  rep.set_ok(true);
+  rep.set_total_us(MicrosSince(start));
+  PrintSnapshotReport(o, rep);
+  return kOk;
+}
+
+int Revert(const SnapshotOptions& o) {
+  const absl::Time start = absl::Now();
+  v1::SnapshotReport rep;
+  rep.set_kind("revert");
+  rep.set_name(o.name);
+  auto fail = [&](const std::string& why) {
+    rep.set_ok(false);
+    rep.set_error(why);
+    rep.set_total_us(MicrosSince(start));
+    fprintf(stderr, "rdmavirtctl: revert %s: %s\n", o.name.c_str(), why.c_str());
+    PrintSnapshotReport(o, rep);
+    return kFailed;
+  };
+
+  // ---- checks: the group the snapshot names, each member with its snapshot.
+  std::vector<Member> first;
+  if (absl::Status st = OpenMembers({o.vm.domain}, o.vm.connect, false, &first); !st.ok())
+    return fail(absl::StrCat(st.message(), "; nothing was reverted"));
+  Snap own(virDomainSnapshotLookupByName(first[0].dom.get(), o.name.c_str(), 0));
+  if (own == nullptr)
+    return fail(LibvirtError(absl::StrCat("snapshot ", o.name, " of ", o.vm.domain)) +
+                "; nothing was reverted");
+  char* desc = virDomainSnapshotGetXMLDesc(own.get(), 0);
+  if (desc == nullptr) return fail(LibvirtError(absl::StrCat("snapshot ", o.name)));
+  const std::vector<std::string> labels = GroupMembers(ElementText(desc, "description"));
+  free(desc);
+  if (labels.empty())
+    return fail(absl::StrCat("snapshot ", o.name, " of ", o.vm.domain,
+                             " was not taken by `rdmavirtctl snapshot`: its RDMA connections "
+                             "were live in it and cannot come back; nothing was reverted"));
+  // The member named on the command line is reached the way it was named.
+  std::vector<std::string> others;
+  bool found = false;
+  for (const std::string& l : labels) {
+    if (!found && ParseMember(l, "").first == o.vm.domain) {
+      found = true;
+      continue;
+    }
+    others.push_back(l);
+  }
+  std::vector<Member> members = std::move(first);
+  if (absl::Status st = OpenMembers(others, o.vm.connect, false, &members); !st.ok())
+    return fail(absl::StrCat("a member of the group: ", st.message(), "; nothing was reverted"));
+  std::vector<Snap> snaps;
+  for (const Member& m : members) {
+    rep.add_members(m.Label());
+    Snap s(virDomainSnapshotLookupByName(m.dom.get(), o.name.c_str(), 0));
+    if (s == nullptr)
+      return fail(absl::StrCat(m.domain, " (", m.uri, ") has no snapshot ", o.name,
+                               "; nothing was reverted"));
+    snaps.push_back(std::move(s));
+  }
+
+  // ---- revert every member: its endpoints come back released, as taken.
+  absl::Time t = absl::Now();
+  for (size_t i = 0; i < members.size(); ++i) {
+    fprintf(stderr, "%s: reverting to %s\n", members[i].domain.c_str(), o.name.c_str());
+    if (virDomainRevertToSnapshot(snaps[i].get(), VIR_DOMAIN_SNAPSHOT_REVERT_RUNNING) < 0) {
+      std::string done;
+      for (size_t j = 0; j < i; ++j) absl::StrAppend(&done, j ? ", " : "", members[j].domain);
+      return fail(absl::StrCat(LibvirtError(absl::StrCat("reverting ", members[i].domain)),
+                               done.empty() ? "; nothing was reverted"
+                                            : absl::StrCat("; reverted already: ", done,
+                                                           ", their endpoints suspended until "
+                                                           "this revert is run again")));
+    }
+  }
+  for (const Member& m : members)
+    if (absl::Status st = WaitAgent(m.dom.get(), absl::Minutes(2)); !st.ok())
+      return fail(absl::StrCat(m.domain, " reverted, but ", st.message()));
+  rep.set_snapshot_us(MicrosSince(t));
+
+  // ---- resume, in order: the last one back reconnects them all.
+  t = absl::Now();
+  const std::string back = ResumeMembers(o, members, members.size(), &rep);
+  rep.set_resume_us(MicrosSince(t));
+  if (!back.empty())
+    return fail(absl::StrCat("reverted, but resuming failed: ", back, "; run `", o.vm.guest_command,
+                             " resume` in those guests"));
+  rep.set_ok(true);
+  rep.set_total_us(MicrosSince(start));
+  PrintSnapshotReport(o, rep);
+  return kOk;
 }
 
 }  // namespace rdmavirt::ctl

@@ -123,7 +123,10 @@ def criu_precopy_moves_a_process_without_shared_images():
               f"final dump: {final['image_bytes']} bytes in {final['elapsed_us'] / 1e6:.2f}s")
         check(pre1["image_bytes"] >= 16 << 20, "first pre-dump smaller than the touched memory",
               pre1)
-        check(final["image_bytes"] * 4 < pre1["image_bytes"],
+        # Without memory tracking the final dump would hold all 16 MiB again;
+        # with it, the counter's page and what the interpreter dirtied in
+        # between (megabytes, on a loaded machine).
+        check(final["image_bytes"] * 2 < pre1["image_bytes"],
               "final dump not far smaller than the first pre-dump (memory tracking?)",
               pre1, final)
 

@@ -64,8 +64,26 @@ def start_pair(name, iterations, server=3, client=1, ballast_mib=0):
     run_ok(client, f"(setsid env {SHIM}{PROG} --connect {ip(server)} {args} "
                    f"--ballast {ballast_mib} "
                    f"--report {WORK}/{name}-p.json > {WORK}/{name}-p.out 2>&1 < /dev/null &)")
-    time.sleep(15)  # connected, traffic flowing
+    wait_sent(name, 20)
     return pid_of(server, f"integrity --server.*{name}"), pid_of(client, f"integrity --connect.*{name}")
+
+
+def sent_by_p(name):
+    """P's last progress line (once a second): how many SENDs it posted."""
+    try:
+        with open(os.path.join(LAB.shared, "migration", f"{name}-p.out")) as f:
+            found = re.findall(r"^integrity: t=\d+s sent=(\d+) ", f.read(), re.M)
+    except FileNotFoundError:
+        return 0
+    return int(found[-1]) if found else 0
+
+
+def wait_sent(name, sends, timeout=120):
+    """Until P is connected and has posted `sends` SENDs: traffic flows."""
+    end = time.monotonic() + timeout
+    while sent_by_p(name) < sends:
+        check(time.monotonic() < end, f"{name}: P posted under {sends} SENDs in {timeout}s")
+        time.sleep(0.5)
 
 
 def check_report(report, what):
@@ -160,16 +178,20 @@ def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
     # host2's migrator is killed (SIGKILL) as soon as the final dump's
     # stream begins to arrive (its directory is made before the first byte).
     # Its pid is looked up first and the kill is a plain kill(2).
+    ready = f"{WORK}/dies-watcher-ready"
     watcher = LAB.submit(2, "/usr/bin/python3 -c \"import os, subprocess, time\n"
                             "pid = int(subprocess.check_output(['pgrep', '-x', "
                             "'rdmavirt-migrat']).split()[0])\n"
                             f"inc = '{STATE}/incoming'\n"
+                            f"open('{ready}', 'w').close()\n"
                             "while not any(os.path.isdir(f'{inc}/{d}/final') "
                             "for d in os.listdir(inc)): time.sleep(0.005)\n"
                             "os.kill(pid, 9)\n"
                             "print('killed')\"", 400)
-    time.sleep(3)  # the watcher's python is up
     try:
+        wait_until(1, f"test -e {ready}", 60, "the watcher on host2")
+        # The kill must land before P's 3000 SENDs (a minute) are all done.
+        print(f"migrating P after {sent_by_p('dies')} of its SENDs", flush=True)
         r, rep = ctl(1, f"migrate {ppid} --to {ip(2)}", 400)
         w = LAB.wait(2, watcher, 60)
         check(w.rc == 0 and "killed" in w.out, "the destination's migrator was not killed", w)

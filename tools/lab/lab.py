@@ -190,6 +190,7 @@ class Lab:
         self.dir = os.path.abspath(directory)
         self.shared = os.path.join(self.dir, "shared")
         self.state_path = os.path.join(self.dir, "state.json")
+        self._submitted = {}  # job -> (monotonic time submitted, script)
 
     # -- state
 
@@ -316,6 +317,7 @@ class Lab:
         with open(tmp, "w") as f:
             f.write(f"{int(timeout)}\n")
         os.rename(tmp, os.path.join(ctl, job + ".cmd"))
+        self._submitted[job] = (time.monotonic(), script)
         return job
 
     def wait(self, n, job, timeout, stale_after=20):
@@ -330,7 +332,7 @@ class Lab:
         beat = self._beat(n)
         beat_seen = time.monotonic()
         delay = 0.02
-        while not os.path.exists(rc_path):
+        while (rc := _status(rc_path)) is None:
             now = time.monotonic()
             if now > end:
                 self.kill(n, job)
@@ -347,16 +349,27 @@ class Lab:
             if n in st.get("dead", []):
                 raise HostDown(f"host{n}'s VM exited" + self._console_tails([n]))
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.2)
-        rc = int(open(rc_path).read().strip() or 255)
+            delay = min(delay * 1.5, 0.1)
         out = _read(os.path.join(ctl, job + ".out"))
         err = _read(os.path.join(ctl, job + ".err"))
-        for ext in (".sh", ".cmd.run", ".pid", ".out", ".err", ".rc"):
+        for ext in (".cmd", ".sh", ".pid", ".out", ".err", ".rc"):
             _unlink(os.path.join(ctl, job + ext))
+        self._trace(n, job, rc)
         return Result(rc, out, err)
 
+    def _trace(self, n, job, rc):
+        """With $RDMAVIRT_LAB_TRACE=FILE, one JSON line per job collected:
+        where the lab's time goes (`rdmavirt-lab trace FILE` sums it up)."""
+        started, script = self._submitted.pop(job, (None, ""))
+        path = os.environ.get("RDMAVIRT_LAB_TRACE")
+        if not path or started is None:
+            return
+        with open(path, "a") as f:
+            f.write(json.dumps({"host": n, "rc": rc, "s": round(time.monotonic() - started, 3),
+                                "script": script[:200]}) + "\n")
+
     def done(self, n, job):
-        return os.path.exists(os.path.join(self.ctl(n), job + ".rc"))
+        return _status(os.path.join(self.ctl(n), job + ".rc")) is not None
 
     def kill(self, n, job):
         with open(os.path.join(self.ctl(n), job + ".kill"), "w"):
@@ -379,6 +392,12 @@ def _read(path):
             return f.read()
     except FileNotFoundError:
         return ""
+
+
+def _status(rc_path):
+    """A job's exit status once the agent wrote all of "STATUS\\n", else None."""
+    text = _read(rc_path)
+    return int(text) if text.endswith("\n") else None
 
 
 def _unlink(path):

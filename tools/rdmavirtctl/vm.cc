@@ -756,6 +756,34 @@ std::string ResumeMembers(const SnapshotOptions& o, std::vector<Member>& members
   return absl::StrJoin(errors, "; ");
 }
 
+// A snapshot or revert under way: its report, printed once, at the end.
+struct GroupRun {
+  GroupRun(const SnapshotOptions& options, const char* kind) : o(options) {
+    rep.set_kind(kind);
+    rep.set_name(o.name);
+  }
+  int Fail(const std::string& why, bool rolled_back) {
+    rep.set_ok(false);
+    rep.set_error(why);
+    rep.set_rolled_back(rolled_back);
+    fprintf(stderr, "rdmavirtctl: %s %s: %s\n", rep.kind().c_str(), o.name.c_str(), why.c_str());
+    return End(kFailed);
+  }
+  int Done() {
+    rep.set_ok(true);
+    return End(kOk);
+  }
+  int End(int rc) {
+    rep.set_total_us(MicrosSince(start));
+    PrintSnapshotReport(o, rep);
+    return rc;
+  }
+
+  const SnapshotOptions& o;
+  const absl::Time start = absl::Now();
+  v1::SnapshotReport rep;
+};
+
 }  // namespace
 
 std::pair<std::string, std::string> ParseMember(absl::string_view member,
@@ -789,19 +817,9 @@ bool ValidSnapshotName(absl::string_view name) {
 }
 
 int Snapshot(const SnapshotOptions& o) {
-  const absl::Time start = absl::Now();
-  v1::SnapshotReport rep;
-  rep.set_kind("snapshot");
-  rep.set_name(o.name);
-  auto fail = [&](const std::string& why, bool rolled_back) {
-    rep.set_ok(false);
-    rep.set_error(why);
-    rep.set_rolled_back(rolled_back);
-    rep.set_total_us(MicrosSince(start));
-    fprintf(stderr, "rdmavirtctl: snapshot %s: %s\n", o.name.c_str(), why.c_str());
-    PrintSnapshotReport(o, rep);
-    return kFailed;
-  };
+  GroupRun run(o, "snapshot");
+  v1::SnapshotReport& rep = run.rep;
+  auto fail = [&](const std::string& why, bool rolled_back) { return run.Fail(why, rolled_back); };
 
   // ---- checks: every member runs, is an RDMA guest, has no snapshot NAME.
   std::vector<std::string> labels = {o.vm.domain};
@@ -867,25 +885,13 @@ int Snapshot(const SnapshotOptions& o) {
     return fail(absl::StrCat("the snapshots are taken, but resuming failed: ", back, "; run `",
                              o.vm.guest_command, " resume` in those guests"),
                 false);
-  rep.set_ok(true);
-  rep.set_total_us(MicrosSince(start));
-  PrintSnapshotReport(o, rep);
-  return kOk;
+  return run.Done();
 }
 
 int Revert(const SnapshotOptions& o) {
-  const absl::Time start = absl::Now();
-  v1::SnapshotReport rep;
-  rep.set_kind("revert");
-  rep.set_name(o.name);
-  auto fail = [&](const std::string& why) {
-    rep.set_ok(false);
-    rep.set_error(why);
-    rep.set_total_us(MicrosSince(start));
-    fprintf(stderr, "rdmavirtctl: revert %s: %s\n", o.name.c_str(), why.c_str());
-    PrintSnapshotReport(o, rep);
-    return kFailed;
-  };
+  GroupRun run(o, "revert");
+  v1::SnapshotReport& rep = run.rep;
+  auto fail = [&](const std::string& why) { return run.Fail(why, false); };
 
   // ---- checks: the group the snapshot names, each member with its snapshot.
   std::vector<Member> first;
@@ -952,10 +958,7 @@ int Revert(const SnapshotOptions& o) {
   if (!back.empty())
     return fail(absl::StrCat("reverted, but resuming failed: ", back, "; run `", o.vm.guest_command,
                              " resume` in those guests"));
-  rep.set_ok(true);
-  rep.set_total_us(MicrosSince(start));
-  PrintSnapshotReport(o, rep);
-  return kOk;
+  return run.Done();
 }
 
 }  // namespace rdmavirt::ctl

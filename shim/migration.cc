@@ -566,6 +566,14 @@ Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
     std::lock_guard<std::mutex> lock(mu_);
     if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
     if (!paused_) return Error(Code::kFailedPrecondition, "peer reconnect needs a paused endpoint");
+    // Datagrams the peer sent from its old QPs may have come in since the
+    // pause: into the shadow CQs now, their source translated through the
+    // mapping of when they were sent. (A re-created QP can get the number
+    // another QP of the peer had, at the same GID.)
+    for (Cq* cq : All<Cq>(Kind::kCq)) {
+      const int rc = DrainCq(cq);
+      if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ before a peer reconnect", -rc));
+    }
     std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
     if (e == nullptr) return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
     const RemoteEndpoint* r = PublishRemoteLocked(std::move(e));

@@ -127,6 +127,14 @@ def vm_logs_on_failure(fn):
     return run
 
 
+def guest_status(name):
+    """`rdmavirtctl status` of the migrator in guest `name`."""
+    r = LAB.guest_exec(where(name), name, ["/usr/local/bin/rdmavirtctl", "--tls-dir",
+                                           "/etc/rdmavirt/tls", "--json", "status"], timeout=60)
+    check(r["exitcode"] == 0, f"rdmavirtctl status in {name}", r)
+    return json.loads(r["out"])
+
+
 def report_summary(rep):
     return json.dumps({k: v for k, v in rep.items() if k not in ("suspended", "resumed")})
 
@@ -136,9 +144,10 @@ def report_summary(rep):
 def two_guests_keep_their_connections_through_drain_migration_snapshot_and_revert():
     """The integrity workload between guest1 and guest2 while: vmhost1 is
     drained (both guests live-migrate to vmhost2, one after the other),
-    guest1 live-migrates back, both are snapshotted together (one on each
-    host), the workload goes on past the snapshot, and both are reverted to
-    it. P and Q end with nothing lost, duplicated or corrupted."""
+    guest1 live-migrates back, its filesystems are frozen and thawed, both
+    are snapshotted together (one on each host), the workload goes on past
+    the snapshot, and both are reverted to it. P and Q end with nothing
+    lost, duplicated or corrupted."""
     guests_up()
     for n in (1, 2):
         if where(f"guest{n}") != 1:  # left elsewhere by an earlier run
@@ -180,6 +189,22 @@ def two_guests_keep_their_connections_through_drain_migration_snapshot_and_rever
     info = json.loads(LAB.rdmavirtctl(1, "--json", "host").stdout)
     check("guest1" in info["guest_nics"].get("domains", []), "vmhost1 does not count guest1",
           info)
+
+    # The guest agent's fsfreeze hook: a freeze (virsh domfsfreeze, or a
+    # --quiesce snapshot) suspends guest1's endpoints with their peers, the
+    # thaw resumes them.
+    r = LAB.virsh(1, "domfsfreeze", "guest1", check=False, timeout=180)
+    check(r.returncode == 0, "domfsfreeze guest1", r.stdout, r.stderr)
+    frozen = guest_status("guest1")
+    check([m["kind"] for m in frozen.get("in_flight", [])] == ["suspend"],
+          "guest1's endpoint is not suspended while frozen", frozen)
+    r = LAB.virsh(1, "domfsthaw", "guest1", check=False, timeout=180)
+    check(r.returncode == 0, "domfsthaw guest1", r.stdout, r.stderr)
+    thawed = guest_status("guest1")
+    check(not thawed.get("in_flight") and thawed["recent"][0]["kind"] == "suspend" and
+          thawed["recent"][0]["ok"], "guest1's endpoint did not resume at the thaw", thawed)
+    print("fsfreeze: blackout",
+          int(thawed["recent"][0]["breakdown"]["blackout_us"]) / 1e6, "s", flush=True)
 
     # A snapshot of both at one cut, across the two hosts.
     r, rep = rdmavirtctl(1, "snapshot", "guest1", "cut", "--connect", LAB.uri(1),

@@ -243,6 +243,61 @@ TEST_F(MigrationTest, AUdReceiverMovedTwiceStillFindsTheBufferOfEachDatagram) {
   }
 }
 
+// A datagram P sent just before it paused (Q already paused) is polled by
+// Q only after P moved again: its source is P's QPN as it was when sent,
+// translated through the mapping of then, not the one published since.
+TEST_F(MigrationTest, AUdDatagramReceivedBeforeAPeerReconnectNamesItsSenderAsItWasThen) {
+  ibv_qp* pud = pdev_->Qp(IBV_QPT_UD);
+  ibv_qp* qud = qdev_->Qp(IBV_QPT_UD);
+  ASSERT_EQ(ToRts(p_, pud, 0, {}), 0);
+  ASSERT_EQ(ToRts(q_, qud, 0, {}), 0);
+  ibv_ah* ah = pdev_->Ah(qdev_->gid);
+  static char rbuf[1024];
+  ibv_mr* rmr = qdev_->Reg(rbuf, sizeof(rbuf));
+  for (int i = 0; i < 2; ++i) {
+    ibv_sge sge = Sge(rbuf + 512 * i, 512, rmr);
+    ibv_recv_wr wr{};
+    wr.wr_id = 500 + i;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    ASSERT_EQ(ibv_post_recv(qud, &wr, &bad), 0);
+  }
+  auto send = [&](uint64_t wr_id) {
+    strcpy(pbuf_, "datagram");
+    ibv_sge sge = Sge(pbuf_, 9, pmr_);
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.ud.ah = ah;
+    wr.wr.ud.remote_qpn = qud->qp_num;
+    wr.wr.ud.remote_qkey = kQkey;
+    ibv_send_wr* bad = nullptr;
+    return ibv_post_send(pud, &wr, &bad);
+  };
+  Move();  // P's UD QP: virtual number != physical from now on
+  const uint32_t sent_from = ShimQp(pud)->physical_qpn;
+  uint32_t drained = 0;
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  ASSERT_EQ(send(1), 0);  // lands in Q's CQ while Q is paused
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Release().ok());
+  ASSERT_TRUE(p_.Restore("", {}).ok());
+  ASSERT_NE(ShimQp(pud)->physical_qpn, sent_from);
+  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  ASSERT_TRUE(p_.Resume().ok());
+  ASSERT_EQ(send(2), 0);
+  const std::vector<ibv_wc> got = Drain(qdev_->cq);
+  ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{500, 501}));
+  for (const ibv_wc& wc : got) {
+    EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+    EXPECT_EQ(wc.src_qp, pud->qp_num) << "receive " << wc.wr_id << ": the QPN P gave out";
+  }
+}
+
 TEST_F(MigrationTest, ReleaseLeavesNothingOfTheEndpointOnTheDevice) {
   Connect();
   const int before = fake_.live_objects();

@@ -56,16 +56,29 @@ class MigrationTest : public ::testing::Test {
   }
 
   void PostRecv(Shim& s, ibv_qp* qp, uint64_t wr_id, char* buf, ibv_mr* mr) {
-    ibv_sge sge = Sge(buf, 64, mr);
+    ASSERT_EQ(PostRecvOf(qp, wr_id, buf, 64, mr), 0);
+    (void)s;
+  }
+
+  // A UD QP on each side, at RTS.
+  void UdPair(ibv_qp** pud, ibv_qp** qud) {
+    *pud = pdev_->Qp(IBV_QPT_UD);
+    *qud = qdev_->Qp(IBV_QPT_UD);
+    ASSERT_EQ(ToRts(p_, *pud, 0, {}), 0);
+    ASSERT_EQ(ToRts(q_, *qud, 0, {}), 0);
+  }
+  int PostRecvOf(ibv_qp* qp, uint64_t wr_id, char* buf, uint32_t len, ibv_mr* mr) {
+    ibv_sge sge = Sge(buf, len, mr);
     ibv_recv_wr wr{};
     wr.wr_id = wr_id;
     wr.sg_list = &sge;
     wr.num_sge = 1;
     ibv_recv_wr* bad = nullptr;
-    ASSERT_EQ(ibv_post_recv(qp, &wr, &bad), 0);
-    (void)s;
+    return ibv_post_recv(qp, &wr, &bad);
   }
-  int Send(ibv_qp* qp, uint64_t wr_id, char* buf, ibv_mr* mr, const char* text) {
+  // `text` (with its NUL) from buf; on UD, through `ah` to QPN `to`.
+  int Send(ibv_qp* qp, uint64_t wr_id, char* buf, ibv_mr* mr, const char* text,
+           ibv_ah* ah = nullptr, uint32_t to = 0) {
     strcpy(buf, text);
     ibv_sge sge = Sge(buf, static_cast<uint32_t>(strlen(text) + 1), mr);
     ibv_send_wr wr{};
@@ -74,6 +87,9 @@ class MigrationTest : public ::testing::Test {
     wr.num_sge = 1;
     wr.opcode = IBV_WR_SEND;
     wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.ud.ah = ah;
+    wr.wr.ud.remote_qpn = to;
+    wr.wr.ud.remote_qkey = kQkey;
     ibv_send_wr* bad = nullptr;
     return ibv_post_send(qp, &wr, &bad);
   }
@@ -247,49 +263,25 @@ TEST_F(MigrationTest, AUdReceiverMovedTwiceStillFindsTheBufferOfEachDatagram) {
 // Q only after P moved again: its source is P's QPN as it was when sent,
 // translated through the mapping of then, not the one published since.
 TEST_F(MigrationTest, AUdDatagramReceivedBeforeAPeerReconnectNamesItsSenderAsItWasThen) {
-  ibv_qp* pud = pdev_->Qp(IBV_QPT_UD);
-  ibv_qp* qud = qdev_->Qp(IBV_QPT_UD);
-  ASSERT_EQ(ToRts(p_, pud, 0, {}), 0);
-  ASSERT_EQ(ToRts(q_, qud, 0, {}), 0);
+  ibv_qp *pud = nullptr, *qud = nullptr;
+  UdPair(&pud, &qud);
   ibv_ah* ah = pdev_->Ah(qdev_->gid);
   static char rbuf[1024];
   ibv_mr* rmr = qdev_->Reg(rbuf, sizeof(rbuf));
-  for (int i = 0; i < 2; ++i) {
-    ibv_sge sge = Sge(rbuf + 512 * i, 512, rmr);
-    ibv_recv_wr wr{};
-    wr.wr_id = 500 + i;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    ibv_recv_wr* bad = nullptr;
-    ASSERT_EQ(ibv_post_recv(qud, &wr, &bad), 0);
-  }
-  auto send = [&](uint64_t wr_id) {
-    strcpy(pbuf_, "datagram");
-    ibv_sge sge = Sge(pbuf_, 9, pmr_);
-    ibv_send_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    wr.wr.ud.ah = ah;
-    wr.wr.ud.remote_qpn = qud->qp_num;
-    wr.wr.ud.remote_qkey = kQkey;
-    ibv_send_wr* bad = nullptr;
-    return ibv_post_send(pud, &wr, &bad);
-  };
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(PostRecvOf(qud, 500 + i, rbuf + 512 * i, 512, rmr), 0);
   Move();  // P's UD QP: virtual number != physical from now on
   const uint32_t sent_from = ShimQp(pud)->physical_qpn;
   uint32_t drained = 0;
   ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
-  ASSERT_EQ(send(1), 0);  // lands in Q's CQ while Q is paused
+  // Lands in Q's CQ while Q is paused.
+  ASSERT_EQ(Send(pud, 1, pbuf_, pmr_, "one", ah, qud->qp_num), 0);
   ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
   ASSERT_TRUE(p_.Release().ok());
   ASSERT_TRUE(p_.Restore("", {}).ok());
   ASSERT_NE(ShimQp(pud)->physical_qpn, sent_from);
   ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
   ASSERT_TRUE(p_.Resume().ok());
-  ASSERT_EQ(send(2), 0);
+  ASSERT_EQ(Send(pud, 2, pbuf_, pmr_, "two", ah, qud->qp_num), 0);
   const std::vector<ibv_wc> got = Drain(qdev_->cq);
   ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{500, 501}));
   for (const ibv_wc& wc : got) {
@@ -369,36 +361,15 @@ TEST_F(MigrationTest, AQpInTheErrorStateDoesNotHoldUpTheDrain) {
 }
 
 TEST_F(MigrationTest, UdDatagramsReachAMovedQpThroughTheSameAddressHandle) {
-  ibv_qp* pud = pdev_->Qp(IBV_QPT_UD);
-  ibv_qp* qud = qdev_->Qp(IBV_QPT_UD);
-  ASSERT_EQ(ToRts(p_, pud, 0, {}), 0);
-  ASSERT_EQ(ToRts(q_, qud, 0, {}), 0);
+  ibv_qp *pud = nullptr, *qud = nullptr;
+  UdPair(&pud, &qud);
   ibv_ah* ah = qdev_->Ah(pdev_->gid);
   static char rbuf[4096];
   ibv_mr* rmr = pdev_->Reg(rbuf, sizeof(rbuf));
-  for (int i = 0; i < 2; ++i) {
-    ibv_sge sge = Sge(rbuf + 512 * i, 512, rmr);
-    ibv_recv_wr wr{};
-    wr.wr_id = 300 + i;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    ibv_recv_wr* bad = nullptr;
-    ASSERT_EQ(ibv_post_recv(pud, &wr, &bad), 0);
-  }
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(PostRecvOf(pud, 300 + i, rbuf + 512 * i, 512, rmr), 0);
   Move();
-  strcpy(qbuf_, "datagram");
-  ibv_sge sge = Sge(qbuf_, 9, qmr_);
-  ibv_send_wr wr{};
-  wr.wr_id = 7;
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.opcode = IBV_WR_SEND;
-  wr.send_flags = IBV_SEND_SIGNALED;
-  wr.wr.ud.ah = ah;
-  wr.wr.ud.remote_qpn = pud->qp_num;  // the virtual QPN P gave out
-  wr.wr.ud.remote_qkey = kQkey;
-  ibv_send_wr* bad = nullptr;
-  ASSERT_EQ(ibv_post_send(qud, &wr, &bad), 0);
+  // To the virtual QPN P gave out.
+  ASSERT_EQ(Send(qud, 7, qbuf_, qmr_, "datagram", ah, pud->qp_num), 0);
   const std::vector<ibv_wc> got = Drain(pdev_->cq);
   ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{300})) << "the receive posted before the move";
   EXPECT_EQ(got[0].status, IBV_WC_SUCCESS);
@@ -407,25 +378,9 @@ TEST_F(MigrationTest, UdDatagramsReachAMovedQpThroughTheSameAddressHandle) {
   // And back: Q sees the moved sender by the QPN P gave out.
   static char qrbuf[1024];
   ibv_mr* qrmr = qdev_->Reg(qrbuf, sizeof(qrbuf));
-  ibv_sge rsge = Sge(qrbuf, 512, qrmr);
-  ibv_recv_wr rwr{};
-  rwr.wr_id = 400;
-  rwr.sg_list = &rsge;
-  rwr.num_sge = 1;
-  ibv_recv_wr* rbad = nullptr;
-  ASSERT_EQ(ibv_post_recv(qud, &rwr, &rbad), 0);
+  ASSERT_EQ(PostRecvOf(qud, 400, qrbuf, 512, qrmr), 0);
   ibv_ah* back = pdev_->Ah(qdev_->gid);
-  ibv_sge psge = Sge(pbuf_, 4, pmr_);
-  ibv_send_wr pwr{};
-  pwr.wr_id = 8;
-  pwr.sg_list = &psge;
-  pwr.num_sge = 1;
-  pwr.opcode = IBV_WR_SEND;
-  pwr.send_flags = IBV_SEND_SIGNALED;
-  pwr.wr.ud.ah = back;
-  pwr.wr.ud.remote_qpn = qud->qp_num;
-  pwr.wr.ud.remote_qkey = kQkey;
-  ASSERT_EQ(ibv_post_send(pud, &pwr, &bad), 0);
+  ASSERT_EQ(Send(pud, 8, pbuf_, pmr_, "abc", back, qud->qp_num), 0);
   const std::vector<ibv_wc> q = Drain(qdev_->cq);
   ASSERT_EQ(q.size(), 2u);  // Q's send to P, then P's datagram
   EXPECT_EQ(q[1].wr_id, 400u);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -95,9 +96,11 @@ class MigrationTest : public ::testing::Test {
   }
 
   // P moves: both pause, P releases and is re-created, Q re-points, P resumes.
-  void Move() {
+  // `q_paused` runs once Q has paused and P not yet.
+  void Move(const std::function<void()>& q_paused = nullptr) {
     uint32_t drained = 0;
     ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+    if (q_paused) q_paused();
     ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
     ASSERT_TRUE(p_.Release().ok());
     released_live_ = fake_.live_objects();
@@ -180,13 +183,7 @@ TEST_F(MigrationTest, AReceiveDoneButNotYetPolledAtAPeerReconnectIsNotPostedAgai
   uint32_t drained = 0;
   // Q pauses first; P's send lands in Q's receive 100 afterwards: done on
   // the device, not yet polled by anyone.
-  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
-  ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "one"), 0);
-  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
-  ASSERT_TRUE(p_.Release().ok());
-  ASSERT_TRUE(p_.Restore("", {}).ok());
-  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
-  ASSERT_TRUE(p_.Resume().ok());
+  Move([&] { EXPECT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "one"), 0); });
   ASSERT_EQ(Send(pqp_, 2, pbuf_ + 2048 + 64, pmr_, "two"), 0);
   EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{100, 101}))
       << "only 101 was still posted";
@@ -271,16 +268,9 @@ TEST_F(MigrationTest, AUdDatagramReceivedBeforeAPeerReconnectNamesItsSenderAsItW
   for (int i = 0; i < 2; ++i) ASSERT_EQ(PostRecvOf(qud, 500 + i, rbuf + 512 * i, 512, rmr), 0);
   Move();  // P's UD QP: virtual number != physical from now on
   const uint32_t sent_from = ShimQp(pud)->physical_qpn;
-  uint32_t drained = 0;
-  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
   // Lands in Q's CQ while Q is paused.
-  ASSERT_EQ(Send(pud, 1, pbuf_, pmr_, "one", ah, qud->qp_num), 0);
-  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
-  ASSERT_TRUE(p_.Release().ok());
-  ASSERT_TRUE(p_.Restore("", {}).ok());
+  Move([&] { EXPECT_EQ(Send(pud, 1, pbuf_, pmr_, "one", ah, qud->qp_num), 0); });
   ASSERT_NE(ShimQp(pud)->physical_qpn, sent_from);
-  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
-  ASSERT_TRUE(p_.Resume().ok());
   ASSERT_EQ(Send(pud, 2, pbuf_, pmr_, "two", ah, qud->qp_num), 0);
   const std::vector<ibv_wc> got = Drain(qdev_->cq);
   ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{500, 501}));

@@ -78,6 +78,15 @@ class VerbsBackend {
   // Enhanced connection establishment (librdmacm probes it on connect).
   virtual int QueryEce(ibv_qp*, ibv_ece*) { return EOPNOTSUPP; }
   virtual int SetEce(ibv_qp*, ibv_ece*) { return EOPNOTSUPP; }
+  // Less common exports (shim/exports.cc); a libibverbs without them
+  // fails as a device that lacks the feature would.
+  // ibv_query_gid_type (a private export; `type` is enum ibv_gid_type_sysfs).
+  virtual int QueryGidType(ibv_context*, uint8_t, unsigned int, int*) { return EOPNOTSUPP; }
+  // ibv_query_qp_data_in_order: 0 (no guarantee) when unknown.
+  virtual int QueryQpDataInOrder(ibv_qp*, ibv_wr_opcode, uint32_t) { return 0; }
+  virtual int ResolveEthL2FromGid(ibv_context*, ibv_ah_attr*, uint8_t*, uint16_t*) {
+    return EOPNOTSUPP;
+  }
 };
 
 // ibv_create_qp's attributes in the form of ibv_create_qp_ex's, for the

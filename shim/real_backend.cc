@@ -68,7 +68,18 @@ class LibibverbsBackend final : public VerbsBackend {
            Resolve(h, &attach_mcast_, "ibv_attach_mcast", v) &&
            Resolve(h, &detach_mcast_, "ibv_detach_mcast", v) &&
            Resolve(h, &query_ece_, "ibv_query_ece", "IBVERBS_1.10") &&
-           Resolve(h, &set_ece_, "ibv_set_ece", "IBVERBS_1.10");
+           Resolve(h, &set_ece_, "ibv_set_ece", "IBVERBS_1.10") && LoadOptional(h);
+  }
+
+  // Exports that older libibverbs lack, or whose version changes with
+  // every release (IBVERBS_PRIVATE_NN): looked up by default version, and
+  // missing ones fail as the feature would.
+  bool LoadOptional(void* h) {
+    query_gid_type_ =
+        reinterpret_cast<decltype(query_gid_type_)>(Libc().dlsym(h, "ibv_query_gid_type"));
+    Resolve(h, &query_qp_data_in_order_, "ibv_query_qp_data_in_order", "IBVERBS_1.14");
+    Resolve(h, &resolve_eth_l2_, "ibv_resolve_eth_l2_from_gid", "IBVERBS_1.1");
+    return true;
   }
 
   ibv_device** GetDeviceList(int* num) override { return get_device_list_(num); }
@@ -168,6 +179,15 @@ class LibibverbsBackend final : public VerbsBackend {
   }
   int QueryEce(ibv_qp* q, ibv_ece* e) override { return query_ece_(q, e); }
   int SetEce(ibv_qp* q, ibv_ece* e) override { return set_ece_(q, e); }
+  int QueryGidType(ibv_context* c, uint8_t port, unsigned int i, int* type) override {
+    return query_gid_type_ ? query_gid_type_(c, port, i, type) : EOPNOTSUPP;
+  }
+  int QueryQpDataInOrder(ibv_qp* q, ibv_wr_opcode op, uint32_t flags) override {
+    return query_qp_data_in_order_ ? query_qp_data_in_order_(q, op, flags) : 0;
+  }
+  int ResolveEthL2FromGid(ibv_context* c, ibv_ah_attr* a, uint8_t* mac, uint16_t* vid) override {
+    return resolve_eth_l2_ ? resolve_eth_l2_(c, a, mac, vid) : EOPNOTSUPP;
+  }
 
  private:
   decltype(&ibv_get_device_list) get_device_list_;
@@ -211,6 +231,9 @@ class LibibverbsBackend final : public VerbsBackend {
   decltype(&ibv_detach_mcast) detach_mcast_;
   decltype(&ibv_query_ece) query_ece_;
   decltype(&ibv_set_ece) set_ece_;
+  int (*query_gid_type_)(ibv_context*, uint8_t, unsigned int, int*) = nullptr;
+  decltype(&ibv_query_qp_data_in_order) query_qp_data_in_order_ = nullptr;
+  decltype(&ibv_resolve_eth_l2_from_gid) resolve_eth_l2_ = nullptr;
 };
 
 }  // namespace

@@ -237,6 +237,23 @@ int Shim::QueryPkey(ibv_context* c, uint8_t port, int index, __be16* pkey) {
   return backend_->QueryPkey(ctx ? ctx->real : c, port, index, pkey);
 }
 
+int Shim::QueryGidType(ibv_context* c, uint8_t port, unsigned int index, int* type) {
+  Context* ctx = FindContext(c);
+  return backend_->QueryGidType(ctx ? ctx->real : c, port, index, type);
+}
+
+int Shim::ResolveEthL2FromGid(ibv_context* c, ibv_ah_attr* attr, uint8_t mac[6], uint16_t* vid) {
+  Context* ctx = FindContext(c);
+  if (ctx == nullptr) return backend_->ResolveEthL2FromGid(c, attr, mac, vid);
+  // The destination is resolved where it is now (its physical GID).
+  ibv_ah_attr real_attr = *attr;
+  if (real_attr.is_global) {
+    const RemoteEndpoint* remote = FindRemote(attr->grh.dgid);
+    real_attr.grh.dgid = remote ? remote->physical_gid() : mode_.PhysicalGid(attr->grh.dgid);
+  }
+  return backend_->ResolveEthL2FromGid(ctx->real, &real_attr, mac, vid);
+}
+
 int Shim::GetPkeyIndex(ibv_context* c, uint8_t port, __be16 pkey) {
   Context* ctx = FindContext(c);
   return backend_->GetPkeyIndex(ctx ? ctx->real : c, port, pkey);
@@ -781,6 +798,11 @@ int Shim::QueryEce(ibv_qp* q, ibv_ece* ece) {
 int Shim::SetEce(ibv_qp* q, ibv_ece* ece) {
   Qp* qp = FindQp(q);
   return backend_->SetEce(qp ? qp->real : q, ece);
+}
+
+int Shim::QueryQpDataInOrder(ibv_qp* q, ibv_wr_opcode op, uint32_t flags) {
+  Qp* qp = FindQp(q);
+  return backend_->QueryQpDataInOrder(qp ? qp->real : q, op, flags);
 }
 
 // ---------------------------------------------------------------- AH

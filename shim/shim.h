@@ -64,6 +64,8 @@ class Shim {
   ssize_t QueryGidTable(ibv_context* ctx, ibv_gid_entry* entries, size_t max, uint32_t flags,
                         size_t size);
   int QueryPkey(ibv_context* ctx, uint8_t port, int index, __be16* pkey);
+  int QueryGidType(ibv_context* ctx, uint8_t port, unsigned int index, int* type);
+  int ResolveEthL2FromGid(ibv_context* ctx, ibv_ah_attr* attr, uint8_t mac[6], uint16_t* vid);
   int GetPkeyIndex(ibv_context* ctx, uint8_t port, __be16 pkey);
 
   ibv_pd* AllocPd(ibv_context* ctx);
@@ -95,6 +97,7 @@ class Shim {
   int DestroyQp(ibv_qp* qp);
   int QueryEce(ibv_qp* qp, ibv_ece* ece);
   int SetEce(ibv_qp* qp, ibv_ece* ece);
+  int QueryQpDataInOrder(ibv_qp* qp, ibv_wr_opcode op, uint32_t flags);
 
   ibv_ah* CreateAh(ibv_pd* pd, ibv_ah_attr* attr);
   int InitAhFromWc(ibv_context* ctx, uint8_t port, ibv_wc* wc, ibv_grh* grh, ibv_ah_attr* attr);

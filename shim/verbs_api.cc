@@ -1,6 +1,7 @@
 // The shim's C ABI: every exported libibverbs entry point that takes or
 // returns a verbs object, forwarding to the process's Shim. Nothing else
-// in the shim is visible outside it (librdmavirt.map).
+// in the shim is visible outside it (librdmavirt.map). Which exports are
+// defined here, and why the others need not be, is shim/exports.cc.
 //
 // The inline verbs of verbs.h (post/poll, the extended API) never reach
 // this file: they dispatch through the shadow objects (data_path.cc).
@@ -9,8 +10,8 @@
 #include <infiniband/verbs.h>
 #include <stddef.h>
 
-#include "shim/log.h"
 #include "shim/control.h"
+#include "shim/log.h"
 #include "shim/shim.h"
 
 // verbs.h turns these names into inline wrappers; the shim defines the
@@ -93,6 +94,17 @@ RDMAVIRT_API ssize_t _ibv_query_gid_table(ibv_context* ctx, ibv_gid_entry* entri
 RDMAVIRT_API int ibv_query_pkey(ibv_context* ctx, uint8_t port, int index, __be16* pkey) {
   Shim* s = S();
   return s ? s->QueryPkey(ctx, port, index, pkey) : -1;
+}
+// A private export (IBVERBS_PRIVATE_NN), called by rdma-core's own tools
+// and bindings (pyverbs): `type` points to an enum ibv_gid_type_sysfs.
+RDMAVIRT_API int ibv_query_gid_type(ibv_context* ctx, uint8_t port, unsigned int index, int* type) {
+  Shim* s = S();
+  return s ? s->QueryGidType(ctx, port, index, type) : ENOSYS;
+}
+RDMAVIRT_API int ibv_resolve_eth_l2_from_gid(ibv_context* ctx, ibv_ah_attr* attr, uint8_t mac[6],
+                                             uint16_t* vid) {
+  Shim* s = S();
+  return s ? s->ResolveEthL2FromGid(ctx, attr, mac, vid) : ENOSYS;
 }
 RDMAVIRT_API int ibv_get_pkey_index(ibv_context* ctx, uint8_t port, __be16 pkey) {
   Shim* s = S();
@@ -204,6 +216,10 @@ RDMAVIRT_API int ibv_destroy_qp(ibv_qp* qp) {
   Shim* s = S();
   return s ? s->DestroyQp(qp) : ENOSYS;
 }
+RDMAVIRT_API int ibv_query_qp_data_in_order(ibv_qp* qp, ibv_wr_opcode op, uint32_t flags) {
+  Shim* s = S();
+  return s ? s->QueryQpDataInOrder(qp, op, flags) : 0;
+}
 RDMAVIRT_API int ibv_query_ece(ibv_qp* qp, ibv_ece* ece) {
   Shim* s = S();
   return s ? s->QueryEce(qp, ece) : ENOSYS;
@@ -254,4 +270,23 @@ RDMAVIRT_API ibv_mr* ibv_import_mr(ibv_pd*, uint32_t) {
   LogOnce("importing verbs objects is not supported (ibv_import_*: EOPNOTSUPP)");
   errno = EOPNOTSUPP;
   return nullptr;
+}
+RDMAVIRT_API ibv_dm* ibv_import_dm(ibv_context*, uint32_t) {
+  LogOnce("importing verbs objects is not supported (ibv_import_*: EOPNOTSUPP)");
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+// Nothing is imported under the shim, so an object passed here is one the
+// shim made (libibverbs would free it as if imported): it stays.
+RDMAVIRT_API void ibv_unimport_pd(ibv_pd*) {
+  LogOnce("ibv_unimport_* of an object that was not imported: ignored");
+  errno = EOPNOTSUPP;
+}
+RDMAVIRT_API void ibv_unimport_mr(ibv_mr*) {
+  LogOnce("ibv_unimport_* of an object that was not imported: ignored");
+  errno = EOPNOTSUPP;
+}
+RDMAVIRT_API void ibv_unimport_dm(ibv_dm*) {
+  LogOnce("ibv_unimport_* of an object that was not imported: ignored");
+  errno = EOPNOTSUPP;
 }

@@ -135,5 +135,30 @@ def verbs_coverage_identical_default_mode():
     check(ss.err == "" and sc.err == "", "the shim wrote to stderr", ss, sc)
 
 
+RARE = f"{BUILD}/tests/apps/verbs_rare"
+
+
+@lab_test
+def rare_verbs_same_natively_and_under_the_shim_in_every_mode():
+    # The crash class: exports a shim must not hand a shadow object to
+    # (GID types, ibv_query_qp_data_in_order, L2 resolution), extended
+    # queries and CQs, resize, rereg, refusals, completion and async
+    # events, fork. Default mode, offset mode, and a migratable process
+    # (a migrator socket configured, none running: every queue gated).
+    runs = {
+        "native": LAB.run(1, RARE, 120),
+        "default": LAB.run(1, SHIM_DEFAULT + RARE, 120),
+        "offset": LAB.run(1, SHIM + RARE, 120),
+        "migratable": LAB.run(1, "RDMAVIRT_SOCKET=/tmp/no-migrator.sock " + SHIM_DEFAULT + RARE,
+                              120),
+    }
+    native = runs["native"]
+    check(native.rc == 0 and "all checks passed" in native.out, "native run failed", native)
+    for mode, r in runs.items():
+        check(r.rc == 0, f"{mode}: exit {r.rc}", native, r)
+        check(r.out == native.out, f"{mode}: transcript differs from the native one", native, r)
+        check(r.err == "", f"{mode}: wrote to stderr", r)
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -141,10 +141,12 @@ bool DecodeMapping(std::string_view b, RemoteMapping* m, std::string* why) {
         if (!pgid) return *why = "a mapping's physical_gid is not 16 bytes", false;
         break;
       case 3:
-        if (!DecodePairs(r.bytes(), &m->qpns)) return *why = "a mapping's qpns are malformed", false;
+        if (!DecodePairs(r.bytes(), &m->qpns))
+          return *why = "a mapping's qpns are malformed", false;
         break;
       case 4:
-        if (!DecodePairs(r.bytes(), &m->rkeys)) return *why = "a mapping's rkeys are malformed", false;
+        if (!DecodePairs(r.bytes(), &m->rkeys))
+          return *why = "a mapping's rkeys are malformed", false;
         break;
     }
   }
@@ -237,7 +239,8 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
         out->kind = Kind::kPeerQuiesce;
         WireReader b(body);
         while (b.Next())
-          if (b.field() == 2 && b.is_varint()) out->drain_timeout_ms = static_cast<uint32_t>(b.varint());
+          if (b.field() == 2 && b.is_varint())
+            out->drain_timeout_ms = static_cast<uint32_t>(b.varint());
         if (!b.ok()) return *why = "a malformed peer_quiesce request", false;
         break;
       }
@@ -444,8 +447,10 @@ void* Run(void* arg) {
     Serve(c, &released);
     c->fd.store(-1);
     close(fd);
-    if (released) WaitForResume(*c);
-    else sleep(1);
+    if (released)
+      WaitForResume(*c);
+    else
+      sleep(1);
   }
   return nullptr;
 }
@@ -476,8 +481,8 @@ void StartControl(Shim* shim) {
   c->shim = shim;
   c->socket_path = SocketPath();
   const size_t slash = c->socket_path.rfind('/');
-  c->resume_dir = (slash == std::string::npos ? std::string(".") : c->socket_path.substr(0, slash)) +
-                  "/resume";
+  c->resume_dir =
+      (slash == std::string::npos ? std::string(".") : c->socket_path.substr(0, slash)) + "/resume";
   c->endpoint_id = RandomId();
   g_control = c;
   pthread_atfork(nullptr, nullptr, InChild);

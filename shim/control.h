@@ -28,8 +28,16 @@ inline constexpr uint32_t kMaxFrame = 16u << 20;
 inline constexpr const char* kDefaultSocket = "/run/rdmavirt/migratord.sock";
 
 struct ControlRequest {
-  enum class Kind { kNone, kQuiesce, kRelease, kRestore, kResume, kPeerQuiesce, kPeerReconnect,
-                    kDescribe };
+  enum class Kind {
+    kNone,
+    kQuiesce,
+    kRelease,
+    kRestore,
+    kResume,
+    kPeerQuiesce,
+    kPeerReconnect,
+    kDescribe
+  };
   uint64_t id = 0;
   Kind kind = Kind::kNone;
   uint32_t drain_timeout_ms = 0;

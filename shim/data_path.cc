@@ -470,9 +470,17 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   return PollCqGated(cq, n, wc);
 }
 
+// Arms the real CQ, and remembers that the application waits for an
+// event: during a pause (the real CQ may be gone) only that, and the
+// resume arms the real CQ or owes the event (Shim::OweEvents).
 int ReqNotifyCq(ibv_cq* ibcq, int solicited_only) {
-  ibv_cq* real = AsCq(ibcq)->real;
-  return real->context->ops.req_notify_cq(real, solicited_only);
+  Cq* cq = AsCq(ibcq);
+  cq->armed.store(true, std::memory_order_relaxed);
+  if (!cq->gate.Enter()) return 0;
+  ibv_cq* real = cq->real;
+  const int rc = real->context->ops.req_notify_cq(real, solicited_only);
+  cq->gate.Leave();
+  return rc;
 }
 
 ibv_mw* AllocMwUnsupported(ibv_pd*, ibv_mw_type) {
@@ -597,35 +605,64 @@ inline void CopyCursor(ibv_cq_ex* shadow, const ibv_cq_ex* real) {
   shadow->status = real->status;
 }
 
+// The next completion a pause left in the shadow CQ, as the batch's
+// cursor; false when there is none.
+inline bool HeldCursor(Cq* cq, ibv_cq_ex* c) {
+  if (TakePending(cq, 1, &cq->cursor) != 1) return false;
+  cq->cursor_held = true;
+  c->wr_id = cq->cursor.wr_id;
+  c->status = cq->cursor.status;
+  return true;
+}
+
+// The real CQ's side of a batch.
+inline int RealStartPoll(Cq* cq, ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
+  cq->cursor_held = false;
+  ibv_cq_ex* real = cq->real_ex;
+  const int rc = real->start_poll(real, attr);
+  cq->real_batch = rc == 0;
+  if (rc == 0) CopyCursor(c, real);
+  return rc;
+}
+
 // A polling batch holds the CQ's gate from start_poll to end_poll (or to
-// a start_poll that finds nothing). During a pause it finds nothing.
+// a start_poll that finds nothing). During a pause it finds nothing;
+// after one, the completions the pause held come first, each once.
 int StartPoll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   Cq* cq = AsCq(c);
   if (!cq->gate.Enter()) {
     cq->ctx->shim->RunPendingStep();
     return ENOENT;
   }
-  ibv_cq_ex* real = cq->real_ex;
-  const int rc = real->start_poll(real, attr);
-  if (rc == 0)
-    CopyCursor(c, real);
-  else
-    cq->gate.Leave();
+  cq->real_batch = false;
+  if (HeldCursor(cq, c)) return 0;
+  const int rc = RealStartPoll(cq, c, attr);
+  if (rc != 0) cq->gate.Leave();
   return rc;
 }
 int NextPoll(ibv_cq_ex* c) {
-  ibv_cq_ex* real = AsCq(c)->real_ex;
+  Cq* cq = AsCq(c);
+  if (cq->cursor_held) {
+    if (HeldCursor(cq, c)) return 0;
+    ibv_poll_cq_attr attr{};
+    return RealStartPoll(cq, c, &attr);
+  }
+  ibv_cq_ex* real = cq->real_ex;
   const int rc = real->next_poll(real);
   if (rc == 0) CopyCursor(c, real);
   return rc;
 }
 void EndPoll(ibv_cq_ex* c) {
   Cq* cq = AsCq(c);
-  cq->real_ex->end_poll(cq->real_ex);
+  if (cq->real_batch) cq->real_ex->end_poll(cq->real_ex);
+  cq->real_batch = false;
+  cq->cursor_held = false;
   cq->gate.Leave();
 }
+// Held completions were virtualized when the pause took them in.
 uint32_t ReadQpNum(ibv_cq_ex* c) {
   Cq* cq = AsCq(c);
+  if (cq->cursor_held) return cq->cursor.qp_num;
   const uint32_t pqpn = cq->real_ex->read_qp_num(cq->real_ex);
   const Qp* qp = cq->qps->Find(pqpn);
   return qp != nullptr ? qp->shadow.qp_base.qp_num : pqpn;
@@ -633,30 +670,35 @@ uint32_t ReadQpNum(ibv_cq_ex* c) {
 // src_qp is the sender's QPN on UD only (RC reports 0 or garbage).
 uint32_t ReadSrcQp(ibv_cq_ex* c) {
   Cq* cq = AsCq(c);
+  if (cq->cursor_held) return cq->cursor.src_qp;
   ibv_cq_ex* real = cq->real_ex;
   const uint32_t src = real->read_src_qp(real);
   const Qp* qp = real->read_qp_num ? cq->qps->Find(real->read_qp_num(real)) : nullptr;
   return qp != nullptr && qp->shadow.qp_base.qp_type == IBV_QPT_UD ? qp->mode.VirtualQpn(src) : src;
 }
 
-// The other readers carry no identity: forward to the real CQ.
-#define RDMAVIRT_FORWARD_READ(name, type) \
-  type name(ibv_cq_ex* c) {               \
-    ibv_cq_ex* real = AsCq(c)->real_ex;   \
-    return real->name(real);              \
+// The other readers carry no identity: from the held completion, or
+// forwarded to the real CQ. (ibv_wc has no timestamps, VLAN or flow tag:
+// a held completion reads 0 for them.)
+#define RDMAVIRT_FORWARD_READ(name, type, held) \
+  type name(ibv_cq_ex* c) {                     \
+    Cq* cq = AsCq(c);                           \
+    if (cq->cursor_held) return held;           \
+    ibv_cq_ex* real = cq->real_ex;              \
+    return real->name(real);                    \
   }
-RDMAVIRT_FORWARD_READ(read_opcode, ibv_wc_opcode)
-RDMAVIRT_FORWARD_READ(read_vendor_err, uint32_t)
-RDMAVIRT_FORWARD_READ(read_byte_len, uint32_t)
-RDMAVIRT_FORWARD_READ(read_imm_data, __be32)
-RDMAVIRT_FORWARD_READ(read_wc_flags, unsigned int)
-RDMAVIRT_FORWARD_READ(read_slid, uint32_t)
-RDMAVIRT_FORWARD_READ(read_sl, uint8_t)
-RDMAVIRT_FORWARD_READ(read_dlid_path_bits, uint8_t)
-RDMAVIRT_FORWARD_READ(read_completion_ts, uint64_t)
-RDMAVIRT_FORWARD_READ(read_completion_wallclock_ns, uint64_t)
-RDMAVIRT_FORWARD_READ(read_cvlan, uint16_t)
-RDMAVIRT_FORWARD_READ(read_flow_tag, uint32_t)
+RDMAVIRT_FORWARD_READ(read_opcode, ibv_wc_opcode, cq->cursor.opcode)
+RDMAVIRT_FORWARD_READ(read_vendor_err, uint32_t, cq->cursor.vendor_err)
+RDMAVIRT_FORWARD_READ(read_byte_len, uint32_t, cq->cursor.byte_len)
+RDMAVIRT_FORWARD_READ(read_imm_data, __be32, cq->cursor.imm_data)
+RDMAVIRT_FORWARD_READ(read_wc_flags, unsigned int, cq->cursor.wc_flags)
+RDMAVIRT_FORWARD_READ(read_slid, uint32_t, cq->cursor.slid)
+RDMAVIRT_FORWARD_READ(read_sl, uint8_t, cq->cursor.sl)
+RDMAVIRT_FORWARD_READ(read_dlid_path_bits, uint8_t, cq->cursor.dlid_path_bits)
+RDMAVIRT_FORWARD_READ(read_completion_ts, uint64_t, 0)
+RDMAVIRT_FORWARD_READ(read_completion_wallclock_ns, uint64_t, 0)
+RDMAVIRT_FORWARD_READ(read_cvlan, uint16_t, 0)
+RDMAVIRT_FORWARD_READ(read_flow_tag, uint32_t, 0)
 #undef RDMAVIRT_FORWARD_READ
 
 // ---------------------------------------------------------------- context

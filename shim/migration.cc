@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 
@@ -171,11 +172,6 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends) {
                  "cannot be paused");
   if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
   const std::vector<Cq*> cqs = All<Cq>(Kind::kCq);
-  for (const Cq* cq : cqs)
-    if (cq->real_ex != nullptr)
-      return Error(Code::kFailedPrecondition,
-                   "a CQ made with ibv_create_cq_ex cannot be paused (its completions cannot "
-                   "be kept in a shadow CQ)");
   const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
   const std::vector<Srq*> srqs = All<Srq>(Kind::kSrq);
   GuessEndpointGid();
@@ -258,7 +254,10 @@ void Shim::DestroyReal() {
     srq->real = nullptr;
   }
   for (Cq* cq : All<Cq>(Kind::kCq)) {
-    if (cq->real != nullptr) backend_->DestroyCq(cq->real);
+    if (cq->real != nullptr) {
+      CloseEvents(cq);
+      backend_->DestroyCq(cq->real);
+    }
     cq->real = nullptr;
     cq->real_ex = nullptr;
   }
@@ -271,7 +270,10 @@ void Shim::DestroyReal() {
     pd->real = nullptr;
   }
   for (Channel* ch : All<Channel>(Kind::kChannel)) {
-    if (ch->real != nullptr) backend_->DestroyCompChannel(ch->real);
+    if (ch->real != nullptr) {
+      ReleaseChannel(ch);
+      backend_->DestroyCompChannel(ch->real);
+    }
     ch->real = nullptr;
   }
   for (const auto& [p, k] : shadows_) {
@@ -279,6 +281,56 @@ void Shim::DestroyReal() {
     Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
     if (ctx->real != nullptr) backend_->CloseDevice(ctx->real);
     ctx->real = nullptr;
+  }
+}
+
+void Shim::CloseEvents(Cq* cq) {
+  std::lock_guard<std::mutex> lock(cq->events_mu);
+  // The destroy that follows waits for these: acknowledged now, and the
+  // application's acknowledgements of them absorbed (AckCqEvents).
+  if (cq->events_unacked > 0) backend_->AckCqEvents(cq->real, cq->events_unacked);
+  cq->events_absorbed += cq->events_unacked;
+  cq->events_unacked = 0;
+  cq->events_closed = true;
+}
+
+void Shim::ReleaseChannel(Channel* ch) {
+  std::unique_lock<std::mutex> lock(ch->mu);
+  ch->released = true;
+  if (ch->wake_fd >= 0) {
+    const uint64_t one = 1;
+    if (write(ch->wake_fd, &one, sizeof one) < 0)
+      LogOnce("waking a completion-event waiter failed");
+  }
+  // Waiters leave poll(2) on the real fd before it is closed (its number
+  // may be reused). One blocked in read(2) (two threads on one channel)
+  // is woken by the device's close instead (EIO).
+  ch->cv.wait_for(lock, std::chrono::seconds(2), [ch] { return ch->in_use == 0; });
+}
+
+void Shim::ReopenChannel(Channel* ch) {
+  std::lock_guard<std::mutex> lock(ch->mu);
+  ch->released = false;
+  ch->cv.notify_all();
+}
+
+void Shim::OweEvents() {
+  for (Cq* cq : All<Cq>(Kind::kCq)) {
+    if (cq->channel == nullptr || !cq->armed.load()) continue;
+    // The application armed the CQ during the pause (only noted then):
+    // the real one is armed now.
+    cq->real->context->ops.req_notify_cq(cq->real, 0);
+    // Completions the pause moved into the shadow CQ raise no real event:
+    // the shim owes the waiter one.
+    if (cq->pending_head.load() >= cq->pending_count) continue;
+    Channel* ch = cq->channel;
+    std::lock_guard<std::mutex> lock(ch->mu);
+    if (std::find(ch->owed.begin(), ch->owed.end(), cq) != ch->owed.end()) continue;
+    ch->owed.push_back(cq);
+    const uint64_t one = 1;
+    if (ch->wake_fd >= 0 && write(ch->wake_fd, &one, sizeof one) < 0)
+      LogOnce("waking a completion-event waiter failed");
+    ch->cv.notify_all();
   }
 }
 
@@ -389,14 +441,29 @@ Status Shim::RecreateReal(const std::string& device) {
       return Error(Code::kResourceExhausted, Errno("ibv_create_comp_channel", errno));
     ch->shadow.fd = KeepFdNumber(ch->real->fd, ch->shadow.fd);
     ch->real->fd = ch->shadow.fd;
+    ReopenChannel(ch);
   }
   for (Cq* cq : All<Cq>(Kind::kCq)) {
     ibv_comp_channel* ch = cq->channel != nullptr ? cq->channel->real : nullptr;
-    cq->real = backend_->CreateCq(cq->ctx->real, cq->cqe, nullptr, ch, cq->comp_vector);
+    if (cq->extended) {
+      ibv_cq_init_attr_ex attr{};
+      attr.cqe = static_cast<uint32_t>(cq->cqe);
+      attr.channel = ch;
+      attr.comp_vector = static_cast<uint32_t>(cq->comp_vector);
+      attr.wc_flags = cq->wc_flags;
+      cq->real_ex = backend_->CreateCqEx(cq->ctx->real, &attr);
+      cq->real = cq->real_ex != nullptr ? ibv_cq_ex_to_cq(cq->real_ex) : nullptr;
+    } else {
+      cq->real = backend_->CreateCq(cq->ctx->real, cq->cqe, nullptr, ch, cq->comp_vector);
+    }
     if (cq->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_cq", errno));
     cq->real->cq_context = cq;
     cq->real_poll_cq = cq->real->context->ops.poll_cq;
     cq->shadow.handle = cq->real->handle;
+    {
+      std::lock_guard<std::mutex> events(cq->events_mu);
+      cq->events_closed = false;
+    }
     // A thread may be waiting for an event on this CQ: arm it (a spurious
     // event is allowed; the application polls after each).
     if (ch != nullptr) cq->real->context->ops.req_notify_cq(cq->real, 0);
@@ -524,6 +591,7 @@ Status Shim::ResumeNow() {
     qp->queued_sends.clear();
     qp->gate.Open();
   }
+  OweEvents();
   for (Cq* cq : All<Cq>(Kind::kCq)) cq->gate.Open();
   paused_ = false;
   if (!st.ok()) LogOnce(st.message.c_str());

@@ -40,7 +40,7 @@ struct QpView {
   uint32_t physical_qpn = 0;  // 0 while released
   uint32_t qp_type = 0;
   uint32_t state = 0;
-  bool connected = false;     // has a remote address (RC/UC after RTR)
+  bool connected = false;  // has a remote address (RC/UC after RTR)
   ibv_gid remote_virtual_gid{};
   uint32_t remote_virtual_qpn = 0;
   ibv_gid remote_physical_gid{};

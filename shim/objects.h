@@ -14,10 +14,10 @@
 #define RDMAVIRT_SHIM_OBJECTS_H_
 
 #include <infiniband/verbs.h>
-
 #include <sched.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -32,6 +32,7 @@ namespace rdmavirt::shim {
 
 class Shim;
 class MrTable;
+struct Cq;
 class QpIndex;
 
 // The pause gate of one queue or CQ of a migratable process. The data path
@@ -100,10 +101,24 @@ struct Mr {
   unsigned int access = 0;
 };
 
+// A completion channel. ibv_get_cq_event waits on the real channel's fd
+// and on `wake_fd`, which the shim writes (under `mu`) when the waiter must
+// look again: the real channel goes away at a release (the waiter then
+// waits for the restore) or the shim owes an event (below). The waiter
+// empties it, under `mu`, once it has seen neither.
 struct Channel {
   ibv_comp_channel shadow;
   ibv_comp_channel* real = nullptr;
   Context* ctx = nullptr;
+  int wake_fd = -1;  // eventfd, nonblocking
+  std::mutex mu;     // guards the fields below; never held across a verb
+  std::condition_variable cv;
+  bool released = false;  // no real channel: between a release and a restore
+  int in_use = 0;         // threads in poll(2) or read(2) on the real channel's fd
+  // CQs the shim owes an event: armed by the application when a pause
+  // moved their completions into the shadow CQ, where no real event
+  // will announce them.
+  std::vector<Cq*> owed;
 };
 
 struct Cq {
@@ -114,6 +129,7 @@ struct Cq {
   std::atomic<bool> fast{false};
   int (*real_poll_cq)(ibv_cq*, int, ibv_wc*) = nullptr;
   ibv_cq_ex* real_ex = nullptr;  // when created with ibv_create_cq_ex
+  bool extended = false;         // it was: a restore re-creates it so
   Context* ctx = nullptr;
   const QpIndex* qps = nullptr;  // for completions' qp_num
   Channel* channel = nullptr;
@@ -127,6 +143,22 @@ struct Cq {
   std::vector<ibv_wc> pending;
   std::atomic<uint32_t> pending_head{0};
   uint32_t pending_count = 0;
+  // An extended poll batch (ibv_start_poll .. ibv_end_poll) reads held
+  // completions from `cursor` until they run out, then the real CQ's.
+  // One batch at a time per CQ, as the verbs require.
+  bool cursor_held = false;  // the batch's current completion is `cursor`
+  bool real_batch = false;   // the real CQ's start_poll succeeded in this batch
+  ibv_wc cursor{};
+
+  // Completion events (shim.cc). A real CQ's destroy waits until every
+  // event it delivered is acknowledged; a release acknowledges, on the
+  // application's behalf, those it has not, and the application's later
+  // acknowledgements of them are absorbed here.
+  std::mutex events_mu;            // never held across a blocking verb
+  uint32_t events_unacked = 0;     // delivered by the real CQ, not acknowledged to it
+  uint32_t events_absorbed = 0;    // the application still owes these to the shim
+  bool events_closed = false;      // the real CQ is being destroyed
+  std::atomic<bool> armed{false};  // ibv_req_notify_cq since its last event
 };
 
 struct Srq {

@@ -1,10 +1,15 @@
 #include "shim/shim.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <new>
 
 #include "shim/async_event.h"
@@ -63,10 +68,23 @@ void Shim::KeysDiverged() {
   }
 }
 
+void Shim::Register(const void* p, Kind kind) {
+  std::lock_guard<std::mutex> lock(registry_mu_);
+  shadows_[p] = kind;
+}
+
+void Shim::Unregister(const void* p) {
+  std::lock_guard<std::mutex> lock(registry_mu_);
+  shadows_.erase(p);
+}
+
+// Lookups take only the registry's lock, never mu_: a control step holds
+// mu_ across verbs that may wait for an application thread (a CQ's destroy
+// waits for its events to be acknowledged), and that thread may be here.
 template <typename T>
 T* Shim::Find(const void* p, Kind kind) const {
   if (p == nullptr) return nullptr;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(registry_mu_);
   auto it = shadows_.find(p);
   return it != shadows_.end() && it->second == kind ? reinterpret_cast<T*>(const_cast<void*>(p))
                                                     : nullptr;
@@ -74,7 +92,7 @@ T* Shim::Find(const void* p, Kind kind) const {
 
 Context* Shim::FindContext(ibv_context* c) const {
   if (c == nullptr) return nullptr;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(registry_mu_);
   auto it = shadows_.find(c);
   return it != shadows_.end() && it->second == Kind::kContext ? AsContext(c) : nullptr;
 }
@@ -116,7 +134,7 @@ ibv_context* Shim::OpenDevice(ibv_device* device) {
   InitMutexCond(&s->mutex, nullptr);
   InstallContextOps(ctx);
   std::lock_guard<std::mutex> lock(mu_);
-  shadows_[s] = Kind::kContext;
+  Register(s, Kind::kContext);
   return s;
 }
 
@@ -127,7 +145,7 @@ int Shim::CloseDevice(ibv_context* c) {
   if (rc != 0) return rc;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    shadows_.erase(c);
+    Unregister(c);
   }
   pthread_mutex_destroy(&c->mutex);
   delete ctx;
@@ -277,7 +295,7 @@ ibv_pd* Shim::AllocPd(ibv_context* c) {
   pd->shadow.context = c;
   pd->shadow.handle = real->handle;
   std::lock_guard<std::mutex> lock(mu_);
-  shadows_[pd] = Kind::kPd;
+  Register(pd, Kind::kPd);
   return &pd->shadow;
 }
 
@@ -287,7 +305,7 @@ int Shim::DeallocPd(ibv_pd* p) {
   const int rc = backend_->DeallocPd(pd->real);
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
-  shadows_.erase(pd);
+  Unregister(pd);
   delete pd;
   return 0;
 }
@@ -335,7 +353,7 @@ ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova, unsigne
   std::lock_guard<std::mutex> lock(mu_);
   mrs_.Set(slot, mr->shadow.lkey, real->lkey);
   if (mr->shadow.lkey != real->lkey) KeysDiverged();
-  shadows_[mr] = Kind::kMr;
+  Register(mr, Kind::kMr);
   return &mr->shadow;
 }
 
@@ -377,7 +395,7 @@ int Shim::DeregMr(ibv_mr* m) {
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
   mrs_.Clear(mr->slot);
-  shadows_.erase(mr);
+  Unregister(mr);
   delete mr;
   return 0;
 }
@@ -399,8 +417,9 @@ ibv_comp_channel* Shim::CreateCompChannel(ibv_context* c) {
   ch->ctx = ctx;
   ch->shadow.context = c;
   ch->shadow.fd = real->fd;  // the application polls it
+  ch->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   std::lock_guard<std::mutex> lock(mu_);
-  shadows_[ch] = Kind::kChannel;
+  Register(ch, Kind::kChannel);
   return &ch->shadow;
 }
 
@@ -410,7 +429,8 @@ int Shim::DestroyCompChannel(ibv_comp_channel* c) {
   const int rc = backend_->DestroyCompChannel(ch->real);
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
-  shadows_.erase(ch);
+  Unregister(ch);
+  if (ch->wake_fd >= 0) close(ch->wake_fd);
   delete ch;
   return 0;
 }
@@ -426,6 +446,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   cq->fast.store(!mode_.offset && !migratable_);
   cq->cqe = cqe;
   cq->real_ex = real_ex;
+  cq->extended = real_ex != nullptr;
   cq->ctx = ctx;
   cq->qps = &qp_index_;
   cq->channel = ch;
@@ -442,7 +463,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   real->cq_context = cq;
   if (real_ex != nullptr) InstallCqExOps(cq);
   std::lock_guard<std::mutex> lock(mu_);
-  shadows_[cq] = Kind::kCq;
+  Register(cq, Kind::kCq);
   return reinterpret_cast<ibv_cq*>(&cq->shadow);
 }
 
@@ -507,27 +528,121 @@ int Shim::DestroyCq(ibv_cq* c) {
   const int rc = backend_->DestroyCq(cq->real);
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
-  shadows_.erase(cq);
+  Unregister(cq);
   delete cq;
   return 0;
+}
+
+namespace {
+
+// Waits until the real channel's fd is readable (true) or the shim wakes
+// the waiter through the channel's eventfd (false: look again). A channel
+// the application made nonblocking is not waited on: it polls the fd
+// itself, and ibv_get_cq_event then returns at once, as without the shim.
+bool WaitForEvent(Channel* ch, int real_fd) {
+  const int flags = fcntl(real_fd, F_GETFL);
+  if (flags >= 0 && (flags & O_NONBLOCK)) return true;
+  pollfd fds[2] = {{real_fd, POLLIN, 0}, {ch->wake_fd, POLLIN, 0}};
+  const int n = poll(fds, ch->wake_fd >= 0 ? 2 : 1, -1);
+  if (n < 0) return false;  // EINTR: look again
+  return !(fds[1].revents & POLLIN) && (fds[0].revents & (POLLIN | POLLERR | POLLHUP));
+}
+
+}  // namespace
+
+void Shim::NoteEventDelivered(Cq* cq, ibv_cq* real) {
+  cq->armed.store(false, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(cq->events_mu);
+  if (!cq->events_closed) {
+    ++cq->events_unacked;
+    return;
+  }
+  // Read just before a release destroys the real CQ, whose destroy now
+  // waits for this event: acknowledged to it here, owed by the
+  // application to the shim.
+  backend_->AckCqEvents(real, 1);
+  ++cq->events_absorbed;
 }
 
 int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) {
   Channel* ch = FindChannel(channel);
   if (ch == nullptr) return backend_->GetCqEvent(channel, cq, cq_context);
-  ibv_cq* real = nullptr;
-  void* real_context = nullptr;
-  const int rc = backend_->GetCqEvent(ch->real, &real, &real_context);
-  if (rc != 0) return rc;
-  Cq* shadow = static_cast<Cq*>(real->cq_context);
-  *cq = reinterpret_cast<ibv_cq*>(&shadow->shadow);
-  *cq_context = shadow->shadow.cq_context;
-  return 0;
+  for (;;) {
+    ibv_comp_channel* real = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(ch->mu);
+      if (ch->released && ch->owed.empty()) {
+        // Released (the device is closed for a move): wait for the
+        // restore, or return at once to a nonblocking caller.
+        const int flags = fcntl(ch->shadow.fd, F_GETFL);
+        if (flags >= 0 && (flags & O_NONBLOCK)) {
+          errno = EAGAIN;
+          return -1;
+        }
+        ch->cv.wait(lock, [ch] { return !ch->released || !ch->owed.empty(); });
+      }
+      if (!ch->owed.empty()) {
+        Cq* owed = ch->owed.front();
+        ch->owed.erase(ch->owed.begin());
+        lock.unlock();
+        owed->armed.store(false, std::memory_order_relaxed);
+        {
+          std::lock_guard<std::mutex> events(owed->events_mu);
+          ++owed->events_absorbed;  // no real CQ delivered it
+        }
+        *cq = reinterpret_cast<ibv_cq*>(&owed->shadow);
+        *cq_context = owed->shadow.cq_context;
+        return 0;
+      }
+      // Nothing owed and not released: whatever woke us has been seen.
+      uint64_t count;
+      while (ch->wake_fd >= 0 && read(ch->wake_fd, &count, sizeof count) == sizeof count) {
+      }
+      real = ch->real;
+      ++ch->in_use;
+    }
+    const bool ready = WaitForEvent(ch, real->fd);
+    {
+      std::lock_guard<std::mutex> lock(ch->mu);
+      if (!ready || ch->released || ch->real != real) {
+        --ch->in_use;
+        ch->cv.notify_all();
+        continue;
+      }
+    }
+    ibv_cq* real_cq = nullptr;
+    void* real_context = nullptr;
+    const int rc = backend_->GetCqEvent(real, &real_cq, &real_context);
+    bool stale;
+    {
+      std::lock_guard<std::mutex> lock(ch->mu);
+      --ch->in_use;
+      ch->cv.notify_all();
+      stale = ch->released || ch->real != real;
+    }
+    if (rc != 0) {
+      // A release closed the device under the read (EIO): wait for the
+      // restore rather than fail the application.
+      if (stale) continue;
+      return rc;
+    }
+    Cq* shadow = static_cast<Cq*>(real_cq->cq_context);
+    NoteEventDelivered(shadow, real_cq);
+    *cq = reinterpret_cast<ibv_cq*>(&shadow->shadow);
+    *cq_context = shadow->shadow.cq_context;
+    return 0;
+  }
 }
 
 void Shim::AckCqEvents(ibv_cq* c, unsigned int nevents) {
   Cq* cq = FindCq(c);
-  backend_->AckCqEvents(cq ? cq->real : c, nevents);
+  if (cq == nullptr) return backend_->AckCqEvents(c, nevents);
+  std::lock_guard<std::mutex> lock(cq->events_mu);
+  const uint32_t absorbed = std::min<uint32_t>(nevents, cq->events_absorbed);
+  cq->events_absorbed -= absorbed;
+  const uint32_t rest = std::min<uint32_t>(nevents - absorbed, cq->events_unacked);
+  cq->events_unacked -= rest;
+  if (rest > 0 && cq->real != nullptr) backend_->AckCqEvents(cq->real, rest);
 }
 
 // ---------------------------------------------------------------- SRQ
@@ -563,7 +678,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   InitMutexCond(&srq->shadow.mutex, &srq->shadow.cond);
   std::lock_guard<std::mutex> lock(mu_);
   srq->fast.store(keys_identity_ && !migratable_);
-  shadows_[srq] = Kind::kSrq;
+  Register(srq, Kind::kSrq);
   return &srq->shadow;
 }
 
@@ -586,7 +701,7 @@ int Shim::DestroySrq(ibv_srq* s) {
   const int rc = backend_->DestroySrq(srq->real);
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
-  shadows_.erase(srq);
+  Unregister(srq);
   delete srq;
   return 0;
 }
@@ -640,7 +755,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
     return nullptr;
   }
   qp->fast.store(PostsUntranslated(*qp));
-  shadows_[qp] = Kind::kQp;
+  Register(qp, Kind::kQp);
   return &qp->shadow.qp_base;
 }
 
@@ -784,7 +899,7 @@ int Shim::DestroyQp(ibv_qp* q) {
     qp_index_.Insert(qp->physical_qpn, qp);
     return rc;
   }
-  shadows_.erase(qp);
+  Unregister(qp);
   delete qp;
   return 0;
 }
@@ -831,7 +946,7 @@ ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   ah->shadow.handle = real->handle;
   std::lock_guard<std::mutex> lock(mu_);
   if (attr->is_global) NoteEndpointGid(pd->ctx, attr->port_num, attr->grh.sgid_index);
-  shadows_[ah] = Kind::kAh;
+  Register(ah, Kind::kAh);
   return &ah->shadow;
 }
 
@@ -870,7 +985,7 @@ int Shim::DestroyAh(ibv_ah* a) {
   const int rc = backend_->DestroyAh(ah->real);
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
-  shadows_.erase(ah);
+  Unregister(ah);
   delete ah;
   return 0;
 }

@@ -165,8 +165,12 @@ class Shim {
  private:
   enum class Kind { kContext, kPd, kMr, kChannel, kCq, kSrq, kQp, kAh };
 
+  // The registry of shadows: written with mu_ and registry_mu_ held (so a
+  // step holding mu_ may iterate it), read by lookups with registry_mu_.
+  void Register(const void* p, Kind kind);  // requires mu_
+  void Unregister(const void* p);           // requires mu_
   template <typename T>
-  T* Find(const void* p, Kind kind) const;  // requires mu_
+  T* Find(const void* p, Kind kind) const;
   Context* FindContext(ibv_context* c) const;
   Pd* FindPd(ibv_pd* p) const;
   Cq* FindCq(ibv_cq* c) const;
@@ -201,11 +205,21 @@ class Shim {
   Status Reconnect(Qp* qp);                        // requires mu_
   int ReplayTransitions(Qp* qp);                   // requires mu_
   int RealQpState(const Qp* qp);                   // the HCA's, or -1
+  // Completion events (shim.cc): what a release must acknowledge.
+  void NoteEventDelivered(Cq* cq, ibv_cq* real);
+  // Release: acknowledges what the application has not, and marks the
+  // channels released, with their waiters out of poll(2); then restore
+  // and resume undo it (migration.cc).
+  void CloseEvents(Cq* cq);          // requires mu_
+  void ReleaseChannel(Channel* ch);  // requires mu_
+  void ReopenChannel(Channel* ch);   // requires mu_
+  void OweEvents();                  // requires mu_; at resume
 
   VerbsBackend* const backend_;
   const IdentityMode mode_;
   mutable std::mutex mu_;
-  std::unordered_map<const void*, Kind> shadows_;         // guarded by mu_
+  mutable std::mutex registry_mu_;                        // after mu_, never held across a verb
+  std::unordered_map<const void*, Kind> shadows_;         // written under mu_ and registry_mu_
   MrTable mrs_;                                           // writes under mu_
   std::vector<std::unique_ptr<RemoteEndpoint>> remotes_;  // guarded by mu_; newest last
   // Every live lkey equals the hardware's (default mode, until a key

@@ -37,8 +37,7 @@ class WireWriter {
 
 class WireReader {
  public:
-  WireReader(const void* data, size_t n)
-      : p_(static_cast<const uint8_t*>(data)), end_(p_ + n) {}
+  WireReader(const void* data, size_t n) : p_(static_cast<const uint8_t*>(data)), end_(p_ + n) {}
   explicit WireReader(std::string_view s) : WireReader(s.data(), s.size()) {}
 
   // The next field; false at the end of the input or when it is malformed

@@ -295,5 +295,75 @@ def ib_send_lat_survives_a_move_of_its_server():
     perftest_survives_a_move_of_its_server("perf-lat", "ib_send_lat", "-n 3000")
 
 
+# An unmodified event-driven program: ibv_rc_pingpong --events waits in
+# ibv_get_cq_event and acknowledges its events only at its end. Moving it
+# used to deadlock its release (the real CQ's destroy waited for those
+# acknowledgements while the waiting thread was stuck on the shim's lock).
+PINGPONG_ITERS = 15000
+
+
+def event_driven_program_survives(name, move):
+    ensure_daemons()
+    out = f"{WORK}/{name}"
+    run_ok(1, f"mkdir -p {WORK} && rm -f {out}-*")
+    for h in (1, 2, 3):
+        LAB.run(h, "pkill -x ibv_rc_pingpong")
+    cmd = f"ibv_rc_pingpong -d rxe0 -g 1 -e -n {PINGPONG_ITERS}"
+    run_ok(1, f"(setsid env {SHIM}{cmd} > {out}-server.out 2>&1 < /dev/null &)")
+    wait_listening(1, 18515)
+    client = LAB.submit(3, f"env {SHIM}{cmd} {ip(1)} > {out}-client.out 2>&1", 900)
+    try:
+        wait_until(1, "rdma resource show qp link rxe0/1 | grep -q 'state RTS'", 60,
+                   "the server's QP connected")
+        pid = pid_of(1, "^ibv_rc_pingpong ")
+        move(pid)
+        check(LAB.run(1, f"kill -0 {pid}").rc != 0, "the server still runs on host1")
+        c = LAB.wait(3, client, 900)
+        wait_until(2, f"! kill -0 {pid} 2> /dev/null", 120, "the server finished on host2")
+        texts = {}
+        for side in ("server", "client"):
+            with open(os.path.join(LAB.shared, "migration", f"{name}-{side}.out"),
+                      errors="replace") as f:
+                texts[side] = f.read()
+        print(f"--- client\n{texts['client']}\n--- server\n{texts['server']}", flush=True)
+        check(c.rc == 0, "the client failed", c, texts["client"])
+        for side, text in texts.items():
+            check(f"{PINGPONG_ITERS} iters in" in text, f"the {side} did not finish its iterations",
+                  text)
+            check(not re.search(r"(?i)fail|error|couldn't", text), f"the {side} reported an error",
+                  text)
+    finally:
+        LAB.kill(3, client)
+        for h in (1, 2, 3):
+            LAB.run(h, "pkill -x ibv_rc_pingpong")
+
+
+@lab_test
+@logs_on_failure("ev-live")
+def an_event_driven_program_survives_a_live_move():
+    def move(pid):
+        r, rep = ctl(1, f"migrate {pid} --to {ip(2)}")
+        check(r.rc == 0, "migrate the rc_pingpong server host1 -> host2", r)
+        check_report(rep, "migrate the rc_pingpong server")
+        print("server host1->host2:", json.dumps(rep.get("breakdown")), flush=True)
+        check(LAB.run(2, f"kill -0 {pid}").rc == 0, "the server does not run on host2")
+    event_driven_program_survives("ev-live", move)
+
+
+@lab_test
+@logs_on_failure("ev-ckpt")
+def an_event_driven_program_survives_a_checkpoint_and_restore():
+    def move(pid):
+        run_ok(1, "rm -rf /tmp/ckpt-ev")
+        r, rep = ctl(1, f"checkpoint {pid} --dir /tmp/ckpt-ev")
+        check(r.rc == 0, "checkpoint the rc_pingpong server on host1", r)
+        check(LAB.run(1, f"kill -0 {pid}").rc != 0, "the server still runs after its checkpoint")
+        r, rep = ctl(1, f"restore --dir /tmp/ckpt-ev --on {ip(2)}")
+        check(r.rc == 0, "restore the rc_pingpong server on host2", r)
+        print("server restored on host2:", json.dumps(rep.get("breakdown")), flush=True)
+        check(LAB.run(2, f"kill -0 {pid}").rc == 0, "the server does not run on host2")
+    event_driven_program_survives("ev-ckpt", move)
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -108,6 +108,7 @@ struct FakeBackend::MrObj {
 struct FakeBackend::ChannelObj {
   ibv_comp_channel ch;
   std::deque<ibv_cq*> events;
+  bool closed = false;  // destroyed: a blocked reader gets EIO, as from ib_uverbs
   ~ChannelObj() {
     if (ch.fd >= 0) close(ch.fd);
   }
@@ -117,6 +118,9 @@ struct FakeBackend::CqObj {
   bool extended = false;
   ChannelObj* channel = nullptr;
   int armed = 0;  // 0: no, 1: next completion, 2: next solicited or error
+  // As libibverbs: a destroy waits until every event read is acknowledged.
+  uint32_t events_read = 0;
+  uint32_t events_acked = 0;
   std::deque<ibv_wc> wcs;
   ibv_wc cur{};  // the ibv_cq_ex poll cursor
 };
@@ -1268,7 +1272,7 @@ ibv_comp_channel* FakeBackend::CreateCompChannel(ibv_context* ctx) {
   if (Refused(Op::kCreateCompChannel, Lookup(contexts_, ctx) != nullptr)) return nullptr;
   auto obj = std::make_unique<ChannelObj>();
   obj->ch.context = ctx;
-  obj->ch.fd = NewEventFd();
+  obj->ch.fd = blocking_channels_ ? eventfd(0, EFD_CLOEXEC | EFD_SEMAPHORE) : NewEventFd();
   if (obj->ch.fd < 0) return nullptr;
   ibv_comp_channel* c = &obj->ch;
   channels_[c] = std::move(obj);
@@ -1277,8 +1281,15 @@ ibv_comp_channel* FakeBackend::CreateCompChannel(ibv_context* ctx) {
 
 int FakeBackend::DestroyCompChannel(ibv_comp_channel* channel) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (Lookup(channels_, channel) == nullptr) return EINVAL;
+  ChannelObj* ch = Lookup(channels_, channel);
+  if (ch == nullptr) return EINVAL;
   if (channel->refcnt != 0) return EBUSY;
+  // A reader blocked on it wakes with EIO; the object stays readable by
+  // that reader (its file outlives the fd, as in the kernel).
+  ch->closed = true;
+  const uint64_t one = 1;
+  if (write(ch->ch.fd, &one, sizeof one) < 0) return errno;
+  closed_channels_.push_back(std::move(channels_[channel]));
   channels_.erase(channel);
   return 0;
 }
@@ -1382,6 +1393,7 @@ int FakeBackend::DestroyCq(ibv_cq* cq) {
   if (c == nullptr) return EINVAL;
   for (const auto& [p, qp] : qps_)
     if (qp->send_cq == c || qp->recv_cq == c) return EBUSY;
+  if (c->events_read != c->events_acked) ++blocked_destroys_;  // libibverbs would wait forever
   if (c->channel != nullptr) {
     --c->channel->ch.refcnt;
     std::erase(c->channel->events, cq);
@@ -1391,28 +1403,59 @@ int FakeBackend::DestroyCq(ibv_cq* cq) {
 }
 
 int FakeBackend::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   ChannelObj* ch = Lookup(channels_, channel);
   if (ch == nullptr) {
     errno = EINVAL;
     return -1;
   }
-  // The channel fd is non-blocking here: no event, no wait.
-  if (ch->events.empty()) {
-    errno = EAGAIN;
-    return -1;
+  const int fd = channel->fd;
+  while (ch->events.empty()) {
+    if (ch->closed) {
+      errno = EIO;
+      return -1;
+    }
+    // A non-blocking channel fd: no event, no wait.
+    if (!blocking_channels_) {
+      errno = EAGAIN;
+      return -1;
+    }
+    // Blocking: one count of the eventfd per event, as one read(2) per event.
+    lock.unlock();
+    uint64_t v;
+    const ssize_t n = read(fd, &v, sizeof v);
+    lock.lock();
+    if (n == sizeof v && !ch->closed && ch->events.empty()) continue;  // taken by another reader
+    if (n == sizeof v && !ch->events.empty()) {
+      *cq = ch->events.front();
+      ch->events.pop_front();
+      ++Lookup(cqs_, *cq)->events_read;
+      *cq_context = (*cq)->cq_context;
+      return 0;
+    }
   }
   *cq = ch->events.front();
   ch->events.pop_front();
-  Consume(channel->fd);
+  Consume(fd);
+  ++Lookup(cqs_, *cq)->events_read;
   *cq_context = (*cq)->cq_context;
   return 0;
 }
 
 void FakeBackend::AckCqEvents(ibv_cq* cq, unsigned int nevents) {
   std::lock_guard<std::mutex> lock(mu_);
-  Lookup(cqs_, cq);
+  if (CqObj* c = Lookup(cqs_, cq)) c->events_acked += nevents;
   acked_cq_events_.emplace_back(cq, nevents);
+}
+
+void FakeBackend::set_blocking_channels(bool blocking) {
+  std::lock_guard<std::mutex> lock(mu_);
+  blocking_channels_ = blocking;
+}
+
+int FakeBackend::blocked_destroys() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return blocked_destroys_;
 }
 
 // ---------------------------------------------------------------- SRQ

@@ -174,6 +174,9 @@ class FakeBackend final : public VerbsBackend {
   // Queues an asynchronous event for GetAsyncEvent on `ctx`; its element
   // must be one of this fake's objects.
   void InjectAsyncEvent(ibv_context* ctx, const ibv_async_event& event);
+  // Completion channels made from now on have blocking fds: GetCqEvent
+  // waits for an event, or for the channel's destroy (then EIO).
+  void set_blocking_channels(bool blocking);
 
   // ---- What the fake received and holds
   std::vector<SendRecord> sends() const;
@@ -182,6 +185,9 @@ class FakeBackend final : public VerbsBackend {
   std::vector<AhRecord> ahs() const;
   std::vector<ibv_async_event> acked_async_events() const;
   std::vector<std::pair<ibv_cq*, unsigned int>> acked_cq_events() const;
+  // CQ destroys with events read and not acknowledged: libibverbs would
+  // have waited for them forever. Zero in a correct shim.
+  int blocked_destroys() const;
   // Calls of ctx->ops.post_send (a chain posted in pieces makes several).
   int post_send_calls() const;
   int create_qp_calls() const;
@@ -253,6 +259,9 @@ class FakeBackend final : public VerbsBackend {
   std::vector<AhRecord> ah_records_;
   std::vector<ibv_async_event> acked_async_;
   std::vector<std::pair<ibv_cq*, unsigned int>> acked_cq_events_;
+  std::vector<std::unique_ptr<ChannelObj>> closed_channels_;
+  bool blocking_channels_ = false;
+  int blocked_destroys_ = 0;
   int post_send_calls_ = 0;
   int create_qp_calls_ = 0;
   mutable int foreign_ = 0;

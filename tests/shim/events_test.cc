@@ -1,0 +1,234 @@
+// Completion events and extended CQs across a move, over FakeBackend: an
+// event the application has not acknowledged does not hold up a release
+// (libibverbs' destroy of a CQ waits for it), a thread blocked in
+// ibv_get_cq_event through the whole move gets the event for what the
+// pause held, and completions held for a CQ made with ibv_create_cq_ex
+// are handed out exactly once, through ibv_start_poll or ibv_poll_cq.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "tests/shim/verbs_test_util.h"
+
+namespace rdmavirt::shim::testing {
+namespace {
+
+using std::chrono::steady_clock;
+
+RemoteMapping ToMapping(const EndpointView& v) {
+  RemoteMapping m;
+  m.virtual_gid = v.virtual_gid;
+  m.physical_gid = v.physical_gid;
+  m.qpns = v.qpns;
+  m.rkeys = v.rkeys;
+  return m;
+}
+
+// P (whose QP completes on `pcq_`) and Q, connected; P moves.
+class EventsTest : public ::testing::Test {
+ protected:
+  explicit EventsTest(bool blocking = false)
+      : p_(&fake_, IdentityMode{}, true), q_(&fake_, IdentityMode{}, true) {
+    fake_.set_blocking_channels(blocking);
+    p_.set_app_thread_wait_ms(0);
+    q_.set_app_thread_wait_ms(0);
+    pdev_ = std::make_unique<Device<Shim>>(p_);
+    qdev_ = std::make_unique<Device<Shim>>(q_);
+    pmr_ = pdev_->Reg(pbuf_, sizeof(pbuf_));
+    qmr_ = qdev_->Reg(qbuf_, sizeof(qbuf_));
+  }
+  void TearDown() override {
+    qdev_.reset();
+    pdev_.reset();
+    EXPECT_EQ(fake_.live_objects(), 0);
+    EXPECT_EQ(fake_.foreign_objects(), 0);
+    EXPECT_EQ(fake_.blocked_destroys(), 0) << "a CQ destroyed with events not acknowledged";
+  }
+
+  void Connect(ibv_cq* pcq) {
+    pqp_ = pdev_->Qp(IBV_QPT_RC, 1, nullptr, pcq, pcq);
+    qqp_ = qdev_->Qp(IBV_QPT_RC);
+    ASSERT_EQ(ToRts(p_, pqp_, qqp_->qp_num, qdev_->gid), 0);
+    ASSERT_EQ(ToRts(q_, qqp_, pqp_->qp_num, pdev_->gid), 0);
+  }
+  void PostRecvP(uint64_t wr_id) {
+    ibv_sge sge = Sge(pbuf_ + 64 * (wr_id % 16), 64, pmr_);
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    ASSERT_EQ(ibv_post_recv(pqp_, &wr, &bad), 0);
+  }
+  void SendToP(uint64_t wr_id) {
+    strcpy(qbuf_, "hello");
+    ibv_sge sge = Sge(qbuf_, 6, qmr_);
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    ibv_send_wr* bad = nullptr;
+    ASSERT_EQ(ibv_post_send(qqp_, &wr, &bad), 0);
+  }
+  void Quiesce() {
+    uint32_t drained = 0;
+    ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  }
+  void ReleaseRestoreResume() {
+    ASSERT_TRUE(p_.Release().ok());
+    const Status st = p_.Restore("", {});
+    ASSERT_TRUE(st.ok()) << st.message;
+    const Status rq = q_.PeerReconnect(ToMapping(p_.Describe()));
+    ASSERT_TRUE(rq.ok()) << rq.message;
+    ASSERT_TRUE(p_.Resume().ok());
+  }
+  // Acknowledgements the fake received for `real`, summed.
+  unsigned AckedToFake(const ibv_cq* real) {
+    unsigned n = 0;
+    for (const auto& [cq, count] : fake_.acked_cq_events())
+      if (cq == real) n += count;
+    return n;
+  }
+
+  FakeBackend fake_;
+  Shim p_;
+  Shim q_;
+  std::unique_ptr<Device<Shim>> pdev_;
+  std::unique_ptr<Device<Shim>> qdev_;
+  char pbuf_[4096] = {};
+  char qbuf_[4096] = {};
+  ibv_mr* pmr_ = nullptr;
+  ibv_mr* qmr_ = nullptr;
+  ibv_qp* pqp_ = nullptr;
+  ibv_qp* qqp_ = nullptr;
+};
+
+TEST_F(EventsTest, AnEventNotYetAcknowledgedDoesNotHoldUpAReleaseAndItsAckIsAbsorbed) {
+  // ibv_rc_pingpong --events acknowledges all its events only at the end.
+  ibv_comp_channel* ch = pdev_->Channel();
+  ibv_cq* cq = pdev_->Cq(ch);
+  Connect(cq);
+  PostRecvP(1);
+  PostRecvP(2);
+  ASSERT_EQ(ibv_req_notify_cq(cq, 0), 0);
+  SendToP(10);
+  ibv_cq* ev_cq = nullptr;
+  void* ev_ctx = nullptr;
+  ASSERT_EQ(p_.GetCqEvent(ch, &ev_cq, &ev_ctx), 0);
+  EXPECT_EQ(ev_cq, cq);
+  EXPECT_EQ(Drain(cq).size(), 1u);
+  const ibv_cq* old_real = ShimCq(cq)->real;
+
+  Quiesce();
+  ReleaseRestoreResume();  // destroys the real CQ: blocked_destroys() stays 0
+  EXPECT_EQ(AckedToFake(old_real), 1u) << "the release acknowledged it for the application";
+
+  // After the move: a new event, and the application acknowledges both.
+  ASSERT_EQ(ibv_req_notify_cq(cq, 0), 0);
+  SendToP(11);
+  ASSERT_EQ(p_.GetCqEvent(ch, &ev_cq, &ev_ctx), 0);
+  EXPECT_EQ(ev_cq, cq);
+  ASSERT_EQ(Drain(cq).size(), 1u);
+  const ibv_cq* new_real = ShimCq(cq)->real;
+  p_.AckCqEvents(cq, 2);
+  EXPECT_EQ(AckedToFake(new_real), 1u) << "only the event the new CQ delivered reaches it";
+}
+
+class BlockingEventsTest : public EventsTest {
+ protected:
+  BlockingEventsTest() : EventsTest(/*blocking=*/true) {}
+};
+
+TEST_F(BlockingEventsTest, AThreadBlockedInGetCqEventThroughAMoveGetsTheEventForWhatThePauseHeld) {
+  ibv_comp_channel* ch = pdev_->Channel();
+  ibv_cq* cq = pdev_->Cq(ch);
+  Connect(cq);
+  PostRecvP(1);
+  // A completion that nobody has polled when the pause takes it in.
+  SendToP(10);
+  Quiesce();
+  EXPECT_EQ(p_.Describe().pending_completions, 1u);
+
+  // The application arms the CQ and waits, as an event-driven loop does.
+  std::atomic<int> got{0};
+  std::thread app([&] {
+    if (ibv_req_notify_cq(cq, 0) != 0) return;
+    ibv_cq* ev_cq = nullptr;
+    void* ev_ctx = nullptr;
+    if (p_.GetCqEvent(ch, &ev_cq, &ev_ctx) != 0 || ev_cq != cq) return;
+    p_.AckCqEvents(cq, 1);
+    ibv_wc wc[4];
+    for (const auto end = steady_clock::now() + std::chrono::seconds(5);
+         got.load() == 0 && steady_clock::now() < end;) {
+      const int n = ibv_poll_cq(cq, 4, wc);
+      if (n > 0 && wc[0].wr_id == 1 && wc[0].status == IBV_WC_SUCCESS) got.store(n);
+    }
+  });
+  // Until it waits in the channel.
+  const Channel* shadow_ch = reinterpret_cast<const Channel*>(ch);
+  for (const auto end = steady_clock::now() + std::chrono::seconds(5); steady_clock::now() < end;) {
+    {
+      std::lock_guard<std::mutex> lock(const_cast<Channel*>(shadow_ch)->mu);
+      if (shadow_ch->in_use == 1) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ReleaseRestoreResume();
+  app.join();
+  EXPECT_EQ(got.load(), 1) << "the waiter did not get the held completion after the move";
+}
+
+TEST_F(EventsTest, CompletionsHeldForAnExtendedCqAreHandedOutOnceThroughEitherPollingApi) {
+  ibv_cq_ex* cqx = pdev_->CqEx();
+  ibv_cq* cq = ibv_cq_ex_to_cq(cqx);
+  Connect(cq);
+  for (uint64_t i = 1; i <= 3; ++i) PostRecvP(i);
+  for (uint64_t i = 10; i < 13; ++i) SendToP(i);
+  Quiesce();  // three receive completions held in the shadow CQ
+  EXPECT_EQ(p_.Describe().pending_completions, 3u);
+  ibv_poll_cq_attr attr{};
+  EXPECT_EQ(ibv_start_poll(cqx, &attr), ENOENT) << "paused: nothing to poll";
+  ReleaseRestoreResume();
+
+  // Two through one extended batch, with the readers of a held completion.
+  ASSERT_EQ(ibv_start_poll(cqx, &attr), 0);
+  EXPECT_EQ(cqx->wr_id, 1u);
+  EXPECT_EQ(cqx->status, IBV_WC_SUCCESS);
+  EXPECT_EQ(ibv_wc_read_opcode(cqx), IBV_WC_RECV);
+  EXPECT_EQ(ibv_wc_read_byte_len(cqx), 6u);
+  EXPECT_EQ(ibv_wc_read_qp_num(cqx), pqp_->qp_num);
+  ASSERT_EQ(ibv_next_poll(cqx), 0);
+  EXPECT_EQ(cqx->wr_id, 2u);
+  ibv_end_poll(cqx);
+  // The third through ibv_poll_cq; then nothing is left either way.
+  std::vector<ibv_wc> rest = Drain(cq);
+  ASSERT_EQ(rest.size(), 1u);
+  EXPECT_EQ(rest[0].wr_id, 3u);
+  EXPECT_EQ(ibv_start_poll(cqx, &attr), ENOENT);
+
+  // A new completion after the held ones: a batch that runs from held
+  // completions into the real CQ's.
+  PostRecvP(4);
+  PostRecvP(5);
+  SendToP(20);
+  Quiesce();  // holds 4
+  ReleaseRestoreResume();
+  SendToP(21);  // 5, in the real CQ
+  ASSERT_EQ(ibv_start_poll(cqx, &attr), 0);
+  std::vector<uint64_t> ids{cqx->wr_id};
+  while (ibv_next_poll(cqx) == 0) ids.push_back(cqx->wr_id);
+  ibv_end_poll(cqx);
+  EXPECT_EQ(ids, (std::vector<uint64_t>{4, 5}));
+  EXPECT_TRUE(Drain(cq).empty());
+}
+
+}  // namespace
+}  // namespace rdmavirt::shim::testing

@@ -445,9 +445,11 @@ inline int TakePending(Cq* cq, int n, ibv_wc* wc) {
 [[gnu::noinline]] int PollCqGated(Cq* cq, int n, ibv_wc* wc) {
   if (!cq->gate.Enter()) [[unlikely]] {
     // Paused: the application sees no new completion, and its thread may
-    // run a migration step (Shim::OnAppThread).
+    // run a migration step (Shim::OnAppThread). If that step was the
+    // resume, this poll goes on: an event-driven program polls once per
+    // event, and a completion must not wait for the next one.
     cq->ctx->shim->RunPendingStep();
-    return 0;
+    if (!cq->gate.Enter()) return 0;
   }
   int got = TakePending(cq, n, wc);
   if (got < n) {

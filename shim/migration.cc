@@ -314,9 +314,29 @@ void Shim::ReopenChannel(Channel* ch) {
   ch->cv.notify_all();
 }
 
+void Shim::WakeEventWaiters() {
+  std::vector<Channel*> channels;
+  {
+    std::lock_guard<std::mutex> registry(registry_mu_);
+    for (const auto& [p, k] : shadows_)
+      if (k == Kind::kChannel) channels.push_back(static_cast<Channel*>(const_cast<void*>(p)));
+  }
+  for (Channel* ch : channels) {
+    std::lock_guard<std::mutex> lock(ch->mu);
+    const uint64_t one = 1;
+    if (ch->wake_fd >= 0 && write(ch->wake_fd, &one, sizeof one) < 0)
+      LogOnce("waking a completion-event waiter failed");
+    ch->cv.notify_all();
+  }
+}
+
 void Shim::OweEvents() {
   for (Cq* cq : All<Cq>(Kind::kCq)) {
     if (cq->channel == nullptr || !cq->armed.load()) continue;
+    // What came into the real CQ since the pause (a re-created CQ gets the
+    // peer's first sends before the resume) raised no event the waiter
+    // will see: into the shadow CQ with the rest.
+    if (DrainCq(cq) < 0) LogOnce("polling a CQ at resume failed");
     // The application armed the CQ during the pause (only noted then):
     // the real one is armed now.
     cq->real->context->ops.req_notify_cq(cq->real, 0);
@@ -680,6 +700,7 @@ Status Shim::OnAppThread(const std::function<Status()>& step) {
   PendingStep pending;
   pending.run = &step;
   task_.store(&pending);
+  WakeEventWaiters();
   for (int waited = 0; waited < app_thread_wait_ms_; ++waited) {
     if (pending.done.load()) return pending.result;
     usleep(1000);

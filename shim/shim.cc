@@ -568,10 +568,14 @@ int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) 
   Channel* ch = FindChannel(channel);
   if (ch == nullptr) return backend_->GetCqEvent(channel, cq, cq_context);
   for (;;) {
+    // A waiting thread is an application thread: it runs a migration step
+    // left for one (OnAppThread), so that a program whose only thread
+    // waits here reopens the device with its own credentials.
+    RunPendingStep();
     ibv_comp_channel* real = nullptr;
     {
       std::unique_lock<std::mutex> lock(ch->mu);
-      if (ch->released && ch->owed.empty()) {
+      if (ch->released && ch->owed.empty() && !step_pending()) {
         // Released (the device is closed for a move): wait for the
         // restore, or return at once to a nonblocking caller.
         const int flags = fcntl(ch->shadow.fd, F_GETFL);
@@ -579,7 +583,9 @@ int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) 
           errno = EAGAIN;
           return -1;
         }
-        ch->cv.wait(lock, [ch] { return !ch->released || !ch->owed.empty(); });
+        ch->cv.wait(lock,
+                    [this, ch] { return !ch->released || !ch->owed.empty() || step_pending(); });
+        if (step_pending()) continue;
       }
       if (!ch->owed.empty()) {
         Cq* owed = ch->owed.front();
@@ -594,7 +600,8 @@ int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) 
         *cq_context = owed->shadow.cq_context;
         return 0;
       }
-      // Nothing owed and not released: whatever woke us has been seen.
+      if (ch->released || step_pending()) continue;
+      // Nothing owed or pending, not released: whatever woke us is seen.
       uint64_t count;
       while (ch->wake_fd >= 0 && read(ch->wake_fd, &count, sizeof count) == sizeof count) {
       }

@@ -214,6 +214,8 @@ class Shim {
   void ReleaseChannel(Channel* ch);  // requires mu_
   void ReopenChannel(Channel* ch);   // requires mu_
   void OweEvents();                  // requires mu_; at resume
+  // Threads waiting in GetCqEvent look again (a step waits for them).
+  void WakeEventWaiters();
 
   VerbsBackend* const backend_;
   const IdentityMode mode_;

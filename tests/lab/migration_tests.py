@@ -299,7 +299,7 @@ def ib_send_lat_survives_a_move_of_its_server():
 # ibv_get_cq_event and acknowledges its events only at its end. Moving it
 # used to deadlock its release (the real CQ's destroy waited for those
 # acknowledgements while the waiting thread was stuck on the shim's lock).
-PINGPONG_ITERS = 15000
+PINGPONG_ITERS = 10000
 
 
 def event_driven_program_survives(name, move):

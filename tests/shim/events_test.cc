@@ -181,9 +181,14 @@ TEST_F(BlockingEventsTest, AThreadBlockedInGetCqEventThroughAMoveGetsTheEventFor
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  // The steps after the release wait for an application thread: the
+  // waiter is one (a program whose only thread waits here must reopen the
+  // device itself, with its own credentials).
+  p_.set_app_thread_wait_ms(5000);
   ReleaseRestoreResume();
   app.join();
   EXPECT_EQ(got.load(), 1) << "the waiter did not get the held completion after the move";
+  EXPECT_EQ(p_.steps_on_app_threads(), 2) << "the restore and the resume ran on the waiter";
 }
 
 TEST_F(EventsTest, CompletionsHeldForAnExtendedCqAreHandedOutOnceThroughEitherPollingApi) {

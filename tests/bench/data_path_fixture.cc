@@ -90,6 +90,10 @@ DataPathFixture::DataPathFixture()
       migratable_shim_(&backend_, shim::IdentityMode{}, /*migratable=*/true) {}
 
 DataPathFixture::~DataPathFixture() {
+  for (int i = kThreads - 1; i >= 0; --i) {
+    Destroy(&migratable_shim_, &migratable_threads_[i]);
+    Destroy(&backend_, &direct_threads_[i]);
+  }
   Destroy(&migratable_shim_, &migratable_stack_);
   Destroy(&offset_shim_, &offset_stack_);
   Destroy(&shim_, &shim_stack_);
@@ -103,8 +107,8 @@ absl::StatusOr<std::unique_ptr<DataPathFixture>> DataPathFixture::Create() {
   if (devices == nullptr || num < 1) return absl::NotFoundError("null backend: no device");
   ibv_device* device = devices[0];
   f->backend_.FreeDeviceList(devices);
-  // Separate quarters of the buffer, so the stacks' work requests never alias.
-  const size_t quarter = sizeof(f->buffer_) / 4;
+  // Separate parts of the buffer, so the stacks' work requests never alias.
+  const size_t quarter = sizeof(f->buffer_) / 8;
   absl::Status st = Build(&f->backend_, device, f->buffer_, quarter, &f->direct_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("direct stack: ", st.message()));
   st = Build(&f->shim_, device, f->buffer_ + quarter, quarter, &f->shim_stack_);
@@ -114,6 +118,14 @@ absl::StatusOr<std::unique_ptr<DataPathFixture>> DataPathFixture::Create() {
   st =
       Build(&f->migratable_shim_, device, f->buffer_ + 3 * quarter, quarter, &f->migratable_stack_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("migratable stack: ", st.message()));
+  for (int i = 0; i < kThreads; ++i) {
+    st = Build(&f->backend_, device, f->buffer_ + (4 + i) * quarter, quarter,
+               &f->direct_threads_[i]);
+    if (st.ok())
+      st = Build(&f->migratable_shim_, device, f->buffer_ + (6 + i) * quarter, quarter,
+                 &f->migratable_threads_[i]);
+    if (!st.ok()) return absl::Status(st.code(), absl::StrCat("thread stack: ", st.message()));
+  }
   return f;
 }
 

@@ -63,6 +63,11 @@ class DataPathFixture {
   DataPathStack& shim() { return shim_stack_; }
   DataPathStack& shim_offset() { return offset_stack_; }
   DataPathStack& shim_migratable() { return migratable_stack_; }
+  // A QP and its CQs per thread of the two-thread benchmark, on the direct
+  // backend and on the migratable shim (the same Shim as above).
+  DataPathStack& direct_thread(int i) { return direct_threads_[i]; }
+  DataPathStack& migratable_thread(int i) { return migratable_threads_[i]; }
+  static constexpr int kThreads = 2;
 
  private:
   DataPathFixture();
@@ -71,11 +76,13 @@ class DataPathFixture {
   shim::Shim shim_;
   shim::Shim offset_shim_;
   shim::Shim migratable_shim_;
-  char buffer_[6144] = {};
+  char buffer_[8 * 1536] = {};
   DataPathStack direct_;
   DataPathStack shim_stack_;
   DataPathStack offset_stack_;
   DataPathStack migratable_stack_;
+  DataPathStack direct_threads_[kThreads];
+  DataPathStack migratable_threads_[kThreads];
 };
 
 }  // namespace rdmavirt::bench

@@ -50,10 +50,17 @@ struct IdentityMode {
     return offset ? (physical | kRkeyMarker) : physical;
   }
   uint32_t PhysicalRkey(uint32_t virt) const { return offset ? (virt & ~kRkeyMarker) : virt; }
+  // An empty GID-table entry (all zeros) stays empty: tools such as
+  // ibv_devinfo list only the entries that are not.
   ibv_gid VirtualGid(const ibv_gid& physical) const {
     ibv_gid v = physical;
-    if (offset) v.raw[kGidMarkerByte] |= kGidMarkerBit;
+    if (offset && !IsZero(physical)) v.raw[kGidMarkerByte] |= kGidMarkerBit;
     return v;
+  }
+  static bool IsZero(const ibv_gid& g) {
+    uint8_t any = 0;
+    for (uint8_t b : g.raw) any |= b;
+    return any == 0;
   }
   ibv_gid PhysicalGid(const ibv_gid& virt) const {
     ibv_gid p = virt;

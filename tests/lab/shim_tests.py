@@ -160,5 +160,27 @@ def rare_verbs_same_natively_and_under_the_shim_in_every_mode():
         check(r.err == "", f"{mode}: wrote to stderr", r)
 
 
+def gids_masked(text):
+    # Offset mode shows other GID values by design; everything else stays.
+    return re.sub(r"(GID\[\s*\d+\]:\s*)\S+,", r"\1<gid>,", text)
+
+
+@lab_test
+def ibv_devinfo_verbose_same_under_the_shim():
+    # rdma-core's own tool: GID types (the private ibv_query_gid_type) and
+    # the empty entries of the GID table, which it leaves out.
+    cmd = "ibv_devinfo -v"
+    native = LAB.run(1, cmd)
+    check(native.rc == 0 and "GID[  1]" in native.out, "native ibv_devinfo failed", native)
+    default = LAB.run(1, SHIM_DEFAULT + cmd)
+    check(default.rc == 0 and default.out == native.out and default.err == "",
+          "default mode: ibv_devinfo -v differs", native, default)
+    offset = LAB.run(1, SHIM + cmd)
+    check(offset.rc == 0 and offset.err == "", "offset mode: ibv_devinfo -v failed", offset)
+    check(gids_masked(offset.out) == gids_masked(native.out),
+          "offset mode: ibv_devinfo -v differs beyond the GID values", native, offset)
+    check("::ffff:10.77.128.1" in offset.out, "offset mode did not show the virtual GID", offset)
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -101,6 +101,20 @@ cm_test("rdma_server_client", "rdma_server", "rdma_client -s 10.77.0.1", True)
 
 
 @lab_test
+def rsockets_rstream():
+    # librdmacm's rsockets: sockets over verbs, inside librdmacm (the
+    # export table passes it through: it reaches verbs only through the
+    # names the shim defines).
+    cmd = "rstream -T v -S 4096 -C 200"
+    for env in ("", SHIM_DEFAULT, SHIM):
+        s, c = cm_pair(env + cmd, env + cmd + " -s 10.77.0.1")
+        for r in (s, c):
+            check(r.rc == 0 and re.search(r"^custom\s+4k\s+200\s", r.out, re.M),
+                  f"rstream failed ({env.strip() or 'native'})", s, c)
+        check("rdmavirt" not in s.err + c.err, "the shim wrote to stderr", s, c)
+
+
+@lab_test
 def dlopen_dlvsym_reaches_the_shim():
     # NCCL's way of loading libibverbs: handle lookups must land in the shim.
     prog = f"{BUILD}/tests/apps/dlopen_verbs"

@@ -1,13 +1,14 @@
 // The shim's hand-written codec against protoc's generated code for
 // control.proto: what the shim writes, the migrator parses; what the
 // migrator writes, the shim reads; what is malformed, the shim refuses.
+#include "shim/control.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <string>
 
 #include "rdmavirt/v1/control.pb.h"
-#include "shim/control.h"
 #include "shim/wire.h"
 #include "tests/shim/verbs_test_util.h"
 

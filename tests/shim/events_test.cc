@@ -20,35 +20,10 @@ namespace {
 
 using std::chrono::steady_clock;
 
-RemoteMapping ToMapping(const EndpointView& v) {
-  RemoteMapping m;
-  m.virtual_gid = v.virtual_gid;
-  m.physical_gid = v.physical_gid;
-  m.qpns = v.qpns;
-  m.rkeys = v.rkeys;
-  return m;
-}
-
-// P (whose QP completes on `pcq_`) and Q, connected; P moves.
-class EventsTest : public ::testing::Test {
+// P, whose QP completes on a CQ of the test's, and Q, connected; P moves.
+class EventsTest : public TwoEndpointsTest {
  protected:
-  explicit EventsTest(bool blocking = false)
-      : p_(&fake_, IdentityMode{}, true), q_(&fake_, IdentityMode{}, true) {
-    fake_.set_blocking_channels(blocking);
-    p_.set_app_thread_wait_ms(0);
-    q_.set_app_thread_wait_ms(0);
-    pdev_ = std::make_unique<Device<Shim>>(p_);
-    qdev_ = std::make_unique<Device<Shim>>(q_);
-    pmr_ = pdev_->Reg(pbuf_, sizeof(pbuf_));
-    qmr_ = qdev_->Reg(qbuf_, sizeof(qbuf_));
-  }
-  void TearDown() override {
-    qdev_.reset();
-    pdev_.reset();
-    EXPECT_EQ(fake_.live_objects(), 0);
-    EXPECT_EQ(fake_.foreign_objects(), 0);
-    EXPECT_EQ(fake_.blocked_destroys(), 0) << "a CQ destroyed with events not acknowledged";
-  }
+  explicit EventsTest(bool blocking = false) { fake_.set_blocking_channels(blocking); }
 
   void Connect(ibv_cq* pcq) {
     pqp_ = pdev_->Qp(IBV_QPT_RC, 1, nullptr, pcq, pcq);
@@ -97,18 +72,6 @@ class EventsTest : public ::testing::Test {
       if (cq == real) n += count;
     return n;
   }
-
-  FakeBackend fake_;
-  Shim p_;
-  Shim q_;
-  std::unique_ptr<Device<Shim>> pdev_;
-  std::unique_ptr<Device<Shim>> qdev_;
-  char pbuf_[4096] = {};
-  char qbuf_[4096] = {};
-  ibv_mr* pmr_ = nullptr;
-  ibv_mr* qmr_ = nullptr;
-  ibv_qp* pqp_ = nullptr;
-  ibv_qp* qqp_ = nullptr;
 };
 
 TEST_F(EventsTest, AnEventNotYetAcknowledgedDoesNotHoldUpAReleaseAndItsAckIsAbsorbed) {

@@ -16,38 +16,14 @@
 namespace rdmavirt::shim::testing {
 namespace {
 
-RemoteMapping ToMapping(const EndpointView& v) {
-  RemoteMapping m;
-  m.virtual_gid = v.virtual_gid;
-  m.physical_gid = v.physical_gid;
-  m.qpns = v.qpns;
-  m.rkeys = v.rkeys;
-  return m;
-}
-
 std::vector<uint64_t> WrIds(const std::vector<ibv_wc>& wcs) {
   std::vector<uint64_t> ids;
   for (const ibv_wc& wc : wcs) ids.push_back(wc.wr_id);
   return ids;
 }
 
-class MigrationTest : public ::testing::Test {
+class MigrationTest : public TwoEndpointsTest {
  protected:
-  MigrationTest() : p_(&fake_, IdentityMode{}, true), q_(&fake_, IdentityMode{}, true) {
-    p_.set_app_thread_wait_ms(0);
-    q_.set_app_thread_wait_ms(0);
-    pdev_ = std::make_unique<Device<Shim>>(p_);
-    qdev_ = std::make_unique<Device<Shim>>(q_);
-    pmr_ = pdev_->Reg(pbuf_, sizeof(pbuf_));
-    qmr_ = qdev_->Reg(qbuf_, sizeof(qbuf_));
-  }
-  void TearDown() override {
-    qdev_.reset();
-    pdev_.reset();
-    EXPECT_EQ(fake_.live_objects(), 0);
-    EXPECT_EQ(fake_.foreign_objects(), 0);
-  }
-
   // An RC QP on each side, connected to the other.
   void Connect(ibv_qp_type type = IBV_QPT_RC) {
     pqp_ = pdev_->Qp(type);
@@ -111,17 +87,6 @@ class MigrationTest : public ::testing::Test {
     ASSERT_TRUE(p_.Resume().ok());
   }
 
-  FakeBackend fake_;
-  Shim p_;
-  Shim q_;
-  std::unique_ptr<Device<Shim>> pdev_;
-  std::unique_ptr<Device<Shim>> qdev_;
-  char pbuf_[4096] = {};
-  char qbuf_[4096] = {};
-  ibv_mr* pmr_ = nullptr;
-  ibv_mr* qmr_ = nullptr;
-  ibv_qp* pqp_ = nullptr;
-  ibv_qp* qqp_ = nullptr;
   int released_live_ = -1;
 };
 

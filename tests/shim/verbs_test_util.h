@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "shim/objects.h"
@@ -276,6 +277,51 @@ class ShimTest : public ::testing::Test {
   FakeBackend fake_;
   Shim shim_;
   std::unique_ptr<Device<Shim>> dev_;
+};
+
+// What an endpoint publishes when it moves, as its migrator carries it.
+inline RemoteMapping ToMapping(const EndpointView& v) {
+  RemoteMapping m;
+  m.virtual_gid = v.virtual_gid;
+  m.physical_gid = v.physical_gid;
+  m.qpns = v.qpns;
+  m.rkeys = v.rkeys;
+  return m;
+}
+
+// Two migratable endpoints, P and Q (two Shims on one fake device), each
+// with an open device and a registered buffer. TearDown checks that the
+// shims gave back every real object, never handed a shadow to the fake and
+// never destroyed a CQ whose events were not all acknowledged.
+class TwoEndpointsTest : public ::testing::Test {
+ protected:
+  TwoEndpointsTest() : p_(&fake_, IdentityMode{}, true), q_(&fake_, IdentityMode{}, true) {
+    p_.set_app_thread_wait_ms(0);
+    q_.set_app_thread_wait_ms(0);
+    pdev_ = std::make_unique<Device<Shim>>(p_);
+    qdev_ = std::make_unique<Device<Shim>>(q_);
+    pmr_ = pdev_->Reg(pbuf_, sizeof(pbuf_));
+    qmr_ = qdev_->Reg(qbuf_, sizeof(qbuf_));
+  }
+  void TearDown() override {
+    qdev_.reset();
+    pdev_.reset();
+    EXPECT_EQ(fake_.live_objects(), 0);
+    EXPECT_EQ(fake_.foreign_objects(), 0);
+    EXPECT_EQ(fake_.blocked_destroys(), 0) << "a CQ destroyed with events not acknowledged";
+  }
+
+  FakeBackend fake_;
+  Shim p_;
+  Shim q_;
+  std::unique_ptr<Device<Shim>> pdev_;
+  std::unique_ptr<Device<Shim>> qdev_;
+  char pbuf_[4096] = {};
+  char qbuf_[4096] = {};
+  ibv_mr* pmr_ = nullptr;
+  ibv_mr* qmr_ = nullptr;
+  ibv_qp* pqp_ = nullptr;
+  ibv_qp* qqp_ = nullptr;
 };
 
 }  // namespace rdmavirt::shim::testing

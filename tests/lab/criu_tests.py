@@ -198,7 +198,10 @@ def criu_tampered_images_are_refused():
 
 
 # Holds an flock on the lab share and a POSIX lock on a local file, as
-# daemons do with their pid files and databases.
+# daemons do with their pid files and databases. Its counter is one file
+# kept open and rewritten in place at a fixed width: a temporary file
+# renamed over it could be open at the dump and gone at the restore (CRIU
+# then cannot reopen it), and CRIU checks an open file's size.
 LOCKER = r"""
 import fcntl, os, sys, time
 d = sys.argv[1]
@@ -206,11 +209,10 @@ a = open(os.path.join(d, "lockfile"), "a")
 fcntl.flock(a, fcntl.LOCK_EX)
 b = open("/tmp/criu-locker", "a")
 fcntl.lockf(b, fcntl.LOCK_EX)
+c = os.open(os.path.join(d, "count"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 n = 0
 while True:
-    with open(os.path.join(d, "count.tmp"), "w") as f:
-        f.write(str(n))
-    os.rename(os.path.join(d, "count.tmp"), os.path.join(d, "count"))
+    os.pwrite(c, b"%012d\n" % n, 0)
     n += 1
     time.sleep(0.2)
 """

@@ -472,11 +472,16 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   return PollCqGated(cq, n, wc);
 }
 
-// Arms the real CQ, and remembers that the application waits for an
-// event: during a pause (the real CQ may be gone) only that, and the
-// resume arms the real CQ or owes the event (Shim::OweEvents).
+// Arms the real CQ. A CQ that may be paused also remembers that the
+// application waits for an event: during a pause (the real CQ may be
+// gone) only that, and the resume arms the real CQ or owes the event
+// (Shim::OweEvents). Others pay nothing for it.
 int ReqNotifyCq(ibv_cq* ibcq, int solicited_only) {
   Cq* cq = AsCq(ibcq);
+  if (!cq->pausable) {
+    ibv_cq* real = cq->real;
+    return real->context->ops.req_notify_cq(real, solicited_only);
+  }
   cq->armed.store(true, std::memory_order_relaxed);
   if (!cq->gate.Enter()) return 0;
   ibv_cq* real = cq->real;

@@ -130,6 +130,7 @@ struct Cq {
   int (*real_poll_cq)(ibv_cq*, int, ibv_wc*) = nullptr;
   ibv_cq_ex* real_ex = nullptr;  // when created with ibv_create_cq_ex
   bool extended = false;         // it was: a restore re-creates it so
+  bool pausable = false;         // the process is migratable: its gate may close
   Context* ctx = nullptr;
   const QpIndex* qps = nullptr;  // for completions' qp_num
   Channel* channel = nullptr;

@@ -29,57 +29,58 @@ class LibibverbsBackend final : public VerbsBackend {
     if (h == nullptr) h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_GLOBAL);
     if (h == nullptr) return false;
     constexpr const char* v = "IBVERBS_1.1";
-    return Resolve(h, &get_device_list_, "ibv_get_device_list", v) &&
-           Resolve(h, &free_device_list_, "ibv_free_device_list", v) &&
-           Resolve(h, &open_device_, "ibv_open_device", v) &&
-           Resolve(h, &close_device_, "ibv_close_device", v) &&
-           Resolve(h, &get_async_event_, "ibv_get_async_event", v) &&
-           Resolve(h, &ack_async_event_, "ibv_ack_async_event", v) &&
-           Resolve(h, &query_device_, "ibv_query_device", v) &&
-           Resolve(h, &query_port_, "ibv_query_port", v) &&
-           Resolve(h, &query_gid_, "ibv_query_gid", v) &&
-           Resolve(h, &query_gid_ex_, "_ibv_query_gid_ex", "IBVERBS_1.11") &&
-           Resolve(h, &query_gid_table_, "_ibv_query_gid_table", "IBVERBS_1.11") &&
-           Resolve(h, &query_pkey_, "ibv_query_pkey", v) &&
-           Resolve(h, &get_pkey_index_, "ibv_get_pkey_index", "IBVERBS_1.5") &&
-           Resolve(h, &alloc_pd_, "ibv_alloc_pd", v) &&
-           Resolve(h, &dealloc_pd_, "ibv_dealloc_pd", v) &&
-           Resolve(h, &reg_mr_iova2_, "ibv_reg_mr_iova2", "IBVERBS_1.8") &&
-           Resolve(h, &rereg_mr_, "ibv_rereg_mr", v) && Resolve(h, &dereg_mr_, "ibv_dereg_mr", v) &&
-           Resolve(h, &create_comp_channel_, "ibv_create_comp_channel", "IBVERBS_1.0") &&
-           Resolve(h, &destroy_comp_channel_, "ibv_destroy_comp_channel", "IBVERBS_1.0") &&
-           Resolve(h, &create_cq_, "ibv_create_cq", v) &&
-           Resolve(h, &resize_cq_, "ibv_resize_cq", v) &&
-           Resolve(h, &destroy_cq_, "ibv_destroy_cq", v) &&
-           Resolve(h, &get_cq_event_, "ibv_get_cq_event", v) &&
-           Resolve(h, &ack_cq_events_, "ibv_ack_cq_events", v) &&
-           Resolve(h, &create_srq_, "ibv_create_srq", v) &&
-           Resolve(h, &modify_srq_, "ibv_modify_srq", v) &&
-           Resolve(h, &query_srq_, "ibv_query_srq", v) &&
-           Resolve(h, &destroy_srq_, "ibv_destroy_srq", v) &&
-           Resolve(h, &create_qp_, "ibv_create_qp", v) &&
-           Resolve(h, &qp_to_qp_ex_, "ibv_qp_to_qp_ex", "IBVERBS_1.6") &&
-           Resolve(h, &modify_qp_, "ibv_modify_qp", v) &&
-           Resolve(h, &query_qp_, "ibv_query_qp", v) &&
-           Resolve(h, &destroy_qp_, "ibv_destroy_qp", v) &&
-           Resolve(h, &create_ah_, "ibv_create_ah", v) &&
-           Resolve(h, &init_ah_from_wc_, "ibv_init_ah_from_wc", v) &&
-           Resolve(h, &destroy_ah_, "ibv_destroy_ah", v) &&
-           Resolve(h, &attach_mcast_, "ibv_attach_mcast", v) &&
-           Resolve(h, &detach_mcast_, "ibv_detach_mcast", v) &&
-           Resolve(h, &query_ece_, "ibv_query_ece", "IBVERBS_1.10") &&
-           Resolve(h, &set_ece_, "ibv_set_ece", "IBVERBS_1.10") && LoadOptional(h);
+    const bool required =
+        Resolve(h, &get_device_list_, "ibv_get_device_list", v) &&
+        Resolve(h, &free_device_list_, "ibv_free_device_list", v) &&
+        Resolve(h, &open_device_, "ibv_open_device", v) &&
+        Resolve(h, &close_device_, "ibv_close_device", v) &&
+        Resolve(h, &get_async_event_, "ibv_get_async_event", v) &&
+        Resolve(h, &ack_async_event_, "ibv_ack_async_event", v) &&
+        Resolve(h, &query_device_, "ibv_query_device", v) &&
+        Resolve(h, &query_port_, "ibv_query_port", v) &&
+        Resolve(h, &query_gid_, "ibv_query_gid", v) &&
+        Resolve(h, &query_gid_ex_, "_ibv_query_gid_ex", "IBVERBS_1.11") &&
+        Resolve(h, &query_gid_table_, "_ibv_query_gid_table", "IBVERBS_1.11") &&
+        Resolve(h, &query_pkey_, "ibv_query_pkey", v) &&
+        Resolve(h, &get_pkey_index_, "ibv_get_pkey_index", "IBVERBS_1.5") &&
+        Resolve(h, &alloc_pd_, "ibv_alloc_pd", v) &&
+        Resolve(h, &dealloc_pd_, "ibv_dealloc_pd", v) &&
+        Resolve(h, &reg_mr_iova2_, "ibv_reg_mr_iova2", "IBVERBS_1.8") &&
+        Resolve(h, &rereg_mr_, "ibv_rereg_mr", v) && Resolve(h, &dereg_mr_, "ibv_dereg_mr", v) &&
+        Resolve(h, &create_comp_channel_, "ibv_create_comp_channel", "IBVERBS_1.0") &&
+        Resolve(h, &destroy_comp_channel_, "ibv_destroy_comp_channel", "IBVERBS_1.0") &&
+        Resolve(h, &create_cq_, "ibv_create_cq", v) &&
+        Resolve(h, &resize_cq_, "ibv_resize_cq", v) &&
+        Resolve(h, &destroy_cq_, "ibv_destroy_cq", v) &&
+        Resolve(h, &get_cq_event_, "ibv_get_cq_event", v) &&
+        Resolve(h, &ack_cq_events_, "ibv_ack_cq_events", v) &&
+        Resolve(h, &create_srq_, "ibv_create_srq", v) &&
+        Resolve(h, &modify_srq_, "ibv_modify_srq", v) &&
+        Resolve(h, &query_srq_, "ibv_query_srq", v) &&
+        Resolve(h, &destroy_srq_, "ibv_destroy_srq", v) &&
+        Resolve(h, &create_qp_, "ibv_create_qp", v) &&
+        Resolve(h, &qp_to_qp_ex_, "ibv_qp_to_qp_ex", "IBVERBS_1.6") &&
+        Resolve(h, &modify_qp_, "ibv_modify_qp", v) && Resolve(h, &query_qp_, "ibv_query_qp", v) &&
+        Resolve(h, &destroy_qp_, "ibv_destroy_qp", v) &&
+        Resolve(h, &create_ah_, "ibv_create_ah", v) &&
+        Resolve(h, &init_ah_from_wc_, "ibv_init_ah_from_wc", v) &&
+        Resolve(h, &destroy_ah_, "ibv_destroy_ah", v) &&
+        Resolve(h, &attach_mcast_, "ibv_attach_mcast", v) &&
+        Resolve(h, &detach_mcast_, "ibv_detach_mcast", v) &&
+        Resolve(h, &query_ece_, "ibv_query_ece", "IBVERBS_1.10") &&
+        Resolve(h, &set_ece_, "ibv_set_ece", "IBVERBS_1.10");
+    if (required) LoadOptional(h);
+    return required;
   }
 
   // Exports that older libibverbs lack, or whose version changes with
   // every release (IBVERBS_PRIVATE_NN): looked up by default version, and
   // missing ones fail as the feature would.
-  bool LoadOptional(void* h) {
+  void LoadOptional(void* h) {
     query_gid_type_ =
         reinterpret_cast<decltype(query_gid_type_)>(Libc().dlsym(h, "ibv_query_gid_type"));
     Resolve(h, &query_qp_data_in_order_, "ibv_query_qp_data_in_order", "IBVERBS_1.14");
     Resolve(h, &resolve_eth_l2_, "ibv_resolve_eth_l2_from_gid", "IBVERBS_1.1");
-    return true;
   }
 
   ibv_device** GetDeviceList(int* num) override { return get_device_list_(num); }

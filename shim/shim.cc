@@ -447,6 +447,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   cq->cqe = cqe;
   cq->real_ex = real_ex;
   cq->extended = real_ex != nullptr;
+  cq->pausable = migratable_;
   cq->ctx = ctx;
   cq->qps = &qp_index_;
   cq->channel = ch;

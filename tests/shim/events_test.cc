@@ -32,26 +32,9 @@ class EventsTest : public TwoEndpointsTest {
     ASSERT_EQ(ToRts(q_, qqp_, pqp_->qp_num, pdev_->gid), 0);
   }
   void PostRecvP(uint64_t wr_id) {
-    ibv_sge sge = Sge(pbuf_ + 64 * (wr_id % 16), 64, pmr_);
-    ibv_recv_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    ibv_recv_wr* bad = nullptr;
-    ASSERT_EQ(ibv_post_recv(pqp_, &wr, &bad), 0);
+    ASSERT_EQ(PostRecvOf(pqp_, wr_id, pbuf_ + 64 * (wr_id % 16), 64, pmr_), 0);
   }
-  void SendToP(uint64_t wr_id) {
-    strcpy(qbuf_, "hello");
-    ibv_sge sge = Sge(qbuf_, 6, qmr_);
-    ibv_send_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    ibv_send_wr* bad = nullptr;
-    ASSERT_EQ(ibv_post_send(qqp_, &wr, &bad), 0);
-  }
+  void SendToP(uint64_t wr_id) { ASSERT_EQ(Send(qqp_, wr_id, qbuf_, qmr_, "hello"), 0); }
   void Quiesce() {
     uint32_t drained = 0;
     ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());

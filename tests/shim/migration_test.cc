@@ -44,32 +44,6 @@ class MigrationTest : public TwoEndpointsTest {
     ASSERT_EQ(ToRts(p_, *pud, 0, {}), 0);
     ASSERT_EQ(ToRts(q_, *qud, 0, {}), 0);
   }
-  int PostRecvOf(ibv_qp* qp, uint64_t wr_id, char* buf, uint32_t len, ibv_mr* mr) {
-    ibv_sge sge = Sge(buf, len, mr);
-    ibv_recv_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    ibv_recv_wr* bad = nullptr;
-    return ibv_post_recv(qp, &wr, &bad);
-  }
-  // `text` (with its NUL) from buf; on UD, through `ah` to QPN `to`.
-  int Send(ibv_qp* qp, uint64_t wr_id, char* buf, ibv_mr* mr, const char* text,
-           ibv_ah* ah = nullptr, uint32_t to = 0) {
-    strcpy(buf, text);
-    ibv_sge sge = Sge(buf, static_cast<uint32_t>(strlen(text) + 1), mr);
-    ibv_send_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    wr.wr.ud.ah = ah;
-    wr.wr.ud.remote_qpn = to;
-    wr.wr.ud.remote_qkey = kQkey;
-    ibv_send_wr* bad = nullptr;
-    return ibv_post_send(qp, &wr, &bad);
-  }
 
   // P moves: both pause, P releases and is re-created, Q re-points, P resumes.
   // `q_paused` runs once Q has paused and P not yet.

@@ -17,6 +17,7 @@
 #include <cstdio>
 
 #include "shim/log.h"
+#include "shim/pause.h"
 #include "shim/shim.h"
 #include "shim/wire.h"
 
@@ -468,9 +469,14 @@ void InChild() {
 bool MigratorPresent() {
   const char* m = getenv("RDMAVIRT_MIGRATE");
   if (m != nullptr && strcmp(m, "0") == 0) return false;
-  if (getenv("RDMAVIRT_SOCKET") != nullptr) return true;
   struct stat st;
-  return stat(kDefaultSocket, &st) == 0;
+  if (getenv("RDMAVIRT_SOCKET") == nullptr && stat(kDefaultSocket, &st) != 0) return false;
+  // The pause needs the kernel's asymmetric fence (pause.h).
+  if (!AsymmetricFenceAvailable()) {
+    LogOnce("membarrier(2) private expedited is unavailable: this process cannot be migrated");
+    return false;
+  }
+  return true;
 }
 
 void StartControl(Shim* shim) {

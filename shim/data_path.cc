@@ -156,8 +156,8 @@ inline int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
 // posted. The pause may have ended while this thread waited for the
 // queue: then the post goes through after all.
 int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  std::unique_lock<std::mutex> lock(qp->queue_mu);
-  if (!qp->gate.paused.load()) {
+  std::unique_lock<std::mutex> lock(qp->pause->queue_mu());
+  if (!qp->pause->closed()) {
     lock.unlock();
     return PostSend(&qp->shadow.qp_base, wr, bad);
   }
@@ -181,11 +181,10 @@ int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return 0;
 }
 
-template <typename Queue>
-int QueueRecvsInto(std::mutex* mu, const Gate& gate, std::vector<QueuedRecv>* queue,
-                   uint32_t max_sge, ibv_recv_wr* wr, ibv_recv_wr** bad, bool* resumed) {
-  std::lock_guard<std::mutex> lock(*mu);
-  if (!gate.paused.load()) {
+int QueueRecvsInto(PauseGate* pause, std::vector<QueuedRecv>* queue, uint32_t max_sge,
+                   ibv_recv_wr* wr, ibv_recv_wr** bad, bool* resumed) {
+  std::lock_guard<std::mutex> lock(pause->queue_mu());
+  if (!pause->closed()) {
     *resumed = true;
     return 0;
   }
@@ -201,15 +200,15 @@ int QueueRecvsInto(std::mutex* mu, const Gate& gate, std::vector<QueuedRecv>* qu
 
 int QueueRecvs(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   bool resumed = false;
-  const int rc = QueueRecvsInto<Qp>(&qp->queue_mu, qp->gate, &qp->queued_recvs,
-                                    qp->init.cap.max_recv_sge, wr, bad, &resumed);
+  const int rc =
+      QueueRecvsInto(qp->pause, &qp->queued_recvs, qp->init.cap.max_recv_sge, wr, bad, &resumed);
   return resumed ? PostRecv(&qp->shadow.qp_base, wr, bad) : rc;
 }
 
 int QueueRecvs(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   bool resumed = false;
-  const int rc = QueueRecvsInto<Srq>(&srq->queue_mu, srq->gate, &srq->queued_recvs,
-                                     srq->init.attr.max_sge, wr, bad, &resumed);
+  const int rc =
+      QueueRecvsInto(srq->pause, &srq->queued_recvs, srq->init.attr.max_sge, wr, bad, &resumed);
   return resumed ? PostSrqRecv(&srq->shadow, wr, bad) : rc;
 }
 
@@ -232,15 +231,17 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
   if (sign > 0) qp->unsignaled_tail.store(unsignaled_tail, std::memory_order_relaxed);
 }
 
-// The translating path, behind the QP's pause gate: while paused, posts
-// are queued and reported as posted.
+// The translating path, inside the thread's mark when the process may be
+// paused: while paused, posts are queued and reported as posted.
 [[gnu::noinline]] int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  if (!qp->gate.Enter()) [[unlikely]] {
+  if (qp->pause == nullptr) return PostSendTranslated(qp, wr, bad);
+  ThreadMark* m = qp->pause->Enter();
+  if (m == nullptr) [[unlikely]] {
     qp->ctx->shim->RunPendingStep();
     return QueueSends(qp, wr, bad);
   }
   const int rc = PostSendReal(qp, wr, bad);
-  qp->gate.Leave();
+  PauseGate::Leave(m);
   return rc;
 }
 
@@ -373,10 +374,12 @@ int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     };
     return PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
   }
-  if (!qp->gate.Enter()) [[unlikely]]
+  if (qp->pause == nullptr) return PostRecvReal(qp, wr, bad);
+  ThreadMark* m = qp->pause->Enter();
+  if (m == nullptr) [[unlikely]]
     return QueueRecvs(qp, wr, bad);
   const int rc = PostRecvReal(qp, wr, bad);
-  qp->gate.Leave();
+  PauseGate::Leave(m);
   return rc;
 }
 
@@ -389,10 +392,12 @@ int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     };
     return PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
   }
-  if (!srq->gate.Enter()) [[unlikely]]
+  if (srq->pause == nullptr) return PostSrqRecvReal(srq, wr, bad);
+  ThreadMark* m = srq->pause->Enter();
+  if (m == nullptr) [[unlikely]]
     return QueueRecvs(srq, wr, bad);
   const int rc = PostSrqRecvReal(srq, wr, bad);
-  srq->gate.Leave();
+  PauseGate::Leave(m);
   return rc;
 }
 
@@ -442,26 +447,32 @@ inline int TakePending(Cq* cq, int n, ibv_wc* wc) {
   return static_cast<int>(take);
 }
 
+// Polls the real CQ after the held completions, translating.
+inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
+  int got = TakePending(cq, n, wc);
+  if (got < n) {
+    const int more = cq->real_poll_cq(cq->real, n - got, wc + got);
+    if (more < 0) return got > 0 ? got : more;
+    for (int i = got; i < got + more; ++i) VirtualizeWc(cq->qps, &wc[i]);
+    got += more;
+  }
+  return got;
+}
+
 [[gnu::noinline]] int PollCqGated(Cq* cq, int n, ibv_wc* wc) {
-  if (!cq->gate.Enter()) [[unlikely]] {
+  if (cq->pause == nullptr) return PollTranslated(cq, n, wc);
+  ThreadMark* m = cq->pause->Enter();
+  if (m == nullptr) [[unlikely]] {
     // Paused: the application sees no new completion, and its thread may
     // run a migration step (Shim::OnAppThread). If that step was the
     // resume, this poll goes on: an event-driven program polls once per
     // event, and a completion must not wait for the next one.
     cq->ctx->shim->RunPendingStep();
-    if (!cq->gate.Enter()) return 0;
+    m = cq->pause->Enter();
+    if (m == nullptr) return 0;
   }
-  int got = TakePending(cq, n, wc);
-  if (got < n) {
-    const int more = cq->real_poll_cq(cq->real, n - got, wc + got);
-    if (more < 0) {
-      cq->gate.Leave();
-      return got > 0 ? got : more;
-    }
-    for (int i = got; i < got + more; ++i) VirtualizeWc(cq->qps, &wc[i]);
-    got += more;
-  }
-  cq->gate.Leave();
+  const int got = PollTranslated(cq, n, wc);
+  PauseGate::Leave(m);
   return got;
 }
 
@@ -478,15 +489,16 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
 // (Shim::OweEvents). Others pay nothing for it.
 int ReqNotifyCq(ibv_cq* ibcq, int solicited_only) {
   Cq* cq = AsCq(ibcq);
-  if (!cq->pausable) {
+  if (cq->pause == nullptr) {
     ibv_cq* real = cq->real;
     return real->context->ops.req_notify_cq(real, solicited_only);
   }
   cq->armed.store(true, std::memory_order_relaxed);
-  if (!cq->gate.Enter()) return 0;
+  ThreadMark* m = cq->pause->Enter();
+  if (m == nullptr) return 0;
   ibv_cq* real = cq->real;
   const int rc = real->context->ops.req_notify_cq(real, solicited_only);
-  cq->gate.Leave();
+  PauseGate::Leave(m);
   return rc;
 }
 
@@ -510,30 +522,40 @@ inline ibv_qp_ex* Sync(ibv_qp_ex* q) {
 }
 inline uint32_t Rkey(ibv_qp_ex* q, uint32_t rkey) { return PeerRkey(AsQp(q), rkey); }
 
-// A batch of ibv_wr_* holds the QP's gate from wr_start to wr_complete
-// or wr_abort. Builder calls cannot be queued, so during a pause wr_start
-// waits for its end: to the application, a pause.
+// A batch of ibv_wr_* keeps the thread's mark raised from wr_start to
+// wr_complete or wr_abort. Builder calls cannot be queued, so during a
+// pause wr_start waits for its end: to the application, a pause.
 void WrStart(ibv_qp_ex* q) {
   Qp* qp = AsQp(q);
-  while (!qp->gate.Enter()) {
-    qp->ctx->shim->RunPendingStep();
-    usleep(1000);
+  if (qp->pause != nullptr) {
+    ThreadMark* m;
+    while ((m = qp->pause->Enter()) == nullptr) {
+      qp->ctx->shim->RunPendingStep();
+      usleep(1000);
+    }
+    qp->batch_mark = m;
   }
   qp->builder_signaled = 0;
   qp->real_ex->wr_start(qp->real_ex);
+}
+void EndBatch(Qp* qp) {
+  if (qp->batch_mark == nullptr) return;
+  ThreadMark* m = qp->batch_mark;
+  qp->batch_mark = nullptr;
+  PauseGate::Leave(m);
 }
 int WrComplete(ibv_qp_ex* q) {
   Qp* qp = AsQp(q);
   qp->signaled_posted.fetch_add(qp->builder_signaled, std::memory_order_relaxed);
   const int rc = qp->real_ex->wr_complete(qp->real_ex);
   if (rc != 0) qp->signaled_posted.fetch_sub(qp->builder_signaled, std::memory_order_relaxed);
-  qp->gate.Leave();
+  EndBatch(qp);
   return rc;
 }
 void WrAbort(ibv_qp_ex* q) {
   Qp* qp = AsQp(q);
   qp->real_ex->wr_abort(qp->real_ex);
-  qp->gate.Leave();
+  EndBatch(qp);
 }
 void WrSend(ibv_qp_ex* q) {
   ibv_qp_ex* real = Sync(q);
@@ -632,19 +654,31 @@ inline int RealStartPoll(Cq* cq, ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   return rc;
 }
 
-// A polling batch holds the CQ's gate from start_poll to end_poll (or to
-// a start_poll that finds nothing). During a pause it finds nothing;
-// after one, the completions the pause held come first, each once.
+inline void EndBatch(Cq* cq) {
+  if (cq->batch_mark == nullptr) return;
+  ThreadMark* m = cq->batch_mark;
+  cq->batch_mark = nullptr;
+  PauseGate::Leave(m);
+}
+
+// A polling batch keeps the thread's mark raised from start_poll to
+// end_poll (or to a start_poll that finds nothing). During a pause it
+// finds nothing; after one, the completions the pause held come first,
+// each once.
 int StartPoll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   Cq* cq = AsCq(c);
-  if (!cq->gate.Enter()) {
-    cq->ctx->shim->RunPendingStep();
-    return ENOENT;
+  if (cq->pause != nullptr) {
+    ThreadMark* m = cq->pause->Enter();
+    if (m == nullptr) {
+      cq->ctx->shim->RunPendingStep();
+      return ENOENT;
+    }
+    cq->batch_mark = m;
   }
   cq->real_batch = false;
   if (HeldCursor(cq, c)) return 0;
   const int rc = RealStartPoll(cq, c, attr);
-  if (rc != 0) cq->gate.Leave();
+  if (rc != 0) EndBatch(cq);
   return rc;
 }
 int NextPoll(ibv_cq_ex* c) {
@@ -664,7 +698,7 @@ void EndPoll(ibv_cq_ex* c) {
   if (cq->real_batch) cq->real_ex->end_poll(cq->real_ex);
   cq->real_batch = false;
   cq->cursor_held = false;
-  cq->gate.Leave();
+  EndBatch(cq);
 }
 // Held completions were virtualized when the pause took them in.
 uint32_t ReadQpNum(ibv_cq_ex* c) {

@@ -173,11 +173,10 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends) {
   if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
   const std::vector<Cq*> cqs = All<Cq>(Kind::kCq);
   const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
-  const std::vector<Srq*> srqs = All<Srq>(Kind::kSrq);
   GuessEndpointGid();
-  for (Qp* qp : qps) qp->gate.Close();
-  for (Srq* srq : srqs) srq->gate.Close();
-  for (Cq* cq : cqs) cq->gate.Close();
+  std::string why;
+  if (!pause_.Close(drain_timeout_ms, &why))
+    return Error(Code::kDeadlineExceeded, "pausing the data path: " + why);
   paused_ = true;
 
   // Every signaled send posted completes (RC completes in order, so an
@@ -580,16 +579,16 @@ Status Shim::ResumeNow() {
   if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released: restore first");
   if (!paused_) return {};
   Status st;
+  // Under the queues' mutex until the gate opens: a post that found the
+  // gate closed is replayed before any later one goes through.
+  std::lock_guard<std::mutex> queues(pause_.queue_mu());
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
-    std::lock_guard<std::mutex> q(srq->queue_mu);
     const int rc =
         Repost(&srq->queued_recvs, &srq->recvs_done,
                [srq](ibv_recv_wr* w, ibv_recv_wr** b) { return PostSrqRecvReal(srq, w, b); });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued SRQ receives", rc));
-    srq->gate.Open();
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
-    std::lock_guard<std::mutex> q(qp->queue_mu);
     int rc = Repost(&qp->queued_recvs, &qp->recvs_done,
                     [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued receives", rc));
@@ -609,10 +608,9 @@ Status Shim::ResumeNow() {
       if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued sends", rc));
     }
     qp->queued_sends.clear();
-    qp->gate.Open();
   }
   OweEvents();
-  for (Cq* cq : All<Cq>(Kind::kCq)) cq->gate.Open();
+  pause_.Open();
   paused_ = false;
   if (!st.ok()) LogOnce(st.message.c_str());
   return st;

@@ -25,6 +25,7 @@
 
 #include "shim/backend.h"
 #include "shim/identity.h"
+#include "shim/pause.h"
 #include "shim/recv_log.h"
 #include "shim/remote_map.h"
 
@@ -34,32 +35,6 @@ class Shim;
 class MrTable;
 struct Cq;
 class QpIndex;
-
-// The pause gate of one queue or CQ of a migratable process. The data path
-// enters with Enter() (busy++, then a check of `paused`; both sequentially
-// consistent, so either the control thread's Close() sees the call in
-// flight and waits for it, or the call sees the pause); the control thread
-// closes it before touching the real object and opens it when done. No
-// lock: two atomic increments per call.
-struct Gate {
-  std::atomic<bool> paused{false};
-  std::atomic<uint32_t> busy{0};
-
-  bool Enter() {
-    busy.fetch_add(1);
-    if (!paused.load()) [[likely]]
-      return true;
-    busy.fetch_sub(1);
-    return false;
-  }
-  void Leave() { busy.fetch_sub(1, std::memory_order_release); }
-  // Control thread: no call is inside the real object once this returns.
-  void Close() {
-    paused.store(true);
-    while (busy.load() != 0) sched_yield();
-  }
-  void Open() { paused.store(false); }
-};
 
 // A send WR posted during a pause: replayed, in order, when it ends.
 struct QueuedSend {
@@ -130,7 +105,6 @@ struct Cq {
   int (*real_poll_cq)(ibv_cq*, int, ibv_wc*) = nullptr;
   ibv_cq_ex* real_ex = nullptr;  // when created with ibv_create_cq_ex
   bool extended = false;         // it was: a restore re-creates it so
-  bool pausable = false;         // the process is migratable: its gate may close
   Context* ctx = nullptr;
   const QpIndex* qps = nullptr;  // for completions' qp_num
   Channel* channel = nullptr;
@@ -140,7 +114,8 @@ struct Cq {
   // Migration (migration.cc): completions found while the CQ was paused,
   // handed out before the real CQ's. Written by the control thread while
   // paused only; `pending_head` is claimed by pollers with a CAS.
-  Gate gate;
+  PauseGate* pause = nullptr;  // the shim's, when the process is migratable
+  ThreadMark* batch_mark = nullptr;  // raised from ibv_start_poll to ibv_end_poll
   std::vector<ibv_wc> pending;
   std::atomic<uint32_t> pending_head{0};
   uint32_t pending_count = 0;
@@ -171,10 +146,9 @@ struct Srq {
   Pd* pd = nullptr;
   ibv_srq_init_attr init{};
   RecvLog recvs;
-  Gate gate;
+  PauseGate* pause = nullptr;  // as Cq::pause
   std::atomic<uint64_t> recvs_done{0};  // successful receive completions
-  std::mutex queue_mu;                  // guards queued_recvs
-  std::vector<QueuedRecv> queued_recvs;
+  std::vector<QueuedRecv> queued_recvs;  // guarded by pause->queue_mu()
   std::vector<QueuedRecv> outstanding;  // at release: to re-post
 };
 
@@ -215,12 +189,13 @@ struct Qp {
   // Migration (migration.cc). Counted on the gated data path: the drain
   // waits until every signaled send posted has completed, and a release
   // re-posts the receives posted and not yet completed.
-  Gate gate;
+  PauseGate* pause = nullptr;        // as Cq::pause
+  ThreadMark* batch_mark = nullptr;  // raised from ibv_wr_start to ibv_wr_complete
   std::atomic<uint64_t> signaled_posted{0};
   std::atomic<uint64_t> sends_done{0};
   std::atomic<bool> unsignaled_tail{false};  // unsignaled sends after the last signaled one
   std::atomic<uint64_t> recvs_done{0};
-  std::mutex queue_mu;  // guards the queues below
+  // Guarded by pause->queue_mu().
   std::vector<QueuedSend> queued_sends;
   std::vector<QueuedRecv> queued_recvs;
   std::vector<QueuedRecv> outstanding;  // at release or re-point: to re-post

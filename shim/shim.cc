@@ -447,7 +447,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   cq->cqe = cqe;
   cq->real_ex = real_ex;
   cq->extended = real_ex != nullptr;
-  cq->pausable = migratable_;
+  cq->pause = migratable_ ? &pause_ : nullptr;
   cq->ctx = ctx;
   cq->qps = &qp_index_;
   cq->channel = ch;
@@ -686,6 +686,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   InitMutexCond(&srq->shadow.mutex, &srq->shadow.cond);
   std::lock_guard<std::mutex> lock(mu_);
   srq->fast.store(keys_identity_ && !migratable_);
+  srq->pause = migratable_ ? &pause_ : nullptr;
   Register(srq, Kind::kSrq);
   return &srq->shadow;
 }
@@ -763,6 +764,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
     return nullptr;
   }
   qp->fast.store(PostsUntranslated(*qp));
+  qp->pause = migratable_ ? &pause_ : nullptr;
   Register(qp, Kind::kQp);
   return &qp->shadow.qp_base;
 }

@@ -25,7 +25,9 @@
 #include "shim/backend.h"
 #include "shim/identity.h"
 #include "shim/migration.h"
+#include "shim/pause.h"
 #include "shim/objects.h"
+#include "shim/pause.h"
 #include "shim/remote_map.h"
 #include "shim/tables.h"
 
@@ -230,6 +232,8 @@ class Shim {
   QpIndex qp_index_;    // writes under mu_
 
   const bool migratable_;
+  // The data path's pause; its objects point at it when migratable_.
+  PauseGate pause_;
   int app_thread_wait_ms_ = 2000;
   std::atomic<int> steps_on_app_threads_{0};
   struct PendingStep {

@@ -239,9 +239,15 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
       case f::kPeerQuiesce: {
         out->kind = Kind::kPeerQuiesce;
         WireReader b(body);
-        while (b.Next())
+        while (b.Next()) {
           if (b.field() == 2 && b.is_varint())
             out->drain_timeout_ms = static_cast<uint32_t>(b.varint());
+          if (b.field() == 1 && b.is_bytes()) {
+            if (b.bytes().size() != 16) return *why = "peer_quiesce: a GID is 16 bytes", false;
+            memcpy(out->toward.raw, b.bytes().data(), 16);
+            out->has_toward = true;
+          }
+        }
         if (!b.ok()) return *why = "a malformed peer_quiesce request", false;
         break;
       }
@@ -280,8 +286,10 @@ std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endp
   Status st;
   switch (req.kind) {
     case Kind::kQuiesce:
-    case Kind::kPeerQuiesce:
       st = shim->Quiesce(drain, &drained);
+      break;
+    case Kind::kPeerQuiesce:
+      st = shim->Quiesce(drain, &drained, req.has_toward ? &req.toward : nullptr);
       break;
     case Kind::kRelease:
       st = shim->Release();

@@ -41,6 +41,10 @@ struct ControlRequest {
   uint64_t id = 0;
   Kind kind = Kind::kNone;
   uint32_t drain_timeout_ms = 0;
+  // peer_quiesce: the virtual GID of the endpoint that moves (the QPs
+  // connected to it are drained), when the request names one.
+  bool has_toward = false;
+  ibv_gid toward{};
   std::string device;
   std::vector<RemoteMapping> peers;  // restore's; peer_reconnect's one mapping
 };

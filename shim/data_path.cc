@@ -231,15 +231,19 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
   if (sign > 0) qp->unsignaled_tail.store(unsignaled_tail, std::memory_order_relaxed);
 }
 
+// A post that found its process paused: queued, reported as posted.
+[[gnu::noinline]] int PostSendPaused(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  qp->ctx->shim->RunPendingStep();
+  return QueueSends(qp, wr, bad);
+}
+
 // The translating path, inside the thread's mark when the process may be
-// paused: while paused, posts are queued and reported as posted.
+// paused.
 [[gnu::noinline]] int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   if (qp->pause == nullptr) return PostSendTranslated(qp, wr, bad);
   ThreadMark* m = qp->pause->Enter();
-  if (m == nullptr) [[unlikely]] {
-    qp->ctx->shim->RunPendingStep();
-    return QueueSends(qp, wr, bad);
-  }
+  if (m == nullptr) [[unlikely]]
+    return PostSendPaused(qp, wr, bad);
   const int rc = PostSendReal(qp, wr, bad);
   PauseGate::Leave(m);
   return rc;
@@ -247,8 +251,17 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
 
 int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  if (qp->fast.load(std::memory_order_relaxed)) [[likely]]
+  const Path path = qp->path.load(std::memory_order_relaxed);
+  if (path == Path::kDirect) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
+  if (path == Path::kMarked) [[likely]] {
+    ThreadMark* m = qp->pause->Enter();
+    if (m == nullptr) [[unlikely]]
+      return PostSendPaused(qp, wr, bad);
+    const int rc = qp->real_post_send(qp->real, wr, bad);
+    PauseGate::Leave(m);
+    return rc;
+  }
   return PostSendGated(qp, wr, bad);
 }
 
@@ -331,13 +344,15 @@ int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 }
 
 int PostSendReal(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  // An RC or UC QP is drained with a marker; a UD QP's sends are counted.
+  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return PostSendTranslated(qp, wr, bad);
   CountSignaled(qp, wr, nullptr, +1);
   const int rc = PostSendTranslated(qp, wr, bad);
   if (rc != 0) CountSignaled(qp, *bad, nullptr, -1);
   return rc;
 }
 
-int DrainCq(Cq* cq) {
+int DrainCq(Cq* cq, uint32_t* sends) {
   // What pollers took since the last drain goes first.
   const uint32_t head = cq->pending_head.load();
   if (head > 0) {
@@ -352,14 +367,32 @@ int DrainCq(Cq* cq) {
     if (n < 0) return n;
     if (n == 0) break;
     for (int i = 0; i < n; ++i) {
-      const Qp* qp = VirtualizeWc(cq->qps, &batch[i]);
-      // Flushes of a QP the shim moved to the error state are its own.
-      if (qp != nullptr && qp->flushing && batch[i].status == IBV_WC_WR_FLUSH_ERR) continue;
-      cq->pending.push_back(batch[i]);
+      const ibv_wc& wc = batch[i];
+      Qp* qp = VirtualizeWc(cq->qps, &batch[i]);
+      if (qp != nullptr) {
+        if (wc.wr_id == SendMarkerId(qp)) {
+          qp->send_marker_pending = false;
+          continue;
+        }
+        if (wc.wr_id == RecvMarkerId(qp)) {
+          qp->recv_marker_seen = true;
+          continue;
+        }
+        // Flushes of a QP the shim moved to the error state are its own:
+        // they count its receives still posted (its sends are drained).
+        if (qp->flushing && wc.status == IBV_WC_WR_FLUSH_ERR) {
+          ++qp->recv_flushes;
+          continue;
+        }
+      }
+      if (sends != nullptr && wc.status == IBV_WC_SUCCESS && !(wc.opcode & IBV_WC_RECV)) ++*sends;
+      cq->pending.push_back(wc);
       ++total;
     }
   }
   cq->pending_count = static_cast<uint32_t>(cq->pending.size());
+  // Held completions are handed out by the translating path.
+  if (cq->pending_count > 0) cq->path.store(Path::kTranslated);
   return total;
 }
 
@@ -367,12 +400,21 @@ namespace {
 
 int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  if (qp->fast.load(std::memory_order_relaxed)) [[likely]] {
+  const Path path = qp->path.load(std::memory_order_relaxed);
+  if (path != Path::kTranslated) [[likely]] {
+    ThreadMark* m = nullptr;
+    if (path == Path::kMarked) {
+      m = qp->pause->Enter();
+      if (m == nullptr) [[unlikely]]
+        return QueueRecvs(qp, wr, bad);
+    }
     ibv_qp* real = qp->real;
     auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
       return qp->real_post_recv(real, w, b);
     };
-    return PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
+    const int rc = PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
+    if (m != nullptr) PauseGate::Leave(m);
+    return rc;
   }
   if (qp->pause == nullptr) return PostRecvReal(qp, wr, bad);
   ThreadMark* m = qp->pause->Enter();
@@ -385,12 +427,21 @@ int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 
 int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
-  if (srq->fast.load(std::memory_order_relaxed)) [[likely]] {
+  const Path path = srq->path.load(std::memory_order_relaxed);
+  if (path != Path::kTranslated) [[likely]] {
+    ThreadMark* m = nullptr;
+    if (path == Path::kMarked) {
+      m = srq->pause->Enter();
+      if (m == nullptr) [[unlikely]]
+        return QueueRecvs(srq, wr, bad);
+    }
     ibv_srq* real = srq->real;
     auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
       return srq->real_post_srq_recv(real, w, b);
     };
-    return PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
+    const int rc = PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
+    if (m != nullptr) PauseGate::Leave(m);
+    return rc;
   }
   if (srq->pause == nullptr) return PostSrqRecvReal(srq, wr, bad);
   ThreadMark* m = srq->pause->Enter();
@@ -409,12 +460,13 @@ inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
     return nullptr;
   wc->qp_num = qp->shadow.qp_base.qp_num;
   if (wc->status != IBV_WC_SUCCESS) return qp;
-  // What a drain and a release count on (migration.cc).
-  if (wc->opcode & IBV_WC_RECV)
-    (qp->srq != nullptr ? qp->srq->recvs_done : qp->recvs_done)
-        .fetch_add(1, std::memory_order_relaxed);
-  else
+  // What a drain and a release count on (migration.cc): an SRQ's
+  // receives, a UD QP's sends.
+  if (wc->opcode & IBV_WC_RECV) {
+    if (qp->srq != nullptr) qp->srq->recvs_done.fetch_add(1, std::memory_order_relaxed);
+  } else if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
     qp->sends_done.fetch_add(1, std::memory_order_relaxed);
+  }
   if (wc->wc_flags & IBV_WC_WITH_INV)
     wc->invalidated_rkey = qp->mode.VirtualRkey(wc->invalidated_rkey);
   if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return qp;
@@ -447,15 +499,36 @@ inline int TakePending(Cq* cq, int n, ibv_wc* wc) {
   return static_cast<int>(take);
 }
 
-// Polls the real CQ after the held completions, translating.
+// Once the completions a pause held are handed out, a CQ that needs no
+// translation leaves the translating path again. The control thread may
+// make it translate for good meanwhile (a UD QP on it, say): it clears
+// `marked_base` before it sets `path`, so a poller that finds it cleared
+// after its exchange puts `path` back.
+void BackToMarked(Cq* cq) {
+  if (!cq->marked_base.load() || cq->pending_head.load() < cq->pending_count) return;
+  Path expected = Path::kTranslated;
+  if (cq->path.compare_exchange_strong(expected, Path::kMarked) && !cq->marked_base.load())
+    cq->path.store(Path::kTranslated);
+}
+
+// Polls the real CQ after the held completions, translating. A drain's
+// marker that completed after the drain gave up is the shim's, not shown.
 inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
   int got = TakePending(cq, n, wc);
   if (got < n) {
     const int more = cq->real_poll_cq(cq->real, n - got, wc + got);
     if (more < 0) return got > 0 ? got : more;
-    for (int i = got; i < got + more; ++i) VirtualizeWc(cq->qps, &wc[i]);
-    got += more;
+    int kept = got;
+    for (int i = got; i < got + more; ++i) {
+      const Qp* qp = VirtualizeWc(cq->qps, &wc[i]);
+      if (qp != nullptr && IsMarker(qp, wc[i].wr_id)) [[unlikely]]
+        continue;
+      if (kept != i) wc[kept] = wc[i];
+      ++kept;
+    }
+    got = kept;
   }
+  if (cq->marked_base.load(std::memory_order_relaxed)) BackToMarked(cq);
   return got;
 }
 
@@ -478,8 +551,17 @@ inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
 
 int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
-  if (cq->fast.load(std::memory_order_relaxed)) [[likely]]
+  const Path path = cq->path.load(std::memory_order_relaxed);
+  if (path == Path::kDirect) [[likely]]
     return cq->real_poll_cq(cq->real, n, wc);
+  if (path == Path::kMarked) [[likely]] {
+    ThreadMark* m = cq->pause->Enter();
+    if (m != nullptr) [[likely]] {
+      const int got = cq->real_poll_cq(cq->real, n, wc);
+      PauseGate::Leave(m);
+      return got;
+    }
+  }
   return PollCqGated(cq, n, wc);
 }
 
@@ -546,9 +628,12 @@ void EndBatch(Qp* qp) {
 }
 int WrComplete(ibv_qp_ex* q) {
   Qp* qp = AsQp(q);
-  qp->signaled_posted.fetch_add(qp->builder_signaled, std::memory_order_relaxed);
+  // A UD QP's signaled sends are counted for the drain (RC and UC take a marker).
+  const uint64_t signaled =
+      qp->shadow.qp_base.qp_type == IBV_QPT_UD ? qp->builder_signaled : 0;
+  qp->signaled_posted.fetch_add(signaled, std::memory_order_relaxed);
   const int rc = qp->real_ex->wr_complete(qp->real_ex);
-  if (rc != 0) qp->signaled_posted.fetch_sub(qp->builder_signaled, std::memory_order_relaxed);
+  if (rc != 0) qp->signaled_posted.fetch_sub(signaled, std::memory_order_relaxed);
   EndBatch(qp);
   return rc;
 }
@@ -644,11 +729,25 @@ inline bool HeldCursor(Cq* cq, ibv_cq_ex* c) {
   return true;
 }
 
+// Steps over a drain's markers that came after the drain gave up.
+inline int SkipLateMarkers(Cq* cq, ibv_cq_ex* real, int rc) {
+  while (rc == 0 && cq->markers_late) {
+    const Qp* qp = cq->qps->Find(real->read_qp_num(real));
+    if (qp == nullptr || !IsMarker(qp, real->wr_id)) break;
+    rc = real->next_poll(real);
+  }
+  return rc;
+}
+
 // The real CQ's side of a batch.
 inline int RealStartPoll(Cq* cq, ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   cq->cursor_held = false;
   ibv_cq_ex* real = cq->real_ex;
-  const int rc = real->start_poll(real, attr);
+  int rc = real->start_poll(real, attr);
+  if (rc == 0) {
+    rc = SkipLateMarkers(cq, real, rc);
+    if (rc != 0) real->end_poll(real);  // only markers: the batch found nothing
+  }
   cq->real_batch = rc == 0;
   if (rc == 0) CopyCursor(c, real);
   return rc;
@@ -689,7 +788,7 @@ int NextPoll(ibv_cq_ex* c) {
     return RealStartPoll(cq, c, &attr);
   }
   ibv_cq_ex* real = cq->real_ex;
-  const int rc = real->next_poll(real);
+  const int rc = SkipLateMarkers(cq, real, real->next_poll(real));
   if (rc == 0) CopyCursor(c, real);
   return rc;
 }

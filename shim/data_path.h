@@ -14,12 +14,27 @@ namespace rdmavirt::shim {
 
 // The control thread's way in (migration.cc), with the gate closed: post
 // through the translating path now, and move a CQ's completions into its
-// shadow (pending) list, dropping the flushes of QPs marked `flushing`.
-// The count of completions moved, or a negative errno.
+// shadow (pending) list. DrainCq takes the drain's markers out (noting
+// them on their QPs), counts and drops the flushes of QPs marked
+// `flushing` (their receives still posted), and adds the successful send
+// completions it moves to `*sends` if given. The count of completions
+// moved, or a negative errno.
 int PostSendReal(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
 int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad);
-int DrainCq(Cq* cq);
+int DrainCq(Cq* cq, uint32_t* sends);
+
+// The wr_ids of a QP's drain markers: addresses inside the shim's own
+// object, which no application WR can carry.
+inline uint64_t SendMarkerId(const Qp* qp) {
+  return reinterpret_cast<uintptr_t>(&qp->send_marker_pending);
+}
+inline uint64_t RecvMarkerId(const Qp* qp) {
+  return reinterpret_cast<uintptr_t>(&qp->recv_marker_seen);
+}
+inline bool IsMarker(const Qp* qp, uint64_t wr_id) {
+  return wr_id == SendMarkerId(qp) || wr_id == RecvMarkerId(qp);
+}
 
 // Fills a new shadow context's ops and verbs_context entry points.
 void InstallContextOps(Context* ctx);

@@ -80,20 +80,9 @@ std::vector<QueuedRecv> TakeOutstanding(RecvLog* log, std::atomic<uint64_t>* don
   return out;
 }
 
-// Receives of `taken` that completed after all (a completion still on its
-// way when they were taken out): not to be posted again.
-void DropCompleted(std::vector<QueuedRecv>* taken, std::atomic<uint64_t>* done,
-                   uint64_t done_when_taken) {
-  const uint64_t late = done->load() - done_when_taken;
-  const size_t n = std::min<uint64_t>(late, taken->size());
-  taken->erase(taken->begin(), taken->begin() + static_cast<std::ptrdiff_t>(n));
-  done->fetch_sub(n);
-}
-
-// Posts `recvs` through `post` as one chain; they were counted as done
-// when recorded, so the log's arithmetic holds once they are logged again.
+// Posts `recvs` through `post` as one chain (logged anew).
 template <typename Post>
-int Repost(std::vector<QueuedRecv>* recvs, std::atomic<uint64_t>* done, Post post) {
+int Repost(std::vector<QueuedRecv>* recvs, Post post) {
   if (recvs->empty()) return 0;
   std::vector<ibv_recv_wr> wrs(recvs->size());
   for (size_t i = 0; i < recvs->size(); ++i) {
@@ -107,7 +96,6 @@ int Repost(std::vector<QueuedRecv>* recvs, std::atomic<uint64_t>* done, Post pos
   ibv_recv_wr* bad = nullptr;
   const int rc = post(wrs.data(), &bad);
   if (rc == 0) recvs->clear();
-  (void)done;
   return rc;
 }
 
@@ -163,7 +151,22 @@ void Shim::GuessEndpointGid() {
   }
 }
 
-Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends) {
+bool Shim::PostSendMarker(Qp* qp, std::string* why) {
+  ibv_send_wr wr{};
+  wr.wr_id = SendMarkerId(qp);
+  wr.opcode = IBV_WR_RDMA_WRITE;  // zero bytes: no rkey is checked (IBTA C9-88)
+  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  const int rc = qp->real_post_send(qp->real, &wr, &bad);
+  if (rc == 0) {
+    qp->send_marker_pending = true;
+    return true;
+  }
+  if (rc != ENOMEM && why->empty()) *why = Errno("posting a drain marker", rc);
+  return false;
+}
+
+Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward) {
   std::lock_guard<std::mutex> lock(mu_);
   *drained_sends = 0;
   if (!migratable_)
@@ -179,59 +182,148 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends) {
     return Error(Code::kDeadlineExceeded, "pausing the data path: " + why);
   paused_ = true;
 
-  // Every signaled send posted completes (RC completes in order, so an
-  // unsignaled one before it is done too); its completion and any other
-  // found meanwhile go to the shadow CQs.
-  uint64_t before = 0;
-  for (const Qp* qp : qps) before += qp->sends_done.load();
+  // Every send posted completes before the pause ends: an RC or UC QP's
+  // send queue completes in order, so once a marker posted behind the
+  // application's sends has completed, they have (signaled or not). A UD
+  // QP waits until its signaled sends are counted done. Completions found
+  // meanwhile go to the shadow CQs. A peer's quiesce drains only its QPs
+  // toward the endpoint that moves: the others are paused, not re-made.
+  std::vector<Qp*> unposted;
+  for (Qp* qp : qps) {
+    qp->send_marker_pending = false;
+    if (qp->real == nullptr || qp->shadow.qp_base.qp_type == IBV_QPT_UD) continue;
+    if (toward != nullptr && memcmp(qp->remote_gid.raw, toward->raw, 16) != 0) continue;
+    if (RealQpState(qp) != IBV_QPS_RTS) continue;  // nothing in flight, or flushed
+    if (!PostSendMarker(qp, &why)) unposted.push_back(qp);  // a full send queue: again below
+  }
   const uint64_t deadline = NowUs() + uint64_t{drain_timeout_ms} * 1000;
   bool unsignaled_tail = false;
+  uint32_t sends = 0;
   for (;;) {
     for (Cq* cq : cqs) {
-      const int rc = DrainCq(cq);
+      const int rc = DrainCq(cq, &sends);
       if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ during the drain", -rc));
     }
-    uint64_t in_flight = 0;
+    for (auto it = unposted.begin(); it != unposted.end();)
+      it = PostSendMarker(*it, &why) || !why.empty() ? unposted.erase(it) : it + 1;
+    if (!why.empty()) return Error(Code::kInternal, why);
+    uint64_t in_flight = unposted.size();
     unsignaled_tail = false;
     std::string which;
     const bool late = NowUs() > deadline;
     for (const Qp* qp : qps) {
-      const uint64_t posted = qp->signaled_posted.load();
-      const uint64_t done = qp->sends_done.load();
-      unsignaled_tail |= qp->unsignaled_tail.load();
-      if (posted <= done) continue;
-      // A QP in the error state completes nothing more with success (its
-      // sends are flushed, in error, which is not counted as done): there
-      // is nothing to wait for on it.
-      if (RealQpState(qp) == IBV_QPS_ERR) continue;
-      in_flight += posted - done;
+      uint64_t left = qp->send_marker_pending ? 1 : 0;
+      if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
+        const uint64_t posted = qp->signaled_posted.load();
+        const uint64_t done = qp->sends_done.load();
+        unsignaled_tail |= qp->unsignaled_tail.load();
+        // A QP in the error state completes nothing more with success:
+        // nothing to wait for on it.
+        if (posted > done && RealQpState(qp) != IBV_QPS_ERR) left = posted - done;
+      }
+      if (left == 0) continue;
+      in_flight += left;
       if (late) {
         char buf[160];
-        snprintf(buf, sizeof(buf), "%sQP 0x%x: %llu of %llu in flight, state %s",
-                 which.empty() ? "" : "; ", qp->shadow.qp_base.qp_num,
-                 static_cast<unsigned long long>(posted - done),
-                 static_cast<unsigned long long>(posted), QpStateName(RealQpState(qp)));
+        snprintf(buf, sizeof(buf), "%sQP 0x%x: %s, state %s", which.empty() ? "" : "; ",
+                 qp->shadow.qp_base.qp_num,
+                 qp->send_marker_pending ? "sends in flight"
+                                         : (std::to_string(left) + " signaled send(s) in flight").c_str(),
+                 QpStateName(RealQpState(qp)));
         which += buf;
       }
     }
     if (in_flight == 0) break;
     if (late) {
+      // A marker that completes later is the shim's: its CQ translates
+      // from now on, and the translating path drops it.
+      for (const Qp* qp : qps) {
+        if (!qp->send_marker_pending || qp->send_cq == nullptr) continue;
+        qp->send_cq->markers_late = true;
+        qp->send_cq->marked_base.store(false);
+        qp->send_cq->path.store(Path::kTranslated);
+      }
       return Error(Code::kDeadlineExceeded,
-                   std::to_string(in_flight) + " signaled send(s) still in flight after " +
-                       std::to_string(drain_timeout_ms) + " ms (" + which + ")");
+                   "sends still in flight after " + std::to_string(drain_timeout_ms) + " ms (" +
+                       which + ")");
     }
     usleep(200);
   }
   if (unsignaled_tail) {
-    // Unsignaled sends after the last signaled one leave no completion to
-    // wait for: give their acknowledgements a round trip's time.
+    // Unsignaled UD sends after the last signaled one leave no completion
+    // to wait for: give them a moment to leave.
     usleep(20000);
-    for (Cq* cq : cqs) DrainCq(cq);
+    for (Cq* cq : cqs) DrainCq(cq, &sends);
   }
-  uint64_t after = 0;
-  for (const Qp* qp : qps) after += qp->sends_done.load();
-  *drained_sends = static_cast<uint32_t>(after - before);
+  *drained_sends = sends;
   return {};
+}
+
+void Shim::FailAndCountRecvs(const std::vector<Qp*>& qps) {
+  // To the error state, so that nothing completes after the count; a
+  // QP's receives still posted are flushed, in order, and a marker
+  // receive posted behind them (flushed by a second move to the error
+  // state) says when the last one is in. A QP that failed by itself
+  // before has had its receives flushed to the application.
+  for (Qp* qp : qps) {
+    qp->recv_flushes = 0;
+    qp->recv_marker_seen = true;
+    qp->flushing = false;
+    if (qp->real == nullptr) continue;
+    if (RealQpState(qp) == IBV_QPS_ERR) continue;
+    qp->flushing = true;
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_ERR;
+    if (backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE) != 0) {
+      LogOnce("a QP refused the error state; its receives are counted as not posted");
+      qp->flushing = false;
+      continue;
+    }
+    if (qp->srq != nullptr) continue;  // an SRQ's receives are counted at completion
+    ibv_recv_wr marker{};
+    marker.wr_id = RecvMarkerId(qp);
+    ibv_recv_wr* bad = nullptr;
+    if (qp->real_post_recv(qp->real, &marker, &bad) == 0) {
+      qp->recv_marker_seen = false;
+      backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE);
+    } else {
+      // The receive queue is full: every slot of it is flushed.
+      qp->recv_marker_seen = false;
+      qp->recv_flushes_expected = qp->init.cap.max_recv_wr;
+    }
+  }
+  const uint64_t deadline = NowUs() + 5000000;
+  for (;;) {
+    std::vector<Cq*> cqs;
+    for (Qp* qp : qps) {
+      if (qp->recv_cq != nullptr && std::find(cqs.begin(), cqs.end(), qp->recv_cq) == cqs.end())
+        cqs.push_back(qp->recv_cq);
+      if (qp->send_cq != nullptr && std::find(cqs.begin(), cqs.end(), qp->send_cq) == cqs.end())
+        cqs.push_back(qp->send_cq);
+    }
+    for (Cq* cq : cqs) DrainCq(cq, nullptr);
+    bool all = true;
+    for (Qp* qp : qps) {
+      if (!qp->recv_marker_seen && qp->recv_flushes_expected != 0 &&
+          qp->recv_flushes >= qp->recv_flushes_expected)
+        qp->recv_marker_seen = true;
+      all &= qp->recv_marker_seen;
+    }
+    if (all) break;
+    if (NowUs() > deadline) {
+      LogOnce("flushes of posted receives did not all come within 5 s; counted what came");
+      break;
+    }
+    usleep(200);
+  }
+  for (Qp* qp : qps) {
+    qp->flushing = false;
+    qp->recv_flushes_expected = 0;
+    if (qp->srq != nullptr) continue;
+    // The receives still posted are the last ones logged.
+    qp->outstanding = Copy(qp->own_recvs.Recent(qp->recv_flushes));
+    qp->own_recvs.ConsumeAll();
+  }
 }
 
 void Shim::DestroyReal() {
@@ -335,7 +427,7 @@ void Shim::OweEvents() {
     // What came into the real CQ since the pause (a re-created CQ gets the
     // peer's first sends before the resume) raised no event the waiter
     // will see: into the shadow CQ with the rest.
-    if (DrainCq(cq) < 0) LogOnce("polling a CQ at resume failed");
+    if (DrainCq(cq, nullptr) < 0) LogOnce("polling a CQ at resume failed");
     // The application armed the CQ during the pause (only noted then):
     // the real one is armed now.
     cq->real->context->ops.req_notify_cq(cq->real, 0);
@@ -357,25 +449,10 @@ Status Shim::ReleaseNow() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!paused_) return Error(Code::kFailedPrecondition, "release needs a quiesced endpoint");
   if (released_) return {};
-  // Every QP to the error state, so that nothing completes after the
-  // count (its flushes are the shim's, dropped); then what arrived since
-  // the drain; then which receives are still posted.
-  const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
-  for (Qp* qp : qps) {
-    if (qp->real == nullptr) continue;
-    qp->flushing = true;
-    ibv_qp_attr attr{};
-    attr.qp_state = IBV_QPS_ERR;
-    // Best effort: the QP is destroyed next either way.
-    if (backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE) != 0)
-      LogOnce("release: a QP refused the error state; it is destroyed as it is");
-  }
-  usleep(1000);
-  for (Cq* cq : All<Cq>(Kind::kCq)) DrainCq(cq);
-  for (Qp* qp : qps) {
-    qp->flushing = false;
-    if (qp->srq == nullptr) qp->outstanding = TakeOutstanding(&qp->own_recvs, &qp->recvs_done);
-  }
+  // Every QP to the error state, its receives still posted counted from
+  // their flushes; then what else arrived since the drain.
+  FailAndCountRecvs(All<Qp>(Kind::kQp));
+  for (Cq* cq : All<Cq>(Kind::kCq)) DrainCq(cq, nullptr);
   for (Srq* srq : All<Srq>(Kind::kSrq))
     srq->outstanding = TakeOutstanding(&srq->recvs, &srq->recvs_done);
   DestroyReal();
@@ -533,12 +610,12 @@ Status Shim::RecreateReal(const std::string& device) {
   // The receives that were posted when the endpoint was released.
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
     const int rc =
-        Repost(&srq->outstanding, &srq->recvs_done,
+        Repost(&srq->outstanding,
                [srq](ibv_recv_wr* w, ibv_recv_wr** b) { return PostSrqRecvReal(srq, w, b); });
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting SRQ receives", rc));
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
-    const int rc = Repost(&qp->outstanding, &qp->recvs_done,
+    const int rc = Repost(&qp->outstanding,
                           [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
   }
@@ -569,6 +646,9 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
   }
   released_ = false;
   moved_ = true;
+  // Completions carry the new QPNs: every CQ translates from now on.
+  for (Cq* cq : All<Cq>(Kind::kCq)) CqTranslates(cq);
+  for (Qp* qp : All<Qp>(Kind::kQp)) qp->path.store(QpPath(*qp));
   gid_moved_.store(
       memcmp(endpoint_physical_gid_.raw, mode_.PhysicalGid(endpoint_virtual_gid_).raw, 16) != 0);
   return {};
@@ -584,12 +664,12 @@ Status Shim::ResumeNow() {
   std::lock_guard<std::mutex> queues(pause_.queue_mu());
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
     const int rc =
-        Repost(&srq->queued_recvs, &srq->recvs_done,
+        Repost(&srq->queued_recvs,
                [srq](ibv_recv_wr* w, ibv_recv_wr** b) { return PostSrqRecvReal(srq, w, b); });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued SRQ receives", rc));
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
-    int rc = Repost(&qp->queued_recvs, &qp->recvs_done,
+    int rc = Repost(&qp->queued_recvs,
                     [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued receives", rc));
     for (QueuedSend& s : qp->queued_sends) {
@@ -617,31 +697,17 @@ Status Shim::ResumeNow() {
 }
 
 Status Shim::Reconnect(Qp* qp) {
-  // To the error state: the receive queue is flushed (the flushes are the
-  // shim's, dropped), then reset and brought up again toward the peer's new
+  // To the error state, its receives still posted counted from their
+  // flushes; then reset and brought up again toward the peer's new
   // address with the transitions the application made.
-  qp->flushing = true;
+  FailAndCountRecvs({qp});
   ibv_qp_attr attr{};
-  attr.qp_state = IBV_QPS_ERR;
-  int rc = backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE);
-  if (rc != 0) return Error(Code::kInternal, Errno("moving a QP to the error state", rc));
-  // Completions found now (successful ones that came in since the pause)
-  // are counted before the count of what is still posted.
-  usleep(1000);
-  if (qp->send_cq) DrainCq(qp->send_cq);
-  if (qp->recv_cq) DrainCq(qp->recv_cq);
-  if (qp->srq == nullptr) qp->outstanding = TakeOutstanding(&qp->own_recvs, &qp->recvs_done);
-  const uint64_t counted = qp->recvs_done.load();
   attr.qp_state = IBV_QPS_RESET;
-  rc = backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE);
+  int rc = backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE);
   if (rc != 0) return Error(Code::kInternal, Errno("resetting a QP", rc));
-  if (qp->send_cq) DrainCq(qp->send_cq);
-  if (qp->recv_cq) DrainCq(qp->recv_cq);
-  qp->flushing = false;
-  if (qp->srq == nullptr) DropCompleted(&qp->outstanding, &qp->recvs_done, counted);
   rc = ReplayTransitions(qp);
   if (rc != 0) return Error(Code::kInternal, Errno("re-connecting a QP", rc));
-  rc = Repost(&qp->outstanding, &qp->recvs_done,
+  rc = Repost(&qp->outstanding,
               [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
   if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
   return {};
@@ -657,7 +723,7 @@ Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
     // mapping of when they were sent. (A re-created QP can get the number
     // another QP of the peer had, at the same GID.)
     for (Cq* cq : All<Cq>(Kind::kCq)) {
-      const int rc = DrainCq(cq);
+      const int rc = DrainCq(cq, nullptr);
       if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ before a peer reconnect", -rc));
     }
     std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
@@ -783,7 +849,7 @@ EndpointView Shim::Describe() const {
           const RemoteEndpoint* r = qp->remote.load();
           q.remote_physical_gid = r ? r->physical_gid() : mode_.PhysicalGid(qp->remote_gid);
         }
-        q.outstanding_recvs = qp->srq ? 0 : Outstanding(qp->own_recvs, qp->recvs_done);
+        q.outstanding_recvs = static_cast<uint32_t>(qp->outstanding.size());
         q.queued_sends = static_cast<uint32_t>(qp->queued_sends.size());
         if (qp->real != nullptr) v.qpns.emplace_back(q.virtual_qpn, qp->physical_qpn);
         v.qp_list.push_back(q);

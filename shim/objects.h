@@ -36,6 +36,18 @@ class MrTable;
 struct Cq;
 class QpIndex;
 
+// How a queue's or CQ's data path runs (data_path.cc).
+enum class Path : uint8_t {
+  // A tail call to the provider: nothing to translate, never paused.
+  kDirect,
+  // The provider's call inside the thread's mark (pause.h): nothing to
+  // translate or count, but the process may be paused.
+  kMarked,
+  // Identities translated, counts kept for the drain (UD sends, SRQ
+  // receives), inside the thread's mark if the process may be paused.
+  kTranslated,
+};
+
 // A send WR posted during a pause: replayed, in order, when it ends.
 struct QueuedSend {
   ibv_send_wr wr;
@@ -99,9 +111,13 @@ struct Channel {
 struct Cq {
   ibv_cq_ex shadow;  // ibv_cq is its prefix (ibv_cq_ex_to_cq is a cast)
   ibv_cq* real = nullptr;
-  // While no completion on this CQ needs an identity translated, polling
-  // is a tail call to the provider (data_path.cc).
-  std::atomic<bool> fast{false};
+  // kDirect or kMarked while no completion on it needs an identity
+  // translated or counted, nor a pause held completions for it.
+  std::atomic<Path> path{Path::kTranslated};
+  // What `path` returns to once held completions are handed out.
+  std::atomic<bool> marked_base{false};
+  // A drain gave up before its marker came: the translating path drops it.
+  bool markers_late = false;
   int (*real_poll_cq)(ibv_cq*, int, ibv_wc*) = nullptr;
   ibv_cq_ex* real_ex = nullptr;  // when created with ibv_create_cq_ex
   bool extended = false;         // it was: a restore re-creates it so
@@ -140,14 +156,16 @@ struct Cq {
 struct Srq {
   ibv_srq shadow;
   ibv_srq* real = nullptr;
-  std::atomic<bool> fast{false};  // as Qp::fast
+  std::atomic<Path> path{Path::kTranslated};  // as Qp::path
   int (*real_post_srq_recv)(ibv_srq*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
   const MrTable* mrs = nullptr;
   Pd* pd = nullptr;
   ibv_srq_init_attr init{};
   RecvLog recvs;
   PauseGate* pause = nullptr;  // as Cq::pause
-  std::atomic<uint64_t> recvs_done{0};  // successful receive completions
+  // Successful receive completions: an SRQ's receives are not flushed when
+  // its QPs fail, so its CQs count them (kTranslated).
+  std::atomic<uint64_t> recvs_done{0};
   std::vector<QueuedRecv> queued_recvs;  // guarded by pause->queue_mu()
   std::vector<QueuedRecv> outstanding;  // at release: to re-post
 };
@@ -162,10 +180,9 @@ struct QpTransition {
 struct Qp {
   ibv_qp_ex shadow;  // ibv_qp is its prefix; qp_num is the virtual QPN
   ibv_qp* real = nullptr;
-  // While nothing this QP posts needs translating (no key or QPN differs
-  // from the hardware's, no AH to swap, not suspended), posting is a tail
-  // call to the provider (data_path.cc).
-  std::atomic<bool> fast{false};
+  // kDirect or kMarked while nothing this QP posts needs translating (no
+  // key or QPN differs from the hardware's, no AH to swap, not UD).
+  std::atomic<Path> path{Path::kTranslated};
   int (*real_post_send)(ibv_qp*, ibv_send_wr*, ibv_send_wr**) = nullptr;
   int (*real_post_recv)(ibv_qp*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
   ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
@@ -186,15 +203,21 @@ struct Qp {
   ibv_qp_init_attr_ex init{};
   std::vector<QpTransition> transitions;
 
-  // Migration (migration.cc). Counted on the gated data path: the drain
-  // waits until every signaled send posted has completed, and a release
-  // re-posts the receives posted and not yet completed.
+  // Migration (migration.cc). The drain of an RC or UC QP posts a marker
+  // (a signaled zero-length RDMA WRITE) and waits for its completion: the
+  // send queue completes in order. A UD QP's signaled sends are counted
+  // instead (its posts translate anyway). A release counts a QP's
+  // receives still posted from their flushes.
   PauseGate* pause = nullptr;        // as Cq::pause
   ThreadMark* batch_mark = nullptr;  // raised from ibv_wr_start to ibv_wr_complete
-  std::atomic<uint64_t> signaled_posted{0};
-  std::atomic<uint64_t> sends_done{0};
-  std::atomic<bool> unsignaled_tail{false};  // unsignaled sends after the last signaled one
-  std::atomic<uint64_t> recvs_done{0};
+  std::atomic<uint64_t> signaled_posted{0};  // UD
+  std::atomic<uint64_t> sends_done{0};       // UD
+  std::atomic<bool> unsignaled_tail{false};  // UD: unsignaled sends after the last signaled one
+  // Control thread only, while paused.
+  bool send_marker_pending = false;
+  bool recv_marker_seen = false;
+  uint32_t recv_flushes = 0;  // flushed receives counted since the QP was failed
+  uint32_t recv_flushes_expected = 0;  // when no marker receive fit: the queue's size
   // Guarded by pause->queue_mu().
   std::vector<QueuedSend> queued_sends;
   std::vector<QueuedRecv> queued_recvs;

@@ -54,17 +54,28 @@ Shim* Shim::Process() {
 Shim::Shim(VerbsBackend* backend, IdentityMode mode, bool migratable)
     : backend_(backend), mode_(mode), keys_identity_(!mode.offset), migratable_(migratable) {}
 
-bool Shim::PostsUntranslated(const Qp& qp) const {
-  // keys_identity_ is never true in offset mode.
-  return keys_identity_ && !migratable_ && qp.shadow.qp_base.qp_type != IBV_QPT_UD;
+Path Shim::QpPath(const Qp& qp) const {
+  // keys_identity_ is never true in offset mode. A UD QP's posts swap
+  // their AH, and a moved peer's rkeys translate.
+  if (!keys_identity_ || qp.shadow.qp_base.qp_type == IBV_QPT_UD ||
+      qp.remote.load(std::memory_order_relaxed) != nullptr)
+    return Path::kTranslated;
+  return migratable_ ? Path::kMarked : Path::kDirect;
+}
+
+void Shim::CqTranslates(Cq* cq) {
+  // marked_base first: a poller handing out held completions reads it
+  // after it moves `path` back (data_path.cc, BackToMarked).
+  cq->marked_base.store(false);
+  cq->path.store(Path::kTranslated);
 }
 
 void Shim::KeysDiverged() {
   if (!keys_identity_) return;
   keys_identity_ = false;
   for (const auto& [p, kind] : shadows_) {
-    if (kind == Kind::kQp) static_cast<Qp*>(const_cast<void*>(p))->fast.store(false);
-    if (kind == Kind::kSrq) static_cast<Srq*>(const_cast<void*>(p))->fast.store(false);
+    if (kind == Kind::kQp) static_cast<Qp*>(const_cast<void*>(p))->path.store(Path::kTranslated);
+    if (kind == Kind::kSrq) static_cast<Srq*>(const_cast<void*>(p))->path.store(Path::kTranslated);
   }
 }
 
@@ -443,7 +454,8 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   cq->real_poll_cq = real->context->ops.poll_cq;
   // Completions carry QPNs (and UD GRHs) that equal the virtual ones
   // unless the mode marks them.
-  cq->fast.store(!mode_.offset && !migratable_);
+  cq->path.store(mode_.offset ? Path::kTranslated : migratable_ ? Path::kMarked : Path::kDirect);
+  cq->marked_base.store(cq->path.load() == Path::kMarked);
   cq->cqe = cqe;
   cq->real_ex = real_ex;
   cq->extended = real_ex != nullptr;
@@ -685,7 +697,9 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   srq->shadow.handle = real->handle;
   InitMutexCond(&srq->shadow.mutex, &srq->shadow.cond);
   std::lock_guard<std::mutex> lock(mu_);
-  srq->fast.store(keys_identity_ && !migratable_);
+  srq->path.store(!keys_identity_ ? Path::kTranslated
+                  : migratable_   ? Path::kMarked
+                                  : Path::kDirect);
   srq->pause = migratable_ ? &pause_ : nullptr;
   Register(srq, Kind::kSrq);
   return &srq->shadow;
@@ -763,7 +777,14 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
     errno = ENOMEM;
     return nullptr;
   }
-  qp->fast.store(PostsUntranslated(*qp));
+  qp->path.store(QpPath(*qp));
+  // A migratable process counts a UD QP's sends and an SRQ's receives
+  // where they complete.
+  if (migratable_ && qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
+    if (qp->send_cq != nullptr) CqTranslates(qp->send_cq);
+    if (qp->recv_cq != nullptr) CqTranslates(qp->recv_cq);
+  }
+  if (migratable_ && qp->srq != nullptr && qp->recv_cq != nullptr) CqTranslates(qp->recv_cq);
   qp->pause = migratable_ ? &pause_ : nullptr;
   Register(qp, Kind::kQp);
   return &qp->shadow.qp_base;
@@ -835,6 +856,10 @@ void Shim::PhysicalizeQpAttr(ibv_qp_attr* attr, int mask, const RemoteEndpoint* 
         remote ? remote->physical_gid() : mode_.PhysicalGid(attr->ah_attr.grh.dgid);
   if ((mask & IBV_QP_ALT_PATH) && attr->alt_ah_attr.is_global)
     attr->alt_ah_attr.grh.dgid = mode_.PhysicalGid(attr->alt_ah_attr.grh.dgid);
+  // A peer's drain marker is a zero-length RDMA WRITE (migration.cc): the
+  // QP accepts it whatever the application allowed (a query shows what
+  // the application set; an MR still refuses writes it does not allow).
+  if (mask & IBV_QP_ACCESS_FLAGS) attr->qp_access_flags |= IBV_ACCESS_REMOTE_WRITE;
 }
 
 void Shim::VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const {
@@ -867,7 +892,7 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
     NoteEndpointGid(qp->ctx, attr->ah_attr.port_num, attr->ah_attr.grh.sgid_index);
   qp->remote_gid = remote_gid;
   qp->remote.store(remote, std::memory_order_release);
-  if (remote != nullptr) qp->fast.store(false);
+  if (remote != nullptr) qp->path.store(Path::kTranslated);
   qp->transitions.push_back({*attr, mask});
   q->state = qp->real->state;
   return 0;
@@ -880,6 +905,11 @@ int Shim::QueryQp(ibv_qp* q, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init
   if (rc != 0) return rc;
   // What the provider fills regardless of the mask is translated too.
   VirtualizeQpAttr(attr, mask | IBV_QP_DEST_QPN | IBV_QP_AV | IBV_QP_ALT_PATH);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const QpTransition& t : qp->transitions)
+      if (t.mask & IBV_QP_ACCESS_FLAGS) attr->qp_access_flags = t.attr.qp_access_flags;
+  }
   if (qp->remote.load(std::memory_order_acquire) != nullptr) {
     // A moved peer's identities are not a function of where it is now:
     // show what the application set.
@@ -1045,7 +1075,7 @@ const RemoteEndpoint* Shim::PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> 
     if (kind == Kind::kQp) {
       Qp* qp = static_cast<Qp*>(const_cast<void*>(p));
       if (memcmp(qp->remote_gid.raw, gid.raw, 16) != 0) continue;
-      qp->fast.store(false);
+      qp->path.store(Path::kTranslated);
       qp->remote.store(r, std::memory_order_release);
     } else if (kind == Kind::kAh) {
       Ah* ah = static_cast<Ah*>(const_cast<void*>(p));

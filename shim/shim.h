@@ -121,10 +121,14 @@ class Shim {
   // control thread); the application's threads keep posting and polling.
   bool migratable() const { return migratable_; }
   // Pauses every queue and CQ (posts are queued and reported as posted,
-  // polls find nothing), then waits up to drain_timeout_ms for every
-  // signaled send posted to complete, moving completions into the shadow
-  // CQs. DEADLINE_EXCEEDED leaves the endpoint paused: Resume() to roll back.
-  Status Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends);
+  // polls find nothing), then waits up to drain_timeout_ms for every send
+  // posted to complete, moving completions into the shadow CQs; with
+  // `toward`, only the sends of QPs connected to that virtual GID (a
+  // peer's quiesce: its other QPs are paused, not re-made).
+  // `drained_sends`: successful send completions found meanwhile.
+  // DEADLINE_EXCEEDED leaves the endpoint paused: Resume() to roll back.
+  Status Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends,
+                 const ibv_gid* toward = nullptr);
   // After Quiesce: records the receives not yet completed, destroys every
   // physical resource and closes the devices (nothing of the HCA's stays
   // mapped or open, so CRIU can dump the process).
@@ -185,7 +189,9 @@ class Shim {
                   int comp_vector, uint64_t wc_flags, int cqe);
   void VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const;
   // Whether a QP/SRQ may post untranslated (data_path.cc's fast path).
-  bool PostsUntranslated(const Qp& qp) const;
+  // The data path a QP's posts take (objects.h), and a CQ's polls.
+  Path QpPath(const Qp& qp) const;  // requires mu_
+  void CqTranslates(Cq* cq);        // for good; requires mu_
   // Some lkey now differs from the hardware's: every queue translates.
   void KeysDiverged();  // requires mu_
   // To what the hardware takes; `remote`: the moved peer addressed, if any.
@@ -205,6 +211,12 @@ class Shim {
   Status OnAppThread(const std::function<Status()>& step);
   Status RecreateReal(const std::string& device);  // requires mu_
   Status Reconnect(Qp* qp);                        // requires mu_
+  // Posts a QP's drain marker; false if its send queue is full (or the
+  // post failed: `why` says so).
+  bool PostSendMarker(Qp* qp, std::string* why);  // requires mu_, paused
+  // Moves QPs to the error state and takes their receives still posted
+  // into Qp::outstanding, counted from their flushes.
+  void FailAndCountRecvs(const std::vector<Qp*>& qps);  // requires mu_, paused
   int ReplayTransitions(Qp* qp);                   // requires mu_
   int RealQpState(const Qp* qp);                   // the HCA's, or -1
   // Completion events (shim.cc): what a release must acknowledge.

@@ -241,32 +241,30 @@ bool CheckShimSemantics(DataPathFixture& f) {
   return ok;
 }
 
-// The migratable stack's numbers are the gated path's only if it ran: its
-// QP and CQs are not on the fast path, and a post and a poll move the
-// counters only the gated path keeps (the drain at a pause waits on them).
-bool CheckGatedPath(DataPathFixture& f) {
+// The migratable stack's numbers are the marked path's only if it ran:
+// its QP and CQs are on it, and a post and a poll raised and lowered the
+// thread's mark (pause.h).
+bool CheckMarkedPath(DataPathFixture& f) {
   DataPathStack& s = f.shim_migratable();
   // The shim hands out its shadow objects' embedded verbs structs, first
   // members (shim/objects.h).
   const shim::Qp* qp = reinterpret_cast<const shim::Qp*>(s.qp);
   const shim::Cq* send_cq = reinterpret_cast<const shim::Cq*>(s.send_cq);
   const shim::Cq* recv_cq = reinterpret_cast<const shim::Cq*>(s.recv_cq);
-  if (qp->fast.load() || send_cq->fast.load() || recv_cq->fast.load()) {
-    std::fprintf(stderr, "check: the migratable stack has a queue on the fast path\n");
+  if (qp->path.load() != shim::Path::kMarked || send_cq->path.load() != shim::Path::kMarked ||
+      recv_cq->path.load() != shim::Path::kMarked) {
+    std::fprintf(stderr, "check: the migratable stack has a queue off the marked path\n");
     return false;
   }
-  const uint64_t posted = qp->signaled_posted.load();
-  const uint64_t done = qp->sends_done.load();
+  shim::tls_thread_mark = nullptr;  // so that the post must register this thread again
   ibv_send_wr* bad = nullptr;
   ibv_wc wc{};
   if (ibv_post_send(s.qp, &s.send, &bad) != 0 || ibv_poll_cq(s.send_cq, 1, &wc) != 1) {
     std::fprintf(stderr, "check: a post or poll on the migratable stack failed\n");
     return false;
   }
-  if (qp->signaled_posted.load() != posted + 1 || qp->sends_done.load() != done + 1 ||
-      qp->pause == nullptr || shim::tls_thread_mark == nullptr ||
-      shim::tls_thread_mark->depth.load() != 0) {
-    std::fprintf(stderr, "check: the migratable stack's post and poll did not pass the gate\n");
+  if (shim::tls_thread_mark == nullptr || shim::tls_thread_mark->depth.load() != 0) {
+    std::fprintf(stderr, "check: the migratable stack's post and poll did not pass the mark\n");
     return false;
   }
   return true;
@@ -278,7 +276,7 @@ int Check(long n) {
     std::fprintf(stderr, "shim_data_path_count: %s\n", f.status().ToString().c_str());
     return 1;
   }
-  if (!CheckShimSemantics(**f) || !CheckGatedPath(**f)) return 1;
+  if (!CheckShimSemantics(**f) || !CheckMarkedPath(**f)) return 1;
 
   // The counters see what they should: one allocation, one lock.
   g_counting = true;

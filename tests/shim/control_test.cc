@@ -118,6 +118,19 @@ TEST(ControlCodecTest, RequestsFromTheSchemaDecode) {
   EXPECT_EQ(req.kind, ControlRequest::Kind::kQuiesce);
   EXPECT_EQ(req.drain_timeout_ms, 2500u);
 
+  v1::MigratorToShim pq;
+  pq.set_request_id(15);
+  pq.mutable_peer_quiesce()->set_virtual_gid(Raw(GidOf(7)));
+  pq.mutable_peer_quiesce()->set_drain_timeout_ms(900);
+  ASSERT_TRUE(DecodeRequest(pq.SerializeAsString(), &req, &why)) << why;
+  EXPECT_EQ(req.kind, ControlRequest::Kind::kPeerQuiesce);
+  EXPECT_EQ(req.drain_timeout_ms, 900u);
+  ASSERT_TRUE(req.has_toward);
+  EXPECT_EQ(memcmp(req.toward.raw, GidOf(7).raw, 16), 0);
+  pq.mutable_peer_quiesce()->set_virtual_gid("short");
+  EXPECT_FALSE(DecodeRequest(pq.SerializeAsString(), &req, &why));
+  EXPECT_NE(why.find("16 bytes"), std::string::npos) << why;
+
   v1::MigratorToShim e;
   e.set_request_id(14);
   e.mutable_release();  // an empty message still selects the command

@@ -849,6 +849,11 @@ ibv_wc_status FakeBackend::Deliver(QpObj* qp, const Wr& w, const std::string& pa
     }
     case IBV_WR_RDMA_WRITE:
     case IBV_WR_RDMA_WRITE_WITH_IMM: {
+      // The responder QP must allow remote writes (as rxe checks), even
+      // zero-length ones, which check no rkey (IBTA C9-88).
+      if (!(d->attr.qp_access_flags & IBV_ACCESS_REMOTE_WRITE))
+        return rc ? IBV_WC_REM_INV_REQ_ERR : IBV_WC_SUCCESS;
+      if (payload.empty() && w.opcode == IBV_WR_RDMA_WRITE) return IBV_WC_SUCCESS;
       MrObj* mr = FindMr(d->pd, w.rkey, true);
       char* host = mr ? HostRange(mr->mr, mr->iova, w.remote_addr, payload.size()) : nullptr;
       if (host == nullptr || !(mr->access & IBV_ACCESS_REMOTE_WRITE)) return remote_access;

@@ -25,11 +25,11 @@ std::vector<uint64_t> WrIds(const std::vector<ibv_wc>& wcs) {
 class MigrationTest : public TwoEndpointsTest {
  protected:
   // An RC QP on each side, connected to the other.
-  void Connect(ibv_qp_type type = IBV_QPT_RC) {
+  void Connect(ibv_qp_type type = IBV_QPT_RC, int access = kAllRemoteAccess) {
     pqp_ = pdev_->Qp(type);
     qqp_ = qdev_->Qp(type);
-    ASSERT_EQ(ToRts(p_, pqp_, qqp_->qp_num, qdev_->gid), 0);
-    ASSERT_EQ(ToRts(q_, qqp_, pqp_->qp_num, pdev_->gid), 0);
+    ASSERT_EQ(ToRts(p_, pqp_, qqp_->qp_num, qdev_->gid, kIpv4GidIndex, access), 0);
+    ASSERT_EQ(ToRts(q_, qqp_, pqp_->qp_num, pdev_->gid, kIpv4GidIndex, access), 0);
   }
 
   void PostRecv(Shim& s, ibv_qp* qp, uint64_t wr_id, char* buf, ibv_mr* mr) {
@@ -379,16 +379,142 @@ TEST(MigrationNotMigratableTest, QuiesceRefusesAShimWhoseQueuesTakeTheFastPath) 
   EXPECT_NE(st.message.find("fast path"), std::string::npos);
 }
 
-TEST(MigrationGateTest, FastPathIsOffForEveryQueueOfAMigratableShim) {
+TEST(MigrationGateTest, AMigratableShimsQueuesRunInsideTheThreadsMark) {
   FakeBackend fake;
   Shim shim(&fake, IdentityMode{}, true);
   {
     Device<Shim> dev(shim);
     ibv_qp* qp = dev.Qp(IBV_QPT_RC);
-    EXPECT_FALSE(ShimQp(qp)->fast.load());
-    EXPECT_FALSE(ShimCq(dev.cq)->fast.load());
+    EXPECT_EQ(ShimQp(qp)->path.load(), Path::kMarked);
+    EXPECT_EQ(ShimCq(dev.cq)->path.load(), Path::kMarked);
+    // A UD QP's sends are counted where they complete: its CQ translates.
+    ibv_qp* ud = dev.Qp(IBV_QPT_UD);
+    EXPECT_EQ(ShimQp(ud)->path.load(), Path::kTranslated);
+    EXPECT_EQ(ShimCq(dev.cq)->path.load(), Path::kTranslated);
   }
   EXPECT_EQ(fake.live_objects(), 0);
+}
+
+TEST(MigrationGateTest, TheFastPathIsDirectWithoutAMigrator) {
+  FakeBackend fake;
+  Shim shim(&fake, IdentityMode{});
+  {
+    Device<Shim> dev(shim);
+    ibv_qp* qp = dev.Qp(IBV_QPT_RC);
+    EXPECT_EQ(ShimQp(qp)->path.load(), Path::kDirect);
+    EXPECT_EQ(ShimCq(dev.cq)->path.load(), Path::kDirect);
+  }
+  EXPECT_EQ(fake.live_objects(), 0);
+}
+
+}  // namespace
+}  // namespace rdmavirt::shim::testing
+
+namespace rdmavirt::shim::testing {
+namespace {
+
+class DrainTest : public TwoEndpointsTest {
+ protected:
+  void Connect(int access) {
+    pqp_ = pdev_->Qp(IBV_QPT_RC);
+    qqp_ = qdev_->Qp(IBV_QPT_RC);
+    ASSERT_EQ(ToRts(p_, pqp_, qqp_->qp_num, qdev_->gid, kIpv4GidIndex, access), 0);
+    ASSERT_EQ(ToRts(q_, qqp_, pqp_->qp_num, pdev_->gid, kIpv4GidIndex, access), 0);
+  }
+  void Move() {
+    uint32_t drained = 0;
+    ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(p_.Release().ok());
+    const Status st = p_.Restore("", {});
+    ASSERT_TRUE(st.ok()) << st.message;
+    const Status rq = q_.PeerReconnect(ToMapping(p_.Describe()));
+    ASSERT_TRUE(rq.ok()) << rq.message;
+    ASSERT_TRUE(p_.Resume().ok());
+  }
+  int SendUnsignaled(ibv_qp* qp, char* buf, ibv_mr* mr, const char* text) {
+    strcpy(buf, text);
+    ibv_sge sge = Sge(buf, static_cast<uint32_t>(strlen(text) + 1), mr);
+    ibv_send_wr wr{};
+    wr.wr_id = 77;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    ibv_send_wr* bad = nullptr;
+    return ibv_post_send(qp, &wr, &bad);
+  }
+};
+
+// ibv_rc_pingpong allows no remote access on its QPs: the drain's
+// zero-length RDMA WRITE must still be accepted (the shim allows remote
+// writes on the real QP), and a query shows what the program set.
+TEST_F(DrainTest, QpsThatAllowNoRemoteAccessMoveAndShowTheirOwnFlags) {
+  Connect(/*access=*/0);
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(PostRecvOf(qqp_, 100 + i, qbuf_ + 64 * i, 64, qmr_), 0);
+  ASSERT_EQ(SendUnsignaled(pqp_, pbuf_ + 2048, pmr_, "one"), 0);
+  const int calls = fake_.post_send_calls();
+  Move();
+  EXPECT_EQ(fake_.post_send_calls(), calls + 2) << "one marker from each side";
+  ASSERT_EQ(Send(pqp_, 2, pbuf_ + 2048 + 64, pmr_, "two"), 0);
+  EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{100, 101}));
+  EXPECT_STREQ(qbuf_, "one");
+  EXPECT_STREQ(qbuf_ + 64, "two");
+  EXPECT_EQ(WrIds(Drain(pdev_->cq)), (std::vector<uint64_t>{2})) << "no marker is shown";
+  for (auto [shim, qp] : {std::pair<Shim*, ibv_qp*>{&p_, pqp_}, {&q_, qqp_}}) {
+    ibv_qp_attr attr{};
+    ibv_qp_init_attr init{};
+    ASSERT_EQ(shim->QueryQp(qp, &attr, IBV_QP_ACCESS_FLAGS, &init), 0);
+    EXPECT_EQ(attr.qp_access_flags, 0u);
+    EXPECT_NE(ShimQp(qp)->path.load(), Path::kDirect);
+  }
+}
+
+// Receives still posted are counted from their flushes; when the receive
+// queue is full there is no room for the marker receive, and all of its
+// slots are the count.
+TEST_F(DrainTest, AFullReceiveQueueIsPostedAgainWhole) {
+  Connect(kAllRemoteAccess);
+  const uint32_t slots = ShimQp(pqp_)->init.cap.max_recv_wr;
+  ASSERT_LE(slots * 16, 2048u);
+  for (uint32_t i = 0; i < slots; ++i)
+    ASSERT_EQ(PostRecvOf(pqp_, 1000 + i, pbuf_ + 16 * i, 16, pmr_), 0);
+  Move();
+  EXPECT_EQ(ShimQp(pqp_)->outstanding.size(), 0u) << "re-posted";
+  std::vector<uint64_t> got;
+  for (uint32_t i = 0; i < slots; ++i) {
+    char text[16];
+    snprintf(text, sizeof(text), "m%u", i);
+    ASSERT_EQ(Send(qqp_, i, qbuf_ + 2048, qmr_, text), 0);
+    for (const ibv_wc& wc : Drain(pdev_->cq)) {
+      EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+      got.push_back(wc.wr_id);
+    }
+    Drain(qdev_->cq);
+  }
+  ASSERT_EQ(got.size(), slots);
+  for (uint32_t i = 0; i < slots; ++i) {
+    EXPECT_EQ(got[i], 1000 + i);
+    char text[16];
+    snprintf(text, sizeof(text), "m%u", i);
+    EXPECT_STREQ(pbuf_ + 16 * i, text);
+  }
+}
+
+// A peer's quiesce drains only its QPs toward the endpoint that moves.
+TEST_F(DrainTest, AQuiesceTowardAGidPostsMarkersOnlyOnQpsConnectedThere) {
+  Connect(kAllRemoteAccess);
+  uint32_t drained = 0;
+  ibv_gid elsewhere = pdev_->gid;
+  elsewhere.raw[15] ^= 0x55;
+  int calls = fake_.post_send_calls();
+  ASSERT_TRUE(q_.Quiesce(1000, &drained, &elsewhere).ok());
+  EXPECT_EQ(fake_.post_send_calls(), calls);
+  ASSERT_TRUE(q_.Resume().ok());
+  calls = fake_.post_send_calls();
+  ASSERT_TRUE(q_.Quiesce(1000, &drained, &pdev_->gid).ok());
+  EXPECT_EQ(fake_.post_send_calls(), calls + 1);
+  ASSERT_TRUE(q_.Resume().ok());
+  EXPECT_TRUE(Drain(qdev_->cq).empty());
 }
 
 }  // namespace

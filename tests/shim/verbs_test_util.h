@@ -38,9 +38,11 @@ inline bool GidEq(const ibv_gid& a, const ibv_gid& b) { return memcmp(a.raw, b.r
 
 // Steps a QP to RTS the way perftest does. For RC/UC `dest_qpn` and
 // `dgid` are the peer's as this side's verbs report them.
+constexpr int kAllRemoteAccess =
+    IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
 template <typename V>
 int ToRts(V& v, ibv_qp* qp, uint32_t dest_qpn, const ibv_gid& dgid,
-          uint8_t sgid_index = kIpv4GidIndex) {
+          uint8_t sgid_index = kIpv4GidIndex, int access = kAllRemoteAccess) {
   const bool ud = qp->qp_type == IBV_QPT_UD;
   const bool rc = qp->qp_type == IBV_QPT_RC;
   ibv_qp_attr a{};
@@ -52,7 +54,7 @@ int ToRts(V& v, ibv_qp* qp, uint32_t dest_qpn, const ibv_gid& dgid,
     a.qkey = kQkey;
     mask |= IBV_QP_QKEY;
   } else {
-    a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+    a.qp_access_flags = access;
     mask |= IBV_QP_ACCESS_FLAGS;
   }
   if (int r = v.ModifyQp(qp, &a, mask)) return r;

@@ -19,9 +19,9 @@ inline Cq* AsCq(ibv_cq* c) { return reinterpret_cast<Cq*>(c); }
 inline Cq* AsCq(ibv_cq_ex* c) { return reinterpret_cast<Cq*>(c); }
 inline Srq* AsSrq(ibv_srq* s) { return reinterpret_cast<Srq*>(s); }
 
-int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad);
-int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad);
-int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad);
+int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
+int PostRecvGated(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
+int PostSrqRecvGated(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad);
 inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc);
 
 // Fields rewritten in the application's work requests for the length of
@@ -157,9 +157,9 @@ inline int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
 // queue: then the post goes through after all.
 int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   std::unique_lock<std::mutex> lock(qp->pause->queue_mu());
-  if (!qp->pause->closed()) {
+  if (!qp->paused.load()) {
     lock.unlock();
-    return PostSend(&qp->shadow.qp_base, wr, bad);
+    return PostSendGated(qp, wr, bad);
   }
   for (ibv_send_wr* w = wr; w != nullptr; w = w->next) {
     if (w->num_sge < 0 || static_cast<uint32_t>(w->num_sge) > qp->init.cap.max_send_sge + 0u) {
@@ -181,10 +181,11 @@ int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return 0;
 }
 
-int QueueRecvsInto(PauseGate* pause, std::vector<QueuedRecv>* queue, uint32_t max_sge,
-                   ibv_recv_wr* wr, ibv_recv_wr** bad, bool* resumed) {
+int QueueRecvsInto(PauseGate* pause, const std::atomic<bool>& paused,
+                   std::vector<QueuedRecv>* queue, uint32_t max_sge, ibv_recv_wr* wr,
+                   ibv_recv_wr** bad, bool* resumed) {
   std::lock_guard<std::mutex> lock(pause->queue_mu());
-  if (!pause->closed()) {
+  if (!paused.load()) {
     *resumed = true;
     return 0;
   }
@@ -201,15 +202,17 @@ int QueueRecvsInto(PauseGate* pause, std::vector<QueuedRecv>* queue, uint32_t ma
 int QueueRecvs(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   bool resumed = false;
   const int rc =
-      QueueRecvsInto(qp->pause, &qp->queued_recvs, qp->init.cap.max_recv_sge, wr, bad, &resumed);
-  return resumed ? PostRecv(&qp->shadow.qp_base, wr, bad) : rc;
+      QueueRecvsInto(qp->pause, qp->paused, &qp->queued_recvs, qp->init.cap.max_recv_sge, wr, bad,
+                     &resumed);
+  return resumed ? PostRecvGated(qp, wr, bad) : rc;
 }
 
 int QueueRecvs(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   bool resumed = false;
   const int rc =
-      QueueRecvsInto(srq->pause, &srq->queued_recvs, srq->init.attr.max_sge, wr, bad, &resumed);
-  return resumed ? PostSrqRecv(&srq->shadow, wr, bad) : rc;
+      QueueRecvsInto(srq->pause, srq->paused, &srq->queued_recvs, srq->init.attr.max_sge, wr, bad,
+                     &resumed);
+  return resumed ? PostSrqRecvGated(srq, wr, bad) : rc;
 }
 
 // Signaled sends posted, for the drain at a pause (migration.cc).
@@ -237,29 +240,32 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
   return QueueSends(qp, wr, bad);
 }
 
-// The translating path, inside the thread's mark when the process may be
-// paused.
+// The slow path of every post: translating, inside the thread's mark
+// (registered here on its first call) when the process may be paused.
 [[gnu::noinline]] int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   if (qp->pause == nullptr) return PostSendTranslated(qp, wr, bad);
-  ThreadMark* m = qp->pause->Enter();
-  if (m == nullptr) [[unlikely]]
+  if (!Enter(qp->paused)) [[unlikely]]
     return PostSendPaused(qp, wr, bad);
   const int rc = PostSendReal(qp, wr, bad);
-  PauseGate::Leave(m);
+  LeaveFast();
   return rc;
 }
 
+// A process the migrator cannot move: a tail call, or the translating path.
 int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  const Path path = qp->path.load(std::memory_order_relaxed);
-  if (path == Path::kDirect) [[likely]]
+  if (qp->path.load(std::memory_order_relaxed) == Path::kDirect) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
-  if (path == Path::kMarked) [[likely]] {
-    ThreadMark* m = qp->pause->Enter();
-    if (m == nullptr) [[unlikely]]
-      return PostSendPaused(qp, wr, bad);
+  return PostSendGated(qp, wr, bad);
+}
+
+// A process the migrator may move: the provider's call inside the mark.
+int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  if (qp->path.load(std::memory_order_relaxed) == Path::kMarked && EnterFast(qp->paused))
+      [[likely]] {
     const int rc = qp->real_post_send(qp->real, wr, bad);
-    PauseGate::Leave(m);
+    LeaveFast();
     return rc;
   }
   return PostSendGated(qp, wr, bad);
@@ -398,58 +404,76 @@ int DrainCq(Cq* cq, uint32_t* sends) {
 
 namespace {
 
+[[gnu::noinline]] int PostRecvGated(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  if (qp->pause == nullptr) return PostRecvReal(qp, wr, bad);
+  if (!Enter(qp->paused)) [[unlikely]]
+    return QueueRecvs(qp, wr, bad);
+  const int rc = PostRecvReal(qp, wr, bad);
+  LeaveFast();
+  return rc;
+}
+
+[[gnu::noinline]] int PostSrqRecvGated(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  if (srq->pause == nullptr) return PostSrqRecvReal(srq, wr, bad);
+  if (!Enter(srq->paused)) [[unlikely]]
+    return QueueRecvs(srq, wr, bad);
+  const int rc = PostSrqRecvReal(srq, wr, bad);
+  LeaveFast();
+  return rc;
+}
+
 int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  const Path path = qp->path.load(std::memory_order_relaxed);
-  if (path != Path::kTranslated) [[likely]] {
-    ThreadMark* m = nullptr;
-    if (path == Path::kMarked) {
-      m = qp->pause->Enter();
-      if (m == nullptr) [[unlikely]]
-        return QueueRecvs(qp, wr, bad);
-    }
+  if (qp->path.load(std::memory_order_relaxed) == Path::kDirect) [[likely]] {
+    ibv_qp* real = qp->real;
+    auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return qp->real_post_recv(real, w, b);
+    };
+    return PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
+  }
+  return PostRecvGated(qp, wr, bad);
+}
+
+int PostRecvPausable(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  if (qp->path.load(std::memory_order_relaxed) == Path::kMarked && EnterFast(qp->paused))
+      [[likely]] {
     ibv_qp* real = qp->real;
     auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
       return qp->real_post_recv(real, w, b);
     };
     const int rc = PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
-    if (m != nullptr) PauseGate::Leave(m);
+    LeaveFast();
     return rc;
   }
-  if (qp->pause == nullptr) return PostRecvReal(qp, wr, bad);
-  ThreadMark* m = qp->pause->Enter();
-  if (m == nullptr) [[unlikely]]
-    return QueueRecvs(qp, wr, bad);
-  const int rc = PostRecvReal(qp, wr, bad);
-  PauseGate::Leave(m);
-  return rc;
+  return PostRecvGated(qp, wr, bad);
 }
 
 int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
-  const Path path = srq->path.load(std::memory_order_relaxed);
-  if (path != Path::kTranslated) [[likely]] {
-    ThreadMark* m = nullptr;
-    if (path == Path::kMarked) {
-      m = srq->pause->Enter();
-      if (m == nullptr) [[unlikely]]
-        return QueueRecvs(srq, wr, bad);
-    }
+  if (srq->path.load(std::memory_order_relaxed) == Path::kDirect) [[likely]] {
+    ibv_srq* real = srq->real;
+    auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return srq->real_post_srq_recv(real, w, b);
+    };
+    return PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
+  }
+  return PostSrqRecvGated(srq, wr, bad);
+}
+
+int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  Srq* srq = AsSrq(ibsrq);
+  if (srq->path.load(std::memory_order_relaxed) == Path::kMarked && EnterFast(srq->paused))
+      [[likely]] {
     ibv_srq* real = srq->real;
     auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
       return srq->real_post_srq_recv(real, w, b);
     };
     const int rc = PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
-    if (m != nullptr) PauseGate::Leave(m);
+    LeaveFast();
     return rc;
   }
-  if (srq->pause == nullptr) return PostSrqRecvReal(srq, wr, bad);
-  ThreadMark* m = srq->pause->Enter();
-  if (m == nullptr) [[unlikely]]
-    return QueueRecvs(srq, wr, bad);
-  const int rc = PostSrqRecvReal(srq, wr, bad);
-  PauseGate::Leave(m);
-  return rc;
+  return PostSrqRecvGated(srq, wr, bad);
 }
 
 // A completion's qp_num is the local QP's physical number; src_qp (UD) is
@@ -534,33 +558,33 @@ inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
 
 [[gnu::noinline]] int PollCqGated(Cq* cq, int n, ibv_wc* wc) {
   if (cq->pause == nullptr) return PollTranslated(cq, n, wc);
-  ThreadMark* m = cq->pause->Enter();
-  if (m == nullptr) [[unlikely]] {
+  if (!Enter(cq->paused)) [[unlikely]] {
     // Paused: the application sees no new completion, and its thread may
     // run a migration step (Shim::OnAppThread). If that step was the
     // resume, this poll goes on: an event-driven program polls once per
     // event, and a completion must not wait for the next one.
     cq->ctx->shim->RunPendingStep();
-    m = cq->pause->Enter();
-    if (m == nullptr) return 0;
+    if (!Enter(cq->paused)) return 0;
   }
   const int got = PollTranslated(cq, n, wc);
-  PauseGate::Leave(m);
+  LeaveFast();
   return got;
 }
 
 int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
-  const Path path = cq->path.load(std::memory_order_relaxed);
-  if (path == Path::kDirect) [[likely]]
+  if (cq->path.load(std::memory_order_relaxed) == Path::kDirect) [[likely]]
     return cq->real_poll_cq(cq->real, n, wc);
-  if (path == Path::kMarked) [[likely]] {
-    ThreadMark* m = cq->pause->Enter();
-    if (m != nullptr) [[likely]] {
-      const int got = cq->real_poll_cq(cq->real, n, wc);
-      PauseGate::Leave(m);
-      return got;
-    }
+  return PollCqGated(cq, n, wc);
+}
+
+int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
+  Cq* cq = AsCq(ibcq);
+  if (cq->path.load(std::memory_order_relaxed) == Path::kMarked && EnterFast(cq->paused))
+      [[likely]] {
+    const int got = cq->real_poll_cq(cq->real, n, wc);
+    LeaveFast();
+    return got;
   }
   return PollCqGated(cq, n, wc);
 }
@@ -576,11 +600,10 @@ int ReqNotifyCq(ibv_cq* ibcq, int solicited_only) {
     return real->context->ops.req_notify_cq(real, solicited_only);
   }
   cq->armed.store(true, std::memory_order_relaxed);
-  ThreadMark* m = cq->pause->Enter();
-  if (m == nullptr) return 0;
+  if (!Enter(cq->paused)) return 0;
   ibv_cq* real = cq->real;
   const int rc = real->context->ops.req_notify_cq(real, solicited_only);
-  PauseGate::Leave(m);
+  LeaveFast();
   return rc;
 }
 
@@ -610,21 +633,19 @@ inline uint32_t Rkey(ibv_qp_ex* q, uint32_t rkey) { return PeerRkey(AsQp(q), rke
 void WrStart(ibv_qp_ex* q) {
   Qp* qp = AsQp(q);
   if (qp->pause != nullptr) {
-    ThreadMark* m;
-    while ((m = qp->pause->Enter()) == nullptr) {
+    while (!EnterBatch(qp->paused)) {
       qp->ctx->shim->RunPendingStep();
       usleep(1000);
     }
-    qp->batch_mark = m;
+    qp->in_batch = true;
   }
   qp->builder_signaled = 0;
   qp->real_ex->wr_start(qp->real_ex);
 }
 void EndBatch(Qp* qp) {
-  if (qp->batch_mark == nullptr) return;
-  ThreadMark* m = qp->batch_mark;
-  qp->batch_mark = nullptr;
-  PauseGate::Leave(m);
+  if (!qp->in_batch) return;
+  qp->in_batch = false;
+  LeaveBatch();
 }
 int WrComplete(ibv_qp_ex* q) {
   Qp* qp = AsQp(q);
@@ -754,10 +775,7 @@ inline int RealStartPoll(Cq* cq, ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
 }
 
 inline void EndBatch(Cq* cq) {
-  if (cq->batch_mark == nullptr) return;
-  ThreadMark* m = cq->batch_mark;
-  cq->batch_mark = nullptr;
-  PauseGate::Leave(m);
+  if (cq->pause != nullptr) LeaveBatch();
 }
 
 // A polling batch keeps the thread's mark raised from start_poll to
@@ -766,13 +784,9 @@ inline void EndBatch(Cq* cq) {
 // each once.
 int StartPoll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   Cq* cq = AsCq(c);
-  if (cq->pause != nullptr) {
-    ThreadMark* m = cq->pause->Enter();
-    if (m == nullptr) {
-      cq->ctx->shim->RunPendingStep();
-      return ENOENT;
-    }
-    cq->batch_mark = m;
+  if (cq->pause != nullptr && !EnterBatch(cq->paused)) {
+    cq->ctx->shim->RunPendingStep();
+    return ENOENT;
   }
   cq->real_batch = false;
   if (HeldCursor(cq, c)) return 0;
@@ -875,12 +889,12 @@ ibv_qp* OpenQpUnsupported(ibv_context*, ibv_qp_open_attr*) {
 
 }  // namespace
 
-void InstallContextOps(Context* ctx) {
+void InstallContextOps(Context* ctx, bool pausable) {
   ibv_context* s = Shadow(ctx);
-  s->ops.post_send = PostSend;
-  s->ops.post_recv = PostRecv;
-  s->ops.post_srq_recv = PostSrqRecv;
-  s->ops.poll_cq = PollCq;
+  s->ops.post_send = pausable ? PostSendPausable : PostSend;
+  s->ops.post_recv = pausable ? PostRecvPausable : PostRecv;
+  s->ops.post_srq_recv = pausable ? PostSrqRecvPausable : PostSrqRecv;
+  s->ops.poll_cq = pausable ? PollCqPausable : PollCq;
   s->ops.req_notify_cq = ReqNotifyCq;
   s->ops.alloc_mw = AllocMwUnsupported;
   // Extended verbs find these through verbs_get_ctx_op(); ops left null

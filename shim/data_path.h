@@ -36,8 +36,9 @@ inline bool IsMarker(const Qp* qp, uint64_t wr_id) {
   return wr_id == SendMarkerId(qp) || wr_id == RecvMarkerId(qp);
 }
 
-// Fills a new shadow context's ops and verbs_context entry points.
-void InstallContextOps(Context* ctx);
+// Fills a new shadow context's ops and verbs_context entry points: those
+// of a process the migrator may move (`pausable`) raise the thread's mark.
+void InstallContextOps(Context* ctx, bool pausable);
 // Fills a shadow QP's ibv_qp_ex function pointers where the real QP has them.
 void InstallQpExOps(Qp* qp);
 // Fills a shadow CQ's ibv_cq_ex function pointers where the real CQ has them.

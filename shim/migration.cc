@@ -151,6 +151,15 @@ void Shim::GuessEndpointGid() {
   }
 }
 
+void Shim::SetPaused(bool paused) {
+  for (const auto& [p, k] : shadows_) {
+    void* o = const_cast<void*>(p);
+    if (k == Kind::kQp) static_cast<Qp*>(o)->paused.store(paused, std::memory_order_relaxed);
+    if (k == Kind::kCq) static_cast<Cq*>(o)->paused.store(paused, std::memory_order_relaxed);
+    if (k == Kind::kSrq) static_cast<Srq*>(o)->paused.store(paused, std::memory_order_relaxed);
+  }
+}
+
 bool Shim::PostSendMarker(Qp* qp, std::string* why) {
   ibv_send_wr wr{};
   wr.wr_id = SendMarkerId(qp);
@@ -162,25 +171,40 @@ bool Shim::PostSendMarker(Qp* qp, std::string* why) {
     qp->send_marker_pending = true;
     return true;
   }
+  if (rc == EINVAL) return true;  // not in a state that sends: nothing in flight
   if (rc != ENOMEM && why->empty()) *why = Errno("posting a drain marker", rc);
   return false;
 }
 
 Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward) {
-  std::lock_guard<std::mutex> lock(mu_);
   *drained_sends = 0;
-  if (!migratable_)
-    return Error(Code::kFailedPrecondition,
-                 "the process started without a migrator: its queues take the fast path and "
-                 "cannot be paused");
-  if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!migratable_)
+      return Error(Code::kFailedPrecondition,
+                   "the process started without a migrator: its queues take the fast path and "
+                   "cannot be paused");
+    if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
+    GuessEndpointGid();
+    SetPaused(true);
+    std::string why;
+    if (!pause_.Close(drain_timeout_ms, &why)) {
+      SetPaused(false);
+      return Error(Code::kDeadlineExceeded, "pausing the data path: " + why);
+    }
+    paused_ = true;
+  }
+  // The drain posts markers: after a CRIU restore only an application
+  // thread may (OnAppThread), and they are all paused now.
+  return OnAppThread([&] { return DrainNow(drain_timeout_ms, drained_sends, toward); });
+}
+
+Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!paused_ || released_) return Error(Code::kFailedPrecondition, "the drain needs a paused endpoint");
   const std::vector<Cq*> cqs = All<Cq>(Kind::kCq);
   const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
-  GuessEndpointGid();
   std::string why;
-  if (!pause_.Close(drain_timeout_ms, &why))
-    return Error(Code::kDeadlineExceeded, "pausing the data path: " + why);
-  paused_ = true;
 
   // Every send posted completes before the pause ends: an RC or UC QP's
   // send queue completes in order, so once a marker posted behind the
@@ -193,7 +217,10 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const i
     qp->send_marker_pending = false;
     if (qp->real == nullptr || qp->shadow.qp_base.qp_type == IBV_QPT_UD) continue;
     if (toward != nullptr && memcmp(qp->remote_gid.raw, toward->raw, 16) != 0) continue;
-    if (RealQpState(qp) != IBV_QPS_RTS) continue;  // nothing in flight, or flushed
+    // A QP never brought to RTS has sent nothing (and refuses the post);
+    // one in the error state completes the marker at once, flushed.
+    if (qp->shadow.qp_base.state != IBV_QPS_RTS && qp->shadow.qp_base.state != IBV_QPS_SQD)
+      continue;
     if (!PostSendMarker(qp, &why)) unposted.push_back(qp);  // a full send queue: again below
   }
   const uint64_t deadline = NowUs() + uint64_t{drain_timeout_ms} * 1000;
@@ -690,6 +717,7 @@ Status Shim::ResumeNow() {
     qp->queued_sends.clear();
   }
   OweEvents();
+  SetPaused(false);
   pause_.Open();
   paused_ = false;
   if (!st.ok()) LogOnce(st.message.c_str());

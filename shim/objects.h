@@ -131,7 +131,7 @@ struct Cq {
   // handed out before the real CQ's. Written by the control thread while
   // paused only; `pending_head` is claimed by pollers with a CAS.
   PauseGate* pause = nullptr;  // the shim's, when the process is migratable
-  ThreadMark* batch_mark = nullptr;  // raised from ibv_start_poll to ibv_end_poll
+  std::atomic<bool> paused{false};  // set by the control thread (pause.h)
   std::vector<ibv_wc> pending;
   std::atomic<uint32_t> pending_head{0};
   uint32_t pending_count = 0;
@@ -162,7 +162,8 @@ struct Srq {
   Pd* pd = nullptr;
   ibv_srq_init_attr init{};
   RecvLog recvs;
-  PauseGate* pause = nullptr;  // as Cq::pause
+  PauseGate* pause = nullptr;       // as Cq::pause
+  std::atomic<bool> paused{false};  // as Cq::paused
   // Successful receive completions: an SRQ's receives are not flushed when
   // its QPs fail, so its CQs count them (kTranslated).
   std::atomic<uint64_t> recvs_done{0};
@@ -208,8 +209,9 @@ struct Qp {
   // send queue completes in order. A UD QP's signaled sends are counted
   // instead (its posts translate anyway). A release counts a QP's
   // receives still posted from their flushes.
-  PauseGate* pause = nullptr;        // as Cq::pause
-  ThreadMark* batch_mark = nullptr;  // raised from ibv_wr_start to ibv_wr_complete
+  PauseGate* pause = nullptr;       // as Cq::pause
+  std::atomic<bool> paused{false};  // as Cq::paused
+  bool in_batch = false;            // between ibv_wr_start and wr_complete/abort
   std::atomic<uint64_t> signaled_posted{0};  // UD
   std::atomic<uint64_t> sends_done{0};       // UD
   std::atomic<bool> unsignaled_tail{false};  // UD: unsignaled sends after the last signaled one

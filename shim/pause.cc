@@ -8,55 +8,35 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <new>
+#include <algorithm>
 #include <vector>
 
 #include "shim/log.h"
 
 namespace rdmavirt::shim {
 
-__thread ThreadMark* tls_thread_mark __attribute__((tls_model("initial-exec"))) = nullptr;
+__thread ThreadMark tls_thread_mark __attribute__((tls_model("initial-exec")));
 
 namespace {
 
-// Every mark ever handed out. Never freed: the control thread reads marks
-// of threads that may be exiting.
+// The marks of the live threads that have made a gated call. A thread
+// leaves it (its key's destructor) before its thread-local storage goes;
+// the control thread holds the mutex while it reads marks.
 struct Registry {
   std::mutex mu;
   std::vector<ThreadMark*> marks;
   pthread_key_t key;
   bool key_ok = false;
-  // Used when no mark can be allocated: shared, so a pause may miss a
-  // call of such a thread; said once in the log.
-  ThreadMark fallback;
 };
 
-Registry& Marks() {
-  // Leaked on purpose: threads exit after static destructors have run.
-  static Registry* r = [] {
-    Registry* reg = new Registry;
-    reg->key_ok = pthread_key_create(&reg->key, [](void* p) {
-                    ThreadMark* m = static_cast<ThreadMark*>(p);
-                    Registry& regs = Marks();
-                    std::lock_guard<std::mutex> lock(regs.mu);
-                    m->depth.store(0, std::memory_order_release);
-                    m->in_use = false;
-                  }) == 0;
-    // A forked child has one thread: the others' marks are free, and the
-    // registry's mutex is not held by a thread that does not exist there.
-    pthread_atfork([] { Marks().mu.lock(); }, [] { Marks().mu.unlock(); },
-                   [] {
-                     Registry& regs = Marks();
-                     for (ThreadMark* m : regs.marks) {
-                       if (m == tls_thread_mark) continue;
-                       m->depth.store(0, std::memory_order_relaxed);
-                       m->in_use = false;
-                     }
-                     regs.mu.unlock();
-                   });
-    return reg;
-  }();
-  return *r;
+Registry& Marks();
+
+void Unregister(void* p) {
+  ThreadMark* m = static_cast<ThreadMark*>(p);
+  Registry& r = Marks();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.marks.erase(std::remove(r.marks.begin(), r.marks.end(), m), r.marks.end());
+  m->registered = false;
 }
 
 long Membarrier(int cmd) { return syscall(SYS_membarrier, cmd, 0, 0); }
@@ -67,32 +47,38 @@ uint64_t NowMs() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000u + static_cast<uint64_t>(ts.tv_nsec) / 1000000u;
 }
 
+Registry& Marks() {
+  // Leaked on purpose: threads exit after static destructors have run.
+  static Registry* r = [] {
+    Registry* reg = new Registry;
+    reg->key_ok = pthread_key_create(&reg->key, Unregister) == 0;
+    // A forked child has one thread: the others' marks are gone, and the
+    // mutex is not held by a thread that does not exist there.
+    pthread_atfork([] { Marks().mu.lock(); }, [] { Marks().mu.unlock(); },
+                   [] {
+                     Registry& regs = Marks();
+                     regs.marks.clear();
+                     if (tls_thread_mark.registered) regs.marks.push_back(&tls_thread_mark);
+                     regs.mu.unlock();
+                   });
+    return reg;
+  }();
+  return *r;
+}
+
 }  // namespace
 
-ThreadMark* RegisterThreadMark() {
+void RegisterThreadMark() {
   Registry& r = Marks();
-  ThreadMark* mark = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(r.mu);
-    for (ThreadMark* m : r.marks) {
-      if (!m->in_use) {
-        mark = m;
-        break;
-      }
-    }
-    if (mark == nullptr) {
-      mark = new (std::nothrow) ThreadMark;
-      if (mark != nullptr) r.marks.push_back(mark);
-    }
-    if (mark == nullptr) {
-      LogOnce("out of memory for a thread's data-path mark: pauses may miss its calls");
-      return &r.fallback;
-    }
-    mark->in_use = true;
+  ThreadMark* m = &tls_thread_mark;
+  if (!r.key_ok || pthread_setspecific(r.key, m) != 0) {
+    // Registered all the same: a pause must see this thread's calls. Its
+    // mark stays listed after it exits (memory the thread no longer owns).
+    LogOnce("no exit hook for a thread's data-path mark (pthread_setspecific failed)");
   }
-  if (r.key_ok) pthread_setspecific(r.key, mark);
-  tls_thread_mark = mark;
-  return mark;
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.marks.push_back(m);
+  m->registered = true;
 }
 
 bool AsymmetricFenceAvailable() {
@@ -115,18 +101,13 @@ bool PauseGate::Close(uint32_t timeout_ms, std::string* error) {
     *error = "membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) failed: the data path cannot be paused";
     return false;
   }
-  std::vector<ThreadMark*> marks;
-  {
-    Registry& r = Marks();
-    std::lock_guard<std::mutex> lock(r.mu);
-    marks = r.marks;
-    marks.push_back(&r.fallback);
-  }
-  const ThreadMark* self = tls_thread_mark;
+  Registry& r = Marks();
+  std::lock_guard<std::mutex> lock(r.mu);
   const uint64_t deadline = NowMs() + timeout_ms;
-  for (const ThreadMark* m : marks) {
-    if (m == self) continue;
-    while (m->depth.load(std::memory_order_acquire) != 0) {
+  for (const ThreadMark* m : r.marks) {
+    if (m == &tls_thread_mark) continue;
+    while (m->depth.load(std::memory_order_acquire) != 0 ||
+           m->batches.load(std::memory_order_acquire) != 0) {
       if (NowMs() > deadline) {
         Open();
         *error = "a thread stayed inside a post, poll or polling batch for " +

@@ -1,19 +1,19 @@
 // The pause of a migratable process's data path, paid for by the pause.
 //
-// Each application thread has a mark that it raises while it is inside a
-// post or a poll (or a polling or work-request batch) and lowers when it
-// leaves: plain stores to a cache line no other thread writes. The control
-// thread closes the gate with one store, then makes every thread of the
-// process pass a full memory barrier (membarrier(2),
-// MEMBARRIER_CMD_PRIVATE_EXPEDITED), then waits until no other thread's
-// mark is raised. A thread that raised its mark before that barrier is
-// seen by the wait; one that reads the gate after it sees it closed. So the
-// data path needs no locked instruction and no fence of its own: the
-// asymmetric fence moves the cost of ordering to the rare side.
+// Each application thread has a mark, in its own thread-local storage,
+// that it raises while it is inside a post or a poll (or a polling or
+// work-request batch) and lowers when it leaves: plain stores to memory no
+// other thread writes. Each queue and CQ has a `paused` flag. The control
+// thread sets the flags of the objects it pauses with plain stores, then
+// makes every thread of the process pass a full memory barrier
+// (membarrier(2), MEMBARRIER_CMD_PRIVATE_EXPEDITED), then waits until no
+// other thread's mark is raised. A thread that raised its mark before that
+// barrier is seen by the wait; one that reads a flag after it sees it set.
+// So the data path needs no locked instruction and no fence of its own:
+// the asymmetric fence moves the cost of ordering to the rare side.
 //
-// Thread safety: Enter/Leave on application threads, Close/Open on one
-// control thread at a time (the shim's mutex). Marks are never freed; a
-// thread's mark is reused by a later thread once it has exited.
+// Thread safety: the data-path helpers on application threads, Close and
+// Open on one control thread at a time (the shim's mutex).
 #ifndef RDMAVIRT_SHIM_PAUSE_H_
 #define RDMAVIRT_SHIM_PAUSE_H_
 
@@ -24,58 +24,89 @@
 
 namespace rdmavirt::shim {
 
-// One thread's in-call mark: how deep it is inside gated data-path calls.
-// Written only by its thread; read by the control thread.
-struct alignas(64) ThreadMark {
-  std::atomic<uint32_t> depth{0};
-  bool in_use = false;  // owned by a live thread (guarded by the registry's mutex)
+// One thread's in-call mark. Written only by its thread; read by the
+// control thread while the thread is registered.
+struct ThreadMark {
+  std::atomic<uint32_t> depth{0};    // inside a post, poll or notify: 0 or 1
+  std::atomic<uint32_t> batches{0};  // open ibv_wr_start / ibv_start_poll batches
+  bool registered = false;           // the control thread knows this mark
 };
 
-// The calling thread's mark, null until its first gated call. Initial-exec
-// TLS: the shim is preloaded, so the access is one load from %fs.
-extern __thread ThreadMark* tls_thread_mark __attribute__((tls_model("initial-exec")));
+// The calling thread's mark. Initial-exec TLS: the shim is preloaded, so
+// the access is a load of the offset and an %fs-relative store.
+extern __thread ThreadMark tls_thread_mark __attribute__((tls_model("initial-exec")));
 
-// Gives the calling thread a mark (first gated call of the thread).
-ThreadMark* RegisterThreadMark();
+// Makes the calling thread's mark known to the control thread (its first
+// gated call; the slow path). Unregistered again when the thread exits.
+void RegisterThreadMark();
 
 // True when the kernel offers the asymmetric fence (Linux 4.14 and later,
 // unless a seccomp filter refuses membarrier); registers the process for it.
 bool AsymmetricFenceAvailable();
 
+// ---- The data path.
+
+// The fast entry: raises the mark of a registered thread and says whether
+// `paused` was clear. False (mark lowered) when paused or not registered:
+// take the slow path (Enter).
+inline bool EnterFast(const std::atomic<bool>& paused) {
+  ThreadMark& m = tls_thread_mark;
+  if (!m.registered) [[unlikely]]
+    return false;
+  m.depth.store(1, std::memory_order_relaxed);
+  // Ordered against the load below by the control thread's membarrier.
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  if (paused.load(std::memory_order_relaxed)) [[unlikely]] {
+    m.depth.store(0, std::memory_order_relaxed);
+    return false;
+  }
+  return true;
+}
+inline void LeaveFast() {
+  // Release: what the call did is visible before the mark falls.
+  tls_thread_mark.depth.store(0, std::memory_order_release);
+}
+
+// The slow entry: registers the thread if needed; false when paused.
+inline bool Enter(const std::atomic<bool>& paused) {
+  if (!tls_thread_mark.registered) RegisterThreadMark();
+  return EnterFast(paused);
+}
+
+// A batch keeps the mark raised across calls (nested in a post or poll).
+inline bool EnterBatch(const std::atomic<bool>& paused) {
+  ThreadMark& m = tls_thread_mark;
+  if (!m.registered) RegisterThreadMark();
+  m.batches.store(m.batches.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  if (paused.load(std::memory_order_relaxed)) {
+    m.batches.store(m.batches.load(std::memory_order_relaxed) - 1, std::memory_order_relaxed);
+    return false;
+  }
+  return true;
+}
+inline void LeaveBatch() {
+  ThreadMark& m = tls_thread_mark;
+  m.batches.store(m.batches.load(std::memory_order_relaxed) - 1, std::memory_order_release);
+}
+
+// ---- The control thread.
 class PauseGate {
  public:
-  // Data path. Raises the thread's mark; nullptr (mark lowered again) when
-  // the gate is closed. Leave with the mark it returned.
-  ThreadMark* Enter() const {
-    ThreadMark* m = tls_thread_mark;
-    if (m == nullptr) [[unlikely]]
-      m = RegisterThreadMark();
-    m->depth.store(m->depth.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-    // Ordered against the load below by the control thread's membarrier.
-    std::atomic_signal_fence(std::memory_order_seq_cst);
-    if (closed_.load(std::memory_order_relaxed)) [[unlikely]] {
-      Leave(m);
-      return nullptr;
-    }
-    return m;
-  }
-  static void Leave(ThreadMark* m) {
-    // Release: what the call did is visible before the mark falls.
-    m->depth.store(m->depth.load(std::memory_order_relaxed) - 1, std::memory_order_release);
-  }
-  bool closed() const { return closed_.load(std::memory_order_acquire); }
-
-  // Control thread. Closes the gate and waits until no thread but the
-  // caller is inside a gated call. Fails (the gate open again, `error`
-  // saying why) when the fence is unavailable or a thread stays inside a
-  // call (a polling batch never ended, say) for `timeout_ms`.
+  // After the caller has set the `paused` flags of the objects to pause:
+  // waits until no thread but the caller is inside a gated call. Fails
+  // (`error` says why; the caller clears the flags) when the fence is
+  // unavailable or a thread stays inside a call (a polling batch never
+  // ended, say) for `timeout_ms`.
   bool Close(uint32_t timeout_ms, std::string* error);
+  // Whether objects created now start paused; set by Close, cleared by Open.
+  bool closed() const { return closed_.load(std::memory_order_acquire); }
   void Open() { closed_.store(false, std::memory_order_release); }
 
-  // Guards the queues of posts made while the gate is closed (objects.h):
-  // a post that finds the gate closed queues under it, and the resume
-  // replays the queues and opens the gate under it, so no post overtakes
-  // one that was queued.
+  // Guards the queues of posts made while paused (objects.h): a post that
+  // finds its object paused queues under it, and the resume replays the
+  // queues and clears the flags under it, so no post overtakes one that
+  // was queued.
   std::mutex& queue_mu() { return queue_mu_; }
 
  private:

@@ -143,7 +143,7 @@ ibv_context* Shim::OpenDevice(ibv_device* device) {
   s->async_fd = real->async_fd;
   s->num_comp_vectors = real->num_comp_vectors;
   InitMutexCond(&s->mutex, nullptr);
-  InstallContextOps(ctx);
+  InstallContextOps(ctx, migratable_);
   std::lock_guard<std::mutex> lock(mu_);
   Register(s, Kind::kContext);
   return s;
@@ -476,6 +476,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   real->cq_context = cq;
   if (real_ex != nullptr) InstallCqExOps(cq);
   std::lock_guard<std::mutex> lock(mu_);
+  cq->paused.store(paused_);
   Register(cq, Kind::kCq);
   return reinterpret_cast<ibv_cq*>(&cq->shadow);
 }
@@ -701,6 +702,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
                   : migratable_   ? Path::kMarked
                                   : Path::kDirect);
   srq->pause = migratable_ ? &pause_ : nullptr;
+  srq->paused.store(paused_);
   Register(srq, Kind::kSrq);
   return &srq->shadow;
 }
@@ -778,6 +780,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
     return nullptr;
   }
   qp->path.store(QpPath(*qp));
+  qp->paused.store(paused_);  // created between two steps of a pause
   // A migratable process counts a UD QP's sends and an SRQ's receives
   // where they complete.
   if (migratable_ && qp->shadow.qp_base.qp_type == IBV_QPT_UD) {

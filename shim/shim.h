@@ -211,6 +211,10 @@ class Shim {
   Status OnAppThread(const std::function<Status()>& step);
   Status RecreateReal(const std::string& device);  // requires mu_
   Status Reconnect(Qp* qp);                        // requires mu_
+  // Quiesce's second half: the drain, on an application thread if need be.
+  Status DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward);
+  // Sets or clears every queue's and CQ's `paused` flag (pause.h).
+  void SetPaused(bool paused);  // requires mu_
   // Posts a QP's drain marker; false if its send queue is full (or the
   // post failed: `why` says so).
   bool PostSendMarker(Qp* qp, std::string* why);  // requires mu_, paused

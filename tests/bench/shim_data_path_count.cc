@@ -256,14 +256,13 @@ bool CheckMarkedPath(DataPathFixture& f) {
     std::fprintf(stderr, "check: the migratable stack has a queue off the marked path\n");
     return false;
   }
-  shim::tls_thread_mark = nullptr;  // so that the post must register this thread again
   ibv_send_wr* bad = nullptr;
   ibv_wc wc{};
   if (ibv_post_send(s.qp, &s.send, &bad) != 0 || ibv_poll_cq(s.send_cq, 1, &wc) != 1) {
     std::fprintf(stderr, "check: a post or poll on the migratable stack failed\n");
     return false;
   }
-  if (shim::tls_thread_mark == nullptr || shim::tls_thread_mark->depth.load() != 0) {
+  if (!shim::tls_thread_mark.registered || shim::tls_thread_mark.depth.load() != 0) {
     std::fprintf(stderr, "check: the migratable stack's post and poll did not pass the mark\n");
     return false;
   }

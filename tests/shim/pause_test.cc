@@ -1,6 +1,7 @@
-// The data path's pause (shim/pause.h): a closed gate keeps every thread
-// out of gated calls, Close waits for the calls in flight and gives up
-// on one that never ends, and exited threads' marks are reused.
+// The data path's pause (shim/pause.h): a set flag keeps every thread out
+// of gated calls once Close returns, Close waits for the calls in flight
+// and gives up on one that never ends, and exited threads' marks leave
+// the registry.
 #include "shim/pause.h"
 
 #include <gtest/gtest.h>
@@ -16,20 +17,53 @@ namespace {
 class PauseTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_TRUE(AsymmetricFenceAvailable()); }
+  // What the shim does to pause: the objects' flags, then Close.
+  bool Pause(uint32_t timeout_ms, std::string* why) {
+    paused_.store(true);
+    if (gate_.Close(timeout_ms, why)) return true;
+    paused_.store(false);
+    return false;
+  }
+  void Resume() {
+    paused_.store(false);
+    gate_.Open();
+  }
   PauseGate gate_;
+  std::atomic<bool> paused_{false};
 };
 
-TEST_F(PauseTest, EnterFailsWhileClosedAndWorksAgainAfterOpen) {
+TEST_F(PauseTest, AnUnregisteredThreadTakesTheSlowPathWhichRegistersIt) {
+  std::thread([&] {
+    EXPECT_FALSE(tls_thread_mark.registered);
+    EXPECT_FALSE(EnterFast(paused_)) << "the fast entry needs a registered mark";
+    ASSERT_TRUE(Enter(paused_));
+    EXPECT_TRUE(tls_thread_mark.registered);
+    EXPECT_EQ(tls_thread_mark.depth.load(), 1u);
+    LeaveFast();
+    EXPECT_TRUE(EnterFast(paused_));
+    LeaveFast();
+    EXPECT_EQ(tls_thread_mark.depth.load(), 0u);
+  }).join();
+}
+
+TEST_F(PauseTest, EntriesFailWhilePausedAndWorkAgainAfter) {
   std::string why;
-  ASSERT_TRUE(gate_.Close(100, &why)) << why;
-  EXPECT_EQ(gate_.Enter(), nullptr);
-  EXPECT_EQ(tls_thread_mark->depth.load(), 0u) << "a refused Enter lowers its mark";
-  gate_.Open();
-  ThreadMark* m = gate_.Enter();
-  ASSERT_NE(m, nullptr);
-  EXPECT_EQ(m->depth.load(), 1u);
-  PauseGate::Leave(m);
-  EXPECT_EQ(m->depth.load(), 0u);
+  ASSERT_TRUE(Enter(paused_));
+  LeaveFast();
+  ASSERT_TRUE(Pause(100, &why)) << why;
+  EXPECT_TRUE(gate_.closed());
+  EXPECT_FALSE(EnterFast(paused_));
+  EXPECT_FALSE(Enter(paused_));
+  EXPECT_FALSE(EnterBatch(paused_));
+  EXPECT_EQ(tls_thread_mark.depth.load(), 0u) << "a refused entry lowers its mark";
+  EXPECT_EQ(tls_thread_mark.batches.load(), 0u);
+  Resume();
+  ASSERT_TRUE(EnterBatch(paused_));
+  ASSERT_TRUE(EnterFast(paused_));  // a post inside a polling batch
+  LeaveFast();
+  EXPECT_EQ(tls_thread_mark.batches.load(), 1u) << "the batch still holds the mark";
+  LeaveBatch();
+  EXPECT_EQ(tls_thread_mark.batches.load(), 0u);
 }
 
 TEST_F(PauseTest, CloseWaitsForACallInFlight) {
@@ -37,12 +71,11 @@ TEST_F(PauseTest, CloseWaitsForACallInFlight) {
   std::atomic<bool> release{false};
   std::atomic<bool> left{false};
   std::thread t([&] {
-    ThreadMark* m = gate_.Enter();
-    ASSERT_NE(m, nullptr);
+    ASSERT_TRUE(Enter(paused_));
     inside.store(true);
     while (!release.load()) std::this_thread::yield();
     left.store(true);
-    PauseGate::Leave(m);
+    LeaveFast();
   });
   while (!inside.load()) std::this_thread::yield();
   std::thread releaser([&] {
@@ -50,35 +83,58 @@ TEST_F(PauseTest, CloseWaitsForACallInFlight) {
     release.store(true);
   });
   std::string why;
-  EXPECT_TRUE(gate_.Close(10000, &why)) << why;
+  EXPECT_TRUE(Pause(10000, &why)) << why;
   EXPECT_TRUE(left.load()) << "Close returned while a thread was inside a call";
   releaser.join();
   t.join();
-  gate_.Open();
+  Resume();
+}
+
+TEST_F(PauseTest, CloseWaitsForAnOpenBatch) {
+  std::atomic<bool> inside{false};
+  std::atomic<bool> release{false};
+  std::atomic<bool> left{false};
+  std::thread t([&] {
+    ASSERT_TRUE(EnterBatch(paused_));
+    inside.store(true);
+    while (!release.load()) std::this_thread::yield();
+    left.store(true);
+    LeaveBatch();
+  });
+  while (!inside.load()) std::this_thread::yield();
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    release.store(true);
+  });
+  std::string why;
+  EXPECT_TRUE(Pause(10000, &why)) << why;
+  EXPECT_TRUE(left.load()) << "Close returned while a batch was open";
+  releaser.join();
+  t.join();
+  Resume();
 }
 
 TEST_F(PauseTest, CloseGivesUpOnACallThatNeverEndsAndOpensAgain) {
   std::atomic<bool> inside{false};
   std::atomic<bool> release{false};
   std::thread t([&] {
-    ThreadMark* m = gate_.Enter();
-    ASSERT_NE(m, nullptr);
+    ASSERT_TRUE(Enter(paused_));
     inside.store(true);
     while (!release.load()) std::this_thread::yield();
-    PauseGate::Leave(m);
+    LeaveFast();
   });
   while (!inside.load()) std::this_thread::yield();
   std::string why;
-  EXPECT_FALSE(gate_.Close(50, &why));
+  EXPECT_FALSE(Pause(50, &why));
   EXPECT_NE(why.find("stayed inside"), std::string::npos) << why;
   EXPECT_FALSE(gate_.closed());
   release.store(true);
   t.join();
 }
 
-TEST_F(PauseTest, NoThreadIsInsideWhileClosed) {
-  // Each worker bumps a plain counter inside gated calls; while the gate
-  // is closed the counter must not move.
+TEST_F(PauseTest, NoThreadIsInsideWhilePaused) {
+  // Each worker bumps its counter inside gated calls; while paused the
+  // counters must not move.
   constexpr int kWorkers = 3;
   std::atomic<bool> stop{false};
   std::vector<std::atomic<uint64_t>> counters(kWorkers);
@@ -86,23 +142,22 @@ TEST_F(PauseTest, NoThreadIsInsideWhileClosed) {
   for (int i = 0; i < kWorkers; ++i) {
     workers.emplace_back([&, i] {
       while (!stop.load(std::memory_order_relaxed)) {
-        ThreadMark* m = gate_.Enter();
-        if (m == nullptr) continue;
+        if (!EnterFast(paused_) && !Enter(paused_)) continue;
         counters[i].store(counters[i].load(std::memory_order_relaxed) + 1,
                           std::memory_order_relaxed);
-        PauseGate::Leave(m);
+        LeaveFast();
       }
     });
   }
   int violations = 0;
   for (int round = 0; round < 200; ++round) {
     std::string why;
-    ASSERT_TRUE(gate_.Close(10000, &why)) << why;
+    ASSERT_TRUE(Pause(10000, &why)) << why;
     std::vector<uint64_t> before;
     for (auto& c : counters) before.push_back(c.load());
     std::this_thread::sleep_for(std::chrono::microseconds(200));
     for (int i = 0; i < kWorkers; ++i) violations += counters[i].load() != before[i];
-    gate_.Open();
+    Resume();
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   stop.store(true);
@@ -111,19 +166,18 @@ TEST_F(PauseTest, NoThreadIsInsideWhileClosed) {
   for (auto& c : counters) EXPECT_GT(c.load(), 0u) << "a worker never got in";
 }
 
-TEST_F(PauseTest, AnExitedThreadsMarkIsReused) {
-  ThreadMark* first = nullptr;
-  std::thread([&] {
-    PauseGate::Leave(gate_.Enter());
-    first = tls_thread_mark;
-  }).join();
-  ThreadMark* second = nullptr;
-  std::thread([&] {
-    PauseGate::Leave(gate_.Enter());
-    second = tls_thread_mark;
-  }).join();
-  ASSERT_NE(first, nullptr);
-  EXPECT_EQ(first, second);
+TEST_F(PauseTest, AThreadThatExitedIsNotWaitedFor) {
+  // Its mark leaves the registry with it: a pause afterwards neither
+  // reads its memory nor waits for it.
+  for (int i = 0; i < 50; ++i) {
+    std::thread([&] {
+      ASSERT_TRUE(Enter(paused_));
+      LeaveFast();
+    }).join();
+  }
+  std::string why;
+  EXPECT_TRUE(Pause(1000, &why)) << why;
+  Resume();
 }
 
 }  // namespace

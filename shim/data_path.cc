@@ -157,7 +157,7 @@ inline int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
 // queue: then the post goes through after all.
 int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   std::unique_lock<std::mutex> lock(qp->pause->queue_mu());
-  if (!qp->paused.load()) {
+  if (!qp->path.paused()) {
     lock.unlock();
     return PostSendGated(qp, wr, bad);
   }
@@ -181,11 +181,11 @@ int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return 0;
 }
 
-int QueueRecvsInto(PauseGate* pause, const std::atomic<bool>& paused,
+int QueueRecvsInto(PauseGate* pause, const PathState& path,
                    std::vector<QueuedRecv>* queue, uint32_t max_sge, ibv_recv_wr* wr,
                    ibv_recv_wr** bad, bool* resumed) {
   std::lock_guard<std::mutex> lock(pause->queue_mu());
-  if (!paused.load()) {
+  if (!path.paused()) {
     *resumed = true;
     return 0;
   }
@@ -202,7 +202,7 @@ int QueueRecvsInto(PauseGate* pause, const std::atomic<bool>& paused,
 int QueueRecvs(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   bool resumed = false;
   const int rc =
-      QueueRecvsInto(qp->pause, qp->paused, &qp->queued_recvs, qp->init.cap.max_recv_sge, wr, bad,
+      QueueRecvsInto(qp->pause, qp->path, &qp->queued_recvs, qp->init.cap.max_recv_sge, wr, bad,
                      &resumed);
   return resumed ? PostRecvGated(qp, wr, bad) : rc;
 }
@@ -210,7 +210,7 @@ int QueueRecvs(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 int QueueRecvs(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   bool resumed = false;
   const int rc =
-      QueueRecvsInto(srq->pause, srq->paused, &srq->queued_recvs, srq->init.attr.max_sge, wr, bad,
+      QueueRecvsInto(srq->pause, srq->path, &srq->queued_recvs, srq->init.attr.max_sge, wr, bad,
                      &resumed);
   return resumed ? PostSrqRecvGated(srq, wr, bad) : rc;
 }
@@ -244,7 +244,7 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
 // (registered here on its first call) when the process may be paused.
 [[gnu::noinline]] int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   if (qp->pause == nullptr) return PostSendTranslated(qp, wr, bad);
-  if (!Enter(qp->paused)) [[unlikely]]
+  if (!Enter(qp->path)) [[unlikely]]
     return PostSendPaused(qp, wr, bad);
   const int rc = PostSendReal(qp, wr, bad);
   LeaveFast();
@@ -254,7 +254,7 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
 // A process the migrator cannot move: a tail call, or the translating path.
 int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  if (qp->path.load(std::memory_order_relaxed) == Path::kDirect) [[likely]]
+  if (qp->path.Is(Path::kDirect)) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
   return PostSendGated(qp, wr, bad);
 }
@@ -262,7 +262,7 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
 // A process the migrator may move: the provider's call inside the mark.
 int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  if (qp->path.load(std::memory_order_relaxed) == Path::kMarked && EnterFast(qp->paused))
+  if (EnterMarked(qp->path))
       [[likely]] {
     const int rc = qp->real_post_send(qp->real, wr, bad);
     LeaveFast();
@@ -398,80 +398,101 @@ int DrainCq(Cq* cq, uint32_t* sends) {
   }
   cq->pending_count = static_cast<uint32_t>(cq->pending.size());
   // Held completions are handed out by the translating path.
-  if (cq->pending_count > 0) cq->path.store(Path::kTranslated);
+  if (cq->pending_count > 0) cq->path.Set(Path::kTranslated);
   return total;
 }
 
 namespace {
 
+// The slow path of every receive post (a chain, a translation, a pause):
+// logged, and translated unless nothing needs it.
+int PostRecvAny(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  if (qp->path.get() == Path::kTranslated) return PostRecvReal(qp, wr, bad);
+  ibv_qp* real = qp->real;
+  auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
+    return qp->real_post_recv(real, w, b);
+  };
+  return PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
+}
+int PostSrqRecvAny(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  if (srq->path.get() == Path::kTranslated) return PostSrqRecvReal(srq, wr, bad);
+  ibv_srq* real = srq->real;
+  auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
+    return srq->real_post_srq_recv(real, w, b);
+  };
+  return PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
+}
+
 [[gnu::noinline]] int PostRecvGated(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  if (qp->pause == nullptr) return PostRecvReal(qp, wr, bad);
-  if (!Enter(qp->paused)) [[unlikely]]
+  if (qp->pause == nullptr) return PostRecvAny(qp, wr, bad);
+  if (!Enter(qp->path)) [[unlikely]]
     return QueueRecvs(qp, wr, bad);
-  const int rc = PostRecvReal(qp, wr, bad);
+  const int rc = PostRecvAny(qp, wr, bad);
   LeaveFast();
   return rc;
 }
 
 [[gnu::noinline]] int PostSrqRecvGated(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  if (srq->pause == nullptr) return PostSrqRecvReal(srq, wr, bad);
-  if (!Enter(srq->paused)) [[unlikely]]
+  if (srq->pause == nullptr) return PostSrqRecvAny(srq, wr, bad);
+  if (!Enter(srq->path)) [[unlikely]]
     return QueueRecvs(srq, wr, bad);
-  const int rc = PostSrqRecvReal(srq, wr, bad);
+  const int rc = PostSrqRecvAny(srq, wr, bad);
   LeaveFast();
   return rc;
 }
 
+// One receive WR, the common case: logged, then posted.
+template <typename Real>
+inline bool PostOneRecv(RecvLog* log, Real* real,
+                        int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**), ibv_recv_wr* wr,
+                        ibv_recv_wr** bad, int* rc) {
+  if (wr == nullptr || wr->next != nullptr || !log->Push(wr)) [[unlikely]]
+    return false;
+  *rc = post(real, wr, bad);
+  if (*rc != 0) [[unlikely]]
+    log->Unpush(1);
+  return true;
+}
+
 int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  if (qp->path.load(std::memory_order_relaxed) == Path::kDirect) [[likely]] {
-    ibv_qp* real = qp->real;
-    auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
-      return qp->real_post_recv(real, w, b);
-    };
-    return PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
-  }
+  int rc;
+  if (qp->path.Is(Path::kDirect) &&
+      PostOneRecv(qp->recvs, qp->real, qp->real_post_recv, wr, bad, &rc)) [[likely]]
+    return rc;
   return PostRecvGated(qp, wr, bad);
 }
 
 int PostRecvPausable(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  if (qp->path.load(std::memory_order_relaxed) == Path::kMarked && EnterFast(qp->paused))
-      [[likely]] {
-    ibv_qp* real = qp->real;
-    auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
-      return qp->real_post_recv(real, w, b);
-    };
-    const int rc = PostRecvLogged(qp->mrs, qp->recvs, wr, bad, post);
+  if (EnterMarked(qp->path)) [[likely]] {
+    int rc;
+    const bool done = PostOneRecv(qp->recvs, qp->real, qp->real_post_recv, wr, bad, &rc);
     LeaveFast();
-    return rc;
+    if (done) [[likely]]
+      return rc;
   }
   return PostRecvGated(qp, wr, bad);
 }
 
 int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
-  if (srq->path.load(std::memory_order_relaxed) == Path::kDirect) [[likely]] {
-    ibv_srq* real = srq->real;
-    auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
-      return srq->real_post_srq_recv(real, w, b);
-    };
-    return PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
-  }
+  int rc;
+  if (srq->path.Is(Path::kDirect) &&
+      PostOneRecv(&srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc)) [[likely]]
+    return rc;
   return PostSrqRecvGated(srq, wr, bad);
 }
 
 int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
-  if (srq->path.load(std::memory_order_relaxed) == Path::kMarked && EnterFast(srq->paused))
-      [[likely]] {
-    ibv_srq* real = srq->real;
-    auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
-      return srq->real_post_srq_recv(real, w, b);
-    };
-    const int rc = PostRecvLogged(srq->mrs, &srq->recvs, wr, bad, post);
+  if (EnterMarked(srq->path)) [[likely]] {
+    int rc;
+    const bool done =
+        PostOneRecv(&srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc);
     LeaveFast();
-    return rc;
+    if (done) [[likely]]
+      return rc;
   }
   return PostSrqRecvGated(srq, wr, bad);
 }
@@ -524,15 +545,15 @@ inline int TakePending(Cq* cq, int n, ibv_wc* wc) {
 }
 
 // Once the completions a pause held are handed out, a CQ that needs no
-// translation leaves the translating path again. The control thread may
-// make it translate for good meanwhile (a UD QP on it, say): it clears
-// `marked_base` before it sets `path`, so a poller that finds it cleared
-// after its exchange puts `path` back.
+// translation leaves the translating path again (not while paused: the
+// exchange fails). The control thread may make it translate for good
+// meanwhile (a UD QP on it, say): it clears `marked_base` before it sets
+// `path`, so a poller that finds it cleared after its exchange puts
+// `path` back.
 void BackToMarked(Cq* cq) {
   if (!cq->marked_base.load() || cq->pending_head.load() < cq->pending_count) return;
-  Path expected = Path::kTranslated;
-  if (cq->path.compare_exchange_strong(expected, Path::kMarked) && !cq->marked_base.load())
-    cq->path.store(Path::kTranslated);
+  if (cq->path.Exchange(Path::kTranslated, Path::kMarked) && !cq->marked_base.load())
+    cq->path.Set(Path::kTranslated);
 }
 
 // Polls the real CQ after the held completions, translating. A drain's
@@ -558,13 +579,13 @@ inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
 
 [[gnu::noinline]] int PollCqGated(Cq* cq, int n, ibv_wc* wc) {
   if (cq->pause == nullptr) return PollTranslated(cq, n, wc);
-  if (!Enter(cq->paused)) [[unlikely]] {
+  if (!Enter(cq->path)) [[unlikely]] {
     // Paused: the application sees no new completion, and its thread may
     // run a migration step (Shim::OnAppThread). If that step was the
     // resume, this poll goes on: an event-driven program polls once per
     // event, and a completion must not wait for the next one.
     cq->ctx->shim->RunPendingStep();
-    if (!Enter(cq->paused)) return 0;
+    if (!Enter(cq->path)) return 0;
   }
   const int got = PollTranslated(cq, n, wc);
   LeaveFast();
@@ -573,14 +594,14 @@ inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
 
 int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
-  if (cq->path.load(std::memory_order_relaxed) == Path::kDirect) [[likely]]
+  if (cq->path.Is(Path::kDirect)) [[likely]]
     return cq->real_poll_cq(cq->real, n, wc);
   return PollCqGated(cq, n, wc);
 }
 
 int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
-  if (cq->path.load(std::memory_order_relaxed) == Path::kMarked && EnterFast(cq->paused))
+  if (EnterMarked(cq->path))
       [[likely]] {
     const int got = cq->real_poll_cq(cq->real, n, wc);
     LeaveFast();
@@ -600,7 +621,7 @@ int ReqNotifyCq(ibv_cq* ibcq, int solicited_only) {
     return real->context->ops.req_notify_cq(real, solicited_only);
   }
   cq->armed.store(true, std::memory_order_relaxed);
-  if (!Enter(cq->paused)) return 0;
+  if (!Enter(cq->path)) return 0;
   ibv_cq* real = cq->real;
   const int rc = real->context->ops.req_notify_cq(real, solicited_only);
   LeaveFast();
@@ -633,7 +654,7 @@ inline uint32_t Rkey(ibv_qp_ex* q, uint32_t rkey) { return PeerRkey(AsQp(q), rke
 void WrStart(ibv_qp_ex* q) {
   Qp* qp = AsQp(q);
   if (qp->pause != nullptr) {
-    while (!EnterBatch(qp->paused)) {
+    while (!EnterBatch(qp->path)) {
       qp->ctx->shim->RunPendingStep();
       usleep(1000);
     }
@@ -784,7 +805,7 @@ inline void EndBatch(Cq* cq) {
 // each once.
 int StartPoll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   Cq* cq = AsCq(c);
-  if (cq->pause != nullptr && !EnterBatch(cq->paused)) {
+  if (cq->pause != nullptr && !EnterBatch(cq->path)) {
     cq->ctx->shim->RunPendingStep();
     return ENOENT;
   }

@@ -154,9 +154,9 @@ void Shim::GuessEndpointGid() {
 void Shim::SetPaused(bool paused) {
   for (const auto& [p, k] : shadows_) {
     void* o = const_cast<void*>(p);
-    if (k == Kind::kQp) static_cast<Qp*>(o)->paused.store(paused, std::memory_order_relaxed);
-    if (k == Kind::kCq) static_cast<Cq*>(o)->paused.store(paused, std::memory_order_relaxed);
-    if (k == Kind::kSrq) static_cast<Srq*>(o)->paused.store(paused, std::memory_order_relaxed);
+    if (k == Kind::kQp) static_cast<Qp*>(o)->path.SetPaused(paused);
+    if (k == Kind::kCq) static_cast<Cq*>(o)->path.SetPaused(paused);
+    if (k == Kind::kSrq) static_cast<Srq*>(o)->path.SetPaused(paused);
   }
 }
 
@@ -268,7 +268,7 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
         if (!qp->send_marker_pending || qp->send_cq == nullptr) continue;
         qp->send_cq->markers_late = true;
         qp->send_cq->marked_base.store(false);
-        qp->send_cq->path.store(Path::kTranslated);
+        qp->send_cq->path.Set(Path::kTranslated);
       }
       return Error(Code::kDeadlineExceeded,
                    "sends still in flight after " + std::to_string(drain_timeout_ms) + " ms (" +
@@ -675,7 +675,7 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
   moved_ = true;
   // Completions carry the new QPNs: every CQ translates from now on.
   for (Cq* cq : All<Cq>(Kind::kCq)) CqTranslates(cq);
-  for (Qp* qp : All<Qp>(Kind::kQp)) qp->path.store(QpPath(*qp));
+  for (Qp* qp : All<Qp>(Kind::kQp)) qp->path.Set(QpPath(*qp));
   gid_moved_.store(
       memcmp(endpoint_physical_gid_.raw, mode_.PhysicalGid(endpoint_virtual_gid_).raw, 16) != 0);
   return {};

@@ -36,18 +36,6 @@ class MrTable;
 struct Cq;
 class QpIndex;
 
-// How a queue's or CQ's data path runs (data_path.cc).
-enum class Path : uint8_t {
-  // A tail call to the provider: nothing to translate, never paused.
-  kDirect,
-  // The provider's call inside the thread's mark (pause.h): nothing to
-  // translate or count, but the process may be paused.
-  kMarked,
-  // Identities translated, counts kept for the drain (UD sends, SRQ
-  // receives), inside the thread's mark if the process may be paused.
-  kTranslated,
-};
-
 // A send WR posted during a pause: replayed, in order, when it ends.
 struct QueuedSend {
   ibv_send_wr wr;
@@ -113,7 +101,7 @@ struct Cq {
   ibv_cq* real = nullptr;
   // kDirect or kMarked while no completion on it needs an identity
   // translated or counted, nor a pause held completions for it.
-  std::atomic<Path> path{Path::kTranslated};
+  PathState path;
   // What `path` returns to once held completions are handed out.
   std::atomic<bool> marked_base{false};
   // A drain gave up before its marker came: the translating path drops it.
@@ -131,7 +119,6 @@ struct Cq {
   // handed out before the real CQ's. Written by the control thread while
   // paused only; `pending_head` is claimed by pollers with a CAS.
   PauseGate* pause = nullptr;  // the shim's, when the process is migratable
-  std::atomic<bool> paused{false};  // set by the control thread (pause.h)
   std::vector<ibv_wc> pending;
   std::atomic<uint32_t> pending_head{0};
   uint32_t pending_count = 0;
@@ -156,14 +143,13 @@ struct Cq {
 struct Srq {
   ibv_srq shadow;
   ibv_srq* real = nullptr;
-  std::atomic<Path> path{Path::kTranslated};  // as Qp::path
+  PathState path;  // as Qp::path
   int (*real_post_srq_recv)(ibv_srq*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
   const MrTable* mrs = nullptr;
   Pd* pd = nullptr;
   ibv_srq_init_attr init{};
   RecvLog recvs;
   PauseGate* pause = nullptr;       // as Cq::pause
-  std::atomic<bool> paused{false};  // as Cq::paused
   // Successful receive completions: an SRQ's receives are not flushed when
   // its QPs fail, so its CQs count them (kTranslated).
   std::atomic<uint64_t> recvs_done{0};
@@ -183,7 +169,7 @@ struct Qp {
   ibv_qp* real = nullptr;
   // kDirect or kMarked while nothing this QP posts needs translating (no
   // key or QPN differs from the hardware's, no AH to swap, not UD).
-  std::atomic<Path> path{Path::kTranslated};
+  PathState path;
   int (*real_post_send)(ibv_qp*, ibv_send_wr*, ibv_send_wr**) = nullptr;
   int (*real_post_recv)(ibv_qp*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
   ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
@@ -210,7 +196,6 @@ struct Qp {
   // instead (its posts translate anyway). A release counts a QP's
   // receives still posted from their flushes.
   PauseGate* pause = nullptr;       // as Cq::pause
-  std::atomic<bool> paused{false};  // as Cq::paused
   bool in_batch = false;            // between ibv_wr_start and wr_complete/abort
   std::atomic<uint64_t> signaled_posted{0};  // UD
   std::atomic<uint64_t> sends_done{0};       // UD

@@ -44,23 +44,67 @@ void RegisterThreadMark();
 // unless a seccomp filter refuses membarrier); registers the process for it.
 bool AsymmetricFenceAvailable();
 
+// How a queue's or CQ's data path runs (data_path.cc).
+enum class Path : uint8_t {
+  // A tail call to the provider: nothing to translate, never paused.
+  kDirect,
+  // The provider's call inside the thread's mark: nothing to translate or
+  // count, but the process may be paused.
+  kMarked,
+  // Identities translated, counts kept for the drain (UD sends, SRQ
+  // receives), inside the thread's mark if the process may be paused.
+  kTranslated,
+};
+
+// A queue's or CQ's Path (low byte) and its pause flag, in one word: a
+// migratable post checks both with one compare.
+class PathState {
+ public:
+  static constexpr uint16_t kPausedBit = 0x100;
+
+  Path get() const { return static_cast<Path>(bits_.load(std::memory_order_relaxed) & 0xff); }
+  bool paused() const { return bits_.load(std::memory_order_relaxed) & kPausedBit; }
+  // On path `p` and not paused.
+  bool Is(Path p) const {
+    return bits_.load(std::memory_order_relaxed) == static_cast<uint16_t>(p);
+  }
+  // The path; the pause flag is kept.
+  void Set(Path p) {
+    uint16_t old = bits_.load();
+    while (!bits_.compare_exchange_weak(old, (old & kPausedBit) | static_cast<uint16_t>(p))) {
+    }
+  }
+  // Control thread (pause.h's protocol: set, then PauseGate::Close).
+  void SetPaused(bool on) {
+    if (on)
+      bits_.fetch_or(kPausedBit);
+    else
+      bits_.fetch_and(static_cast<uint16_t>(~kPausedBit));
+  }
+  // From `from` to `to`, unless paused or changed meanwhile.
+  bool Exchange(Path from, Path to) {
+    uint16_t expected = static_cast<uint16_t>(from);
+    return bits_.compare_exchange_strong(expected, static_cast<uint16_t>(to));
+  }
+
+ private:
+  std::atomic<uint16_t> bits_{static_cast<uint16_t>(Path::kTranslated)};
+};
+
 // ---- The data path.
 
-// The fast entry: raises the mark of a registered thread and says whether
-// `paused` was clear. False (mark lowered) when paused or not registered:
-// take the slow path (Enter).
-inline bool EnterFast(const std::atomic<bool>& paused) {
+// The fast entry of a migratable process's call: raises the thread's mark
+// and says whether the object is on the marked path and not paused, and
+// the thread registered. False (mark lowered): take the slow path.
+inline bool EnterMarked(const PathState& s) {
   ThreadMark& m = tls_thread_mark;
-  if (!m.registered) [[unlikely]]
-    return false;
   m.depth.store(1, std::memory_order_relaxed);
-  // Ordered against the load below by the control thread's membarrier.
+  // Ordered against the loads below by the control thread's membarrier.
   std::atomic_signal_fence(std::memory_order_seq_cst);
-  if (paused.load(std::memory_order_relaxed)) [[unlikely]] {
-    m.depth.store(0, std::memory_order_relaxed);
-    return false;
-  }
-  return true;
+  if (m.registered && s.Is(Path::kMarked)) [[likely]]
+    return true;
+  m.depth.store(0, std::memory_order_relaxed);
+  return false;
 }
 inline void LeaveFast() {
   // Release: what the call did is visible before the mark falls.
@@ -68,18 +112,25 @@ inline void LeaveFast() {
 }
 
 // The slow entry: registers the thread if needed; false when paused.
-inline bool Enter(const std::atomic<bool>& paused) {
-  if (!tls_thread_mark.registered) RegisterThreadMark();
-  return EnterFast(paused);
+inline bool Enter(const PathState& s) {
+  ThreadMark& m = tls_thread_mark;
+  if (!m.registered) RegisterThreadMark();
+  m.depth.store(1, std::memory_order_relaxed);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  if (s.paused()) {
+    m.depth.store(0, std::memory_order_relaxed);
+    return false;
+  }
+  return true;
 }
 
 // A batch keeps the mark raised across calls (nested in a post or poll).
-inline bool EnterBatch(const std::atomic<bool>& paused) {
+inline bool EnterBatch(const PathState& s) {
   ThreadMark& m = tls_thread_mark;
   if (!m.registered) RegisterThreadMark();
   m.batches.store(m.batches.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   std::atomic_signal_fence(std::memory_order_seq_cst);
-  if (paused.load(std::memory_order_relaxed)) {
+  if (s.paused()) {
     m.batches.store(m.batches.load(std::memory_order_relaxed) - 1, std::memory_order_relaxed);
     return false;
   }

@@ -52,8 +52,12 @@ class RecvLog {
       return false;
     Entry* e = At(tail_);
     e->wr_id = wr->wr_id;
-    e->num_sge = static_cast<uint32_t>(wr->num_sge);
-    for (int i = 0; i < wr->num_sge; ++i) e->sge[i] = wr->sg_list[i];
+    const uint32_t n = static_cast<uint32_t>(wr->num_sge);
+    e->num_sge = n;
+    if (n == 1) [[likely]]
+      e->sge[0] = wr->sg_list[0];
+    else
+      for (uint32_t i = 0; i < n; ++i) e->sge[i] = wr->sg_list[i];
     ++tail_;
     return true;
   }

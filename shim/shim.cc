@@ -67,15 +67,15 @@ void Shim::CqTranslates(Cq* cq) {
   // marked_base first: a poller handing out held completions reads it
   // after it moves `path` back (data_path.cc, BackToMarked).
   cq->marked_base.store(false);
-  cq->path.store(Path::kTranslated);
+  cq->path.Set(Path::kTranslated);
 }
 
 void Shim::KeysDiverged() {
   if (!keys_identity_) return;
   keys_identity_ = false;
   for (const auto& [p, kind] : shadows_) {
-    if (kind == Kind::kQp) static_cast<Qp*>(const_cast<void*>(p))->path.store(Path::kTranslated);
-    if (kind == Kind::kSrq) static_cast<Srq*>(const_cast<void*>(p))->path.store(Path::kTranslated);
+    if (kind == Kind::kQp) static_cast<Qp*>(const_cast<void*>(p))->path.Set(Path::kTranslated);
+    if (kind == Kind::kSrq) static_cast<Srq*>(const_cast<void*>(p))->path.Set(Path::kTranslated);
   }
 }
 
@@ -454,8 +454,8 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   cq->real_poll_cq = real->context->ops.poll_cq;
   // Completions carry QPNs (and UD GRHs) that equal the virtual ones
   // unless the mode marks them.
-  cq->path.store(mode_.offset ? Path::kTranslated : migratable_ ? Path::kMarked : Path::kDirect);
-  cq->marked_base.store(cq->path.load() == Path::kMarked);
+  cq->path.Set(mode_.offset ? Path::kTranslated : migratable_ ? Path::kMarked : Path::kDirect);
+  cq->marked_base.store(cq->path.get() == Path::kMarked);
   cq->cqe = cqe;
   cq->real_ex = real_ex;
   cq->extended = real_ex != nullptr;
@@ -476,7 +476,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   real->cq_context = cq;
   if (real_ex != nullptr) InstallCqExOps(cq);
   std::lock_guard<std::mutex> lock(mu_);
-  cq->paused.store(paused_);
+  cq->path.SetPaused(paused_);
   Register(cq, Kind::kCq);
   return reinterpret_cast<ibv_cq*>(&cq->shadow);
 }
@@ -698,11 +698,11 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   srq->shadow.handle = real->handle;
   InitMutexCond(&srq->shadow.mutex, &srq->shadow.cond);
   std::lock_guard<std::mutex> lock(mu_);
-  srq->path.store(!keys_identity_ ? Path::kTranslated
+  srq->path.Set(!keys_identity_ ? Path::kTranslated
                   : migratable_   ? Path::kMarked
                                   : Path::kDirect);
   srq->pause = migratable_ ? &pause_ : nullptr;
-  srq->paused.store(paused_);
+  srq->path.SetPaused(paused_);
   Register(srq, Kind::kSrq);
   return &srq->shadow;
 }
@@ -779,8 +779,8 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
     errno = ENOMEM;
     return nullptr;
   }
-  qp->path.store(QpPath(*qp));
-  qp->paused.store(paused_);  // created between two steps of a pause
+  qp->path.Set(QpPath(*qp));
+  qp->path.SetPaused(paused_);  // created between two steps of a pause
   // A migratable process counts a UD QP's sends and an SRQ's receives
   // where they complete.
   if (migratable_ && qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
@@ -895,7 +895,7 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
     NoteEndpointGid(qp->ctx, attr->ah_attr.port_num, attr->ah_attr.grh.sgid_index);
   qp->remote_gid = remote_gid;
   qp->remote.store(remote, std::memory_order_release);
-  if (remote != nullptr) qp->path.store(Path::kTranslated);
+  if (remote != nullptr) qp->path.Set(Path::kTranslated);
   qp->transitions.push_back({*attr, mask});
   q->state = qp->real->state;
   return 0;
@@ -1078,7 +1078,7 @@ const RemoteEndpoint* Shim::PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> 
     if (kind == Kind::kQp) {
       Qp* qp = static_cast<Qp*>(const_cast<void*>(p));
       if (memcmp(qp->remote_gid.raw, gid.raw, 16) != 0) continue;
-      qp->path.store(Path::kTranslated);
+      qp->path.Set(Path::kTranslated);
       qp->remote.store(r, std::memory_order_release);
     } else if (kind == Kind::kAh) {
       Ah* ah = static_cast<Ah*>(const_cast<void*>(p));

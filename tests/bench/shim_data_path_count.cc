@@ -251,8 +251,8 @@ bool CheckMarkedPath(DataPathFixture& f) {
   const shim::Qp* qp = reinterpret_cast<const shim::Qp*>(s.qp);
   const shim::Cq* send_cq = reinterpret_cast<const shim::Cq*>(s.send_cq);
   const shim::Cq* recv_cq = reinterpret_cast<const shim::Cq*>(s.recv_cq);
-  if (qp->path.load() != shim::Path::kMarked || send_cq->path.load() != shim::Path::kMarked ||
-      recv_cq->path.load() != shim::Path::kMarked) {
+  if (qp->path.get() != shim::Path::kMarked || send_cq->path.get() != shim::Path::kMarked ||
+      recv_cq->path.get() != shim::Path::kMarked) {
     std::fprintf(stderr, "check: the migratable stack has a queue off the marked path\n");
     return false;
   }

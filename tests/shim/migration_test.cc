@@ -385,12 +385,12 @@ TEST(MigrationGateTest, AMigratableShimsQueuesRunInsideTheThreadsMark) {
   {
     Device<Shim> dev(shim);
     ibv_qp* qp = dev.Qp(IBV_QPT_RC);
-    EXPECT_EQ(ShimQp(qp)->path.load(), Path::kMarked);
-    EXPECT_EQ(ShimCq(dev.cq)->path.load(), Path::kMarked);
+    EXPECT_EQ(ShimQp(qp)->path.get(), Path::kMarked);
+    EXPECT_EQ(ShimCq(dev.cq)->path.get(), Path::kMarked);
     // A UD QP's sends are counted where they complete: its CQ translates.
     ibv_qp* ud = dev.Qp(IBV_QPT_UD);
-    EXPECT_EQ(ShimQp(ud)->path.load(), Path::kTranslated);
-    EXPECT_EQ(ShimCq(dev.cq)->path.load(), Path::kTranslated);
+    EXPECT_EQ(ShimQp(ud)->path.get(), Path::kTranslated);
+    EXPECT_EQ(ShimCq(dev.cq)->path.get(), Path::kTranslated);
   }
   EXPECT_EQ(fake.live_objects(), 0);
 }
@@ -401,8 +401,8 @@ TEST(MigrationGateTest, TheFastPathIsDirectWithoutAMigrator) {
   {
     Device<Shim> dev(shim);
     ibv_qp* qp = dev.Qp(IBV_QPT_RC);
-    EXPECT_EQ(ShimQp(qp)->path.load(), Path::kDirect);
-    EXPECT_EQ(ShimCq(dev.cq)->path.load(), Path::kDirect);
+    EXPECT_EQ(ShimQp(qp)->path.get(), Path::kDirect);
+    EXPECT_EQ(ShimCq(dev.cq)->path.get(), Path::kDirect);
   }
   EXPECT_EQ(fake.live_objects(), 0);
 }
@@ -465,7 +465,7 @@ TEST_F(DrainTest, QpsThatAllowNoRemoteAccessMoveAndShowTheirOwnFlags) {
     ibv_qp_init_attr init{};
     ASSERT_EQ(shim->QueryQp(qp, &attr, IBV_QP_ACCESS_FLAGS, &init), 0);
     EXPECT_EQ(attr.qp_access_flags, 0u);
-    EXPECT_NE(ShimQp(qp)->path.load(), Path::kDirect);
+    EXPECT_NE(ShimQp(qp)->path.get(), Path::kDirect);
   }
 }
 

@@ -16,31 +16,35 @@ namespace {
 
 class PauseTest : public ::testing::Test {
  protected:
-  void SetUp() override { ASSERT_TRUE(AsymmetricFenceAvailable()); }
+  void SetUp() override {
+    ASSERT_TRUE(AsymmetricFenceAvailable());
+    paused_.Set(Path::kMarked);
+  }
   // What the shim does to pause: the objects' flags, then Close.
   bool Pause(uint32_t timeout_ms, std::string* why) {
-    paused_.store(true);
+    paused_.SetPaused(true);
     if (gate_.Close(timeout_ms, why)) return true;
-    paused_.store(false);
+    paused_.SetPaused(false);
     return false;
   }
   void Resume() {
-    paused_.store(false);
+    paused_.SetPaused(false);
     gate_.Open();
   }
   PauseGate gate_;
-  std::atomic<bool> paused_{false};
+  PathState paused_;  // an object on the marked path
 };
 
 TEST_F(PauseTest, AnUnregisteredThreadTakesTheSlowPathWhichRegistersIt) {
   std::thread([&] {
     EXPECT_FALSE(tls_thread_mark.registered);
-    EXPECT_FALSE(EnterFast(paused_)) << "the fast entry needs a registered mark";
+    EXPECT_FALSE(EnterMarked(paused_)) << "the fast entry needs a registered mark";
+    EXPECT_EQ(tls_thread_mark.depth.load(), 0u) << "a refused entry lowers its mark";
     ASSERT_TRUE(Enter(paused_));
     EXPECT_TRUE(tls_thread_mark.registered);
     EXPECT_EQ(tls_thread_mark.depth.load(), 1u);
     LeaveFast();
-    EXPECT_TRUE(EnterFast(paused_));
+    EXPECT_TRUE(EnterMarked(paused_));
     LeaveFast();
     EXPECT_EQ(tls_thread_mark.depth.load(), 0u);
   }).join();
@@ -52,14 +56,19 @@ TEST_F(PauseTest, EntriesFailWhilePausedAndWorkAgainAfter) {
   LeaveFast();
   ASSERT_TRUE(Pause(100, &why)) << why;
   EXPECT_TRUE(gate_.closed());
-  EXPECT_FALSE(EnterFast(paused_));
+  EXPECT_FALSE(EnterMarked(paused_));
   EXPECT_FALSE(Enter(paused_));
   EXPECT_FALSE(EnterBatch(paused_));
   EXPECT_EQ(tls_thread_mark.depth.load(), 0u) << "a refused entry lowers its mark";
   EXPECT_EQ(tls_thread_mark.batches.load(), 0u);
   Resume();
+  paused_.Set(Path::kTranslated);
+  EXPECT_FALSE(EnterMarked(paused_)) << "the fast entry is for the marked path only";
+  EXPECT_TRUE(Enter(paused_)) << "the slow one for any";
+  LeaveFast();
+  paused_.Set(Path::kMarked);
   ASSERT_TRUE(EnterBatch(paused_));
-  ASSERT_TRUE(EnterFast(paused_));  // a post inside a polling batch
+  ASSERT_TRUE(EnterMarked(paused_));  // a post inside a polling batch
   LeaveFast();
   EXPECT_EQ(tls_thread_mark.batches.load(), 1u) << "the batch still holds the mark";
   LeaveBatch();
@@ -142,7 +151,7 @@ TEST_F(PauseTest, NoThreadIsInsideWhilePaused) {
   for (int i = 0; i < kWorkers; ++i) {
     workers.emplace_back([&, i] {
       while (!stop.load(std::memory_order_relaxed)) {
-        if (!EnterFast(paused_) && !Enter(paused_)) continue;
+        if (!EnterMarked(paused_) && !Enter(paused_)) continue;
         counters[i].store(counters[i].load(std::memory_order_relaxed) + 1,
                           std::memory_order_relaxed);
         LeaveFast();

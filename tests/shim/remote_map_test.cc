@@ -132,7 +132,7 @@ TEST_F(RemoteMapTest, APublicationReachesQpsAlreadyConnected) {
   EXPECT_EQ(ShimQp(a)->remote.load(), nullptr);
   PublishPeer(b, kPeerVqpn, dmr, kPeerVrkey);
   EXPECT_NE(ShimQp(a)->remote.load(), nullptr);
-  EXPECT_EQ(ShimQp(a)->path.load(), Path::kTranslated) << "its posts must translate from now on";
+  EXPECT_EQ(ShimQp(a)->path.get(), Path::kTranslated) << "its posts must translate from now on";
 
   char src[4] = "abc";
   ibv_mr* smr = dev().Reg(src, sizeof(src));

@@ -448,7 +448,8 @@ void Shim::WakeEventWaiters() {
   }
 }
 
-void Shim::OweEvents() {
+std::vector<Cq*> Shim::ArmForResume() {
+  std::vector<Cq*> owed;
   for (Cq* cq : All<Cq>(Kind::kCq)) {
     if (cq->channel == nullptr || !cq->armed.load()) continue;
     // What came into the real CQ since the pause (a re-created CQ gets the
@@ -460,7 +461,13 @@ void Shim::OweEvents() {
     cq->real->context->ops.req_notify_cq(cq->real, 0);
     // Completions the pause moved into the shadow CQ raise no real event:
     // the shim owes the waiter one.
-    if (cq->pending_head.load() >= cq->pending_count) continue;
+    if (cq->pending_head.load() < cq->pending_count) owed.push_back(cq);
+  }
+  return owed;
+}
+
+void Shim::OweEvents(const std::vector<Cq*>& cqs) {
+  for (Cq* cq : cqs) {
     Channel* ch = cq->channel;
     std::lock_guard<std::mutex> lock(ch->mu);
     if (std::find(ch->owed.begin(), ch->owed.end(), cq) != ch->owed.end()) continue;
@@ -716,10 +723,13 @@ Status Shim::ResumeNow() {
     }
     qp->queued_sends.clear();
   }
-  OweEvents();
+  // The events owed go out once the data path is open: a waiter woken
+  // earlier would poll a paused CQ, find nothing, and wait again.
+  const std::vector<Cq*> owed = ArmForResume();
   SetPaused(false);
   pause_.Open();
   paused_ = false;
+  OweEvents(owed);
   if (!st.ok()) LogOnce(st.message.c_str());
   return st;
 }

@@ -231,7 +231,11 @@ class Shim {
   void CloseEvents(Cq* cq);          // requires mu_
   void ReleaseChannel(Channel* ch);  // requires mu_
   void ReopenChannel(Channel* ch);   // requires mu_
-  void OweEvents();                  // requires mu_; at resume
+  // At resume, while still paused: drains and arms the real CQs the
+  // application armed, and returns those that hold completions; once the
+  // data path is open, OweEvents wakes their waiters with an event each.
+  std::vector<Cq*> ArmForResume();                // requires mu_
+  void OweEvents(const std::vector<Cq*>& cqs);  // requires mu_
   // Threads waiting in GetCqEvent look again (a step waits for them).
   void WakeEventWaiters();
 

@@ -137,6 +137,62 @@ TEST_F(BlockingEventsTest, AThreadBlockedInGetCqEventThroughAMoveGetsTheEventFor
   EXPECT_EQ(p_.steps_on_app_threads(), 2) << "the restore and the resume ran on the waiter";
 }
 
+// ibv_rc_pingpong -e polls once per event and then waits for the next:
+// the event owed for what a pause held must come when its poll can see
+// it. (Woken while still paused, the poll found nothing, the re-arm was
+// only noted, and the program waited forever.)
+TEST_F(BlockingEventsTest, AWaiterWokenByTheResumeFindsTheHeldCompletionWhenItPolls) {
+  ibv_comp_channel* ch = pdev_->Channel();
+  ibv_cq* cq = pdev_->Cq(ch);
+  Connect(cq);
+  const Channel* shadow_ch = reinterpret_cast<const Channel*>(ch);
+  for (int round = 0; round < 20; ++round) {
+    PostRecvP(100 + round);
+    SendToP(10);
+    Drain(qdev_->cq);
+    uint32_t drained = 0;
+    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+    ASSERT_EQ(p_.Describe().pending_completions, 1u);
+    std::atomic<bool> got{false};
+    std::atomic<bool> done{false};
+    std::thread app([&] {
+      // ibv_rc_pingpong's loop: arm once, then wait, acknowledge, arm, poll.
+      if (ibv_req_notify_cq(cq, 0) != 0) return;
+      while (!got.load()) {
+        ibv_cq* ev_cq = nullptr;
+        void* ev_ctx = nullptr;
+        if (p_.GetCqEvent(ch, &ev_cq, &ev_ctx) != 0) break;
+        p_.AckCqEvents(ev_cq, 1);
+        if (done.load() || ibv_req_notify_cq(cq, 0) != 0) break;
+        ibv_wc wc[4];
+        const int n = ibv_poll_cq(cq, 4, wc);
+        if (n > 0 && wc[0].wr_id == static_cast<uint64_t>(100 + round)) got.store(true);
+      }
+    });
+    for (const auto end = steady_clock::now() + std::chrono::seconds(5);
+         steady_clock::now() < end;) {
+      {
+        std::lock_guard<std::mutex> lock(const_cast<Channel*>(shadow_ch)->mu);
+        if (shadow_ch->in_use == 1) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(p_.Resume().ok());
+    for (const auto end = steady_clock::now() + std::chrono::seconds(2);
+         !got.load() && steady_clock::now() < end;)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const bool in_time = got.load();
+    done.store(true);
+    if (!in_time) {  // an event, so that the waiter returns
+      PostRecvP(999);
+      SendToP(11);
+    }
+    app.join();
+    ASSERT_TRUE(in_time) << "round " << round << ": the waiter never saw the held completion";
+    Drain(cq);
+  }
+}
+
 TEST_F(EventsTest, CompletionsHeldForAnExtendedCqAreHandedOutOnceThroughEitherPollingApi) {
   ibv_cq_ex* cqx = pdev_->CqEx();
   ibv_cq* cq = ibv_cq_ex_to_cq(cqx);

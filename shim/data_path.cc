@@ -72,20 +72,21 @@ inline uint32_t UdPeerQpn(const Qp* qp, const Ah* ah, uint32_t qpn) {
 }
 
 // The field of a WR that holds the peer's rkey, if its opcode has one.
+// One bit test for the opcodes that have none (SEND, SEND_WITH_IMM).
 inline uint32_t* RkeyField(ibv_send_wr* wr) {
-  switch (wr->opcode) {
-    case IBV_WR_RDMA_WRITE:
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-    case IBV_WR_RDMA_READ:
-      return &wr->wr.rdma.rkey;
-    case IBV_WR_ATOMIC_CMP_AND_SWP:
-    case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      return &wr->wr.atomic.rkey;
-    case IBV_WR_SEND_WITH_INV:
-      return &wr->invalidate_rkey;
-    default:
-      return nullptr;
-  }
+  constexpr uint32_t kRdma = (1u << IBV_WR_RDMA_WRITE) | (1u << IBV_WR_RDMA_WRITE_WITH_IMM) |
+                             (1u << IBV_WR_RDMA_READ);
+  constexpr uint32_t kAtomic =
+      (1u << IBV_WR_ATOMIC_CMP_AND_SWP) | (1u << IBV_WR_ATOMIC_FETCH_AND_ADD);
+  constexpr uint32_t kInv = 1u << IBV_WR_SEND_WITH_INV;
+  const uint32_t op = static_cast<uint32_t>(wr->opcode);
+  if (op >= 32) [[unlikely]]
+    return nullptr;
+  const uint32_t bit = 1u << op;
+  if (!(bit & (kRdma | kAtomic | kInv))) return nullptr;
+  if (bit & kRdma) return &wr->wr.rdma.rkey;
+  if (bit & kAtomic) return &wr->wr.atomic.rkey;
+  return &wr->invalidate_rkey;
 }
 
 // Rewrites one send WR to physical identities; false if it does not fit.
@@ -128,10 +129,7 @@ inline int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
 
 // Posts a chain with every identity translated in place, restoring the
 // application's values afterwards.
-[[gnu::noinline]] int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  if (wr != nullptr && wr->next == nullptr && wr->num_sge >= 0 && wr->num_sge <= 2 &&
-      qp->shadow.qp_base.qp_type != IBV_QPT_UD)
-    return PostOneTranslated(qp, wr, bad);
+[[gnu::noinline]] int PostChainTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   ibv_qp* real = qp->real;
   while (wr != nullptr) {
     Patches p;
@@ -149,6 +147,13 @@ inline int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
     if (rc != 0) return rc;
   }
   return 0;
+}
+
+inline int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  if (wr != nullptr && wr->next == nullptr && static_cast<uint32_t>(wr->num_sge) <= 2 &&
+      qp->shadow.qp_base.qp_type != IBV_QPT_UD) [[likely]]
+    return PostOneTranslated(qp, wr, bad);
+  return PostChainTranslated(qp, wr, bad);
 }
 
 // Posts during a pause: copied (with an inline send's bytes, which the
@@ -240,10 +245,14 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
   return QueueSends(qp, wr, bad);
 }
 
-// The slow path of every post: translating, inside the thread's mark
-// (registered here on its first call) when the process may be paused.
+// The translating path of a process the migrator cannot move.
+[[gnu::noinline]] int PostSendTranslatedOut(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  return PostSendTranslated(qp, wr, bad);
+}
+
+// The slow path of a migratable process's posts: translating, inside the
+// thread's mark (registered here on its first call).
 [[gnu::noinline]] int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  if (qp->pause == nullptr) return PostSendTranslated(qp, wr, bad);
   if (!Enter(qp->path)) [[unlikely]]
     return PostSendPaused(qp, wr, bad);
   const int rc = PostSendReal(qp, wr, bad);
@@ -256,7 +265,7 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
   if (qp->path.Is(Path::kDirect)) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
-  return PostSendGated(qp, wr, bad);
+  return PostSendTranslatedOut(qp, wr, bad);
 }
 
 // A process the migrator may move: the provider's call inside the mark.
@@ -577,16 +586,29 @@ inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
   return got;
 }
 
+// The translating path of a process the migrator cannot move.
+[[gnu::noinline]] int PollTranslatedOut(Cq* cq, int n, ibv_wc* wc) {
+  return PollTranslated(cq, n, wc);
+}
+
+// A poll that found its process paused (below).
+[[gnu::noinline]] int PollCqPaused(Cq* cq, int n, ibv_wc* wc);
+
 [[gnu::noinline]] int PollCqGated(Cq* cq, int n, ibv_wc* wc) {
-  if (cq->pause == nullptr) return PollTranslated(cq, n, wc);
-  if (!Enter(cq->path)) [[unlikely]] {
-    // Paused: the application sees no new completion, and its thread may
-    // run a migration step (Shim::OnAppThread). If that step was the
-    // resume, this poll goes on: an event-driven program polls once per
-    // event, and a completion must not wait for the next one.
-    cq->ctx->shim->RunPendingStep();
-    if (!Enter(cq->path)) return 0;
-  }
+  if (!Enter(cq->path)) [[unlikely]]
+    return PollCqPaused(cq, n, wc);
+  const int got = PollTranslated(cq, n, wc);
+  LeaveFast();
+  return got;
+}
+
+int PollCqPaused(Cq* cq, int n, ibv_wc* wc) {
+  // The application sees no new completion, and its thread may run a
+  // migration step (Shim::OnAppThread). If that step was the resume, this
+  // poll goes on: an event-driven program polls once per event, and a
+  // completion must not wait for the next one.
+  cq->ctx->shim->RunPendingStep();
+  if (!Enter(cq->path)) return 0;
   const int got = PollTranslated(cq, n, wc);
   LeaveFast();
   return got;
@@ -596,7 +618,7 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
   if (cq->path.Is(Path::kDirect)) [[likely]]
     return cq->real_poll_cq(cq->real, n, wc);
-  return PollCqGated(cq, n, wc);
+  return PollTranslatedOut(cq, n, wc);
 }
 
 int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {

@@ -474,11 +474,11 @@ void InChild() {
 
 }  // namespace
 
-bool MigratorPresent() {
+bool MigrationEnabled() {
   const char* m = getenv("RDMAVIRT_MIGRATE");
   if (m != nullptr && strcmp(m, "0") == 0) return false;
-  struct stat st;
-  if (getenv("RDMAVIRT_SOCKET") == nullptr && stat(kDefaultSocket, &st) != 0) return false;
+  // Whether a migrator runs now does not matter: the control thread
+  // connects whenever one is there (at start, later, after a restart).
   // The pause needs the kernel's asymmetric fence (pause.h).
   if (!AsymmetricFenceAvailable()) {
     LogOnce("membarrier(2) private expedited is unavailable: this process cannot be migrated");

@@ -66,9 +66,10 @@ std::string Execute(Shim* shim, const ControlRequest& request, std::string_view 
 // The socket path is $RDMAVIRT_SOCKET, or kDefaultSocket.
 void StartControl(Shim* shim);
 
-// Whether this process should be migratable: a migrator socket is there
-// (or RDMAVIRT_SOCKET names one) and RDMAVIRT_MIGRATE is not "0".
-bool MigratorPresent();
+// Whether this process is migratable: RDMAVIRT_MIGRATE is not "0" and the
+// kernel offers the pause's fence (pause.h). A migrator need not run yet:
+// the control thread connects to one whenever it appears.
+bool MigrationEnabled();
 
 }  // namespace rdmavirt::shim
 

@@ -45,8 +45,8 @@ Shim* Shim::Process() {
     const char* m = getenv("RDMAVIRT_ID_MODE");
     mode.offset = m != nullptr && strcmp(m, "offset") == 0;
     // Decided once, before any object exists: a migratable process's
-    // queues all go through the pause gate.
-    return new (std::nothrow) Shim(backend, mode, MigratorPresent());
+    // queues all run inside the threads' marks (pause.h).
+    return new (std::nothrow) Shim(backend, mode, MigrationEnabled());
   }();
   return shim;
 }

@@ -1,7 +1,11 @@
 // rdmavirt-migratord: the per-host migrator daemon (see migrator.h and
 // docs/migrator.md). Serves this host's shims on a Unix socket and the
 // Operator and Transfer services over gRPC with mutual TLS.
+#include <limits.h>
 #include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -33,6 +37,8 @@ constexpr char kUsage[] =
     "  --state-dir DIR       migration records and images (default /var/lib/rdmavirt)\n"
     "  --tls-dir DIR         ca.pem, host.pem, host.key (default /etc/rdmavirt/tls)\n"
     "  --criu-log-dir DIR    CRIU's logs (default STATE-DIR/criu-logs)\n"
+    "  --criu-plugin-dir DIR  CRIU plugins for rdmavirt's CRIU calls only (default: criu-plugins\n"
+    "                        beside this program, else /usr/local/lib/rdmavirt/criu-plugins)\n"
     "  --host-name NAME      this host's name in reports (default: hostname)\n"
     "  --max-precopy N       pre-dump iterations at most (default 3)\n"
     "  --guest-nic-bridge BR  this host gives its RDMA guests NICs on bridge BR\n"
@@ -47,6 +53,7 @@ struct Flags {
   std::string state_dir = "/var/lib/rdmavirt";
   std::string tls_dir = "/etc/rdmavirt/tls";
   std::string criu_log_dir;
+  std::string criu_plugin_dir;
   std::string host_name;
   uint32_t max_precopy = 3;
   std::string guest_nic_bridge;
@@ -83,6 +90,8 @@ int ParseFlags(int argc, char** argv, Flags* f) {
       f->tls_dir = value;
     else if (name == "--criu-log-dir")
       f->criu_log_dir = value;
+    else if (name == "--criu-plugin-dir")
+      f->criu_plugin_dir = value;
     else if (name == "--host-name")
       f->host_name = value;
     else if (name == "--max-precopy") {
@@ -131,6 +140,26 @@ int ParseFlags(int argc, char** argv, Flags* f) {
   return 0;
 }
 
+bool IsDir(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// Where rdmavirt's CRIU plugin is: the flag's, else criu-plugins beside
+// this program (a build tree), else the installed one. Empty if none.
+std::string CriuPluginDir(const std::string& flag) {
+  if (!flag.empty()) return flag;
+  char exe[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n > 0) {
+    std::string dir(exe, static_cast<size_t>(n));
+    dir = dir.substr(0, dir.rfind('/')) + "/criu-plugins";
+    if (IsDir(dir)) return dir;
+  }
+  const std::string installed = "/usr/local/lib/rdmavirt/criu-plugins";
+  return IsDir(installed) ? installed : std::string();
+}
+
 int Run(int argc, char** argv) {
   Flags flags;
   if (int rc = ParseFlags(argc, argv, &flags); rc != 0) return rc < 0 ? 0 : rc;
@@ -144,6 +173,21 @@ int Run(int argc, char** argv) {
   if (!tls.ok()) {
     Log("cannot start: %s", tls.status().message());
     return 1;
+  }
+
+  // Every CRIU this daemon runs (libcriu's `criu swrk`, a child) loads its
+  // plugins from here: set before any thread starts.
+  const std::string plugins = CriuPluginDir(flags.criu_plugin_dir);
+  if (!flags.criu_plugin_dir.empty() && !IsDir(plugins)) {
+    fprintf(stderr, "rdmavirt-migratord: --criu-plugin-dir: %s is not a directory\n",
+            plugins.c_str());
+    return 2;
+  }
+  if (!plugins.empty()) {
+    setenv("CRIU_LIBS_DIR", plugins.c_str(), 1);
+    Log("CRIU plugins from %s", plugins);
+  } else {
+    Log("no CRIU plugin directory: pre-copy is skipped for processes that map an RDMA device");
   }
 
   // Signals are taken by sigwait below, in no other thread.

@@ -489,12 +489,52 @@ Status Shim::ReleaseNow() {
   for (Cq* cq : All<Cq>(Kind::kCq)) DrainCq(cq, nullptr);
   for (Srq* srq : All<Srq>(Kind::kSrq))
     srq->outstanding = TakeOutstanding(&srq->recvs, &srq->recvs_done);
+  // The pages the HCA may have written, for a dump that tracks memory.
+  std::vector<std::pair<uintptr_t, uintptr_t>> writable;
+  for (const Mr* mr : All<Mr>(Kind::kMr)) {
+    if (!(mr->access & (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+                        IBV_ACCESS_REMOTE_ATOMIC)))
+      continue;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(mr->shadow.addr);
+    writable.emplace_back(begin, begin + mr->shadow.length);
+  }
   DestroyReal();
+  DirtyPages(writable);
   released_ = true;
   // Whatever brings the endpoint back (a CRIU restore, most likely) must
   // reopen the device on an application thread; see OnAppThread.
   app_thread_steps_.store(true);
   return {};
+}
+
+void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
+  // The HCA writes registered memory through the kernel's mapping of the
+  // pinned pages, which leaves the process's soft-dirty bits alone: a
+  // pre-dump's copy of such a page would be taken for current. One write
+  // per page, through the process's own mapping, marks it: an atomic OR
+  // with 0, which changes nothing even while an application thread writes
+  // the same byte. Only where the mapping is writable now (an application
+  // may have made registered memory read-only since): /proc/self/maps.
+  if (ranges.empty()) return;
+  FILE* maps = fopen("/proc/self/maps", "re");
+  if (maps == nullptr) {
+    LogOnce("release: /proc/self/maps unreadable; registered pages are not marked for the dump");
+    return;
+  }
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  char line[512];
+  while (fgets(line, sizeof line, maps) != nullptr) {
+    unsigned long lo = 0, hi = 0;
+    char perms[5] = {};
+    if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) != 3 || perms[1] != 'w') continue;
+    for (const auto& [begin, end] : ranges) {
+      const uintptr_t from = std::max<uintptr_t>(begin, lo) & ~(page - 1);
+      const uintptr_t to = std::min<uintptr_t>(end, hi);
+      for (uintptr_t p = std::max<uintptr_t>(from, lo); p < to; p += page)
+        __atomic_fetch_or(reinterpret_cast<uint8_t*>(p), uint8_t{0}, __ATOMIC_RELAXED);
+    }
+  }
+  fclose(maps);
 }
 
 int Shim::RealQpState(const Qp* qp) {

@@ -64,6 +64,11 @@ struct EndpointView {
   std::vector<std::pair<uint32_t, uint32_t>> rkeys;  // virtual, physical
 };
 
+// Writes every page of `ranges` (start, end addresses) once, where the
+// process maps it writable, so that a dump tracking soft-dirty bits copies
+// what the HCA wrote there (migration.cc; called at a release).
+void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges);
+
 }  // namespace rdmavirt::shim
 
 #endif  // RDMAVIRT_SHIM_MIGRATION_H_

@@ -35,19 +35,6 @@ class EventsTest : public TwoEndpointsTest {
     ASSERT_EQ(PostRecvOf(pqp_, wr_id, pbuf_ + 64 * (wr_id % 16), 64, pmr_), 0);
   }
   void SendToP(uint64_t wr_id) { ASSERT_EQ(Send(qqp_, wr_id, qbuf_, qmr_, "hello"), 0); }
-  void Quiesce() {
-    uint32_t drained = 0;
-    ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
-    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
-  }
-  void ReleaseRestoreResume() {
-    ASSERT_TRUE(p_.Release().ok());
-    const Status st = p_.Restore("", {});
-    ASSERT_TRUE(st.ok()) << st.message;
-    const Status rq = q_.PeerReconnect(ToMapping(p_.Describe()));
-    ASSERT_TRUE(rq.ok()) << rq.message;
-    ASSERT_TRUE(p_.Resume().ok());
-  }
   // Acknowledgements the fake received for `real`, summed.
   unsigned AckedToFake(const ibv_cq* real) {
     unsigned n = 0;

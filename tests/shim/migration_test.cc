@@ -422,15 +422,8 @@ class DrainTest : public TwoEndpointsTest {
     ASSERT_EQ(ToRts(q_, qqp_, pqp_->qp_num, pdev_->gid, kIpv4GidIndex, access), 0);
   }
   void Move() {
-    uint32_t drained = 0;
-    ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
-    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
-    ASSERT_TRUE(p_.Release().ok());
-    const Status st = p_.Restore("", {});
-    ASSERT_TRUE(st.ok()) << st.message;
-    const Status rq = q_.PeerReconnect(ToMapping(p_.Describe()));
-    ASSERT_TRUE(rq.ok()) << rq.message;
-    ASSERT_TRUE(p_.Resume().ok());
+    Quiesce();
+    ReleaseRestoreResume();
   }
   int SendUnsignaled(ibv_qp* qp, char* buf, ibv_mr* mr, const char* text) {
     strcpy(buf, text);

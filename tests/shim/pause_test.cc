@@ -15,7 +15,7 @@ namespace rdmavirt::shim {
 namespace {
 
 class PauseTest : public ::testing::Test {
- protected:
+ public:
   void SetUp() override {
     ASSERT_TRUE(AsymmetricFenceAvailable());
     paused_.Set(Path::kMarked);
@@ -75,16 +75,19 @@ TEST_F(PauseTest, EntriesFailWhilePausedAndWorkAgainAfter) {
   EXPECT_EQ(tls_thread_mark.batches.load(), 0u);
 }
 
-TEST_F(PauseTest, CloseWaitsForACallInFlight) {
+// A thread stays inside (entered with `enter`, left with `leave`) until 50
+// ms after the pause began: the pause must not return before it has left.
+template <typename Enter, typename Leave>
+void ExpectPauseWaitsFor(PauseTest* test, Enter enter, Leave leave, const char* what) {
   std::atomic<bool> inside{false};
   std::atomic<bool> release{false};
   std::atomic<bool> left{false};
   std::thread t([&] {
-    ASSERT_TRUE(Enter(paused_));
+    ASSERT_TRUE(enter());
     inside.store(true);
     while (!release.load()) std::this_thread::yield();
     left.store(true);
-    LeaveFast();
+    leave();
   });
   while (!inside.load()) std::this_thread::yield();
   std::thread releaser([&] {
@@ -92,35 +95,21 @@ TEST_F(PauseTest, CloseWaitsForACallInFlight) {
     release.store(true);
   });
   std::string why;
-  EXPECT_TRUE(Pause(10000, &why)) << why;
-  EXPECT_TRUE(left.load()) << "Close returned while a thread was inside a call";
+  EXPECT_TRUE(test->Pause(10000, &why)) << why;
+  EXPECT_TRUE(left.load()) << "Close returned while " << what;
   releaser.join();
   t.join();
-  Resume();
+  test->Resume();
+}
+
+TEST_F(PauseTest, CloseWaitsForACallInFlight) {
+  ExpectPauseWaitsFor(
+      this, [this] { return Enter(paused_); }, [] { LeaveFast(); }, "a thread was inside a call");
 }
 
 TEST_F(PauseTest, CloseWaitsForAnOpenBatch) {
-  std::atomic<bool> inside{false};
-  std::atomic<bool> release{false};
-  std::atomic<bool> left{false};
-  std::thread t([&] {
-    ASSERT_TRUE(EnterBatch(paused_));
-    inside.store(true);
-    while (!release.load()) std::this_thread::yield();
-    left.store(true);
-    LeaveBatch();
-  });
-  while (!inside.load()) std::this_thread::yield();
-  std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    release.store(true);
-  });
-  std::string why;
-  EXPECT_TRUE(Pause(10000, &why)) << why;
-  EXPECT_TRUE(left.load()) << "Close returned while a batch was open";
-  releaser.join();
-  t.join();
-  Resume();
+  ExpectPauseWaitsFor(
+      this, [this] { return EnterBatch(paused_); }, [] { LeaveBatch(); }, "a batch was open");
 }
 
 TEST_F(PauseTest, CloseGivesUpOnACallThatNeverEndsAndOpensAgain) {

@@ -313,6 +313,22 @@ class TwoEndpointsTest : public ::testing::Test {
     EXPECT_EQ(fake_.blocked_destroys(), 0) << "a CQ destroyed with events not acknowledged";
   }
 
+  // Both pause, Q first (a peer's quiesce comes before the mover's).
+  void Quiesce() {
+    uint32_t drained = 0;
+    ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  }
+  // P is released and re-created, Q re-points, P resumes.
+  void ReleaseRestoreResume() {
+    ASSERT_TRUE(p_.Release().ok());
+    const Status st = p_.Restore("", {});
+    ASSERT_TRUE(st.ok()) << st.message;
+    const Status rq = q_.PeerReconnect(ToMapping(p_.Describe()));
+    ASSERT_TRUE(rq.ok()) << rq.message;
+    ASSERT_TRUE(p_.Resume().ok());
+  }
+
   int PostRecvOf(ibv_qp* qp, uint64_t wr_id, char* buf, uint32_t len, ibv_mr* mr) {
     ibv_sge sge = Sge(buf, len, mr);
     ibv_recv_wr wr{};

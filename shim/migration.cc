@@ -212,29 +212,54 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
   // QP waits until its signaled sends are counted done. Completions found
   // meanwhile go to the shadow CQs. A peer's quiesce drains only its QPs
   // toward the endpoint that moves: the others are paused, not re-made.
-  std::vector<Qp*> unposted;
+  //
+  // A marker's completion takes a CQ entry the application did not size
+  // its CQ for: the real CQs have CqSlack() more, and each send CQ has one
+  // marker outstanding at a time. What the CQs hold already goes to the
+  // shadow CQs first.
+  uint32_t sends = 0;
+  for (Cq* cq : cqs) {
+    const int rc = DrainCq(cq, &sends);
+    if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ during the drain", -rc));
+  }
+  std::vector<std::pair<Cq*, std::vector<Qp*>>> to_mark;  // per send CQ, in order
+  std::vector<Qp*> marking;                                // each CQ's current marker's QP
   for (Qp* qp : qps) {
     qp->send_marker_pending = false;
-    if (qp->real == nullptr || qp->shadow.qp_base.qp_type == IBV_QPT_UD) continue;
+    if (qp->real == nullptr || qp->shadow.qp_base.qp_type == IBV_QPT_UD || qp->drained) continue;
     if (toward != nullptr && memcmp(qp->remote_gid.raw, toward->raw, 16) != 0) continue;
     // A QP never brought to RTS has sent nothing (and refuses the post);
     // one in the error state completes the marker at once, flushed.
     if (qp->shadow.qp_base.state != IBV_QPS_RTS && qp->shadow.qp_base.state != IBV_QPS_SQD)
       continue;
-    if (!PostSendMarker(qp, &why)) unposted.push_back(qp);  // a full send queue: again below
+    auto it = std::find_if(to_mark.begin(), to_mark.end(),
+                           [qp](const auto& e) { return e.first == qp->send_cq; });
+    if (it == to_mark.end()) {
+      to_mark.push_back({qp->send_cq, {}});
+      marking.push_back(nullptr);
+      it = to_mark.end() - 1;
+    }
+    it->second.push_back(qp);
   }
   const uint64_t deadline = NowUs() + uint64_t{drain_timeout_ms} * 1000;
   bool unsignaled_tail = false;
-  uint32_t sends = 0;
   for (;;) {
+    uint64_t in_flight = 0;
+    for (size_t i = 0; i < to_mark.size(); ++i) {
+      if (marking[i] != nullptr && !marking[i]->send_marker_pending) marking[i] = nullptr;
+      std::vector<Qp*>& waiting = to_mark[i].second;
+      // A full send queue refuses the marker (ENOMEM): again next round.
+      if (marking[i] == nullptr && !waiting.empty() && PostSendMarker(waiting.front(), &why)) {
+        if (waiting.front()->send_marker_pending) marking[i] = waiting.front();
+        waiting.erase(waiting.begin());
+      }
+      in_flight += waiting.size();
+    }
+    if (!why.empty()) return Error(Code::kInternal, why);
     for (Cq* cq : cqs) {
       const int rc = DrainCq(cq, &sends);
       if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ during the drain", -rc));
     }
-    for (auto it = unposted.begin(); it != unposted.end();)
-      it = PostSendMarker(*it, &why) || !why.empty() ? unposted.erase(it) : it + 1;
-    if (!why.empty()) return Error(Code::kInternal, why);
-    uint64_t in_flight = unposted.size();
     unsignaled_tail = false;
     std::string which;
     const bool late = NowUs() > deadline;
@@ -260,7 +285,13 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
         which += buf;
       }
     }
-    if (in_flight == 0) break;
+    if (in_flight == 0) {
+      for (Qp* qp : qps)
+        if (qp->shadow.qp_base.qp_type != IBV_QPT_UD &&
+            (toward == nullptr || memcmp(qp->remote_gid.raw, toward->raw, 16) == 0))
+          qp->drained = true;
+      break;
+    }
     if (late) {
       // A marker that completes later is the shim's: its CQ translates
       // from now on, and the translating path drops it.
@@ -287,6 +318,28 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
 }
 
 void Shim::FailAndCountRecvs(const std::vector<Qp*>& qps) {
+  // One QP per receive CQ at a time: its flushes and its marker receive
+  // fit a CQ the application sized for that QP's receives, plus CqSlack().
+  // What the CQs hold already goes to the shadow CQs first.
+  for (Cq* cq : All<Cq>(Kind::kCq)) DrainCq(cq, nullptr);
+  std::vector<Qp*> rest = qps;
+  while (!rest.empty()) {
+    std::vector<Qp*> batch, later;
+    std::vector<const Cq*> used;
+    for (Qp* qp : rest) {
+      if (qp->recv_cq != nullptr && std::find(used.begin(), used.end(), qp->recv_cq) != used.end()) {
+        later.push_back(qp);
+        continue;
+      }
+      batch.push_back(qp);
+      if (qp->recv_cq != nullptr) used.push_back(qp->recv_cq);
+    }
+    FailAndCountRecvsOf(batch);
+    rest.swap(later);
+  }
+}
+
+void Shim::FailAndCountRecvsOf(const std::vector<Qp*>& qps) {
   // To the error state, so that nothing completes after the count; a
   // QP's receives still posted are flushed, in order, and a marker
   // receive posted behind them (flushed by a second move to the error
@@ -617,14 +670,14 @@ Status Shim::RecreateReal(const std::string& device) {
     ibv_comp_channel* ch = cq->channel != nullptr ? cq->channel->real : nullptr;
     if (cq->extended) {
       ibv_cq_init_attr_ex attr{};
-      attr.cqe = static_cast<uint32_t>(cq->cqe);
+      attr.cqe = static_cast<uint32_t>(cq->cqe + CqSlack());
       attr.channel = ch;
       attr.comp_vector = static_cast<uint32_t>(cq->comp_vector);
       attr.wc_flags = cq->wc_flags;
       cq->real_ex = backend_->CreateCqEx(cq->ctx->real, &attr);
       cq->real = cq->real_ex != nullptr ? ibv_cq_ex_to_cq(cq->real_ex) : nullptr;
     } else {
-      cq->real = backend_->CreateCq(cq->ctx->real, cq->cqe, nullptr, ch, cq->comp_vector);
+      cq->real = backend_->CreateCq(cq->ctx->real, cq->cqe + CqSlack(), nullptr, ch, cq->comp_vector);
     }
     if (cq->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_cq", errno));
     cq->real->cq_context = cq;
@@ -766,6 +819,7 @@ Status Shim::ResumeNow() {
   // The events owed go out once the data path is open: a waiter woken
   // earlier would poll a paused CQ, find nothing, and wait again.
   const std::vector<Cq*> owed = ArmForResume();
+  for (Qp* qp : All<Qp>(Kind::kQp)) qp->drained = false;
   SetPaused(false);
   pause_.Open();
   paused_ = false;

@@ -202,6 +202,10 @@ struct Qp {
   std::atomic<bool> unsignaled_tail{false};  // UD: unsignaled sends after the last signaled one
   // Control thread only, while paused.
   bool send_marker_pending = false;
+  // Its sends were drained in this pause: while paused nothing reaches its
+  // send queue, so a second quiesce (a peer's, then the endpoint's own)
+  // has nothing to wait for on it. Cleared at the resume.
+  bool drained = false;
   bool recv_marker_seen = false;
   uint32_t recv_flushes = 0;  // flushed receives counted since the QP was failed
   uint32_t recv_flushes_expected = 0;  // when no marker receive fit: the queue's size

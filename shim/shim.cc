@@ -470,7 +470,9 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   s.channel = ch ? &ch->shadow : nullptr;
   s.cq_context = user_context;
   s.handle = real->handle;
-  s.cqe = real->cqe;
+  // The application sees the depth it would have had: the slots kept for
+  // the drain's markers (CqSlack) are the shim's.
+  s.cqe = real->cqe - CqSlack();
   InitMutexCond(&s.mutex, &s.cond);
   // Completion events carry the real CQ; its user context leads back here.
   real->cq_context = cq;
@@ -490,7 +492,8 @@ ibv_cq* Shim::CreateCq(ibv_context* c, int cqe, void* cq_context, ibv_comp_chann
     errno = EINVAL;
     return nullptr;
   }
-  ibv_cq* real = backend_->CreateCq(ctx->real, cqe, nullptr, ch ? ch->real : nullptr, comp_vector);
+  ibv_cq* real =
+      backend_->CreateCq(ctx->real, cqe + CqSlack(), nullptr, ch ? ch->real : nullptr, comp_vector);
   if (real == nullptr) return nullptr;
   ibv_cq* s = AdoptCq(ctx, real, nullptr, ch, cq_context, comp_vector, 0, cqe);
   if (s == nullptr) {
@@ -514,6 +517,7 @@ ibv_cq_ex* Shim::CreateCqEx(ibv_context* c, ibv_cq_init_attr_ex* attr) {
     return nullptr;
   }
   ibv_cq_init_attr_ex real_attr = *attr;
+  real_attr.cqe += static_cast<uint32_t>(CqSlack());
   real_attr.channel = ch ? ch->real : nullptr;
   real_attr.cq_context = nullptr;
   ibv_cq_ex* real = backend_->CreateCqEx(ctx->real, &real_attr);
@@ -531,8 +535,11 @@ ibv_cq_ex* Shim::CreateCqEx(ibv_context* c, ibv_cq_init_attr_ex* attr) {
 int Shim::ResizeCq(ibv_cq* c, int cqe) {
   Cq* cq = FindCq(c);
   if (cq == nullptr) return backend_->ResizeCq(c, cqe);
-  const int rc = backend_->ResizeCq(cq->real, cqe);
-  if (rc == 0) cq->shadow.cqe = cq->real->cqe;
+  const int rc = backend_->ResizeCq(cq->real, cqe + CqSlack());
+  if (rc == 0) {
+    cq->shadow.cqe = cq->real->cqe - CqSlack();
+    cq->cqe = cqe;  // what a restore re-creates
+  }
   return rc;
 }
 

@@ -213,6 +213,11 @@ class Shim {
   Status Reconnect(Qp* qp);                        // requires mu_
   // Quiesce's second half: the drain, on an application thread if need be.
   Status DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward);
+  // CQ entries a migratable process's real CQs have beyond the depth the
+  // application asked for: room for the drain's markers, one send marker
+  // and one receive marker outstanding per CQ at a time (migration.cc), so
+  // that they never overflow a CQ the application sized exactly.
+  int CqSlack() const { return migratable_ ? 2 : 0; }
   // Sets or clears every queue's and CQ's `paused` flag (pause.h).
   void SetPaused(bool paused);  // requires mu_
   // Posts a QP's drain marker; false if its send queue is full (or the
@@ -221,6 +226,7 @@ class Shim {
   // Moves QPs to the error state and takes their receives still posted
   // into Qp::outstanding, counted from their flushes.
   void FailAndCountRecvs(const std::vector<Qp*>& qps);  // requires mu_, paused
+  void FailAndCountRecvsOf(const std::vector<Qp*>& qps);  // no two on one receive CQ
   int ReplayTransitions(Qp* qp);                   // requires mu_
   int RealQpState(const Qp* qp);                   // the HCA's, or -1
   // Completion events (shim.cc): what a release must acknowledge.

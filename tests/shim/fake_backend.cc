@@ -122,6 +122,7 @@ struct FakeBackend::CqObj {
   uint32_t events_read = 0;
   uint32_t events_acked = 0;
   std::deque<ibv_wc> wcs;
+  int overflows = 0;  // completions lost to a full CQ
   ibv_wc cur{};  // the ibv_cq_ex poll cursor
 };
 struct FakeBackend::RecvWr {
@@ -665,6 +666,11 @@ int FakeBackend::Validate(QpObj* qp, const Wr& w) const {
 }
 
 void FakeBackend::Complete(CqObj* cq, const ibv_wc& wc, bool solicited) {
+  // A full CQ loses the completion (rxe drops it and raises CQ_ERR).
+  if (cq->wcs.size() >= static_cast<size_t>(cq->ex.cqe)) {
+    ++cq->overflows;
+    return;
+  }
   cq->wcs.push_back(wc);
   if (cq->armed == 1 || (cq->armed == 2 && (solicited || wc.status != IBV_WC_SUCCESS))) {
     cq->armed = 0;

@@ -493,6 +493,46 @@ TEST_F(DrainTest, AFullReceiveQueueIsPostedAgainWhole) {
   }
 }
 
+// ib_send_lat sizes its send CQ for one completion. One left unpolled when
+// the pause comes, then the drain's marker: the marker must not overflow
+// the CQ (it would be lost, and the drain would wait for it forever).
+TEST_F(DrainTest, AMarkerFitsACqTheApplicationSizedForOneCompletion) {
+  ibv_cq* small = pdev_->Cq(nullptr, nullptr, 1);
+  ASSERT_NE(small, nullptr);
+  EXPECT_EQ(small->cqe, 1) << "the application sees the depth it asked for";
+  pqp_ = pdev_->Qp(IBV_QPT_RC, 4, nullptr, small, pdev_->cq);
+  qqp_ = qdev_->Qp(IBV_QPT_RC);
+  ASSERT_EQ(ToRts(p_, pqp_, qqp_->qp_num, qdev_->gid), 0);
+  ASSERT_EQ(ToRts(q_, qqp_, pqp_->qp_num, pdev_->gid), 0);
+  ASSERT_EQ(PostRecvOf(qqp_, 100, qbuf_, 64, qmr_), 0);
+  ASSERT_EQ(Send(pqp_, 1, pbuf_, pmr_, "one"), 0);  // its completion stays in the CQ
+  uint32_t drained = 0;
+  const Status st = p_.Quiesce(300, &drained);
+  ASSERT_TRUE(st.ok()) << st.message;
+  ASSERT_TRUE(p_.Resume().ok());
+  EXPECT_EQ(WrIds(Drain(small)), (std::vector<uint64_t>{1}));
+}
+
+// A snapshot suspends both sides at once: an endpoint quiesced as a peer
+// is quiesced again as itself. Nothing reached its send queues in between,
+// so the second drain posts no marker (a marker toward a peer released
+// meanwhile would never be acknowledged).
+TEST_F(DrainTest, ASecondQuiesceInOnePauseDrainsNothingAgain) {
+  Connect(kAllRemoteAccess);
+  uint32_t drained = 0;
+  int calls = fake_.post_send_calls();
+  ASSERT_TRUE(p_.Quiesce(1000, &drained, &qdev_->gid).ok());
+  EXPECT_EQ(fake_.post_send_calls(), calls + 1);
+  ASSERT_EQ(Send(pqp_, 5, pbuf_, pmr_, "queued"), 0);  // queued: the pause holds it
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  EXPECT_EQ(fake_.post_send_calls(), calls + 1) << "drained already in this pause";
+  ASSERT_TRUE(p_.Resume().ok());
+  calls = fake_.post_send_calls();
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  EXPECT_EQ(fake_.post_send_calls(), calls + 1) << "a new pause drains again";
+  ASSERT_TRUE(p_.Resume().ok());
+}
+
 // A peer's quiesce drains only its QPs toward the endpoint that moves.
 TEST_F(DrainTest, AQuiesceTowardAGidPostsMarkersOnlyOnQpsConnectedThere) {
   Connect(kAllRemoteAccess);

@@ -141,8 +141,8 @@ class Device {
     if (ch != nullptr) channels_.push_back(ch);
     return ch;
   }
-  ibv_cq* Cq(ibv_comp_channel* ch = nullptr, void* cq_context = nullptr) {
-    ibv_cq* c = v_.CreateCq(ctx, 256, cq_context, ch, 0);
+  ibv_cq* Cq(ibv_comp_channel* ch = nullptr, void* cq_context = nullptr, int depth = 256) {
+    ibv_cq* c = v_.CreateCq(ctx, depth, cq_context, ch, 0);
     EXPECT_NE(c, nullptr);
     if (c != nullptr) cqs_.push_back(c);
     return c;

@@ -581,9 +581,10 @@ void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
     char perms[5] = {};
     if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) != 3 || perms[1] != 'w') continue;
     for (const auto& [begin, end] : ranges) {
-      const uintptr_t from = std::max<uintptr_t>(begin, lo) & ~(page - 1);
+      // A byte of the range on each of its pages: the first one's is the
+      // range's start, the others' their first.
       const uintptr_t to = std::min<uintptr_t>(end, hi);
-      for (uintptr_t p = std::max<uintptr_t>(from, lo); p < to; p += page)
+      for (uintptr_t p = std::max<uintptr_t>(begin, lo); p < to; p = (p & ~(page - 1)) + page)
         __atomic_fetch_or(reinterpret_cast<uint8_t*>(p), uint8_t{0}, __ATOMIC_RELAXED);
     }
   }

@@ -74,8 +74,8 @@ inline uint32_t UdPeerQpn(const Qp* qp, const Ah* ah, uint32_t qpn) {
 // The field of a WR that holds the peer's rkey, if its opcode has one.
 // One bit test for the opcodes that have none (SEND, SEND_WITH_IMM).
 inline uint32_t* RkeyField(ibv_send_wr* wr) {
-  constexpr uint32_t kRdma = (1u << IBV_WR_RDMA_WRITE) | (1u << IBV_WR_RDMA_WRITE_WITH_IMM) |
-                             (1u << IBV_WR_RDMA_READ);
+  constexpr uint32_t kRdma =
+      (1u << IBV_WR_RDMA_WRITE) | (1u << IBV_WR_RDMA_WRITE_WITH_IMM) | (1u << IBV_WR_RDMA_READ);
   constexpr uint32_t kAtomic =
       (1u << IBV_WR_ATOMIC_CMP_AND_SWP) | (1u << IBV_WR_ATOMIC_FETCH_AND_ADD);
   constexpr uint32_t kInv = 1u << IBV_WR_SEND_WITH_INV;
@@ -186,9 +186,8 @@ int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return 0;
 }
 
-int QueueRecvsInto(PauseGate* pause, const PathState& path,
-                   std::vector<QueuedRecv>* queue, uint32_t max_sge, ibv_recv_wr* wr,
-                   ibv_recv_wr** bad, bool* resumed) {
+int QueueRecvsInto(PauseGate* pause, const PathState& path, std::vector<QueuedRecv>* queue,
+                   uint32_t max_sge, ibv_recv_wr* wr, ibv_recv_wr** bad, bool* resumed) {
   std::lock_guard<std::mutex> lock(pause->queue_mu());
   if (!path.paused()) {
     *resumed = true;
@@ -206,17 +205,15 @@ int QueueRecvsInto(PauseGate* pause, const PathState& path,
 
 int QueueRecvs(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   bool resumed = false;
-  const int rc =
-      QueueRecvsInto(qp->pause, qp->path, &qp->queued_recvs, qp->init.cap.max_recv_sge, wr, bad,
-                     &resumed);
+  const int rc = QueueRecvsInto(qp->pause, qp->path, &qp->queued_recvs, qp->init.cap.max_recv_sge,
+                                wr, bad, &resumed);
   return resumed ? PostRecvGated(qp, wr, bad) : rc;
 }
 
 int QueueRecvs(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   bool resumed = false;
-  const int rc =
-      QueueRecvsInto(srq->pause, srq->path, &srq->queued_recvs, srq->init.attr.max_sge, wr, bad,
-                     &resumed);
+  const int rc = QueueRecvsInto(srq->pause, srq->path, &srq->queued_recvs, srq->init.attr.max_sge,
+                                wr, bad, &resumed);
   return resumed ? PostSrqRecvGated(srq, wr, bad) : rc;
 }
 
@@ -271,8 +268,7 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
 // A process the migrator may move: the provider's call inside the mark.
 int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  if (EnterMarked(qp->path))
-      [[likely]] {
+  if (EnterMarked(qp->path)) [[likely]] {
     const int rc = qp->real_post_send(qp->real, wr, bad);
     LeaveFast();
     return rc;
@@ -452,9 +448,8 @@ int PostSrqRecvAny(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 
 // One receive WR, the common case: logged, then posted.
 template <typename Real>
-inline bool PostOneRecv(RecvLog* log, Real* real,
-                        int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**), ibv_recv_wr* wr,
-                        ibv_recv_wr** bad, int* rc) {
+inline bool PostOneRecv(RecvLog* log, Real* real, int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**),
+                        ibv_recv_wr* wr, ibv_recv_wr** bad, int* rc) {
   if (wr == nullptr || wr->next != nullptr || !log->Push(wr)) [[unlikely]]
     return false;
   *rc = post(real, wr, bad);
@@ -497,8 +492,7 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
   if (EnterMarked(srq->path)) [[likely]] {
     int rc;
-    const bool done =
-        PostOneRecv(&srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc);
+    const bool done = PostOneRecv(&srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc);
     LeaveFast();
     if (done) [[likely]]
       return rc;
@@ -623,8 +617,7 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
 
 int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
-  if (EnterMarked(cq->path))
-      [[likely]] {
+  if (EnterMarked(cq->path)) [[likely]] {
     const int got = cq->real_poll_cq(cq->real, n, wc);
     LeaveFast();
     return got;
@@ -693,8 +686,7 @@ void EndBatch(Qp* qp) {
 int WrComplete(ibv_qp_ex* q) {
   Qp* qp = AsQp(q);
   // A UD QP's signaled sends are counted for the drain (RC and UC take a marker).
-  const uint64_t signaled =
-      qp->shadow.qp_base.qp_type == IBV_QPT_UD ? qp->builder_signaled : 0;
+  const uint64_t signaled = qp->shadow.qp_base.qp_type == IBV_QPT_UD ? qp->builder_signaled : 0;
   qp->signaled_posted.fetch_add(signaled, std::memory_order_relaxed);
   const int rc = qp->real_ex->wr_complete(qp->real_ex);
   if (rc != 0) qp->signaled_posted.fetch_sub(signaled, std::memory_order_relaxed);

@@ -201,7 +201,8 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const i
 
 Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!paused_ || released_) return Error(Code::kFailedPrecondition, "the drain needs a paused endpoint");
+  if (!paused_ || released_)
+    return Error(Code::kFailedPrecondition, "the drain needs a paused endpoint");
   const std::vector<Cq*> cqs = All<Cq>(Kind::kCq);
   const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
   std::string why;
@@ -223,7 +224,7 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
     if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ during the drain", -rc));
   }
   std::vector<std::pair<Cq*, std::vector<Qp*>>> to_mark;  // per send CQ, in order
-  std::vector<Qp*> marking;                                // each CQ's current marker's QP
+  std::vector<Qp*> marking;                               // each CQ's current marker's QP
   for (Qp* qp : qps) {
     qp->send_marker_pending = false;
     if (qp->real == nullptr || qp->shadow.qp_base.qp_type == IBV_QPT_UD || qp->drained) continue;
@@ -279,8 +280,9 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
         char buf[160];
         snprintf(buf, sizeof(buf), "%sQP 0x%x: %s, state %s", which.empty() ? "" : "; ",
                  qp->shadow.qp_base.qp_num,
-                 qp->send_marker_pending ? "sends in flight"
-                                         : (std::to_string(left) + " signaled send(s) in flight").c_str(),
+                 qp->send_marker_pending
+                     ? "sends in flight"
+                     : (std::to_string(left) + " signaled send(s) in flight").c_str(),
                  QpStateName(RealQpState(qp)));
         which += buf;
       }
@@ -301,9 +303,9 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
         qp->send_cq->marked_base.store(false);
         qp->send_cq->path.Set(Path::kTranslated);
       }
-      return Error(Code::kDeadlineExceeded,
-                   "sends still in flight after " + std::to_string(drain_timeout_ms) + " ms (" +
-                       which + ")");
+      return Error(Code::kDeadlineExceeded, "sends still in flight after " +
+                                                std::to_string(drain_timeout_ms) + " ms (" + which +
+                                                ")");
     }
     usleep(200);
   }
@@ -327,7 +329,8 @@ void Shim::FailAndCountRecvs(const std::vector<Qp*>& qps) {
     std::vector<Qp*> batch, later;
     std::vector<const Cq*> used;
     for (Qp* qp : rest) {
-      if (qp->recv_cq != nullptr && std::find(used.begin(), used.end(), qp->recv_cq) != used.end()) {
+      if (qp->recv_cq != nullptr &&
+          std::find(used.begin(), used.end(), qp->recv_cq) != used.end()) {
         later.push_back(qp);
         continue;
       }
@@ -545,8 +548,8 @@ Status Shim::ReleaseNow() {
   // The pages the HCA may have written, for a dump that tracks memory.
   std::vector<std::pair<uintptr_t, uintptr_t>> writable;
   for (const Mr* mr : All<Mr>(Kind::kMr)) {
-    if (!(mr->access & (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
-                        IBV_ACCESS_REMOTE_ATOMIC)))
+    if (!(mr->access &
+          (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)))
       continue;
     const uintptr_t begin = reinterpret_cast<uintptr_t>(mr->shadow.addr);
     writable.emplace_back(begin, begin + mr->shadow.length);
@@ -678,7 +681,8 @@ Status Shim::RecreateReal(const std::string& device) {
       cq->real_ex = backend_->CreateCqEx(cq->ctx->real, &attr);
       cq->real = cq->real_ex != nullptr ? ibv_cq_ex_to_cq(cq->real_ex) : nullptr;
     } else {
-      cq->real = backend_->CreateCq(cq->ctx->real, cq->cqe + CqSlack(), nullptr, ch, cq->comp_vector);
+      cq->real =
+          backend_->CreateCq(cq->ctx->real, cq->cqe + CqSlack(), nullptr, ch, cq->comp_vector);
     }
     if (cq->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_cq", errno));
     cq->real->cq_context = cq;
@@ -737,9 +741,9 @@ Status Shim::RecreateReal(const std::string& device) {
   }
   // The receives that were posted when the endpoint was released.
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
-    const int rc =
-        Repost(&srq->outstanding,
-               [srq](ibv_recv_wr* w, ibv_recv_wr** b) { return PostSrqRecvReal(srq, w, b); });
+    const int rc = Repost(&srq->outstanding, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return PostSrqRecvReal(srq, w, b);
+    });
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting SRQ receives", rc));
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
@@ -791,9 +795,9 @@ Status Shim::ResumeNow() {
   // gate closed is replayed before any later one goes through.
   std::lock_guard<std::mutex> queues(pause_.queue_mu());
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
-    const int rc =
-        Repost(&srq->queued_recvs,
-               [srq](ibv_recv_wr* w, ibv_recv_wr** b) { return PostSrqRecvReal(srq, w, b); });
+    const int rc = Repost(&srq->queued_recvs, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
+      return PostSrqRecvReal(srq, w, b);
+    });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued SRQ receives", rc));
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {

@@ -149,12 +149,12 @@ struct Srq {
   Pd* pd = nullptr;
   ibv_srq_init_attr init{};
   RecvLog recvs;
-  PauseGate* pause = nullptr;       // as Cq::pause
+  PauseGate* pause = nullptr;  // as Cq::pause
   // Successful receive completions: an SRQ's receives are not flushed when
   // its QPs fail, so its CQs count them (kTranslated).
   std::atomic<uint64_t> recvs_done{0};
   std::vector<QueuedRecv> queued_recvs;  // guarded by pause->queue_mu()
-  std::vector<QueuedRecv> outstanding;  // at release: to re-post
+  std::vector<QueuedRecv> outstanding;   // at release: to re-post
 };
 
 // One successful ibv_modify_qp, with the virtual identities the
@@ -195,8 +195,8 @@ struct Qp {
   // send queue completes in order. A UD QP's signaled sends are counted
   // instead (its posts translate anyway). A release counts a QP's
   // receives still posted from their flushes.
-  PauseGate* pause = nullptr;       // as Cq::pause
-  bool in_batch = false;            // between ibv_wr_start and wr_complete/abort
+  PauseGate* pause = nullptr;                // as Cq::pause
+  bool in_batch = false;                     // between ibv_wr_start and wr_complete/abort
   std::atomic<uint64_t> signaled_posted{0};  // UD
   std::atomic<uint64_t> sends_done{0};       // UD
   std::atomic<bool> unsignaled_tail{false};  // UD: unsignaled sends after the last signaled one
@@ -207,7 +207,7 @@ struct Qp {
   // has nothing to wait for on it. Cleared at the resume.
   bool drained = false;
   bool recv_marker_seen = false;
-  uint32_t recv_flushes = 0;  // flushed receives counted since the QP was failed
+  uint32_t recv_flushes = 0;           // flushed receives counted since the QP was failed
   uint32_t recv_flushes_expected = 0;  // when no marker receive fit: the queue's size
   // Guarded by pause->queue_mu().
   std::vector<QueuedSend> queued_sends;

@@ -705,9 +705,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   srq->shadow.handle = real->handle;
   InitMutexCond(&srq->shadow.mutex, &srq->shadow.cond);
   std::lock_guard<std::mutex> lock(mu_);
-  srq->path.Set(!keys_identity_ ? Path::kTranslated
-                  : migratable_   ? Path::kMarked
-                                  : Path::kDirect);
+  srq->path.Set(!keys_identity_ ? Path::kTranslated : migratable_ ? Path::kMarked : Path::kDirect);
   srq->pause = migratable_ ? &pause_ : nullptr;
   srq->path.SetPaused(paused_);
   Register(srq, Kind::kSrq);

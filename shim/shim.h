@@ -25,7 +25,6 @@
 #include "shim/backend.h"
 #include "shim/identity.h"
 #include "shim/migration.h"
-#include "shim/pause.h"
 #include "shim/objects.h"
 #include "shim/pause.h"
 #include "shim/remote_map.h"
@@ -225,10 +224,10 @@ class Shim {
   bool PostSendMarker(Qp* qp, std::string* why);  // requires mu_, paused
   // Moves QPs to the error state and takes their receives still posted
   // into Qp::outstanding, counted from their flushes.
-  void FailAndCountRecvs(const std::vector<Qp*>& qps);  // requires mu_, paused
+  void FailAndCountRecvs(const std::vector<Qp*>& qps);    // requires mu_, paused
   void FailAndCountRecvsOf(const std::vector<Qp*>& qps);  // no two on one receive CQ
-  int ReplayTransitions(Qp* qp);                   // requires mu_
-  int RealQpState(const Qp* qp);                   // the HCA's, or -1
+  int ReplayTransitions(Qp* qp);                          // requires mu_
+  int RealQpState(const Qp* qp);                          // the HCA's, or -1
   // Completion events (shim.cc): what a release must acknowledge.
   void NoteEventDelivered(Cq* cq, ibv_cq* real);
   // Release: acknowledges what the application has not, and marks the
@@ -240,7 +239,7 @@ class Shim {
   // At resume, while still paused: drains and arms the real CQs the
   // application armed, and returns those that hold completions; once the
   // data path is open, OweEvents wakes their waiters with an event each.
-  std::vector<Cq*> ArmForResume();                // requires mu_
+  std::vector<Cq*> ArmForResume();              // requires mu_
   void OweEvents(const std::vector<Cq*>& cqs);  // requires mu_
   // Threads waiting in GetCqEvent look again (a step waits for them).
   void WakeEventWaiters();

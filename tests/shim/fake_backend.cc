@@ -123,7 +123,7 @@ struct FakeBackend::CqObj {
   uint32_t events_acked = 0;
   std::deque<ibv_wc> wcs;
   int overflows = 0;  // completions lost to a full CQ
-  ibv_wc cur{};  // the ibv_cq_ex poll cursor
+  ibv_wc cur{};       // the ibv_cq_ex poll cursor
 };
 struct FakeBackend::RecvWr {
   uint64_t wr_id = 0;

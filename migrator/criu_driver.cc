@@ -221,8 +221,11 @@ std::string FindCriu() {
 }
 
 // Options every call shares; what each one adds is in the call. Why each:
-//   shell_job=false       our endpoints are session leaders (setsid) with no
-//                         controlling terminal; a shell job would need one.
+//   shell_job=true        most processes do not lead their session or
+//                         group (a shell's child, a supervisor's, an MPI
+//                         rank): their session and group stay behind, and
+//                         the restored root joins the restorer's (the shim
+//                         then starts a session of its own, control.cc).
 //   tcp_established=false a live TCP connection cannot follow the process to
 //                         another host's address: refuse it rather than
 //                         restore a connection nobody can reach (a dump or
@@ -247,7 +250,7 @@ absl::StatusOr<OptsPtr> NewOpts(const std::string& criu, int work_dir_fd,
   }
   criu_local_set_work_dir_fd(opts.get(), work_dir_fd);
   criu_local_set_log_level(opts.get(), CRIU_LOG_DEBUG);
-  criu_local_set_shell_job(opts.get(), false);
+  criu_local_set_shell_job(opts.get(), true);
   criu_local_set_tcp_established(opts.get(), false);
   criu_local_set_ext_unix_sk(opts.get(), false);
   criu_local_set_file_locks(opts.get(), true);

@@ -426,6 +426,17 @@ void WaitForResume(const ControlThread& c) {
   }
 }
 
+// CRIU restores a process that did not lead its session (a shell's child,
+// a supervisor's, an MPI daemon's rank) into the session and process group
+// of the restorer: the host's migrator. Its own session and group, as a
+// daemon's, keep the migrator's signals and terminal away from it. A
+// process that leads its own group cannot start a session (setsid: EPERM)
+// and needs none: the migrator's group signals do not reach it.
+void LeaveTheRestorersSession() {
+  if (getsid(0) == getpid() || getpgrp() == getpid()) return;
+  if (setsid() < 0) Log(("control: setsid after a restore: " + std::string(strerror(errno))).c_str());
+}
+
 void Serve(ControlThread* c, bool* released) {
   const int fd = c->fd.load();
   if (!SendFrame(fd, EncodeHello(getpid(), c->endpoint_id, *released, Program()))) return;
@@ -438,6 +449,7 @@ void Serve(ControlThread* c, bool* released) {
       return;
     }
     const std::string reply = Execute(c->shim, req, c->endpoint_id, getpid(), released);
+    if (req.kind == ControlRequest::Kind::kRestore && !*released) LeaveTheRestorersSession();
     if (!SendFrame(fd, reply)) return;
     if (req.kind == ControlRequest::Kind::kRelease && *released) return;
   }

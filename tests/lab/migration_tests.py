@@ -234,7 +234,8 @@ def perftest_survives_a_move_of_its_server(name, prog, args):
     LAB.run(3, f"pkill -x {prog}; ip neigh flush to {SERVICE}")
     run_ok(1, f"mkdir -p {WORK} && rm -f {out}-* && ip addr add {SERVICE}/24 dev eth0")
     cmd = f"{prog} -d rxe0 -x 1 -F -p {PERF_PORT} {args}"
-    run_ok(1, f"(setsid env {SHIM}{cmd} > {out}-server.out 2>&1 < /dev/null &)")
+    server = f"env {SHIM}{cmd} > {out}-server.out 2>&1 < /dev/null"
+    run_ok(1, launch(server) if launch else f"(setsid {server} &)")
     wait_listening(1, PERF_PORT)
     client = LAB.submit(3, f"env {SHIM}{cmd} {SERVICE} > {out}-client.out 2>&1", 600)
     try:
@@ -303,11 +304,12 @@ def ib_send_lat_survives_a_move_of_its_server():
 PINGPONG_ITERS = 10000
 
 
-def pingpong_survives(name, move, flags="-e", setup=None):
+def pingpong_survives(name, move, flags="-e", setup=None, launch=None):
     """ibv_rc_pingpong (`flags`: -e waits on completion events) between
     host1 and host3 under the shim; `move(pid)` moves the server mid-run
     (`setup()` runs before it starts); both sides must finish every
-    iteration without an error."""
+    iteration without an error. `launch(cmd)`: the shell line that starts
+    the server on host1 in the background (default: its own session)."""
     ensure_daemons()
     out = f"{WORK}/{name}"
     run_ok(1, f"mkdir -p {WORK} && rm -f {out}-*")
@@ -316,7 +318,8 @@ def pingpong_survives(name, move, flags="-e", setup=None):
     if setup:
         setup()
     cmd = f"ibv_rc_pingpong -d rxe0 -g 1 {flags} -n {PINGPONG_ITERS}"
-    run_ok(1, f"(setsid env {SHIM}{cmd} > {out}-server.out 2>&1 < /dev/null &)")
+    server = f"env {SHIM}{cmd} > {out}-server.out 2>&1 < /dev/null"
+    run_ok(1, launch(server) if launch else f"(setsid {server} &)")
     wait_listening(1, 18515)
     client = LAB.submit(3, f"env {SHIM}{cmd} {ip(1)} > {out}-client.out 2>&1", 900)
     try:
@@ -355,6 +358,37 @@ def an_event_driven_program_survives_a_live_move():
         print("server host1->host2:", json.dumps(rep.get("breakdown")), flush=True)
         check(LAB.run(2, f"kill -0 {pid}").rc == 0, "the server does not run on host2")
     pingpong_survives("ev-live", move)
+
+
+@lab_test
+@logs_on_failure("shell-child")
+def a_shell_child_moves_and_leads_a_session_of_its_own_there():
+    # The usual case: a program started by a shell (or a supervisor, or an
+    # MPI daemon) leads neither its session nor its process group, and its
+    # parent stays behind.
+    parent = f"{WORK}/shell-child-parent"
+
+    def launch(server):
+        return (f"rm -f {parent}; (setsid bash -c '{server}; echo rc=$? > {parent}' "
+                f"< /dev/null > /dev/null 2>&1 &)")
+
+    def move(pid):
+        ids = run_ok(1, f"ps -o pid=,ppid=,sid=,pgid= -p {pid}").out.split()
+        check(len(ids) == 4 and ids[2] != ids[0] and ids[3] != ids[0],
+              "the server leads its session or group: not a shell's child", ids)
+        r, rep = ctl(1, f"migrate {pid} --to {ip(2)}")
+        check(r.rc == 0, "migrate the shell's child host1 -> host2", r)
+        check_report(rep, "migrate the shell's child")
+        there = run_ok(2, f"ps -o pid=,sid=,pgid=,comm= -p {pid}").out.split()
+        check(there[:3] == [str(pid)] * 3 and there[3] == "ibv_rc_pingpong",
+              "on host2 the server does not lead a session of its own", there)
+        check(run_ok(2, f"cat /proc/{pid}/maps").out.count("librdmavirt") > 0,
+              "the server runs on host2 without the shim")
+        # Its parent, left on host1, saw it end (killed after the final dump).
+        wait_until(1, f"test -s {parent}", 60, "the shell on host1 saw its child end")
+        check(open(os.path.join(LAB.shared, "migration", "shell-child-parent")).read().strip()
+              == "rc=137", "the shell's child did not end by SIGKILL on host1")
+    pingpong_survives("shell-child", move, launch=launch)
 
 
 @lab_test

@@ -143,6 +143,18 @@ absl::StatusOr<v1::EndpointSummary> Migrator::Describe(pid_t pid) {
   return r->summary();
 }
 
+// CRIU restores a process's terminal only where the terminal's session
+// comes along: a terminal cannot follow a process to another host, nor
+// come back to a restore. Said before anything is quiesced.
+absl::Status Migrator::CheckNoTerminal(pid_t pid) {
+  const std::string tty = procs_->Terminal(pid);
+  if (tty.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "process ", pid, " holds the terminal ", tty,
+      ", which cannot follow it; nothing was quiesced. Start it without one: "
+      "setsid PROGRAM < /dev/null > LOG 2>&1"));
+}
+
 absl::Status Migrator::CheckShim(pid_t pid) {
   if (pid <= 0) return absl::InvalidArgumentError(absl::StrCat("invalid pid ", pid));
   for (const ShimInfo& s : shims_->Connected())

@@ -472,6 +472,7 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   absl::StatusOr<HostPort> dest = ParseHostPort(request.destination(), options_.port);
   if (!dest.ok()) return Annotate(dest.status(), "destination");
   if (absl::Status st = CheckShim(pid); !st.ok()) return st;
+  if (absl::Status st = CheckNoTerminal(pid); !st.ok()) return st;
   {
     absl::MutexLock lock(&mu_);
     if (!moving_.insert(pid).second)
@@ -553,6 +554,7 @@ absl::Status Migrator::ValidateCheckpointDir(const std::string& dir) {
 absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const ProgressSink& sink) {
   const pid_t pid = request.pid();
   if (absl::Status st = CheckShim(pid); !st.ok()) return st;
+  if (absl::Status st = CheckNoTerminal(pid); !st.ok()) return st;
   if (absl::Status st = ValidateCheckpointDir(request.dir()); !st.ok()) return st;
   {
     absl::MutexLock lock(&mu_);

@@ -1,10 +1,15 @@
 #include "migrator/process_control.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +28,30 @@ char State(pid_t pid) {
   return line[paren + 2];
 }
 
+// Terminals by device major: the console and /dev/tty (5), virtual
+// consoles and serial lines (4), Unix98 pseudo-terminals (136-143).
+bool IsTerminal(dev_t rdev) {
+  const unsigned m = major(rdev);
+  return m == 4 || m == 5 || (m >= 136 && m <= 143);
+}
+
+// The controlling terminal's device number (/proc/PID/stat's tty_nr), 0
+// for none.
+dev_t ControllingTerminal(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(in, line)) return 0;
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::istringstream rest(line.substr(paren + 2));
+  std::string state, ppid, pgrp, session;
+  long long tty_nr = 0;
+  rest >> state >> ppid >> pgrp >> session >> tty_nr;
+  // The kernel's encoding (new_encode_dev).
+  const unsigned long long v = static_cast<unsigned long long>(tty_nr);
+  return makedev((v >> 8) & 0xfff, (v & 0xff) | ((v >> 12) & 0xfff00));
+}
+
 class RealProcessControl final : public ProcessControl {
  public:
   bool Exists(pid_t pid) override {
@@ -30,6 +59,29 @@ class RealProcessControl final : public ProcessControl {
     if (kill(pid, 0) != 0 && errno == ESRCH) return false;
     const char s = State(pid);
     return s != 0 && s != 'Z' && s != 'X';
+  }
+
+  std::string Terminal(pid_t pid) override {
+    const std::string fds = absl::StrCat("/proc/", pid, "/fd");
+    if (DIR* d = opendir(fds.c_str())) {
+      std::string found;
+      while (dirent* e = readdir(d)) {
+        if (e->d_name[0] == '.') continue;
+        const std::string link = fds + "/" + e->d_name;
+        struct stat st;
+        if (stat(link.c_str(), &st) != 0 || !S_ISCHR(st.st_mode) || !IsTerminal(st.st_rdev))
+          continue;
+        char target[256];
+        const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
+        found = n > 0 ? std::string(target, n) : link;
+        break;
+      }
+      closedir(d);
+      if (!found.empty()) return found;
+    }
+    const dev_t ctty = ControllingTerminal(pid);
+    if (ctty == 0) return "";
+    return absl::StrCat("a controlling terminal (device ", major(ctty), ":", minor(ctty), ")");
   }
 
   absl::Status Stop(pid_t pid) override {

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 
@@ -23,6 +24,9 @@ class ProcessControl {
   // SIGKILL, and wait (bounded) until the process is gone. OK if it was
   // gone already.
   virtual absl::Status Kill(pid_t pid) = 0;
+  // The terminal the process holds ("/dev/pts/3": its controlling
+  // terminal, or one of its open files), "" when it holds none.
+  virtual std::string Terminal(pid_t pid) = 0;
 };
 
 // kill(2) and /proc.

@@ -113,6 +113,17 @@ void FakeHost::AddPlainProcess(pid_t pid) {
   plain_.insert(pid);
 }
 
+void FakeHost::SetTerminal(pid_t pid, const std::string& tty) {
+  absl::MutexLock lock(&mu_);
+  terminals_[pid] = tty;
+}
+
+std::string FakeHost::Terminal(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  auto it = terminals_.find(pid);
+  return it == terminals_.end() ? "" : it->second;
+}
+
 v1::EndpointSummary FakeHost::Summary(const FakeEndpoint& e) const {
   v1::EndpointSummary s;
   s.set_endpoint_id(e.endpoint_id);

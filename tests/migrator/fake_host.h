@@ -70,6 +70,8 @@ class FakeHost final : public ShimChannel,
   void SetTcpAddress(pid_t pid, const std::string& address);
   // A process that is not under the shim.
   void AddPlainProcess(pid_t pid);
+  // The process holds this terminal (ProcessControl::Terminal).
+  void SetTerminal(pid_t pid, const std::string& tty);
   const std::string& gid() const { return gid_; }
 
   // Network: `ifname` holds `address` ("a.b.c.d/len").
@@ -101,6 +103,7 @@ class FakeHost final : public ShimChannel,
   absl::Status Stop(pid_t pid) override;
   absl::Status Continue(pid_t pid) override;
   absl::Status Kill(pid_t pid) override;
+  std::string Terminal(pid_t pid) override;
   // Checkpointer
   absl::Status Check() override;
   absl::StatusOr<DumpStats> PreDump(pid_t pid, const std::string& dir,
@@ -123,6 +126,7 @@ class FakeHost final : public ShimChannel,
   absl::Mutex mu_;
   std::map<pid_t, FakeEndpoint> eps_ ABSL_GUARDED_BY(mu_);
   std::set<pid_t> plain_ ABSL_GUARDED_BY(mu_);
+  std::map<pid_t, std::string> terminals_ ABSL_GUARDED_BY(mu_);
   std::set<pid_t> markers_ ABSL_GUARDED_BY(mu_);
   // address (host order) -> (interface, prefix)
   std::map<uint32_t, std::pair<std::string, int>> addrs_ ABSL_GUARDED_BY(mu_);

@@ -278,6 +278,24 @@ TEST(MigratorTest, RefusesProcessesNotUnderTheShim) {
   EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(MigratorTest, RefusesAProcessHoldingATerminalBeforeQuiescingAnything) {
+  Cluster c("tty");
+  Topology(c);
+  c.host(1).SetTerminal(100, "/dev/pts/3");
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()),
+              HasSubstr("process 100 holds the terminal /dev/pts/3"));
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+  EXPECT_EQ(c.host(1).predumps, 0);
+  EXPECT_EQ(c.host(1).dumps, 0);
+  // Without it, the same process moves.
+  c.host(1).SetTerminal(100, "");
+  run = Migrate(c, 100, "h2");
+  EXPECT_TRUE(run.status.ok()) << run.status;
+}
+
 // After a failure, the endpoint runs on h1 again, restored on its HCA, and
 // every peer points at it.
 void ExpectRolledBack(Cluster& c, const MoveRun& run, bool restored) {

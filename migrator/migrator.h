@@ -151,6 +151,8 @@ class Migrator {
   absl::Status CheckShim(pid_t pid);
   // FAILED_PRECONDITION when it holds a terminal (CRIU cannot restore it).
   absl::Status CheckNoTerminal(pid_t pid);
+  // SIGKILL of a moved process's stopped source copy, tried three times.
+  absl::Status KillSourceCopy(pid_t pid);
   // Creates the resume marker, waits for the released shim's Hello,
   // removes the marker, sends restore; the endpoint stays paused.
   absl::StatusOr<v1::EndpointSummary> BringBack(pid_t pid, const std::string& device,

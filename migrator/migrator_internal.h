@@ -27,6 +27,9 @@ struct Migrator::Move {
   absl::Time blackout_start = absl::InfiniteFuture();
   std::map<std::string, std::unique_ptr<v1::Transfer::StubInterface>> stubs;
   bool prepared = false;  // the destination holds an incoming record
+  // The first failed write of `rec`: crash recovery reads the record, so a
+  // move that cannot write it is refused or rolled back while it can be.
+  absl::Status record_error;
 };
 
 // A move this host receives. Its operations come one at a time from the

@@ -72,8 +72,11 @@ std::unique_ptr<Migrator::Move> Migrator::NewMove(const std::string& kind, pid_t
 }
 
 void Migrator::Persist(Move* m) {
-  if (absl::Status st = WriteRecord(m->dir, m->rec); !st.ok())
+  if (absl::Status st = WriteRecord(m->dir, m->rec); !st.ok()) {
     Log("migration %s: cannot write its record: %s", m->rec.report().migration_id(), st.ToString());
+    if (m->record_error.ok())
+      m->record_error = Annotate(st, "cannot write the migration record that crash recovery reads");
+  }
   absl::MutexLock lock(&mu_);
   if (!m->rec.done()) in_flight_[m->rec.report().migration_id()] = m->rec.report();
 }
@@ -177,6 +180,7 @@ absl::Status Migrator::QuiesceAndRelease(Move* m, v1::EndpointSummary* released)
   const pid_t pid = m->rec.report().pid();
   v1::Breakdown* b = m->rec.mutable_report()->mutable_breakdown();
   SetPhase(m, "quiesce");
+  if (!m->record_error.ok()) return m->record_error;
   const absl::Time q0 = absl::Now();
   absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
   if (!e.ok()) return e.status();
@@ -339,6 +343,9 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   b->set_transfer_us(MicrosSince(t0));
 
   SetPhase(m, "restore", m->rec.destination());
+  // Past the destination's restore only a record says where the process
+  // runs: without one the move goes back while it still can.
+  if (!m->record_error.ok()) return m->record_error;
   v1::RestoreIncomingRequest rq;
   rq.set_migration_id(id);
   absl::StatusOr<v1::RestoreIncomingResponse> restored = Rpc<v1::RestoreIncomingResponse>(
@@ -377,15 +384,31 @@ void Migrator::CompleteForward(Move* m) {
   r->mutable_breakdown()->set_reconnect_us(MicrosSince(c0));
   r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
   SetPhase(m, "cleanup");
-  if (absl::Status st = procs_->Kill(r->pid()); !st.ok())
-    Log("migration %s: killing the source process: %s", r->migration_id(), st.ToString());
+  const absl::Status killed = KillSourceCopy(r->pid());
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))
     if (e.is_directory()) std::filesystem::remove_all(e.path(), ec);
   absl::Status st = peers;
   if (!resumed.ok()) st = resumed.status();
+  if (!killed.ok()) st = killed;
   if (!st.ok()) r->set_error(absl::StrCat("the endpoint moved, but: ", st.message()));
   Finish(m, st);
+}
+
+// The source's copy of a process that now runs on the destination is
+// stopped and released (it holds no RDMA resource); it must not stay. A
+// kill that does not take (a task stuck in the kernel) is tried again,
+// then said: the report must not claim one copy while two exist.
+absl::Status Migrator::KillSourceCopy(pid_t pid) {
+  absl::Status st;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    st = procs_->Kill(pid);
+    if (st.ok()) return st;
+    Log("killing the source copy of pid %d (attempt %d): %s", pid, attempt + 1, st.ToString());
+  }
+  return absl::InternalError(absl::StrCat("the stopped source copy (pid ", pid,
+                                          ") could not be killed and stays stopped: ",
+                                          st.message()));
 }
 
 void Migrator::RollBack(Move* m, const absl::Status& cause) {
@@ -403,7 +426,15 @@ void Migrator::RollBack(Move* m, const absl::Status& cause) {
         [&](grpc::ClientContext* c, v1::AbortIncomingResponse* out) {
           return dest->AbortIncoming(c, a, out);
         });
-    if (!ar.ok()) Log("migration %s: %s", r->migration_id(), ar.status().ToString());
+    if (!ar.ok()) {
+      // The destination may hold a restored copy, paused: it resumes only
+      // on this host's word, which will not come; still, it is said.
+      Log("migration %s: %s", r->migration_id(), ar.status().ToString());
+      problems.push_back(absl::StrCat("aborting on ", m->rec.destination(), ": ",
+                                      ar.status().message(),
+                                      " (a restored copy may remain there, paused, until "
+                                      "the move is aborted there)"));
+    }
   }
   bool back = true;
   bool peers_done = false;
@@ -495,7 +526,12 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   // Nothing is touched until the destination said yes.
   SetPhase(m.get(), "prepare", target);
   absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
-  if (!e.ok()) return e.status();
+  if (!m->record_error.ok()) e = m->record_error;
+  if (!e.ok()) {
+    const absl::Status st = Annotate(e.status(), "nothing was quiesced");
+    Finish(m.get(), st);
+    return st;
+  }
   *m->rec.mutable_endpoint() = *e;
   m->rec.mutable_report()->set_endpoint_id(e->endpoint_id());
   v1::PrepareRequest prep;

@@ -318,6 +318,7 @@ absl::Status FakeHost::Continue(pid_t pid) {
 absl::Status FakeHost::Kill(pid_t pid) {
   absl::MutexLock lock(&mu_);
   events_.push_back(absl::StrCat("kill ", pid));
+  if (!kill_error.ok()) return kill_error;
   auto it = eps_.find(pid);
   if (it != eps_.end()) {
     it->second.alive = false;

@@ -87,6 +87,7 @@ class FakeHost final : public ShimChannel,
 
   // CRIU switches and counters.
   absl::Status check_error, predump_error, dump_error, restore_error;
+  absl::Status kill_error;  // every Kill fails with it (a task stuck in the kernel)
   int predumps = 0, dumps = 0, restores = 0;
   uint64_t predump_bytes = 64 << 10;
 

@@ -296,6 +296,41 @@ TEST(MigratorTest, RefusesAProcessHoldingATerminalBeforeQuiescingAnything) {
   EXPECT_TRUE(run.status.ok()) << run.status;
 }
 
+TEST(MigratorTest, ASourceCopyThatWillNotDieIsReportedNotHidden) {
+  Cluster c("unkillable");
+  Topology(c);
+  c.host(1).kill_error = absl::DeadlineExceededError("process 100 did not die");
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_FALSE(run.report.ok());
+  EXPECT_FALSE(run.report.rolled_back());
+  EXPECT_THAT(run.report.error(), HasSubstr("the endpoint moved, but: the stopped source copy "
+                                            "(pid 100) could not be killed and stays stopped"));
+  // Tried three times; the endpoint runs on h2 all the same.
+  int kills = 0;
+  for (const std::string& ev : c.host(1).Events()) kills += ev == "kill 100";
+  EXPECT_EQ(kills, 3);
+  FakeEndpoint moved = c.host(2).Get(100);
+  EXPECT_TRUE(moved.alive && moved.connected && !moved.paused);
+}
+
+TEST(MigratorTest, AFailedRecordWriteRefusesTheMoveBeforeAnythingIsQuiesced) {
+  Cluster c("norecord");
+  Topology(c);
+  // The state directory's migrations/ is a file: no record can be written.
+  const std::string migrations = c[1].state_dir + "/migrations";
+  std::filesystem::remove_all(migrations);
+  { std::ofstream(migrations) << "not a directory"; }
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_FALSE(run.status.ok());
+  EXPECT_THAT(std::string(run.status.message()),
+              HasSubstr("cannot write the migration record that crash recovery reads"));
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+  EXPECT_EQ(c.host(1).predumps, 0);
+  EXPECT_EQ(c.host(1).dumps, 0);
+}
+
 // After a failure, the endpoint runs on h1 again, restored on its HCA, and
 // every peer points at it.
 void ExpectRolledBack(Cluster& c, const MoveRun& run, bool restored) {

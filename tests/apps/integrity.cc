@@ -603,6 +603,16 @@ class Integrity {
   std::deque<std::pair<uint64_t, double>> ud_known_;
   uint64_t completion_errors_ = 0;
   std::string fatal_;
+  // Where the process ran: (host, pid, wall time first seen there), one
+  // entry each time either changes (checked once a second).
+  struct Place {
+    std::string host;
+    int pid;
+    double since;
+  };
+  std::vector<Place> places_;
+  void NotePlace();
+  std::string JsonPlaces() const;
 
   // Coordination.
   Status peer_{};       // the newest record found in our mailbox
@@ -1133,9 +1143,19 @@ bool Integrity::ReadMailbox() {
   return true;
 }
 
+void Integrity::NotePlace() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+  const int pid = static_cast<int>(getpid());
+  if (!places_.empty() && places_.back().host == host && places_.back().pid == pid) return;
+  places_.push_back({host, pid, WallSeconds()});
+  std::printf("integrity: running on %s as pid %d\n", host, pid);
+}
+
 void Integrity::PrintLive(bool force) {
   if (!force && now_ - last_live_ < 1.0) return;
   last_live_ = now_;
+  NotePlace();
   std::printf("integrity: t=%.0fs sent=%" PRIu64 " recv=%" PRIu64 " writes=%" PRIu64 "/%" PRIu64
               " reads=%" PRIu64 " ud=%" PRIu64 "/%" PRIu64 " errors=%" PRIu64 "\n",
               now_, lanes_[kSend].done, sends_in_.tally.ok, lanes_[kWrite].done,
@@ -1145,6 +1165,7 @@ void Integrity::PrintLive(bool force) {
 
 void Integrity::Run() {
   start_wall_ = WallSeconds();
+  NotePlace();
   now_ = last_progress_ = clock_.Now();
   while (fatal_.empty()) {
     now_ = clock_.Now();
@@ -1168,6 +1189,7 @@ void Integrity::Run() {
     if (!active) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   end_wall_ = WallSeconds();
+  NotePlace();
   PrintLive(true);
 }
 
@@ -1184,6 +1206,15 @@ std::string JsonString(const std::string& s) {
     out += static_cast<unsigned char>(c) < 0x20 ? ' ' : c;
   }
   return out + "\"";
+}
+
+std::string Integrity::JsonPlaces() const {
+  std::string out = "[";
+  for (const Place& p : places_) {
+    out += Sprintf("%s{\"host\": %s, \"pid\": %d, \"since_s\": %.3f}", out.size() > 1 ? ", " : "",
+                   JsonString(p.host).c_str(), p.pid, p.since - start_wall_);
+  }
+  return out + "]";
 }
 
 int Integrity::Report() {
@@ -1234,6 +1265,7 @@ int Integrity::Report() {
       {"peer_finished", peer_finished ? "true" : "false"},
       {"peer_errors", n(peer_.errors)},
       {"elapsed_s", Sprintf("%.3f", end_wall_ - start_wall_)},
+      {"places", JsonPlaces()},
       {"ok", ok ? "true" : "false"},
   };
   std::string json = "{";

@@ -86,6 +86,20 @@ def wait_sent(name, sends, timeout=120):
         time.sleep(0.5)
 
 
+def check_moved(pid, source, dest, what):
+    """`pid` runs on host`dest` under the shim and no longer on host`source`
+    (CRIU restores the same pid)."""
+    wait_until(dest, f"kill -0 {pid}", 30, f"{what} runs on host{dest}")
+    maps = LAB.run(dest, f"cat /proc/{pid}/maps")
+    check(maps.rc == 0 and "librdmavirt" in maps.out, f"{what} runs on host{dest} without the shim")
+    check(LAB.run(source, f"kill -0 {pid}").rc != 0, f"{what} still exists on host{source}")
+
+
+def hosts_seen(report):
+    """The hosts an integrity report says its process ran on, in order."""
+    return [p["host"] for p in report["places"]]
+
+
 def check_report(report, what):
     check(report is not None and report.get("ok") is True, f"{what} failed", report)
     check(report["breakdown"].get("blackoutUs", 0) or report["breakdown"].get("blackout_us", 0),
@@ -144,12 +158,13 @@ def integrity_survives_live_migrations_and_a_checkpoint():
     check(r.rc == 0, "migrate P host1 -> host2", r)
     check_report(rep, "migrate P")
     print("P host1->host2:", json.dumps(rep.get("breakdown")), flush=True)
-    wait_until(2, f"kill -0 {ppid}", 30, "P runs on host2")
+    check_moved(ppid, 1, 2, "P")
     # Q: host3 -> host1.
     r, rep = ctl(3, f"migrate {qpid} --to {ip(1)}")
     check(r.rc == 0, "migrate Q host3 -> host1", r)
     check_report(rep, "migrate Q")
     print("Q host3->host1:", json.dumps(rep.get("breakdown")), flush=True)
+    check_moved(qpid, 3, 1, "Q")
     # P: checkpointed (and gone), then restored on host3 from host2's copy.
     run_ok(2, "rm -rf /tmp/ckpt-p")
     r, rep = ctl(2, f"checkpoint {ppid} --dir /tmp/ckpt-p")
@@ -159,7 +174,13 @@ def integrity_survives_live_migrations_and_a_checkpoint():
     r, rep = ctl(2, f"restore --dir /tmp/ckpt-p --on {ip(3)}")
     check(r.rc == 0, "restore P on host3", r)
     print("P restore on host3:", json.dumps(rep.get("breakdown")), flush=True)
+    check_moved(ppid, 2, 3, "P")
     p, q = wait_reports("accept")
+    # Each side's own account of where it ran, one pid throughout.
+    check(hosts_seen(p) == ["host1", "host2", "host3"], "P's places", p["places"])
+    check(hosts_seen(q) == ["host3", "host1"], "Q's places", q["places"])
+    for pid, rep in ((ppid, p), (qpid, q)):
+        check({x["pid"] for x in rep["places"]} == {pid}, "a pid changed", rep["places"])
     for side, rep in (("P", p), ("Q", q)):
         check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and
               rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
@@ -207,6 +228,8 @@ def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
                   rp["completion_errors"] == 0 and rp["sends"] == rp["iterations"],
                   f"{side}'s integrity report", rp)
         check(p["ballast_pages_verified"] == 16 * 256, "P's ballast not verified", p)
+        check(hosts_seen(p) == ["host1"] and hosts_seen(q) == ["host3"],
+              "a side ran somewhere else than where it started", p["places"], q["places"])
         # host2's migrator comes back and removes what it had received.
         ensure_daemons()
         wait_until(2, f"! ls {STATE}/incoming/*/*/* > /dev/null 2>&1", 60,
@@ -360,7 +383,7 @@ def an_event_driven_program_survives_a_live_move():
         check(r.rc == 0, "migrate the rc_pingpong server host1 -> host2", r)
         check_report(rep, "migrate the rc_pingpong server")
         print("server host1->host2:", json.dumps(rep.get("breakdown")), flush=True)
-        check(LAB.run(2, f"kill -0 {pid}").rc == 0, "the server does not run on host2")
+        check_moved(pid, 1, 2, "the server")
     pingpong_survives("ev-live", move)
 
 
@@ -431,7 +454,7 @@ def an_event_driven_program_survives_a_checkpoint_and_restore():
         r, rep = ctl(1, f"restore --dir /tmp/ckpt-ev --on {ip(2)}")
         check(r.rc == 0, "restore the rc_pingpong server on host2", r)
         print("server restored on host2:", json.dumps(rep.get("breakdown")), flush=True)
-        check(LAB.run(2, f"kill -0 {pid}").rc == 0, "the server does not run on host2")
+        check_moved(pid, 1, 2, "the server")
     pingpong_survives("ev-ckpt", move)
 
 
@@ -453,7 +476,7 @@ def a_process_started_before_its_migrator_moves_once_the_migrator_is_up():
         r, rep = ctl(1, f"migrate {pid} --to {ip(2)}")
         check(r.rc == 0, "migrate the server host1 -> host2", r)
         print("server host1->host2:", json.dumps(rep.get("breakdown")), flush=True)
-        check(LAB.run(2, f"kill -0 {pid}").rc == 0, "the server does not run on host2")
+        check_moved(pid, 1, 2, "the server")
     pingpong_survives("late", move, flags="", setup=stop_migrator)
 
 

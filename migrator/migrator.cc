@@ -253,6 +253,10 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
        LocalPeersOf(request.virtual_gid(), qpns, /*with_ud=*/true, /*exclude=*/0)) {
     {
       absl::MutexLock lock(&mu_);
+      // Being quiesced for its own move: one endpoint's peers at a time.
+      if (quiescing_.contains(pid))
+        return absl::AbortedError(absl::StrCat("process ", pid, " on ", options_.host_name,
+                                               " is moving itself"));
       peer_sets_[request.migration_id()].insert(pid);
     }
     v1::MigratorToShim req;

@@ -65,6 +65,8 @@ class Migrator {
     // A released shim must close its socket within this.
     absl::Duration close_timeout = absl::Seconds(10);
     absl::Duration rpc_timeout = absl::Seconds(30);
+    // How long a move waits for a peer's own move to let go of it.
+    absl::Duration peer_wait = absl::Minutes(5);
     absl::Duration transfer_timeout = absl::Minutes(30);
     // A peer's physical GID (16 bytes) -> "host:port" of its migrator, ""
     // when it is on this host. Default: the GID's IPv4 and `port`.
@@ -151,6 +153,12 @@ class Migrator {
   absl::Status CheckShim(pid_t pid);
   // FAILED_PRECONDITION when it holds a terminal (CRIU cannot restore it).
   absl::Status CheckNoTerminal(pid_t pid);
+  // The endpoint described and its peers quiesced, one meeting move at a
+  // time (outgoing.cc).
+  absl::StatusOr<v1::EndpointSummary> QuiesceThePeers(Move* m);
+  absl::Status AwaitNotAPeer(pid_t pid, absl::Time deadline);
+  // AbortIncoming on a prepared move's destination; its failure, said.
+  absl::Status AbortOnDestination(Move* m);
   // SIGKILL of a moved process's stopped source copy, tried three times.
   absl::Status KillSourceCopy(pid_t pid);
   // Creates the resume marker, waits for the released shim's Hello,
@@ -232,6 +240,8 @@ class Migrator {
   std::map<std::string, std::unique_ptr<Incoming>> incoming_ ABSL_GUARDED_BY(mu_);
   // Pids this host peer-quiesced for each migration id.
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
+  // Endpoints whose own move has begun to quiesce them (outgoing.cc).
+  std::set<pid_t> quiescing_ ABSL_GUARDED_BY(mu_);
   bool criu_checked_ ABSL_GUARDED_BY(mu_) = false;
   // Endpoints this host suspended (Suspend), by pid, until Resume. Their
   // pids stay in moving_ meanwhile. Suspend and Resume run one at a time.

@@ -26,7 +26,8 @@ struct Migrator::Move {
   absl::Time start;
   absl::Time blackout_start = absl::InfiniteFuture();
   std::map<std::string, std::unique_ptr<v1::Transfer::StubInterface>> stubs;
-  bool prepared = false;  // the destination holds an incoming record
+  bool prepared = false;       // the destination holds an incoming record
+  bool restore_asked = false;  // RestoreIncoming was sent: a copy may run there
   // The first failed write of `rec`: crash recovery reads the record, so a
   // move that cannot write it is refused or rolled back while it can be.
   absl::Status record_error;

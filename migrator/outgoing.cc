@@ -6,6 +6,8 @@
 #include <optional>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/random/distributions.h"
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
@@ -176,21 +178,79 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
   return absl::OkStatus();
 }
 
+// Two moves may meet: P and its peer Q each moving (toward each other, say).
+// One endpoint at a time is quiesced with its peers: a move whose endpoint
+// is paused as another move's peer waits until that move re-points it
+// (and then sees where the other went); a peer that is being quiesced for
+// its own move refuses (ABORTED), and this move resumes the peers it
+// paused, steps back for a random while and tries again.
+absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceThePeers(Move* m) {
+  const pid_t pid = m->rec.report().pid();
+  const absl::Time deadline = absl::Now() + options_.peer_wait;
+  absl::BitGen bits;
+  // A guest's suspend pauses its endpoints together, each as the others'
+  // peer and then as itself (guests.cc): nothing to wait for.
+  const bool together = m->rec.report().kind() == "suspend";
+  for (int attempt = 1;; ++attempt) {
+    if (!together) {
+      if (absl::Status st = AwaitNotAPeer(pid, deadline); !st.ok()) return st;
+    }
+    absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
+    if (!e.ok()) return e.status();
+    *m->rec.mutable_endpoint() = *e;
+    v1::MigrationReport* r = m->rec.mutable_report();
+    r->set_endpoint_id(e->endpoint_id());
+    r->set_qps(e->counts().qps());
+    r->set_mrs(e->counts().mrs());
+    r->set_registered_bytes(e->counts().registered_bytes());
+    absl::Status st = QuiescePeersOf(m, *e);
+    if (st.ok()) return e;
+    if (!absl::IsAborted(st) || absl::Now() > deadline) return st;
+    // A peer moves too: its peers resume as they were, and so do ours.
+    Log("migration %s: a peer is moving too (%s); stepping back (attempt %d)",
+        r->migration_id(), st.message(), attempt);
+    absl::Status back = ReconnectAll(m, e->mapping(), /*resume_only=*/true);
+    m->rec.clear_peer_hosts();
+    m->rec.set_local_peers(false);
+    Persist(m);
+    {
+      absl::MutexLock lock(&mu_);
+      quiescing_.erase(pid);
+    }
+    if (!back.ok()) return Annotate(back, "resuming the peers after a peer's own move refused");
+    absl::SleepFor(absl::Milliseconds(absl::Uniform(bits, 200, 200 + 800 * std::min(attempt, 6))));
+  }
+}
+
+// Waits while `pid` is paused as the peer of another move, then marks it
+// as being quiesced for its own (QuiescePeers then refuses to pause it).
+absl::Status Migrator::AwaitNotAPeer(pid_t pid, absl::Time deadline) {
+  auto free = [this, pid]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& [id, pids] : peer_sets_)
+      if (pids.contains(pid)) return false;
+    return true;
+  };
+  absl::MutexLock lock(&mu_);
+  while (!free()) {
+    if (absl::Now() > deadline)
+      return absl::DeadlineExceededError(absl::StrCat(
+          "process ", pid, " stayed paused as the peer of another move; nothing was quiesced"));
+    mu_.Unlock();
+    absl::SleepFor(absl::Milliseconds(100));
+    mu_.Lock();
+  }
+  quiescing_.insert(pid);
+  return absl::OkStatus();
+}
+
 absl::Status Migrator::QuiesceAndRelease(Move* m, v1::EndpointSummary* released) {
   const pid_t pid = m->rec.report().pid();
   v1::Breakdown* b = m->rec.mutable_report()->mutable_breakdown();
   SetPhase(m, "quiesce");
   if (!m->record_error.ok()) return m->record_error;
   const absl::Time q0 = absl::Now();
-  absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
+  absl::StatusOr<v1::EndpointSummary> e = QuiesceThePeers(m);
   if (!e.ok()) return e.status();
-  *m->rec.mutable_endpoint() = *e;
-  v1::MigrationReport* r = m->rec.mutable_report();
-  r->set_endpoint_id(e->endpoint_id());
-  r->set_qps(e->counts().qps());
-  r->set_mrs(e->counts().mrs());
-  r->set_registered_bytes(e->counts().registered_bytes());
-  if (absl::Status st = QuiescePeersOf(m, *e); !st.ok()) return st;
   if (m->blackout_start == absl::InfiniteFuture()) m->blackout_start = absl::Now();
   m->rec.set_quiesced(true);
   Persist(m);
@@ -346,6 +406,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   // Past the destination's restore only a record says where the process
   // runs: without one the move goes back while it still can.
   if (!m->record_error.ok()) return m->record_error;
+  m->restore_asked = true;
   v1::RestoreIncomingRequest rq;
   rq.set_migration_id(id);
   absl::StatusOr<v1::RestoreIncomingResponse> restored = Rpc<v1::RestoreIncomingResponse>(
@@ -411,31 +472,38 @@ absl::Status Migrator::KillSourceCopy(pid_t pid) {
                                           st.message()));
 }
 
+// Asks the destination of a prepared move to drop it (kill what it
+// restored, delete the images). A destination that does not answer may
+// hold a restored copy, paused: it resumes only on this host's word, which
+// will not come; still, the failure is said, never dropped.
+absl::Status Migrator::AbortOnDestination(Move* m) {
+  if (!m->prepared) return absl::OkStatus();
+  v1::AbortIncomingRequest a;
+  a.set_migration_id(m->rec.report().migration_id());
+  v1::Transfer::StubInterface* dest = Stub(m, m->rec.destination());
+  absl::StatusOr<v1::AbortIncomingResponse> ar = Rpc<v1::AbortIncomingResponse>(
+      options_.rpc_timeout, absl::StrCat("aborting on ", m->rec.destination()),
+      [&](grpc::ClientContext* c, v1::AbortIncomingResponse* out) {
+        return dest->AbortIncoming(c, a, out);
+      });
+  if (ar.ok()) return absl::OkStatus();
+  Log("migration %s: %s", m->rec.report().migration_id(), ar.status().ToString());
+  return absl::Status(
+      ar.status().code(),
+      absl::StrCat(ar.status().message(),
+                   m->restore_asked
+                       ? " (a restored copy may remain there, paused, until the move is aborted "
+                         "there)"
+                       : " (what it received stays there until its migrator restarts)"));
+}
+
 void Migrator::RollBack(Move* m, const absl::Status& cause) {
   v1::MigrationReport* r = m->rec.mutable_report();
   const pid_t pid = r->pid();
   r->set_error(std::string(cause.message()));
   SetPhase(m, "rollback", std::string(cause.message()));
   std::vector<std::string> problems;
-  if (m->prepared) {
-    v1::AbortIncomingRequest a;
-    a.set_migration_id(r->migration_id());
-    v1::Transfer::StubInterface* dest = Stub(m, m->rec.destination());
-    absl::StatusOr<v1::AbortIncomingResponse> ar = Rpc<v1::AbortIncomingResponse>(
-        options_.rpc_timeout, absl::StrCat("aborting on ", m->rec.destination()),
-        [&](grpc::ClientContext* c, v1::AbortIncomingResponse* out) {
-          return dest->AbortIncoming(c, a, out);
-        });
-    if (!ar.ok()) {
-      // The destination may hold a restored copy, paused: it resumes only
-      // on this host's word, which will not come; still, it is said.
-      Log("migration %s: %s", r->migration_id(), ar.status().ToString());
-      problems.push_back(absl::StrCat("aborting on ", m->rec.destination(), ": ",
-                                      ar.status().message(),
-                                      " (a restored copy may remain there, paused, until "
-                                      "the move is aborted there)"));
-    }
-  }
+  if (absl::Status st = AbortOnDestination(m); !st.ok()) problems.push_back(std::string(st.message()));
   bool back = true;
   bool peers_done = false;
   if (m->rec.addresses_moved()) {
@@ -512,6 +580,7 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   absl::Cleanup unbusy = [&] {
     absl::MutexLock lock(&mu_);
     moving_.erase(pid);
+    quiescing_.erase(pid);
   };
   std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
   const std::string target = dest->Target();
@@ -600,6 +669,7 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
   absl::Cleanup unbusy = [&] {
     absl::MutexLock lock(&mu_);
     moving_.erase(pid);
+    quiescing_.erase(pid);
   };
   std::unique_ptr<Move> m = NewMove("checkpoint", pid, sink);
   m->rec.mutable_report()->set_destination(request.dir());
@@ -744,6 +814,7 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
     }
     if (st.ok()) {
       SetPhase(m.get(), "restore", target);
+      m->restore_asked = true;
       v1::RestoreIncomingRequest rq;
       rq.set_migration_id(r->migration_id());
       absl::StatusOr<v1::RestoreIncomingResponse> restored = Rpc<v1::RestoreIncomingResponse>(
@@ -761,15 +832,8 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
       }
     }
     if (!st.ok()) {
-      if (m->prepared) {
-        v1::AbortIncomingRequest a;
-        a.set_migration_id(r->migration_id());
-        (void)Rpc<v1::AbortIncomingResponse>(
-            options_.rpc_timeout, "abort",
-            [&](grpc::ClientContext* c, v1::AbortIncomingResponse* out) {
-              return stub->AbortIncoming(c, a, out);
-            });
-      }
+      if (absl::Status ab = AbortOnDestination(m.get()); !ab.ok())
+        r->set_error(absl::StrCat(st.message(), " (then ", ab.message(), ")"));
       Finish(m.get(), st);
       return st;
     }

@@ -108,6 +108,7 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
   }
   absl::MutexLock lock(&mu_);
   moving_.erase(pid);
+  quiescing_.erase(pid);
 }
 
 void Migrator::RecoverDestination(const std::string& dir, v1::MigrationRecord record) {

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <map>
 #include <memory>
 
@@ -157,13 +158,13 @@ struct MoveRun {
 };
 
 MoveRun Migrate(Cluster& c, int pid, const std::string& to,
-                const std::vector<std::string>& addresses = {}) {
+                const std::vector<std::string>& addresses = {}, int from = 1) {
   MoveRun run;
   v1::MigrateRequest req;
   req.set_pid(pid);
   req.set_destination(to);
   for (const std::string& a : addresses) req.add_addresses(a);
-  run.status = c.m(1).Migrate(req, [&](const v1::Progress& p) {
+  run.status = c.m(from).Migrate(req, [&](const v1::Progress& p) {
     if (p.has_report())
       run.report = p.report();
     else if (run.phases.empty() || run.phases.back() != p.phase())
@@ -294,6 +295,36 @@ TEST(MigratorTest, RefusesAProcessHoldingATerminalBeforeQuiescingAnything) {
   c.host(1).SetTerminal(100, "");
   run = Migrate(c, 100, "h2");
   EXPECT_TRUE(run.status.ok()) << run.status;
+}
+
+// Two peers moved at once toward each other (P h1 -> h3's side, Q h3 ->
+// h1): one is quiesced with its peers at a time, and each ends up pointing
+// at where the other went.
+TEST(MigratorTest, TwoPeersMovingAtOnceBothArriveConnectedToEachOther) {
+  for (int round = 0; round < 5; ++round) {
+    Cluster c(absl::StrCat("meet", round));
+    c.host(1).Add(100, VGid(1), {FakeQp{11, 2, VGid(3), 31, Gid(3)}});
+    c.host(3).Add(300, VGid(3), {FakeQp{31, 2, VGid(1), 11, Gid(1)}});
+    MoveRun p, q;
+    std::thread tp([&] { p = Migrate(c, 100, "h2", {}, 1); });
+    std::thread tq([&] { q = Migrate(c, 300, "h1", {}, 3); });
+    tp.join();
+    tq.join();
+    ASSERT_TRUE(p.status.ok() && p.report.ok()) << p.status << " " << p.report.error();
+    ASSERT_TRUE(q.status.ok() && q.report.ok()) << q.status << " " << q.report.error();
+    FakeEndpoint pe = c.host(2).Get(100);
+    FakeEndpoint qe = c.host(1).Get(300);
+    ASSERT_EQ(pe.pid, 100);
+    ASSERT_EQ(qe.pid, 300);
+    EXPECT_TRUE(pe.alive && pe.connected && !pe.paused && !pe.released);
+    EXPECT_TRUE(qe.alive && qe.connected && !qe.paused && !qe.released);
+    EXPECT_FALSE(c.host(1).Exists(100));
+    EXPECT_FALSE(c.host(3).Exists(300));
+    ASSERT_EQ(pe.qps.size(), 1u);
+    ASSERT_EQ(qe.qps.size(), 1u);
+    EXPECT_EQ(pe.qps[0].remote_pgid, Gid(1)) << "P does not point at Q on h1";
+    EXPECT_EQ(qe.qps[0].remote_pgid, Gid(2)) << "Q does not point at P on h2";
+  }
 }
 
 TEST(MigratorTest, ASourceCopyThatWillNotDieIsReportedNotHidden) {

@@ -1,0 +1,32 @@
+"""The soak, short: tools/soak with ten moves (P, Q, both at once, through
+checkpoints), every one checked, and the workload's verdict at the end."""
+
+import json
+import os
+import subprocess
+import sys
+
+from labtest import LAB, ROOT, check, lab_test, main
+
+
+@lab_test
+def ten_moves_in_a_row_lose_nothing():
+    out = os.path.join(LAB.shared, "soak-ci.json")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "soak"), "--moves", "10",
+                        "--json", out], capture_output=True, text=True, timeout=1500)
+    print(r.stdout[-6000:], r.stderr[-6000:], flush=True)
+    check(r.returncode == 0, "the soak failed", r.stderr[-2000:])
+    with open(out) as f:
+        res = json.load(f)
+    check(res["ok"] and len(res["moves"]) >= 10, "fewer than 10 moves, or not ok", res)
+    kinds = {(m["kind"], m["side"]) for m in res["moves"]}
+    check({("live", "p"), ("live", "q"), ("checkpoint+restore", "p")} <= kinds,
+          "the cycle did not run", kinds)
+    for side in "pq":
+        rep = res["reports"][side]
+        check(rep["lost"] == 0 and rep["duplicated"] == 0 and rep["corrupted"] == 0 and
+              rep["out_of_order"] == 0, f"{side}'s report", rep)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

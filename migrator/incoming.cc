@@ -222,6 +222,12 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
   }
   in->rec.set_phase("restored");
   in->rec.set_confirmed(true);
+  {
+    // Restored, paused until its source resumes it: not anyone's peer to
+    // quiesce yet (QuiescePeers refuses it until then).
+    absl::MutexLock arriving(&mu_);
+    arriving_.insert(*pid);
+  }
   *in->rec.mutable_new_mapping() = out.endpoint().mapping();
   v1::Breakdown* b = in->rec.mutable_report()->mutable_breakdown();
   b->set_criu_restore_us(out.criu_restore_us());
@@ -243,6 +249,10 @@ absl::Status Migrator::AbortIncoming(const v1::AbortIncomingRequest& request) {
   }
   absl::MutexLock lock(&in->mu);
   const pid_t pid = in->rec.restored_pid();
+  {
+    absl::MutexLock arriving(&mu_);
+    arriving_.erase(pid);
+  }
   if (pid > 0 && procs_->Exists(pid)) {
     if (absl::Status st = procs_->Kill(pid); !st.ok())
       Log("incoming %s: killing process %d: %s", request.migration_id(), pid, st.ToString());
@@ -292,6 +302,10 @@ absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {
   v1::MigratorToShim res;
   res.mutable_resume();
   absl::StatusOr<v1::Reply> r = Command(pid, res, options_.rpc_timeout, "resume");
+  {
+    absl::MutexLock arriving(&mu_);
+    arriving_.erase(pid);
+  }
   if (in != nullptr) {
     absl::MutexLock lock(&in->mu);
     RemoveImages(in->dir);

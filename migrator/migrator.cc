@@ -254,7 +254,7 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
     {
       absl::MutexLock lock(&mu_);
       // Being quiesced for its own move: one endpoint's peers at a time.
-      if (quiescing_.contains(pid))
+      if (quiescing_.contains(pid) || arriving_.contains(pid))
         return absl::AbortedError(absl::StrCat("process ", pid, " on ", options_.host_name,
                                                " is moving itself"));
       peer_sets_[request.migration_id()].insert(pid);

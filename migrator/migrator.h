@@ -242,6 +242,8 @@ class Migrator {
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
   // Endpoints whose own move has begun to quiesce them (outgoing.cc).
   std::set<pid_t> quiescing_ ABSL_GUARDED_BY(mu_);
+  // Endpoints restored here whose source has not resumed them yet.
+  std::set<pid_t> arriving_ ABSL_GUARDED_BY(mu_);
   bool criu_checked_ ABSL_GUARDED_BY(mu_) = false;
   // Endpoints this host suspended (Suspend), by pid, until Resume. Their
   // pids stay in moving_ meanwhile. Suspend and Resume run one at a time.

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "absl/random/random.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -280,12 +281,15 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   std::set<pid_t> quiesced;
   {
     absl::MutexLock lock(&mu_);
+    // Kept until they are re-pointed: a move of one of them waits for that
+    // (AwaitNotAPeer), or it would carry the endpoint's old address along.
     auto it = peer_sets_.find(request.migration_id());
-    if (it != peer_sets_.end()) {
-      quiesced = std::move(it->second);
-      peer_sets_.erase(it);
-    }
+    if (it != peer_sets_.end()) quiesced = it->second;
   }
+  absl::Cleanup forget = [this, &request] {
+    absl::MutexLock lock(&mu_);
+    peer_sets_.erase(request.migration_id());
+  };
   // Whoever points at the endpoint must be re-pointed, quiesced by us or
   // not (a restarted migrator forgot its set; a peer connected meanwhile).
   std::map<pid_t, bool> targets;  // pid -> suspended
@@ -331,6 +335,7 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
     }
     out.add_pids(pid);
   }
+  std::move(forget).Invoke();
   if (request.resume_endpoint()) {
     if (absl::Status st = ResumeMoved(request); !st.ok() && first.ok()) first = st;
   }

@@ -281,8 +281,8 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   std::set<pid_t> quiesced;
   {
     absl::MutexLock lock(&mu_);
-    // Kept until they are re-pointed: a move of one of them waits for that
-    // (AwaitNotAPeer), or it would carry the endpoint's old address along.
+    // Kept until they are re-pointed: a move of one of them is refused
+    // until then (MarkQuiescing), or it would carry the old address along.
     auto it = peer_sets_.find(request.migration_id());
     if (it != peer_sets_.end()) quiesced = it->second;
   }

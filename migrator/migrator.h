@@ -65,8 +65,6 @@ class Migrator {
     // A released shim must close its socket within this.
     absl::Duration close_timeout = absl::Seconds(10);
     absl::Duration rpc_timeout = absl::Seconds(30);
-    // How long a move waits for a peer's own move to let go of it.
-    absl::Duration peer_wait = absl::Minutes(5);
     absl::Duration transfer_timeout = absl::Minutes(30);
     // A peer's physical GID (16 bytes) -> "host:port" of its migrator, ""
     // when it is on this host. Default: the GID's IPv4 and `port`.
@@ -153,10 +151,10 @@ class Migrator {
   absl::Status CheckShim(pid_t pid);
   // FAILED_PRECONDITION when it holds a terminal (CRIU cannot restore it).
   absl::Status CheckNoTerminal(pid_t pid);
-  // The endpoint described and its peers quiesced, one meeting move at a
-  // time (outgoing.cc).
+  // The endpoint described and its peers quiesced; ABORTED when another
+  // move holds it or a peer (outgoing.cc).
   absl::StatusOr<v1::EndpointSummary> QuiesceThePeers(Move* m);
-  absl::Status AwaitNotAPeer(pid_t pid, absl::Time deadline);
+  absl::Status MarkQuiescing(pid_t pid);
   // AbortIncoming on a prepared move's destination; its failure, said.
   absl::Status AbortOnDestination(Move* m);
   // SIGKILL of a moved process's stopped source copy, tried three times.

@@ -6,8 +6,6 @@
 #include <optional>
 
 #include "absl/cleanup/cleanup.h"
-#include "absl/random/distributions.h"
-#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
@@ -179,66 +177,44 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
 }
 
 // Two moves may meet: P and its peer Q each moving (toward each other, say).
-// One endpoint at a time is quiesced with its peers: a move whose endpoint
-// is paused as another move's peer waits until that move re-points it
-// (and then sees where the other went); a peer that is being quiesced for
-// its own move refuses (ABORTED), and this move resumes the peers it
-// paused, steps back for a random while and tries again.
+// One endpoint is quiesced with its peers at a time, and the second move is
+// refused (ABORTED, rolled back, nothing of it quiesced) rather than
+// queued: its pre-copy and its view of the peers date from before the
+// other move, and it is cheaper and safer to start it again once the other
+// is done. A move is refused when its endpoint is paused as another move's
+// peer, and when a peer is being quiesced for its own move or was restored
+// and not yet resumed (QuiescePeers).
 absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceThePeers(Move* m) {
   const pid_t pid = m->rec.report().pid();
-  const absl::Time deadline = absl::Now() + options_.peer_wait;
-  absl::BitGen bits;
   // A guest's suspend pauses its endpoints together, each as the others'
-  // peer and then as itself (guests.cc): nothing to wait for.
-  const bool together = m->rec.report().kind() == "suspend";
-  for (int attempt = 1;; ++attempt) {
-    if (!together) {
-      if (absl::Status st = AwaitNotAPeer(pid, deadline); !st.ok()) return st;
-    }
-    absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
-    if (!e.ok()) return e.status();
-    *m->rec.mutable_endpoint() = *e;
-    v1::MigrationReport* r = m->rec.mutable_report();
-    r->set_endpoint_id(e->endpoint_id());
-    r->set_qps(e->counts().qps());
-    r->set_mrs(e->counts().mrs());
-    r->set_registered_bytes(e->counts().registered_bytes());
-    absl::Status st = QuiescePeersOf(m, *e);
-    if (st.ok()) return e;
-    if (!absl::IsAborted(st) || absl::Now() > deadline) return st;
-    // A peer moves too: its peers resume as they were, and so do ours.
-    Log("migration %s: a peer is moving too (%s); stepping back (attempt %d)",
-        r->migration_id(), st.message(), attempt);
-    absl::Status back = ReconnectAll(m, e->mapping(), /*resume_only=*/true);
-    m->rec.clear_peer_hosts();
-    m->rec.set_local_peers(false);
-    Persist(m);
-    {
-      absl::MutexLock lock(&mu_);
-      quiescing_.erase(pid);
-    }
-    if (!back.ok()) return Annotate(back, "resuming the peers after a peer's own move refused");
-    absl::SleepFor(absl::Milliseconds(absl::Uniform(bits, 200, 200 + 800 * std::min(attempt, 6))));
+  // peer and then as itself (guests.cc): it is not refused for that.
+  if (m->rec.report().kind() != "suspend") {
+    if (absl::Status st = MarkQuiescing(pid); !st.ok()) return st;
   }
+  absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
+  if (!e.ok()) return e.status();
+  *m->rec.mutable_endpoint() = *e;
+  v1::MigrationReport* r = m->rec.mutable_report();
+  r->set_endpoint_id(e->endpoint_id());
+  r->set_qps(e->counts().qps());
+  r->set_mrs(e->counts().mrs());
+  r->set_registered_bytes(e->counts().registered_bytes());
+  absl::Status st = QuiescePeersOf(m, *e);
+  if (absl::IsAborted(st))
+    return absl::AbortedError(
+        absl::StrCat(st.message(), "; try again when its move is done"));
+  if (!st.ok()) return st;
+  return e;
 }
 
-// Waits while `pid` is paused as the peer of another move, then marks it
-// as being quiesced for its own (QuiescePeers then refuses to pause it).
-absl::Status Migrator::AwaitNotAPeer(pid_t pid, absl::Time deadline) {
-  auto free = [this, pid]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (const auto& [id, pids] : peer_sets_)
-      if (pids.contains(pid)) return false;
-    return true;
-  };
+// Marks `pid` as being quiesced for its own move (QuiescePeers then refuses
+// to pause it), unless it is paused as another move's peer.
+absl::Status Migrator::MarkQuiescing(pid_t pid) {
   absl::MutexLock lock(&mu_);
-  while (!free()) {
-    if (absl::Now() > deadline)
-      return absl::DeadlineExceededError(absl::StrCat(
-          "process ", pid, " stayed paused as the peer of another move; nothing was quiesced"));
-    mu_.Unlock();
-    absl::SleepFor(absl::Milliseconds(100));
-    mu_.Lock();
-  }
+  for (const auto& [id, pids] : peer_sets_)
+    if (pids.contains(pid))
+      return absl::AbortedError(absl::StrCat("process ", pid, " is paused as a peer of migration ",
+                                             id, "; try again when that move is done"));
   quiescing_.insert(pid);
   return absl::OkStatus();
 }

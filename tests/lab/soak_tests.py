@@ -1,4 +1,4 @@
-"""The soak, short: tools/soak with ten moves (P, Q, both at once, through
+"""The soak, short: tools/soak with ten moves (P and Q live and through
 checkpoints), every one checked, and the workload's verdict at the end."""
 
 import json
@@ -20,7 +20,8 @@ def ten_moves_in_a_row_lose_nothing():
         res = json.load(f)
     check(res["ok"] and len(res["moves"]) >= 10, "fewer than 10 moves, or not ok", res)
     kinds = {(m["kind"], m["side"]) for m in res["moves"]}
-    check({("live", "p"), ("live", "q"), ("checkpoint+restore", "p")} <= kinds,
+    check({("live", "p"), ("live", "q"), ("checkpoint+restore", "p"),
+           ("checkpoint+restore", "q")} <= kinds,
           "the cycle did not run", kinds)
     for side in "pq":
         rep = res["reports"][side]

@@ -297,10 +297,11 @@ TEST(MigratorTest, RefusesAProcessHoldingATerminalBeforeQuiescingAnything) {
   EXPECT_TRUE(run.status.ok()) << run.status;
 }
 
-// Two peers moved at once toward each other (P h1 -> h3's side, Q h3 ->
-// h1): one is quiesced with its peers at a time, and each ends up pointing
-// at where the other went.
-TEST(MigratorTest, TwoPeersMovingAtOnceBothArriveConnectedToEachOther) {
+// Two peers moved at once toward each other (P h1 -> h2, Q h3 -> h1): one
+// is quiesced with its peers at a time; a move that meets the other is
+// refused (ABORTED) and rolled back with nothing of it quiesced, and once
+// tried again both end up pointing at where the other went.
+TEST(MigratorTest, TwoPeersMovingAtOnceMeetOneAtATime) {
   for (int round = 0; round < 5; ++round) {
     Cluster c(absl::StrCat("meet", round));
     c.host(1).Add(100, VGid(1), {FakeQp{11, 2, VGid(3), 31, Gid(3)}});
@@ -310,6 +311,18 @@ TEST(MigratorTest, TwoPeersMovingAtOnceBothArriveConnectedToEachOther) {
     std::thread tq([&] { q = Migrate(c, 300, "h1", {}, 3); });
     tp.join();
     tq.join();
+    for (MoveRun* run : {&p, &q}) {
+      if (run->status.ok()) {
+        EXPECT_TRUE(run->report.ok()) << run->report.error();
+        continue;
+      }
+      EXPECT_EQ(run->status.code(), absl::StatusCode::kAborted) << run->status;
+      EXPECT_THAT(std::string(run->status.message()), HasSubstr("try again when"));
+      EXPECT_TRUE(run->report.rolled_back()) << run->report.error();
+    }
+    // Whichever was refused goes now, from where it still is.
+    if (!p.status.ok()) p = Migrate(c, 100, "h2", {}, 1);
+    if (!q.status.ok()) q = Migrate(c, 300, "h1", {}, 3);
     ASSERT_TRUE(p.status.ok() && p.report.ok()) << p.status << " " << p.report.error();
     ASSERT_TRUE(q.status.ok() && q.report.ok()) << q.status << " " << q.report.error();
     FakeEndpoint pe = c.host(2).Get(100);

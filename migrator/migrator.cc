@@ -286,9 +286,17 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
     auto it = peer_sets_.find(request.migration_id());
     if (it != peer_sets_.end()) quiesced = it->second;
   }
-  absl::Cleanup forget = [this, &request] {
+  v1::ReconnectPeersResponse out;
+  // Re-pointed (or resumed), a peer is nobody's paused peer any more: the
+  // set of the move that paused it may have another id (a checkpoint's
+  // peers are re-pointed by the later restore).
+  absl::Cleanup forget = [this, &request, &out] {
     absl::MutexLock lock(&mu_);
     peer_sets_.erase(request.migration_id());
+    for (auto it = peer_sets_.begin(); it != peer_sets_.end();) {
+      for (pid_t p : out.pids()) it->second.erase(p);
+      it = it->second.empty() ? peer_sets_.erase(it) : std::next(it);
+    }
   };
   // Whoever points at the endpoint must be re-pointed, quiesced by us or
   // not (a restarted migrator forgot its set; a peer connected meanwhile).
@@ -296,7 +304,6 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   for (pid_t p : quiesced) targets[p] = true;
   for (const auto& [pid, suspended] : LocalPeersOf(m.virtual_gid(), {}, false, 0))
     targets[pid] = suspended || quiesced.contains(pid);
-  v1::ReconnectPeersResponse out;
   absl::Status first;
   for (const auto& [pid, suspended] : targets) {
     {

@@ -624,6 +624,14 @@ TEST(MigratorTest, RestoreElsewhereStreamsTheCheckpoint) {
   FakeEndpoint e = c.host(2).Get(100);
   EXPECT_TRUE(e.alive && e.connected && !e.released && !e.paused);
   EXPECT_EQ(c.host(3).Get(300).reconnected_to.back().physical_gid(), Gid(2));
+  // Re-pointed by the restore, the peer is nobody's paused peer any more:
+  // it moves (it was refused before, "paused as a peer of migration ...").
+  v1::MigrateRequest mq;
+  mq.set_pid(300);
+  mq.set_destination("h1");
+  st = c.m(3).Migrate(mq, nullptr);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(c.host(1).Get(300).alive);
 }
 
 TEST(MigratorTest, CorruptedCheckpointIsRefusedAndNothingIsCreated) {

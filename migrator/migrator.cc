@@ -4,8 +4,8 @@
 
 #include <filesystem>
 
-#include "absl/random/random.h"
 #include "absl/cleanup/cleanup.h"
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -150,10 +150,10 @@ absl::StatusOr<v1::EndpointSummary> Migrator::Describe(pid_t pid) {
 absl::Status Migrator::CheckNoTerminal(pid_t pid) {
   const std::string tty = procs_->Terminal(pid);
   if (tty.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "process ", pid, " holds the terminal ", tty,
-      ", which cannot follow it; nothing was quiesced. Start it without one: "
-      "setsid PROGRAM < /dev/null > LOG 2>&1"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("process ", pid, " holds the terminal ", tty,
+                   ", which cannot follow it; nothing was quiesced. Start it without one: "
+                   "setsid PROGRAM < /dev/null > LOG 2>&1"));
 }
 
 absl::Status Migrator::CheckShim(pid_t pid) {
@@ -256,8 +256,8 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
       absl::MutexLock lock(&mu_);
       // Being quiesced for its own move: one endpoint's peers at a time.
       if (quiescing_.contains(pid) || arriving_.contains(pid))
-        return absl::AbortedError(absl::StrCat("process ", pid, " on ", options_.host_name,
-                                               " is moving itself"));
+        return absl::AbortedError(
+            absl::StrCat("process ", pid, " on ", options_.host_name, " is moving itself"));
       peer_sets_[request.migration_id()].insert(pid);
     }
     v1::MigratorToShim req;

@@ -201,8 +201,7 @@ absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceThePeers(Move* m) {
   r->set_registered_bytes(e->counts().registered_bytes());
   absl::Status st = QuiescePeersOf(m, *e);
   if (absl::IsAborted(st))
-    return absl::AbortedError(
-        absl::StrCat(st.message(), "; try again when its move is done"));
+    return absl::AbortedError(absl::StrCat(st.message(), "; try again when its move is done"));
   if (!st.ok()) return st;
   return e;
 }
@@ -443,9 +442,9 @@ absl::Status Migrator::KillSourceCopy(pid_t pid) {
     if (st.ok()) return st;
     Log("killing the source copy of pid %d (attempt %d): %s", pid, attempt + 1, st.ToString());
   }
-  return absl::InternalError(absl::StrCat("the stopped source copy (pid ", pid,
-                                          ") could not be killed and stays stopped: ",
-                                          st.message()));
+  return absl::InternalError(
+      absl::StrCat("the stopped source copy (pid ", pid,
+                   ") could not be killed and stays stopped: ", st.message()));
 }
 
 // Asks the destination of a prepared move to drop it (kill what it
@@ -479,7 +478,8 @@ void Migrator::RollBack(Move* m, const absl::Status& cause) {
   r->set_error(std::string(cause.message()));
   SetPhase(m, "rollback", std::string(cause.message()));
   std::vector<std::string> problems;
-  if (absl::Status st = AbortOnDestination(m); !st.ok()) problems.push_back(std::string(st.message()));
+  if (absl::Status st = AbortOnDestination(m); !st.ok())
+    problems.push_back(std::string(st.message()));
   bool back = true;
   bool peers_done = false;
   if (m->rec.addresses_moved()) {

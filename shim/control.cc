@@ -434,7 +434,8 @@ void WaitForResume(const ControlThread& c) {
 // and needs none: the migrator's group signals do not reach it.
 void LeaveTheRestorersSession() {
   if (getsid(0) == getpid() || getpgrp() == getpid()) return;
-  if (setsid() < 0) Log(("control: setsid after a restore: " + std::string(strerror(errno))).c_str());
+  if (setsid() < 0)
+    Log(("control: setsid after a restore: " + std::string(strerror(errno))).c_str());
 }
 
 void Serve(ControlThread* c, bool* released) {

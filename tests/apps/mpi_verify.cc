@@ -189,8 +189,8 @@ void OneSided(int round, MPI_Win win, uint8_t* base, size_t bytes, std::vector<u
   Check(MPI_Win_fence(0, win), "MPI_Win_fence");
   Verify(put_area, bytes, prev, rank, round + 7, "put");
   std::vector<uint8_t> got(bytes);
-  Check(MPI_Get(got.data(), static_cast<int>(bytes), MPI_BYTE, prev, bytes,
-                static_cast<int>(bytes), MPI_BYTE, win),
+  Check(MPI_Get(got.data(), static_cast<int>(bytes), MPI_BYTE, prev, bytes, static_cast<int>(bytes),
+                MPI_BYTE, win),
         "MPI_Get");
   Check(MPI_Win_fence(0, win), "MPI_Win_fence");
   Verify(got.data(), bytes, prev, -1, round, "get");
@@ -239,8 +239,7 @@ int ParseArgs(int argc, char** argv, Options* o) {
       return -1;
     }
   }
-  if (o->rounds < 1 || o->max_bytes < 1 || o->max_bytes > (64u << 20) || o->seconds < 0)
-    return -1;
+  if (o->rounds < 1 || o->max_bytes < 1 || o->max_bytes > (64u << 20) || o->seconds < 0) return -1;
   return 0;
 }
 
@@ -323,12 +322,12 @@ int main(int argc, char** argv) {
       list += "\"" + std::string(&hosts[static_cast<size_t>(r) * MPI_MAX_PROCESSOR_NAME]) + "\"";
       pid_list += std::to_string(pids[r]);
     }
-    std::printf(
-        "{\"verdict\": \"%s\", \"ranks\": %d, \"rounds\": %d, \"bytes_verified\": %" PRIu64
-        ", \"errors\": %" PRIu64 ", \"first_error\": \"%s\", \"rma\": %s, \"hosts\": [%s], "
-        "\"pids\": [%s], \"shimmed_ranks\": %" PRIu64 ", \"seconds\": %.3f}\n",
-        ok ? "ok" : "corrupt", size, round, all[0], all[1], first, o.rma ? "true" : "false",
-        list.c_str(), pid_list.c_str(), all[2], seconds);
+    std::printf("{\"verdict\": \"%s\", \"ranks\": %d, \"rounds\": %d, \"bytes_verified\": %" PRIu64
+                ", \"errors\": %" PRIu64
+                ", \"first_error\": \"%s\", \"rma\": %s, \"hosts\": [%s], "
+                "\"pids\": [%s], \"shimmed_ranks\": %" PRIu64 ", \"seconds\": %.3f}\n",
+                ok ? "ok" : "corrupt", size, round, all[0], all[1], first, o.rma ? "true" : "false",
+                list.c_str(), pid_list.c_str(), all[2], seconds);
     std::fflush(stdout);
   }
   int verdict = ok ? 0 : 1;

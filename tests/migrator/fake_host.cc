@@ -226,7 +226,7 @@ absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl
     else {
       e.released = false;
       e.hello_phase = v1::ENDPOINT_PHASE_RUNNING;  // as ShimServer learns from the reply
-      e.qpn_base += 10;  // new physical identities, every time
+      e.qpn_base += 10;                            // new physical identities, every time
       e.restored_with.assign(req.restore().peers().begin(), req.restore().peers().end());
       for (const v1::Mapping& m : req.restore().peers())
         for (FakeQp& q : e.qps)

@@ -8,9 +8,9 @@
 
 #include <filesystem>
 #include <fstream>
-#include <thread>
 #include <map>
 #include <memory>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"

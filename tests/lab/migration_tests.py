@@ -257,8 +257,7 @@ def perftest_survives_a_move_of_its_server(name, prog, args):
     LAB.run(3, f"pkill -x {prog}; ip neigh flush to {SERVICE}")
     run_ok(1, f"mkdir -p {WORK} && rm -f {out}-* && ip addr add {SERVICE}/24 dev eth0")
     cmd = f"{prog} -d rxe0 -x 1 -F -p {PERF_PORT} {args}"
-    server = f"env {SHIM}{cmd} > {out}-server.out 2>&1 < /dev/null"
-    run_ok(1, launch(server) if launch else f"(setsid {server} &)")
+    run_ok(1, f"(setsid env {SHIM}{cmd} > {out}-server.out 2>&1 < /dev/null &)")
     wait_listening(1, PERF_PORT)
     client = LAB.submit(3, f"env {SHIM}{cmd} {SERVICE} > {out}-client.out 2>&1", 600)
     try:

@@ -155,6 +155,8 @@ class Migrator {
   // move holds it or a peer (outgoing.cc).
   absl::StatusOr<v1::EndpointSummary> QuiesceThePeers(Move* m);
   absl::Status MarkQuiescing(pid_t pid);
+  // The move of `pid` is over: it may move again, and be paused as a peer.
+  void DoneMoving(pid_t pid);
   // AbortIncoming on a prepared move's destination; its failure, said.
   absl::Status AbortOnDestination(Move* m);
   // SIGKILL of a moved process's stopped source copy, tried three times.

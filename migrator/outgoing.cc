@@ -206,6 +206,12 @@ absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceThePeers(Move* m) {
   return e;
 }
 
+void Migrator::DoneMoving(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  moving_.erase(pid);
+  quiescing_.erase(pid);
+}
+
 // Marks `pid` as being quiesced for its own move (QuiescePeers then refuses
 // to pause it), unless it is paused as another move's peer.
 absl::Status Migrator::MarkQuiescing(pid_t pid) {
@@ -553,11 +559,7 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
     if (!moving_.insert(pid).second)
       return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is already moving"));
   }
-  absl::Cleanup unbusy = [&] {
-    absl::MutexLock lock(&mu_);
-    moving_.erase(pid);
-    quiescing_.erase(pid);
-  };
+  absl::Cleanup unbusy = [&] { DoneMoving(pid); };
   std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
   const std::string target = dest->Target();
   m->rec.set_destination(target);
@@ -642,11 +644,7 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
     if (!moving_.insert(pid).second)
       return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is already moving"));
   }
-  absl::Cleanup unbusy = [&] {
-    absl::MutexLock lock(&mu_);
-    moving_.erase(pid);
-    quiescing_.erase(pid);
-  };
+  absl::Cleanup unbusy = [&] { DoneMoving(pid); };
   std::unique_ptr<Move> m = NewMove("checkpoint", pid, sink);
   m->rec.mutable_report()->set_destination(request.dir());
   m->rec.set_image_dir(request.dir());

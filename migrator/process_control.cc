@@ -18,14 +18,21 @@
 namespace rdmavirt::migrator {
 namespace {
 
-// The state letter of /proc/PID/stat ('T' stopped, 'Z' zombie); 0 if gone.
-char State(pid_t pid) {
+// The fields of /proc/PID/stat after the command name ("S 1 42 42 34816
+// ..."): the state letter first; "" if the process is gone.
+std::string StatFields(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
   std::string line;
-  if (!std::getline(in, line)) return 0;
+  if (!std::getline(in, line)) return "";
   const size_t paren = line.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= line.size()) return 0;
-  return line[paren + 2];
+  if (paren == std::string::npos || paren + 2 >= line.size()) return "";
+  return line.substr(paren + 2);
+}
+
+// The state letter ('T' stopped, 'Z' zombie); 0 if gone.
+char State(pid_t pid) {
+  const std::string f = StatFields(pid);
+  return f.empty() ? 0 : f[0];
 }
 
 // Terminals by device major: the console and /dev/tty (5), virtual
@@ -38,12 +45,7 @@ bool IsTerminal(dev_t rdev) {
 // The controlling terminal's device number (/proc/PID/stat's tty_nr), 0
 // for none.
 dev_t ControllingTerminal(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
-  std::string line;
-  if (!std::getline(in, line)) return 0;
-  const size_t paren = line.rfind(')');
-  if (paren == std::string::npos) return 0;
-  std::istringstream rest(line.substr(paren + 2));
+  std::istringstream rest(StatFields(pid));
   std::string state, ppid, pgrp, session;
   long long tty_nr = 0;
   rest >> state >> ppid >> pgrp >> session >> tty_nr;

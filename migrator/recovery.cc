@@ -106,9 +106,7 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
     }
     RollBack(&m, cause);
   }
-  absl::MutexLock lock(&mu_);
-  moving_.erase(pid);
-  quiescing_.erase(pid);
+  DoneMoving(pid);
 }
 
 void Migrator::RecoverDestination(const std::string& dir, v1::MigrationRecord record) {

@@ -17,15 +17,8 @@ VERIFY = f"{BUILD}/tests/apps/mpi_verify"
 def mpirun(np, program, shim, timeout=300):
     """Runs the job from host1; returns (result, packets rxe0 carried on
     each host meanwhile)."""
-    mpi.ssh_up(LAB, HOSTS)
-    before = {n: mpi.rxe_packets(LAB, n) for n in HOSTS}
-    script = mpi.mpirun_script(HOSTS, np, program, shim=shim, build=BUILD, timeout=timeout)
-    r = LAB.run(HOSTS[0], script, timeout=timeout + 30)
-    packets = {}
-    for n in HOSTS:
-        sent, rcvd = mpi.rxe_packets(LAB, n)
-        packets[n] = (sent - before[n][0]) + (rcvd - before[n][1])
-    return r, packets
+    r, packets = mpi.run_job(LAB, HOSTS, np, program, shim=shim, build=BUILD, timeout=timeout)
+    return r, {n: sent + rcvd for n, (sent, rcvd) in packets.items()}
 
 
 def verdict(r):

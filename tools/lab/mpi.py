@@ -78,3 +78,17 @@ def rxe_packets(lab, n):
     if r.rc != 0 or not sent or not rcvd:
         raise MpiError(f"host{n}: no rxe0 counters: {(r.out + r.err).strip()}")
     return int(sent.group(1)), int(rcvd.group(1))
+
+
+def run_job(lab, hosts, np, program, shim="none", build=None, timeout=600):
+    """Runs an MPI job from hosts[0] (sshd started first); returns its
+    Result and, per host, the packets rxe0 sent and received meanwhile."""
+    ssh_up(lab, hosts)
+    before = {n: rxe_packets(lab, n) for n in hosts}
+    script = mpirun_script(hosts, np, program, shim=shim, build=build, timeout=timeout)
+    r = lab.run(hosts[0], script, timeout=timeout + 30)
+    packets = {}
+    for n in hosts:
+        sent, rcvd = rxe_packets(lab, n)
+        packets[n] = (sent - before[n][0], rcvd - before[n][1])
+    return r, packets

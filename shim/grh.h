@@ -23,11 +23,28 @@ inline uint16_t Ipv4HeaderChecksum(const uint8_t* h) {
   return static_cast<uint16_t>(~sum);
 }
 
+enum class GrhLayout { kNone, kIpv4, kIpv6 };
+
+// Which of the two the 40 bytes hold, by libibverbs' own rule (the one
+// ibv_init_ah_from_wc applies): without an IPv6 version nibble in front,
+// an IPv4 header at 20; with one, IPv4 only if that header's checksum is
+// right (the 20 unused bytes need not be zero). The checksum alone cannot
+// decide: rxe leaves it 0 in a packet it loops back to its own device
+// (sender and receiver on one host), where the IP stack that fills it in
+// is never reached.
+inline GrhLayout LayoutOf(const uint8_t* grh) {
+  const uint8_t* ip = grh + 20;
+  if ((grh[0] >> 4) != 6) return ip[0] == 0x45 ? GrhLayout::kIpv4 : GrhLayout::kNone;
+  if (ip[0] == 0x45 && (ip[10] << 8 | ip[11]) == Ipv4HeaderChecksum(ip)) return GrhLayout::kIpv4;
+  return GrhLayout::kIpv6;
+}
+
 // Applies `map` (ibv_gid -> ibv_gid) to both addresses of the GRH area.
 template <typename Map>
 void RewriteGrh(uint8_t* grh, Map map) {
+  const GrhLayout layout = LayoutOf(grh);
   uint8_t* ip = grh + 20;
-  if (ip[0] == 0x45 && (ip[10] << 8 | ip[11]) == Ipv4HeaderChecksum(ip)) {
+  if (layout == GrhLayout::kIpv4) {
     for (int off : {12, 16}) {  // source, destination
       ibv_gid g{};
       g.raw[10] = g.raw[11] = 0xff;
@@ -40,7 +57,7 @@ void RewriteGrh(uint8_t* grh, Map map) {
     ip[11] = static_cast<uint8_t>(sum);
     return;
   }
-  if ((grh[0] >> 4) == 6) {
+  if (layout == GrhLayout::kIpv6) {
     for (int off : {8, 24}) {
       ibv_gid g;
       memcpy(g.raw, grh + off, 16);
@@ -88,16 +105,19 @@ inline bool ReadGrhSource(const ibv_sge* sge, uint32_t num_sge, ibv_gid* out) {
     got += n;
   }
   if (got < kGrh) return false;
-  const uint8_t* ip = grh + 20;
-  if (ip[0] == 0x45 && (ip[10] << 8 | ip[11]) == Ipv4HeaderChecksum(ip)) {
-    *out = ibv_gid{};
-    out->raw[10] = out->raw[11] = 0xff;
-    memcpy(&out->raw[12], ip + 12, 4);
-    return true;
+  switch (LayoutOf(grh)) {
+    case GrhLayout::kIpv4:
+      *out = ibv_gid{};
+      out->raw[10] = out->raw[11] = 0xff;
+      memcpy(&out->raw[12], grh + 20 + 12, 4);
+      return true;
+    case GrhLayout::kIpv6:
+      memcpy(out->raw, grh + 8, 16);
+      return true;
+    case GrhLayout::kNone:
+      break;
   }
-  if ((grh[0] >> 4) != 6) return false;
-  memcpy(out->raw, grh + 8, 16);
-  return true;
+  return false;
 }
 
 }  // namespace rdmavirt::shim

@@ -58,9 +58,9 @@ void BuildGrh(const ibv_gid& sgid, const ibv_gid& dgid, uint8_t tclass, uint8_t 
     ip[9] = 17;  // UDP
     memcpy(ip + 12, sgid.raw + 12, 4);
     memcpy(ip + 16, dgid.raw + 12, 4);
-    const uint16_t csum = Ipv4Checksum(ip);
-    ip[10] = static_cast<uint8_t>(csum >> 8);
-    ip[11] = static_cast<uint8_t>(csum);
+    // The checksum stays 0, as rxe leaves it in a packet it loops back to
+    // its own device (the only kind this one device delivers): the IP
+    // stack that fills it in is not on that path.
   } else {
     out[0] = static_cast<uint8_t>(0x60 | tclass >> 4);
     out[1] = static_cast<uint8_t>(tclass << 4);
@@ -1793,12 +1793,13 @@ int FakeBackend::InitAhFromWc(ibv_context* ctx, uint8_t port, ibv_wc* wc, ibv_gr
   attr->src_path_bits = wc->dlid_path_bits;
   attr->port_num = port;
   if (!(wc->wc_flags & IBV_WC_GRH)) return 0;
-  // As libibverbs: a RoCEv2/IPv4 GRH is recognised by a valid IPv4 header
-  // in its last 20 bytes; the reply goes to the packet's source.
+  // As libibverbs: a RoCEv2/IPv4 GRH is an IPv4 header in the last 20
+  // bytes, behind no IPv6 version nibble (or behind one, with a valid
+  // checksum); the reply goes to the packet's source.
   const auto* g = reinterpret_cast<const uint8_t*>(grh);
   ibv_gid local{};
   attr->is_global = 1;
-  if (g[20] == 0x45 && Ipv4Checksum(g + 20) == (g[30] << 8 | g[31])) {
+  if (g[20] == 0x45 && ((g[0] >> 4) != 6 || Ipv4Checksum(g + 20) == (g[30] << 8 | g[31]))) {
     attr->grh.dgid.raw[10] = attr->grh.dgid.raw[11] = 0xff;
     memcpy(attr->grh.dgid.raw + 12, g + 32, 4);
     local.raw[10] = local.raw[11] = 0xff;

@@ -149,11 +149,8 @@ TEST_F(FakeBackendTest, UdDeliversWithIpv4Grh) {
   EXPECT_EQ(memcmp(ip + 12, FakeBackend::kIpv4, 4), 0);
   EXPECT_EQ(memcmp(ip + 16, FakeBackend::kIpv4, 4), 0);
   EXPECT_STREQ(dst + FakeBackend::kGrhBytes, "ud!");
-  // A valid header sums to 0xffff.
-  uint32_t sum = 0;
-  for (int i = 0; i < 20; i += 2) sum += ip[i] << 8 | ip[i + 1];
-  while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
-  EXPECT_EQ(sum, 0xffffu);
+  // Looped back on one device, as rxe does it: no checksum.
+  EXPECT_EQ(ip[10] << 8 | ip[11], 0);
 }
 
 TEST_F(FakeBackendTest, FaultInjectionIsOneShot) {

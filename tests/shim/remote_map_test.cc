@@ -180,6 +180,51 @@ TEST_F(RemoteMapTest, UdAddressHandlesTowardAMovedPeer) {
   Drain(dev().cq);
 }
 
+// A peer that moved onto this very host: its datagrams come in looped back
+// by the device, whose IPv4 header rxe leaves without a checksum. They must
+// still show the peer's virtual QPN and address (the soak found them
+// showing the physical QPN once P was moved to Q's host).
+TEST_F(RemoteMapTest, DatagramsOfAPeerThatMovedOntoThisHostShowItsVirtualSource) {
+  ibv_qp* a = dev().Qp(IBV_QPT_UD);
+  ibv_qp* b = dev().Qp(IBV_QPT_UD);
+  ASSERT_EQ(ToRts(shim_, a, 0, {}), 0);
+  ASSERT_EQ(ToRts(shim_, b, 0, {}), 0);
+  char unused[8];
+  ibv_mr* mr = dev().Reg(unused, sizeof(unused));
+  PublishPeer(b, kPeerVqpn, mr, kPeerVrkey);
+
+  char dst[FakeBackend::kGrhBytes + 8] = {};
+  ibv_mr* dmr = dev().Reg(dst, sizeof(dst));
+  ibv_sge rsge = Sge(dst, sizeof(dst), dmr);
+  ibv_recv_wr rwr{};
+  rwr.sg_list = &rsge;
+  rwr.num_sge = 1;
+  ibv_recv_wr* rbad = nullptr;
+  ASSERT_EQ(ibv_post_recv(a, &rwr, &rbad), 0);
+  char payload[8] = "dgram";
+  ibv_mr* smr = dev().Reg(payload, sizeof(payload));
+  ibv_sge sge = Sge(payload, sizeof(payload), smr);
+  ibv_send_wr wr{};
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = IBV_WR_SEND;
+  wr.wr.ud.ah = dev().Ah(dev().gid);
+  wr.wr.ud.remote_qpn = a->qp_num;
+  wr.wr.ud.remote_qkey = kQkey;
+  ibv_send_wr* bad = nullptr;
+  ASSERT_EQ(ibv_post_send(b, &wr, &bad), 0);
+
+  ibv_wc wc{};
+  for (const ibv_wc& w : Drain(dev().cq))
+    if (w.qp_num == a->qp_num) wc = w;
+  ASSERT_EQ(wc.status, IBV_WC_SUCCESS);
+  ASSERT_EQ(wc.qp_num, a->qp_num) << "the datagram was not received";
+  EXPECT_EQ(wc.src_qp, kPeerVqpn) << "physical " << ShimQp(b)->real->qp_num;
+  const auto* ip = reinterpret_cast<const uint8_t*>(dst) + 20;
+  EXPECT_EQ(memcmp(ip + 12, MovedPeerGid().raw + 12, 4), 0) << "the source the GRH shows";
+  EXPECT_STREQ(dst + FakeBackend::kGrhBytes, "dgram");
+}
+
 TEST_F(RemoteMapTest, ALaterPublicationReplacesAnEarlierOne) {
   auto [a, b] = Qps();
   char dst[8] = {};

@@ -19,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "migrator/addresses.h"
 #include "migrator/checkpointer.h"
+#include "migrator/failpoints.h"
 #include "migrator/grpc_service.h"
 #include "migrator/log.h"
 #include "migrator/migrator.h"
@@ -243,6 +244,8 @@ int Run(int argc, char** argv) {
   }
   Log("rdmavirt-migratord %s: listening on %s (mutual TLS), shims on %s, state in %s",
       RDMAVIRT_VERSION, listen->Target(), flags.socket, flags.state_dir);
+  if (const std::string points = FailpointsSet(); !points.empty())
+    Log("failpoints set (RDMAVIRT_FAILPOINTS, for tests): %s", points);
 
   // Moves a previous run left in flight; shims reconnect meanwhile.
   std::thread recovery([&migrator] {

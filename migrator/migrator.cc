@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "migrator/addresses.h"
+#include "migrator/failpoints.h"
 #include "migrator/log.h"
 #include "migrator/migrator_internal.h"
 #include "migrator/rdma_devices.h"
@@ -278,6 +279,7 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   const v1::Mapping& m = request.mapping();
   if (m.virtual_gid().size() != 16 || (!request.resume_only() && m.physical_gid().size() != 16))
     return absl::InvalidArgumentError("a mapping needs its GIDs, 16 bytes each");
+  ReachFailpoint(request.resume_endpoint() ? "serve:resume" : "serve:reconnect");
   std::set<pid_t> quiesced;
   {
     absl::MutexLock lock(&mu_);
@@ -330,9 +332,16 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
         r = Command(pid, q, absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout,
                     "peer quiesce");
       }
+      // Drained, it sends nothing until the re-point resumes it: from here
+      // its QPs look their routes up again, toward the new address
+      // (AddressControl::ForgetCachedRoutes).
       if (suspended || r.ok()) {
-        *req.mutable_peer_reconnect()->mutable_mapping() = m;
-        r = Command(pid, req, options_.rpc_timeout, "peer reconnect");
+        if (absl::Status st = addresses_->ForgetCachedRoutes(); !st.ok()) {
+          r = Annotate(st, "making the peer's QPs look their routes up again");
+        } else {
+          *req.mutable_peer_reconnect()->mutable_mapping() = m;
+          r = Command(pid, req, options_.rpc_timeout, "peer reconnect");
+        }
       }
     }
     if (!r.ok()) {

@@ -66,6 +66,11 @@ class Migrator {
     absl::Duration close_timeout = absl::Seconds(10);
     absl::Duration rpc_timeout = absl::Seconds(30);
     absl::Duration transfer_timeout = absl::Minutes(30);
+    // Once the endpoint has moved, a host whose migrator stops answering
+    // (UNAVAILABLE: killed, restarting) while its peers must be re-pointed
+    // or the endpoint resumed there is asked again, every second, for this
+    // long: a restarted migrator finds the shims again and can do it.
+    absl::Duration restart_wait = absl::Minutes(2);
     // A peer's physical GID (16 bytes) -> "host:port" of its migrator, ""
     // when it is on this host. Default: the GID's IPv4 and `port`.
     std::function<std::string(const std::string& gid)> locate_peer;
@@ -180,6 +185,12 @@ class Migrator {
   void Finish(Move* m, const absl::Status& status);
   void SendBytes(Move* m, const std::string& phase, uint64_t done, uint64_t total);
   v1::Transfer::StubInterface* Stub(Move* m, const std::string& target);
+  // ReconnectPeers on `target`, asked again while it is UNAVAILABLE for at
+  // most options_.restart_wait (a fresh channel each time); the move's
+  // progress says what it waits for.
+  absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeersOn(
+      Move* m, const std::string& target, const v1::ReconnectPeersRequest& req,
+      const std::string& what);
   absl::Status QuiescePeersOf(Move* m, const v1::EndpointSummary& summary);
   absl::Status QuiesceAndRelease(Move* m, v1::EndpointSummary* released);
   // ReconnectPeers on every host whose peers were quiesced (this one too).

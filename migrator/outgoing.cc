@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "migrator/addresses.h"
+#include "migrator/failpoints.h"
 #include "migrator/image_dir.h"
 #include "migrator/image_stream.h"
 #include "migrator/log.h"
@@ -92,6 +93,7 @@ void Migrator::SetPhase(Move* m, const std::string& phase, const std::string& de
     p.set_detail(detail);
     m->sink(p);
   }
+  ReachFailpoint(absl::StrCat("phase:", phase));
 }
 
 void Migrator::SendBytes(Move* m, const std::string& phase, uint64_t done, uint64_t total) {
@@ -133,6 +135,37 @@ v1::Transfer::StubInterface* Migrator::Stub(Move* m, const std::string& target) 
   auto& s = m->stubs[target];
   if (s == nullptr) s = options_.connect(target);
   return s.get();
+}
+
+absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeersOn(
+    Move* m, const std::string& target, const v1::ReconnectPeersRequest& req,
+    const std::string& what) {
+  const absl::Time start = absl::Now();
+  for (int attempt = 1;; ++attempt) {
+    v1::Transfer::StubInterface* stub = Stub(m, target);
+    absl::StatusOr<v1::ReconnectPeersResponse> r = Rpc<v1::ReconnectPeersResponse>(
+        options_.rpc_timeout, what, [&](grpc::ClientContext* c, v1::ReconnectPeersResponse* out) {
+          return stub->ReconnectPeers(c, req, out);
+        });
+    const absl::Duration waited = absl::Now() - start;
+    if (r.ok() || r.status().code() != absl::StatusCode::kUnavailable ||
+        waited >= options_.restart_wait) {
+      if (!r.ok() && attempt > 1)
+        return absl::Status(r.status().code(),
+                            absl::StrCat(r.status().message(), " (asked ", attempt, " times over ",
+                                         absl::FormatDuration(absl::Trunc(waited, absl::Seconds(1))),
+                                         ")"));
+      if (attempt > 1) Log("%s: answered at attempt %d", what, attempt);
+      return r;
+    }
+    if (attempt == 1)
+      SetPhase(m, m->rec.phase(),
+               absl::StrCat(what, ": the migrator there does not answer (", r.status().message(),
+                            "); asking again every second for up to ",
+                            absl::FormatDuration(options_.restart_wait)));
+    m->stubs.erase(target);  // a fresh channel: the old one backs off for long
+    absl::SleepFor(absl::Seconds(1));
+  }
 }
 
 absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
@@ -280,12 +313,8 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
   }
   for (const std::string& t : m->rec.peer_hosts()) {
     if (t == m->rec.destination() && m->rec.confirmed()) continue;  // last, with the resume
-    v1::Transfer::StubInterface* stub = Stub(m, t);
-    absl::StatusOr<v1::ReconnectPeersResponse> r = Rpc<v1::ReconnectPeersResponse>(
-        options_.rpc_timeout, absl::StrCat("reconnecting the peers on ", t),
-        [&](grpc::ClientContext* c, v1::ReconnectPeersResponse* out) {
-          return stub->ReconnectPeers(c, req, out);
-        });
+    absl::StatusOr<v1::ReconnectPeersResponse> r =
+        ReconnectPeersOn(m, t, req, absl::StrCat("reconnecting the peers on ", t));
     if (!r.ok()) errors.push_back(std::string(r.status().message()));
     if (r.ok() && held != nullptr) *held += r->held_pids_size();
   }
@@ -417,12 +446,9 @@ void Migrator::CompleteForward(Move* m) {
   req.set_migration_id(r->migration_id());
   *req.mutable_mapping() = m->rec.new_mapping();
   req.set_resume_endpoint(true);
-  v1::Transfer::StubInterface* dest = Stub(m, m->rec.destination());
-  absl::StatusOr<v1::ReconnectPeersResponse> resumed = Rpc<v1::ReconnectPeersResponse>(
-      options_.rpc_timeout, absl::StrCat("resuming the endpoint on ", m->rec.destination()),
-      [&](grpc::ClientContext* c, v1::ReconnectPeersResponse* out) {
-        return dest->ReconnectPeers(c, req, out);
-      });
+  absl::StatusOr<v1::ReconnectPeersResponse> resumed =
+      ReconnectPeersOn(m, m->rec.destination(), req,
+                       absl::StrCat("resuming the endpoint on ", m->rec.destination()));
   r->mutable_breakdown()->set_reconnect_us(MicrosSince(c0));
   r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
   SetPhase(m, "cleanup");
@@ -842,12 +868,9 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
     req.set_migration_id(r->migration_id());
     *req.mutable_mapping() = mapping;
     req.set_resume_endpoint(true);
-    v1::Transfer::StubInterface* stub = Stub(m.get(), m->rec.destination());
-    absl::StatusOr<v1::ReconnectPeersResponse> resumed = Rpc<v1::ReconnectPeersResponse>(
-        options_.rpc_timeout, absl::StrCat("resuming the endpoint on ", m->rec.destination()),
-        [&](grpc::ClientContext* c, v1::ReconnectPeersResponse* out) {
-          return stub->ReconnectPeers(c, req, out);
-        });
+    absl::StatusOr<v1::ReconnectPeersResponse> resumed =
+        ReconnectPeersOn(m.get(), m->rec.destination(), req,
+                         absl::StrCat("resuming the endpoint on ", m->rec.destination()));
     if (!resumed.ok()) st = resumed.status();
   } else {
     v1::MigratorToShim res;

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <linux/if_packet.h>
 #include <linux/netlink.h>
@@ -201,6 +202,20 @@ class NetlinkAddressControl final : public AddressControl {
     // The kernel says EADDRNOTAVAIL for an address that is not there.
     if (err == 0 || err == EADDRNOTAVAIL) return absl::OkStatus();
     return absl::ErrnoToStatus(err, absl::StrCat("removing ", a.Text(), " from ", ifname));
+  }
+
+  // What `ip route flush cache` does: a write to this file bumps the
+  // namespace's IPv4 route generation, which every cached route is checked
+  // against before use.
+  absl::Status ForgetCachedRoutes() override {
+    constexpr char kFlush[] = "/proc/sys/net/ipv4/route/flush";
+    const int fd = open(kFlush, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("opening ", kFlush));
+    const ssize_t n = write(fd, "1\n", 2);
+    const int err = errno;
+    close(fd);
+    if (n != 2) return absl::ErrnoToStatus(n < 0 ? err : EIO, absl::StrCat("writing ", kFlush));
+    return absl::OkStatus();
   }
 };
 

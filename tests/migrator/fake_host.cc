@@ -81,6 +81,12 @@ absl::Status FakeHost::Remove(const std::string& ifname, const ServiceAddress& a
   return absl::OkStatus();
 }
 
+absl::Status FakeHost::ForgetCachedRoutes() {
+  absl::MutexLock lock(&mu_);
+  ++routes_forgotten_;
+  return absl::OkStatus();
+}
+
 void FakeHost::SetTcpAddress(pid_t pid, const std::string& address) {
   absl::MutexLock lock(&mu_);
   eps_[pid].tcp_address = address;

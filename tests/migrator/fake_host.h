@@ -117,6 +117,11 @@ class FakeHost final : public ShimChannel,
   absl::StatusOr<std::string> Home(const ServiceAddress& a) override;
   absl::Status Add(const std::string& ifname, const ServiceAddress& a) override;
   absl::Status Remove(const std::string& ifname, const ServiceAddress& a) override;
+  absl::Status ForgetCachedRoutes() override;
+  int routes_forgotten() {
+    absl::MutexLock lock(&mu_);
+    return routes_forgotten_;
+  }
 
  private:
   v1::EndpointSummary Summary(const FakeEndpoint& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -132,6 +137,7 @@ class FakeHost final : public ShimChannel,
   // address (host order) -> (interface, prefix)
   std::map<uint32_t, std::pair<std::string, int>> addrs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
+  int routes_forgotten_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace rdmavirt::migrator::testing

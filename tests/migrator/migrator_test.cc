@@ -12,6 +12,7 @@
 #include <memory>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -49,7 +50,7 @@ std::string TempDir(const std::string& name) {
 }
 
 // Hosts 1..3 ("h1:7700"...), each a FakeHost, a Migrator and its Transfer
-// service behind an in-process gRPC channel.
+// service behind a gRPC server on a unix socket.
 class Cluster {
  public:
   struct Node {
@@ -87,6 +88,7 @@ class Cluster {
     o.close_timeout = absl::Seconds(1);
     o.rpc_timeout = absl::Seconds(5);
     o.transfer_timeout = absl::Seconds(10);
+    o.restart_wait = absl::Seconds(3);
     o.drain_timeout_ms = 100;
     o.locate_peer = [this, n](const std::string& gid) -> std::string {
       for (auto& [k, other] : nodes_)
@@ -96,7 +98,8 @@ class Cluster {
     o.connect = [this](const std::string& target) -> std::unique_ptr<v1::Transfer::StubInterface> {
       for (auto& [k, other] : nodes_)
         if (Target(k) == target && other.server != nullptr)
-          return v1::Transfer::NewStub(other.server->InProcessChannel(grpc::ChannelArguments()));
+          return v1::Transfer::NewStub(
+              grpc::CreateChannel(Socket(k), grpc::InsecureChannelCredentials()));
       // Nothing listens there.
       return v1::Transfer::NewStub(
           grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
@@ -123,6 +126,7 @@ class Cluster {
     node.svc = std::make_unique<TransferService>(node.m.get());
     grpc::ServerBuilder b;
     b.RegisterService(node.svc.get());
+    b.AddListeningPort(Socket(n), grpc::InsecureServerCredentials());
     node.server = b.BuildAndStart();
   }
 
@@ -139,6 +143,11 @@ class Cluster {
   Migrator& m(int n) { return *nodes_[n].m; }
 
  private:
+  // Host n's migrator listens on a unix socket: a channel made before it
+  // stopped fails as a dead host's does (UNAVAILABLE), and reaches it
+  // again once it is started anew.
+  std::string Socket(int n) { return absl::StrCat("unix:", nodes_[n].state_dir, "/grpc.sock"); }
+
   std::map<int, Node> nodes_;
 };
 
@@ -196,7 +205,10 @@ TEST(MigratorTest, MigratesAndReconnectsEveryPeer) {
   ASSERT_EQ(moved.pid, 100);
   EXPECT_TRUE(moved.alive && moved.connected && !moved.released && !moved.paused);
   EXPECT_THAT(Commands(moved.log), ElementsAre("restore", "resume"));
-  // Each peer was suspended, then re-pointed at h2.
+  // Each peer was suspended, then re-pointed at h2, its host's cached
+  // routes forgotten first (rxe keeps an RC QP's route across modify_qp).
+  EXPECT_EQ(c.host(1).routes_forgotten(), 1);
+  EXPECT_EQ(c.host(3).routes_forgotten(), 1);
   for (auto [host, pid] : {std::pair{1, 200}, std::pair{3, 300}}) {
     FakeEndpoint p = c.host(host).Get(pid);
     EXPECT_THAT(Commands(p.log), ElementsAre("peer_quiesce", "peer_reconnect")) << pid;
@@ -221,6 +233,67 @@ TEST(MigratorTest, MigratesAndReconnectsEveryPeer) {
   EXPECT_TRUE(incoming[0].second.done());
   EXPECT_FALSE(std::filesystem::exists(incoming[0].first + "/final"));
   EXPECT_EQ(c.m(1).Status().recent_size(), 1);
+}
+
+// A move whose `sink` sees every progress message, in order.
+MoveRun MigrateWatched(Cluster& c, int pid, const std::string& to,
+                       const std::function<void(const v1::Progress&)>& watch) {
+  MoveRun run;
+  v1::MigrateRequest req;
+  req.set_pid(pid);
+  req.set_destination(to);
+  run.status = c.m(1).Migrate(req, [&](const v1::Progress& p) {
+    watch(p);
+    if (p.has_report())
+      run.report = p.report();
+    else if (run.phases.empty() || run.phases.back() != p.phase())
+      run.phases.push_back(p.phase());
+  });
+  return run;
+}
+
+// Once the endpoint runs on the destination, a host whose migrator died
+// (and comes back) is asked again: its peers are re-pointed, the endpoint
+// resumed; before, the move ended there, the peer or the endpoint left
+// paused for ever.
+TEST(MigratorTest, AHostWhoseMigratorRestartsAfterTheMoveIsAskedAgain) {
+  for (int down : {3, 2}) {  // the peer's host; the destination
+    SCOPED_TRACE(down);
+    Cluster c(absl::StrCat("restart", down));
+    Topology(c);
+    int restarts = 0;
+    MoveRun run = MigrateWatched(c, 100, "h2", [&](const v1::Progress& p) {
+      if (p.phase() == "reconnect" && p.detail().empty()) c.Stop(down);
+      if (absl::StrContains(p.detail(), "does not answer") && restarts++ == 0) c.Start(down);
+    });
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    EXPECT_TRUE(run.report.ok()) << run.report.error();
+    EXPECT_EQ(restarts, 1);
+    FakeEndpoint moved = c.host(2).Get(100);
+    EXPECT_TRUE(moved.alive && moved.connected && !moved.paused);
+    FakeEndpoint peer = c.host(3).Get(300);
+    ASSERT_EQ(peer.reconnected_to.size(), 1u);
+    EXPECT_EQ(peer.reconnected_to[0].physical_gid(), Gid(2));
+    EXPECT_FALSE(peer.paused);
+    EXPECT_FALSE(c.host(1).Exists(100));
+  }
+}
+
+TEST(MigratorTest, AHostThatStaysDownAfterTheMoveIsReportedAfterTheWait) {
+  Cluster c("staysdown");
+  Topology(c);
+  const absl::Time start = absl::Now();
+  MoveRun run = MigrateWatched(c, 100, "h2", [&](const v1::Progress& p) {
+    if (p.phase() == "reconnect" && p.detail().empty()) c.Stop(3);
+  });
+  EXPECT_GE(absl::Now() - start, absl::Seconds(3));
+  EXPECT_FALSE(run.report.ok());
+  EXPECT_FALSE(run.report.rolled_back()) << "the endpoint runs on h2";
+  EXPECT_THAT(run.report.error(), HasSubstr("reconnecting the peers on h3"));
+  EXPECT_THAT(run.report.error(), HasSubstr("times over"));
+  FakeEndpoint moved = c.host(2).Get(100);
+  EXPECT_TRUE(moved.alive && !moved.paused);
+  EXPECT_FALSE(c.host(1).Exists(100));
 }
 
 TEST(MigratorTest, PreCopyIteratesWhileDumpsStayLarge) {

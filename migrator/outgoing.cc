@@ -89,6 +89,7 @@ void Migrator::SetPhase(Move* m, const std::string& phase, const std::string& de
       m->rec.report().pid(), phase, detail.empty() ? "" : ": ", detail);
   if (m->sink) {
     v1::Progress p;
+    p.set_migration_id(m->rec.report().migration_id());
     p.set_phase(phase);
     p.set_detail(detail);
     m->sink(p);

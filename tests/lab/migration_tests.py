@@ -21,7 +21,7 @@ PROG = f"{BUILD}/tests/apps/integrity"
 SHIM = migrators.SHIM  # the migrators' shim socket
 CTL = f"{BUILD}/tools/rdmavirtctl/rdmavirtctl"
 PORT = migrators.PORT
-STATE = "/var/lib/rdmavirt-lab"  # the migrators' state directory
+STATE = migrators.STATE  # the migrators' state directory
 WORK = "/lab/migration"  # in the hosts; under LAB.shared here
 
 
@@ -144,6 +144,7 @@ def logs_on_failure(name, hosts=(1, 2, 3)):
                 show_logs(name, hosts)
                 raise
         run.__name__ = fn.__name__
+        run.__module__ = fn.__module__
         return run
     return wrap
 
@@ -185,6 +186,32 @@ def integrity_survives_live_migrations_and_a_checkpoint():
         check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and
               rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
               rep["completion_errors"] == 0, f"{side}'s integrity report", rep)
+        check(rep["sends"] == rep["iterations"], f"{side} did not finish", rep)
+
+
+@lab_test
+@logs_on_failure("meet")
+def peers_brought_onto_one_host_and_apart_again_lose_nothing():
+    """P moves onto Q's host (their datagrams then loop back inside rxe,
+    whose IPv4 header carries no checksum), then Q leaves its own host
+    (its peer P's RC QP, re-pointed from a local route to another host,
+    must not keep the local one)."""
+    ensure_daemons()
+    qpid, ppid = start_pair("meet", 3000)
+    for who, pid, src, dest in (("P", ppid, 1, 3), ("Q", qpid, 3, 2)):
+        r, rep = ctl(src, f"migrate {pid} --to {ip(dest)}")
+        check(r.rc == 0, f"migrate {who} host{src} -> host{dest}", r)
+        check_report(rep, f"migrate {who}")
+        check_moved(pid, src, dest, who)
+        # Both make progress after each move (each SEND needs the peer).
+        wait_sent("meet", sent_by_p("meet") + 100, 120)
+    p, q = wait_reports("meet")
+    check(hosts_seen(p) == ["host1", "host3"], "P's places", p["places"])
+    check(hosts_seen(q) == ["host3", "host2"], "Q's places", q["places"])
+    for side, rep in (("P", p), ("Q", q)):
+        check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and
+              rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
+              rep["completion_errors"] == 0 and rep["peer_errors"] == 0, f"{side}'s report", rep)
         check(rep["sends"] == rep["iterations"], f"{side} did not finish", rep)
 
 

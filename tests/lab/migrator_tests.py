@@ -60,14 +60,28 @@ def make_certs():
     open(os.path.join(d, "done"), "w").close()
 
 
+STATE = "/var/lib/rdmavirt-lab"
+
+
+def start_daemon(n, env="", state_dir=STATE):
+    """Starts host n's migrator (`env`: VAR=value ... for it)."""
+    run_ok(n, f"mkdir -p {LOGS} && setsid env {env} {DAEMON} --listen 0.0.0.0:{PORT} "
+              f"--socket {SOCK} --state-dir {state_dir} --tls-dir {CERTS}/host{n} "
+              f"--host-name host{n} >> {LOGS}/host{n}.log 2>&1 < /dev/null &")
+
+
+def kill_daemon(n):
+    """SIGKILL of host n's migrator, as a crash; returns once its port is free."""
+    LAB.run(n, "pkill -9 -x rdmavirt-migrat; true")
+    wait_until(n, f"! ss -Hltn 'sport = :{PORT}' | grep -q .", 30, "the migrator's port freed")
+
+
 def daemons_up():
     make_certs()
     for n in range(1, LAB.hosts() + 1):
         if LAB.run(n, f"ss -Hltn 'sport = :{PORT}' | grep -q .").rc == 0:
             continue
-        run_ok(n, f"mkdir -p {LOGS} && setsid {DAEMON} --listen 0.0.0.0:{PORT} --socket {SOCK} "
-                  f"--state-dir /var/lib/rdmavirt-lab --tls-dir {CERTS}/host{n} "
-                  f"--host-name host{n} >> {LOGS}/host{n}.log 2>&1 < /dev/null &")
+        start_daemon(n)
     for n in range(1, LAB.hosts() + 1):
         wait_listening(n, PORT, 60)
 

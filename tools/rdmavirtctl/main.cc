@@ -71,7 +71,7 @@ const std::map<std::string, std::string>& CommandHelp() {
        "REG MEM (registered memory), CQ PENDING (completions held in shadow CQs).\n"},
       {"migrate",
        "usage: rdmavirtctl migrate PID --to HOST[:PORT] [--max-precopy N] [--drain-timeout-ms MS]\n"
-       "                           [--address A.B.C.D/LEN[,...]]\n"
+       "                           [--address A.B.C.D/LEN[,...]] [--wait]\n"
        "Live-migrates process PID of --host to the migrator at --to (port 7700 by\n"
        "default). The destination is checked before anything is touched; any failure\n"
        "before the process runs on the destination rolls it back onto the source.\n"
@@ -79,7 +79,10 @@ const std::map<std::string, std::string>& CommandHelp() {
        "--address names IPv4 addresses of --host that belong to the process (its\n"
        "service addresses): they move with it, and so do its established TCP\n"
        "connections on them. The destination must have an interface on their subnet.\n"
-       "Without it a process holding a TCP connection cannot move.\n"},
+       "Without it a process holding a TCP connection cannot move.\n"
+       "If the migrator of --host goes away during the move (exit code 3), it finishes\n"
+       "the move or rolls it back when it runs again; --wait waits up to 10 minutes for\n"
+       "that and prints the outcome as if the move had ended normally.\n"},
       {"checkpoint",
        "usage: rdmavirtctl checkpoint PID --dir DIR [--leave-running]\n"
        "Checkpoints process PID into DIR (an absolute path on --host, absent or empty).\n"
@@ -168,6 +171,7 @@ struct Args {
   bool unsafe = false;
   bool dry_run = false;
   bool auto_pick = false;
+  bool wait = false;
   bool help = false;
 };
 
@@ -209,6 +213,10 @@ int Parse(int argc, char** argv, Args* a) {
     }
     if (arg == "--auto") {
       a->auto_pick = true;
+      continue;
+    }
+    if (arg == "--wait") {
+      a->wait = true;
       continue;
     }
     if (arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
@@ -263,15 +271,50 @@ absl::StatusOr<uint32_t> ParseCount(const std::string& name, const std::string& 
   return v;
 }
 
-// Reads a Progress stream: lines on stderr, the report at the end.
+// The report of move `id` once the migrator at `target` (restarted after it
+// went away mid-move) has finished it or rolled it back; waits for it to
+// come back and for the move to end, at most `limit`.
+absl::StatusOr<v1::MigrationReport> WaitForOutcome(const Args& args, const std::string& target,
+                                                   const std::string& id, absl::Duration limit) {
+  absl::StatusOr<migrator::TlsFiles> tls = migrator::LoadTls(args.tls_dir, "cli.pem", "cli.key");
+  if (!tls.ok()) return tls.status();
+  const absl::Time give_up = absl::Now() + limit;
+  std::string last;
+  while (absl::Now() < give_up) {
+    absl::SleepFor(absl::Seconds(2));
+    auto channel = grpc::CreateChannel(target, migrator::MutualTlsChannelCredentials(*tls));
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5))) {
+      if (last != "down") fprintf(stderr, "[waiting] the migrator at %s is not back yet\n", target.c_str());
+      last = "down";
+      continue;
+    }
+    std::unique_ptr<v1::Operator::Stub> stub = v1::Operator::NewStub(channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::StatusResponse status;
+    if (!stub->Status(&ctx, v1::StatusRequest(), &status).ok()) continue;
+    for (const v1::MigrationReport& r : status.recent())
+      if (r.migration_id() == id) return r;
+    if (last != "back") fprintf(stderr, "[waiting] the migrator is back; move %s still in flight\n", id.c_str());
+    last = "back";
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("move ", id, " had not ended after ", absl::FormatDuration(limit)));
+}
+
+// Reads a Progress stream: lines on stderr, the report at the end. When the
+// daemon goes away in the middle (killed, restarted), says what that means
+// and, with --wait, waits for the restarted daemon's outcome of the move.
 int FollowMove(Client* c, const Args& args, const char* what,
                std::unique_ptr<grpc::ClientReaderInterface<v1::Progress>> reader) {
   v1::Progress p;
   v1::MigrationReport report;
   bool have_report = false;
   std::string last_phase;
+  std::string id;
   absl::Time last_bytes = absl::InfinitePast();
   while (reader->Read(&p)) {
+    if (!p.migration_id().empty()) id = p.migration_id();
     if (p.has_report()) {
       report = p.report();
       have_report = true;
@@ -287,6 +330,23 @@ int FollowMove(Client* c, const Args& args, const char* what,
     fprintf(stderr, "%s\n", ProgressLine(p).c_str());
   }
   const grpc::Status st = reader->Finish();
+  if (!have_report && !id.empty() && st.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    fprintf(stderr,
+            "rdmavirtctl: %s: rdmavirt-migratord at %s went away during move %s (phase %s): %s\n"
+            "When it runs again it finishes the move or rolls it back; `rdmavirtctl --host %s "
+            "status` shows which%s.\n",
+            what, c->target().c_str(), id.c_str(), last_phase.c_str(), st.error_message().c_str(),
+            c->target().c_str(), args.wait ? " (waiting for it)" : ", and --wait waits for it");
+    if (!args.wait) return kUnreachable;
+    absl::StatusOr<v1::MigrationReport> r = WaitForOutcome(args, c->target(), id, absl::Minutes(10));
+    if (!r.ok()) {
+      fprintf(stderr, "rdmavirtctl: %s: %s\n", what, std::string(r.status().message()).c_str());
+      return kUnreachable;
+    }
+    report = *r;
+    printf("%s", args.json ? (Json(report) + "\n").c_str() : ReportText(report).c_str());
+    return report.ok() ? kOk : kFailed;
+  }
   if (have_report) {
     if (args.json)
       printf("%s\n", Json(report).c_str());

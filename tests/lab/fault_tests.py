@@ -1,0 +1,232 @@
+"""Faults in the middle of a move, on real lab hosts.
+
+The integrity workload runs between P (host1) and Q (host3) under the shim,
+a migrator on every host; P is moved to host2 while a fault strikes: a
+migrator killed at a known step (RDMAVIRT_FAILPOINTS stops it there, the
+test SIGKILLs it and starts it again, as systemd would), CRIU failing on the
+destination, the destination's state directory full. Each test ends with
+the move done or rolled back, exactly one copy of P (the other host checked
+too), P and Q making progress again, and the workload's own verdict:
+nothing lost, duplicated, corrupted or out of order.
+"""
+
+import json
+import re
+import sys
+
+from labtest import LAB, check, lab_test, main, run_ok, wait_until
+
+import migration_tests as mt
+import migrator_tests as migrators
+
+CTL = mt.CTL
+
+
+def migrate_job(src, pid, dest, wait=False):
+    """rdmavirtctl migrate in the background on host`src`; LAB.wait it."""
+    return LAB.submit(src, f"{CTL} --host {mt.ip(src)}:{mt.PORT} --tls-dir "
+                           f"{migrators.CERTS}/host{src} --json migrate {pid} --to {mt.ip(dest)}"
+                           f"{' --wait' if wait else ''}", 900)
+
+
+def report_of(result):
+    try:
+        return json.loads(result.out) if result.out.strip() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def stopped_at_failpoint(host, point):
+    """Until host`host`'s migrator has stopped itself at `point`."""
+    wait_until(host, "grep -q '^State:.*stopped' /proc/$(pgrep -x rdmavirt-migrat)/status", 300,
+               f"the migrator stopped at {point}")
+
+
+def crash_and_restart(host):
+    """SIGKILL of the stopped migrator; a fresh one (no failpoint) started."""
+    migrators.kill_daemon(host)
+    migrators.start_daemon(host)
+    mt.ensure_daemons()
+
+
+def exactly_one_copy(pid, where, elsewhere, what):
+    """`pid` runs on host`where` under the shim and on no host of `elsewhere`."""
+    maps = LAB.run(where, f"cat /proc/{pid}/maps")
+    check(maps.rc == 0 and "librdmavirt" in maps.out, f"{what} does not run on host{where}")
+    for h in elsewhere:
+        r = LAB.run(h, f"cat /proc/{pid}/comm 2>/dev/null")
+        check(r.out.strip() != "integrity", f"a copy of {what} on host{h}")
+
+
+def progresses(name, by=100, timeout=120):
+    """P's SENDs advance by `by`: both sides make progress (each SEND needs
+    Q's receive and its answer)."""
+    mt.wait_sent(name, mt.sent_by_p(name) + by, timeout)
+
+
+def verdict(name, p_hosts):
+    p, q = mt.wait_reports(name, 900)
+    for side, rep in (("P", p), ("Q", q)):
+        check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and
+              rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
+              rep["completion_errors"] == 0 and rep["sends"] == rep["iterations"],
+              f"{side}'s integrity report", rep)
+    check(mt.hosts_seen(p) == p_hosts, "P ran elsewhere than expected", p["places"], p_hosts)
+    check(mt.hosts_seen(q) == ["host3"], "Q moved", q["places"])
+
+
+def cleanup(name, pids):
+    for h in (1, 2, 3):
+        LAB.run(h, f"kill {' '.join(str(p) for p in pids)} 2>/dev/null; true")
+    # No failpoint stays behind for the next test.
+    for h in (1, 2, 3):
+        if LAB.run(h, "tr '\\0' '\\n' < /proc/$(pgrep -x rdmavirt-migrat)/environ "
+                      "| grep -q RDMAVIRT_FAILPOINTS").rc == 0:
+            migrators.kill_daemon(h)
+    mt.ensure_daemons()
+
+
+@lab_test
+@mt.logs_on_failure("srckill")
+def the_source_migrator_killed_after_the_final_dump_rolls_back_on_its_restart():
+    mt.ensure_daemons()
+    migrators.kill_daemon(1)
+    migrators.start_daemon(1, "RDMAVIRT_FAILPOINTS=phase:transfer")
+    mt.ensure_daemons()
+    q, p = mt.start_pair("srckill", 3000)
+    try:
+        mt.wait_sent("srckill", 200)
+        job = migrate_job(1, p, 2, wait=True)
+        stopped_at_failpoint(1, "phase:transfer")
+        crash_and_restart(1)
+        r = LAB.wait(1, job, 900)
+        rep = report_of(r)
+        check("went away during move" in r.err, "the CLI did not say the daemon went away", r)
+        check(r.rc == 1 and rep is not None and rep.get("rolled_back") is True,
+              "not rolled back (rdmavirtctl --wait's outcome)", r)
+        print("outcome:", rep.get("error"), flush=True)
+        exactly_one_copy(p, 1, (2,), "P")
+        wait_until(2, f"! ls {mt.STATE}/incoming/*/final > /dev/null 2>&1", 60,
+                   "host2's received images deleted")
+        progresses("srckill")
+        verdict("srckill", ["host1"])
+    finally:
+        cleanup("srckill", (p, q))
+
+
+@lab_test
+@mt.logs_on_failure("destkill")
+def the_destination_migrator_killed_before_the_resume_is_asked_again():
+    mt.ensure_daemons()
+    migrators.kill_daemon(2)
+    migrators.start_daemon(2, "RDMAVIRT_FAILPOINTS=serve:resume")
+    mt.ensure_daemons()
+    q, p = mt.start_pair("destkill", 3000)
+    try:
+        mt.wait_sent("destkill", 200)
+        job = migrate_job(1, p, 2)
+        stopped_at_failpoint(2, "serve:resume")
+        crash_and_restart(2)
+        r = LAB.wait(1, job, 900)
+        rep = report_of(r)
+        check(r.rc == 0 and rep is not None and rep.get("ok") is True,
+              "the move did not finish once the destination came back", r)
+        exactly_one_copy(p, 2, (1,), "P")
+        progresses("destkill")
+        verdict("destkill", ["host1", "host2"])
+    finally:
+        cleanup("destkill", (p, q))
+
+
+@lab_test
+@mt.logs_on_failure("peerkill")
+def a_peer_host_migrator_killed_before_the_re_point_is_asked_again():
+    mt.ensure_daemons()
+    migrators.kill_daemon(3)
+    migrators.start_daemon(3, "RDMAVIRT_FAILPOINTS=serve:reconnect")
+    mt.ensure_daemons()
+    q, p = mt.start_pair("peerkill", 3000)
+    try:
+        mt.wait_sent("peerkill", 200)
+        job = migrate_job(1, p, 2)
+        stopped_at_failpoint(3, "serve:reconnect")
+        crash_and_restart(3)
+        r = LAB.wait(1, job, 900)
+        rep = report_of(r)
+        check(r.rc == 0 and rep is not None and rep.get("ok") is True,
+              "the move did not finish once the peer's host came back", r)
+        exactly_one_copy(p, 2, (1,), "P")
+        exactly_one_copy(q, 3, (1, 2), "Q")
+        progresses("peerkill")
+        verdict("peerkill", ["host1", "host2"])
+    finally:
+        cleanup("peerkill", (p, q))
+
+
+@lab_test
+@mt.logs_on_failure("criufail")
+def criu_failing_on_the_destination_rolls_back():
+    mt.ensure_daemons()
+    q, p = mt.start_pair("criufail", 3000)
+    holder = None
+    try:
+        mt.wait_sent("criufail", 200)
+        # P's pid is taken on host2: CRIU restores a process with its own
+        # pid, and fails there.
+        for _ in range(20):
+            # The write, then the very next fork of this shell.
+            r = run_ok(2, f"echo {p - 1} > /proc/sys/kernel/ns_last_pid; "
+                          "setsid sleep 900 < /dev/null > /dev/null 2>&1 & echo $!")
+            holder = int(r.out.split()[-1])
+            if holder == p:
+                break
+            LAB.run(2, f"kill {holder}")
+        check(holder == p, f"could not take pid {p} on host2")
+        r = LAB.wait(1, migrate_job(1, p, 2), 900)
+        rep = report_of(r)
+        check(r.rc == 1 and rep is not None and rep.get("rolled_back") is True,
+              "not rolled back", r)
+        print("outcome:", rep.get("error"), flush=True)
+        check(re.search(r"restor", rep.get("error", "")), "not a restore failure", rep)
+        exactly_one_copy(p, 1, (2,), "P")
+        progresses("criufail")
+        verdict("criufail", ["host1"])
+    finally:
+        if holder is not None:
+            LAB.run(2, f"kill {holder} 2>/dev/null; true")
+        cleanup("criufail", (p, q))
+
+
+@lab_test
+@mt.logs_on_failure("nospace")
+def a_full_destination_state_directory_rolls_back():
+    mt.ensure_daemons()
+    small = "/var/lib/rdmavirt-lab-small"
+    # 2 MiB: P's final dump (about 3 MiB) cannot fit.
+    migrators.kill_daemon(2)
+    run_ok(2, f"mkdir -p {small} && (mountpoint -q {small} || "
+              f"mount -t tmpfs -o size=2m tmpfs {small})")
+    migrators.start_daemon(2, state_dir=small)
+    mt.ensure_daemons()
+    q, p = mt.start_pair("nospace", 3000)
+    try:
+        mt.wait_sent("nospace", 200)
+        r = LAB.wait(1, migrate_job(1, p, 2), 900)
+        rep = report_of(r)
+        check(r.rc == 1 and rep is not None and rep.get("rolled_back") is True,
+              "not rolled back", r)
+        print("outcome:", rep.get("error"), flush=True)
+        check("space" in rep.get("error", "").lower(), "the report does not say no space", rep)
+        exactly_one_copy(p, 1, (2,), "P")
+        wait_until(2, f"! ls {small}/incoming/*/final > /dev/null 2>&1", 60,
+                   "host2's partial images deleted")
+        progresses("nospace")
+        verdict("nospace", ["host1"])
+    finally:
+        migrators.kill_daemon(2)
+        LAB.run(2, f"umount {small}; rmdir {small}; true")
+        cleanup("nospace", (p, q))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

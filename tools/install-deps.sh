@@ -19,11 +19,15 @@ packages=(
   qemu-guest-agent
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev valgrind strace python3-matplotlib
+  # fuzzing (tools/fuzz): clang with libFuzzer and the sanitizers' runtimes
+  clang libclang-rt-14-dev
   # MPI over rxe0 in the lab (docs/mpi.md): Open MPI with UCX, NetPIPE,
   # and sshd for the launch (started only inside lab hosts)
   openmpi-bin libopenmpi-dev netpipe-openmpi openssh-server
   # the lab: TCG VMs on a VDE switch, booted from an initramfs
   qemu-system-x86 qemu-utils vde2 busybox-static cpio kmod iproute2 coreutils procps
+  # the lab's fault tests cut the fabric between hosts with packet filters
+  iptables
   python3
 )
 

@@ -13,6 +13,7 @@ nothing lost, duplicated, corrupted or out of order.
 import json
 import re
 import sys
+import time
 
 from labtest import LAB, check, lab_test, main, run_ok, wait_until
 
@@ -40,6 +41,20 @@ def stopped_at_failpoint(host, point):
     """Until host`host`'s migrator has stopped itself at `point`."""
     wait_until(host, "grep -q '^State:.*stopped' /proc/$(pgrep -x rdmavirt-migrat)/status", 300,
                f"the migrator stopped at {point}")
+
+
+def stopped_or_done(host, job, timeout=300):
+    """Until host`host`'s migrator stopped at a failpoint (True) or `job`
+    (its move) ended (False)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if LAB.done(host, job):
+            return False
+        if LAB.run(host, "grep -q '^State:.*stopped' "
+                         "/proc/$(pgrep -x rdmavirt-migrat)/status").rc == 0:
+            return True
+        time.sleep(0.5)
+    check(False, f"host{host}: the move neither ended nor reached the next failpoint")
 
 
 def crash_and_restart(host):
@@ -161,6 +176,71 @@ def a_peer_host_migrator_killed_before_the_re_point_is_asked_again():
         verdict("peerkill", ["host1", "host2"])
     finally:
         cleanup("peerkill", (p, q))
+
+
+FABRIC = "10.77.0.0/24"
+CUT_S = 5  # how long each cut lasts
+
+
+def cut(host, on):
+    """Every packet between host`host` and the other hosts dropped (RoCE
+    and gRPC alike: both go through the IP stack), or no longer."""
+    op = "-I" if on else "-D"
+    r = LAB.run(host, f"iptables {op} INPUT -s {FABRIC} -j DROP && "
+                      f"iptables {op} OUTPUT -d {FABRIC} -j DROP")
+    if on:
+        check(r.rc == 0, f"host{host}: cutting the fabric", r)
+
+
+def cut_while_continuing(stopped_host, cut_host):
+    """The stopped migrator goes on while host`cut_host` is cut off."""
+    cut(cut_host, True)
+    try:
+        run_ok(stopped_host, "kill -CONT $(pgrep -x rdmavirt-migrat)")
+        time.sleep(CUT_S)  # the fault's length, not a wait for a condition
+    finally:
+        cut(cut_host, False)
+
+
+@lab_test
+@mt.logs_on_failure("cut")
+def a_fabric_cut_during_the_transfer_and_the_reconnect_ends_in_one_copy():
+    mt.ensure_daemons()
+    migrators.kill_daemon(1)
+    migrators.start_daemon(1, "RDMAVIRT_FAILPOINTS=phase:transfer,phase:reconnect")
+    mt.ensure_daemons()
+    q, p = mt.start_pair("cut", 3000)
+    try:
+        mt.wait_sent("cut", 200)
+        job = migrate_job(1, p, 2)
+        # The destination cut off as the final dump's transfer starts, then
+        # the peer's host as the peers are re-pointed.
+        stopped_at_failpoint(1, "phase:transfer")
+        cut_while_continuing(1, 2)
+        # Re-pointing the peers, unless the transfer failed (rolled back).
+        if stopped_or_done(1, job):
+            cut_while_continuing(1, 3)
+        r = LAB.wait(1, job, 900)
+        rep = report_of(r)
+        check(rep is not None, "no report", r)
+        print("outcome:", "done" if rep.get("ok") else f"rolled back: {rep.get('error')}",
+              flush=True)
+        check(rep.get("ok") is True or rep.get("rolled_back") is True,
+              "neither done nor rolled back", r)
+        if rep.get("ok"):
+            # The cuts were real: each step they struck waited them out.
+            b = rep["breakdown"]
+            for step in ("transfer_us", "reconnect_us"):
+                check(int(b.get(step, 0)) >= CUT_S * 0.8e6, f"{step} shorter than the cut", b)
+        dest, other = (2, 1) if rep.get("ok") else (1, 2)
+        exactly_one_copy(p, dest, (other,), "P")
+        exactly_one_copy(q, 3, (1, 2), "Q")
+        progresses("cut")
+        verdict("cut", ["host1", "host2"] if rep.get("ok") else ["host1"])
+    finally:
+        for h in (2, 3):
+            cut(h, False)
+        cleanup("cut", (p, q))
 
 
 @lab_test

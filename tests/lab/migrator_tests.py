@@ -63,11 +63,14 @@ def make_certs():
 STATE = "/var/lib/rdmavirt-lab"
 
 
-def start_daemon(n, env="", state_dir=STATE):
-    """Starts host n's migrator (`env`: VAR=value ... for it)."""
+def start_daemon(n, env="", state_dir=STATE, wait=True):
+    """Starts host n's migrator (`env`: VAR=value ... for it); with `wait`,
+    returns once it listens."""
     run_ok(n, f"mkdir -p {LOGS} && setsid env {env} {DAEMON} --listen 0.0.0.0:{PORT} "
               f"--socket {SOCK} --state-dir {state_dir} --tls-dir {CERTS}/host{n} "
               f"--host-name host{n} >> {LOGS}/host{n}.log 2>&1 < /dev/null &")
+    if wait:
+        wait_listening(n, PORT, 60)
 
 
 def kill_daemon(n):
@@ -81,7 +84,7 @@ def daemons_up():
     for n in range(1, LAB.hosts() + 1):
         if LAB.run(n, f"ss -Hltn 'sport = :{PORT}' | grep -q .").rc == 0:
             continue
-        start_daemon(n)
+        start_daemon(n, wait=False)
     for n in range(1, LAB.hosts() + 1):
         wait_listening(n, PORT, 60)
 

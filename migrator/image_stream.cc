@@ -16,7 +16,10 @@ namespace rdmavirt::migrator {
 
 bool ValidImageName(const std::string& name) {
   if (!SafeImageName(name)) return false;
-  return name != kManifestFile && name != "parent" && name != "record.pb";
+  // manifest.pb.tmp: WriteManifest's temporary (image_dir.cc), which
+  // Finish would write over the image and rename to manifest.pb.
+  return name != kManifestFile && name != "manifest.pb.tmp" && name != "parent" &&
+         name != "record.pb";
 }
 
 std::string StreamSubdir(bool pre_dump, uint32_t iteration) {

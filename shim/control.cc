@@ -156,12 +156,13 @@ bool DecodeMapping(std::string_view b, RemoteMapping* m, std::string* why) {
   return true;
 }
 
-uint32_t DrainTimeout(std::string_view b) {
+// False when `b` is malformed.
+bool DrainTimeout(std::string_view b, uint32_t* ms) {
   WireReader r(b);
-  uint32_t ms = 0;
+  *ms = 0;
   while (r.Next())
-    if (r.is_varint() && r.field() == 1) ms = static_cast<uint32_t>(r.varint());
-  return ms;
+    if (r.is_varint() && r.field() == 1) *ms = static_cast<uint32_t>(r.varint());
+  return r.ok();
 }
 
 uint64_t NowUs() {
@@ -211,10 +212,16 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
     }
     if (!r.is_bytes()) continue;
     const std::string_view body = r.bytes();
+    // One command, as protobuf writes a oneof: a second one (which protobuf
+    // would merge into the first, or let replace it) is refused, not mixed
+    // with what the first left behind (its peers, its drain timeout).
+    if (r.field() >= f::kQuiesce && r.field() <= f::kDescribe && out->kind != Kind::kNone)
+      return *why = "a request with more than one command", false;
     switch (r.field()) {
       case f::kQuiesce:
         out->kind = Kind::kQuiesce;
-        out->drain_timeout_ms = DrainTimeout(body);
+        if (!DrainTimeout(body, &out->drain_timeout_ms))
+          return *why = "a malformed quiesce request", false;
         break;
       case f::kRelease:
         out->kind = Kind::kRelease;
@@ -257,6 +264,7 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
         bool have = false;
         while (b.Next()) {
           if (b.field() == 1 && b.is_bytes()) {
+            if (have) return *why = "a peer_reconnect request with two mappings", false;
             RemoteMapping m;
             if (!DecodeMapping(b.bytes(), &m, why)) return false;
             out->peers.push_back(std::move(m));

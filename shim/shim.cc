@@ -152,7 +152,7 @@ ibv_context* Shim::OpenDevice(ibv_device* device) {
 int Shim::CloseDevice(ibv_context* c) {
   Context* ctx = FindContext(c);
   if (ctx == nullptr) return backend_->CloseDevice(c);
-  const int rc = backend_->CloseDevice(ctx->real);
+  const int rc = ctx->real != nullptr ? backend_->CloseDevice(ctx->real) : 0;
   if (rc != 0) return rc;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -313,7 +313,7 @@ ibv_pd* Shim::AllocPd(ibv_context* c) {
 int Shim::DeallocPd(ibv_pd* p) {
   Pd* pd = FindPd(p);
   if (pd == nullptr) return backend_->DeallocPd(p);
-  const int rc = backend_->DeallocPd(pd->real);
+  const int rc = pd->real != nullptr ? backend_->DeallocPd(pd->real) : 0;
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
   Unregister(pd);
@@ -402,7 +402,7 @@ int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length, in
 int Shim::DeregMr(ibv_mr* m) {
   Mr* mr = Find<Mr>(m, Kind::kMr);
   if (mr == nullptr) return backend_->DeregMr(m);
-  const int rc = backend_->DeregMr(mr->real);
+  const int rc = mr->real != nullptr ? backend_->DeregMr(mr->real) : 0;
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
   mrs_.Clear(mr->slot);
@@ -437,7 +437,7 @@ ibv_comp_channel* Shim::CreateCompChannel(ibv_context* c) {
 int Shim::DestroyCompChannel(ibv_comp_channel* c) {
   Channel* ch = FindChannel(c);
   if (ch == nullptr) return backend_->DestroyCompChannel(c);
-  const int rc = backend_->DestroyCompChannel(ch->real);
+  const int rc = ch->real != nullptr ? backend_->DestroyCompChannel(ch->real) : 0;
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
   Unregister(ch);
@@ -546,7 +546,7 @@ int Shim::ResizeCq(ibv_cq* c, int cqe) {
 int Shim::DestroyCq(ibv_cq* c) {
   Cq* cq = FindCq(c);
   if (cq == nullptr) return backend_->DestroyCq(c);
-  const int rc = backend_->DestroyCq(cq->real);
+  const int rc = cq->real != nullptr ? backend_->DestroyCq(cq->real) : 0;
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
   Unregister(cq);
@@ -728,7 +728,7 @@ int Shim::QuerySrq(ibv_srq* s, ibv_srq_attr* attr) {
 int Shim::DestroySrq(ibv_srq* s) {
   Srq* srq = FindSrq(s);
   if (srq == nullptr) return backend_->DestroySrq(s);
-  const int rc = backend_->DestroySrq(srq->real);
+  const int rc = srq->real != nullptr ? backend_->DestroySrq(srq->real) : 0;
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
   Unregister(srq);
@@ -941,7 +941,7 @@ int Shim::DestroyQp(ibv_qp* q) {
     std::lock_guard<std::mutex> lock(mu_);
     qp_index_.Remove(qp->physical_qpn, qp);
   }
-  const int rc = backend_->DestroyQp(qp->real);
+  const int rc = qp->real != nullptr ? backend_->DestroyQp(qp->real) : 0;
   std::lock_guard<std::mutex> lock(mu_);
   if (rc != 0) {
     qp_index_.Insert(qp->physical_qpn, qp);
@@ -1030,7 +1030,7 @@ ibv_ah* Shim::CreateAhFromWc(ibv_pd* pd, ibv_wc* wc, ibv_grh* grh, uint8_t port)
 int Shim::DestroyAh(ibv_ah* a) {
   Ah* ah = Find<Ah>(a, Kind::kAh);
   if (ah == nullptr) return backend_->DestroyAh(a);
-  const int rc = backend_->DestroyAh(ah->real);
+  const int rc = ah->real != nullptr ? backend_->DestroyAh(ah->real) : 0;
   if (rc != 0) return rc;
   std::lock_guard<std::mutex> lock(mu_);
   Unregister(ah);

@@ -28,6 +28,53 @@ void WireWriter::Bytes(uint32_t field, const void* data, size_t n) {
   buf_.append(static_cast<const char*>(data), n);
 }
 
+namespace {
+
+// The length of the UTF-8 sequence at p (RFC 3629: no overlong forms, no
+// surrogates, nothing past U+10FFFF), or 0 if none starts there.
+size_t Utf8Sequence(const uint8_t* p, size_t n) {
+  const uint8_t b = p[0];
+  if (b < 0x80) return 1;
+  size_t len;
+  uint8_t lo = 0x80, hi = 0xbf;  // bounds of the second byte
+  if (b >= 0xc2 && b <= 0xdf) {
+    len = 2;
+  } else if (b >= 0xe0 && b <= 0xef) {
+    len = 3;
+    if (b == 0xe0) lo = 0xa0;
+    if (b == 0xed) hi = 0x9f;
+  } else if (b >= 0xf0 && b <= 0xf4) {
+    len = 4;
+    if (b == 0xf0) lo = 0x90;
+    if (b == 0xf4) hi = 0x8f;
+  } else {
+    return 0;
+  }
+  if (n < len || p[1] < lo || p[1] > hi) return 0;
+  for (size_t i = 2; i < len; ++i)
+    if (p[i] < 0x80 || p[i] > 0xbf) return 0;
+  return len;
+}
+
+}  // namespace
+
+void WireWriter::String(uint32_t field, std::string_view s) {
+  std::string utf8;
+  utf8.reserve(s.size());
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(s.data());
+  for (size_t i = 0; i < s.size();) {
+    const size_t len = Utf8Sequence(p + i, s.size() - i);
+    if (len == 0) {
+      utf8.push_back('?');
+      ++i;
+    } else {
+      utf8.append(s.data() + i, len);
+      i += len;
+    }
+  }
+  Bytes(field, utf8.data(), utf8.size());
+}
+
 void WireWriter::Message(uint32_t field, const WireWriter& sub) {
   Tag(field, 2);
   Raw(sub.buf_.size());

@@ -23,7 +23,10 @@ class WireWriter {
   void Int32(uint32_t field, int32_t v);  // negative values as 10-byte varints
   void Bool(uint32_t field, bool v) { Varint(field, v ? 1 : 0); }
   void Bytes(uint32_t field, const void* data, size_t n);
-  void String(uint32_t field, std::string_view s) { Bytes(field, s.data(), s.size()); }
+  // proto3 parsers refuse a whole message whose string is not UTF-8 (a
+  // /proc/self/comm cut inside a character, a device name): each byte that
+  // does not belong to a valid sequence is written as '?'.
+  void String(uint32_t field, std::string_view s);
   // A nested message, written even when empty (so a oneof member is set).
   void Message(uint32_t field, const WireWriter& sub);
 

@@ -73,6 +73,15 @@ def exactly_one_copy(pid, where, elsewhere, what):
         check(r.out.strip() != "integrity", f"a copy of {what} on host{h}")
 
 
+def images_deleted(host, state_dir, report):
+    """No image file of the move left in host`host`'s arrivals (earlier
+    moves' directories are not this test's business)."""
+    mid = report.get("migration_id")
+    check(mid, "the report has no migration id", report)
+    wait_until(host, f"! ls {state_dir}/incoming/{mid}/*/* > /dev/null 2>&1", 60,
+               f"host{host}'s images of move {mid} deleted")
+
+
 def progresses(name, by=100, timeout=120):
     """P's SENDs advance by `by`: both sides make progress (each SEND needs
     Q's receive and its answer)."""
@@ -121,8 +130,7 @@ def the_source_migrator_killed_after_the_final_dump_rolls_back_on_its_restart():
               "not rolled back (rdmavirtctl --wait's outcome)", r)
         print("outcome:", rep.get("error"), flush=True)
         exactly_one_copy(p, 1, (2,), "P")
-        wait_until(2, f"! ls {mt.STATE}/incoming/*/final > /dev/null 2>&1", 60,
-                   "host2's received images deleted")
+        images_deleted(2, mt.STATE, rep)
         progresses("srckill")
         verdict("srckill", ["host1"])
     finally:
@@ -298,8 +306,7 @@ def a_full_destination_state_directory_rolls_back():
         print("outcome:", rep.get("error"), flush=True)
         check("space" in rep.get("error", "").lower(), "the report does not say no space", rep)
         exactly_one_copy(p, 1, (2,), "P")
-        wait_until(2, f"! ls {small}/incoming/*/final > /dev/null 2>&1", 60,
-                   "host2's partial images deleted")
+        images_deleted(2, small, rep)
         progresses("nospace")
         verdict("nospace", ["host1"])
     finally:

@@ -137,53 +137,42 @@ def the_source_migrator_killed_after_the_final_dump_rolls_back_on_its_restart():
         cleanup("srckill", (p, q))
 
 
-@lab_test
-@mt.logs_on_failure("destkill")
-def the_destination_migrator_killed_before_the_resume_is_asked_again():
+def killed_then_asked_again(name, host, point):
+    """P moves host1 -> host2 while host`host`'s migrator is killed at
+    `point` (after P runs on host2) and started again: the source asks
+    again and the move finishes, one copy of P and of Q."""
     mt.ensure_daemons()
-    migrators.kill_daemon(2)
-    migrators.start_daemon(2, "RDMAVIRT_FAILPOINTS=serve:resume")
+    migrators.kill_daemon(host)
+    migrators.start_daemon(host, f"RDMAVIRT_FAILPOINTS={point}")
     mt.ensure_daemons()
-    q, p = mt.start_pair("destkill", 3000)
+    q, p = mt.start_pair(name, 3000)
     try:
-        mt.wait_sent("destkill", 200)
+        mt.wait_sent(name, 200)
         job = migrate_job(1, p, 2)
-        stopped_at_failpoint(2, "serve:resume")
-        crash_and_restart(2)
+        stopped_at_failpoint(host, point)
+        crash_and_restart(host)
         r = LAB.wait(1, job, 900)
         rep = report_of(r)
         check(r.rc == 0 and rep is not None and rep.get("ok") is True,
-              "the move did not finish once the destination came back", r)
+              f"the move did not finish once host{host} came back", r)
         exactly_one_copy(p, 2, (1,), "P")
-        progresses("destkill")
-        verdict("destkill", ["host1", "host2"])
+        exactly_one_copy(q, 3, (1, 2), "Q")
+        progresses(name)
+        verdict(name, ["host1", "host2"])
     finally:
-        cleanup("destkill", (p, q))
+        cleanup(name, (p, q))
+
+
+@lab_test
+@mt.logs_on_failure("destkill")
+def the_destination_migrator_killed_before_the_resume_is_asked_again():
+    killed_then_asked_again("destkill", 2, "serve:resume")
 
 
 @lab_test
 @mt.logs_on_failure("peerkill")
 def a_peer_host_migrator_killed_before_the_re_point_is_asked_again():
-    mt.ensure_daemons()
-    migrators.kill_daemon(3)
-    migrators.start_daemon(3, "RDMAVIRT_FAILPOINTS=serve:reconnect")
-    mt.ensure_daemons()
-    q, p = mt.start_pair("peerkill", 3000)
-    try:
-        mt.wait_sent("peerkill", 200)
-        job = migrate_job(1, p, 2)
-        stopped_at_failpoint(3, "serve:reconnect")
-        crash_and_restart(3)
-        r = LAB.wait(1, job, 900)
-        rep = report_of(r)
-        check(r.rc == 0 and rep is not None and rep.get("ok") is True,
-              "the move did not finish once the peer's host came back", r)
-        exactly_one_copy(p, 2, (1,), "P")
-        exactly_one_copy(q, 3, (1, 2), "Q")
-        progresses("peerkill")
-        verdict("peerkill", ["host1", "host2"])
-    finally:
-        cleanup("peerkill", (p, q))
+    killed_then_asked_again("peerkill", 3, "serve:reconnect")
 
 
 FABRIC = "10.77.0.0/24"

@@ -16,8 +16,7 @@ const std::set<std::string>& Points() {
   static const std::set<std::string>* points = [] {
     auto* s = new std::set<std::string>;
     if (const char* env = getenv("RDMAVIRT_FAILPOINTS"))
-      for (absl::string_view p : absl::StrSplit(env, ',', absl::SkipWhitespace()))
-        s->emplace(p);
+      for (absl::string_view p : absl::StrSplit(env, ',', absl::SkipWhitespace())) s->emplace(p);
     return s;
   }();
   return *points;

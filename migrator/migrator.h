@@ -188,9 +188,9 @@ class Migrator {
   // ReconnectPeers on `target`, asked again while it is UNAVAILABLE for at
   // most options_.restart_wait (a fresh channel each time); the move's
   // progress says what it waits for.
-  absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeersOn(
-      Move* m, const std::string& target, const v1::ReconnectPeersRequest& req,
-      const std::string& what);
+  absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeersOn(Move* m, const std::string& target,
+                                                              const v1::ReconnectPeersRequest& req,
+                                                              const std::string& what);
   absl::Status QuiescePeersOf(Move* m, const v1::EndpointSummary& summary);
   absl::Status QuiesceAndRelease(Move* m, v1::EndpointSummary* released);
   // ReconnectPeers on every host whose peers were quiesced (this one too).

@@ -152,10 +152,10 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeersOn(
     if (r.ok() || r.status().code() != absl::StatusCode::kUnavailable ||
         waited >= options_.restart_wait) {
       if (!r.ok() && attempt > 1)
-        return absl::Status(r.status().code(),
-                            absl::StrCat(r.status().message(), " (asked ", attempt, " times over ",
-                                         absl::FormatDuration(absl::Trunc(waited, absl::Seconds(1))),
-                                         ")"));
+        return absl::Status(
+            r.status().code(),
+            absl::StrCat(r.status().message(), " (asked ", attempt, " times over ",
+                         absl::FormatDuration(absl::Trunc(waited, absl::Seconds(1))), ")"));
       if (attempt > 1) Log("%s: answered at attempt %d", what, attempt);
       return r;
     }

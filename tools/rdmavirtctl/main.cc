@@ -284,7 +284,8 @@ absl::StatusOr<v1::MigrationReport> WaitForOutcome(const Args& args, const std::
     absl::SleepFor(absl::Seconds(2));
     auto channel = grpc::CreateChannel(target, migrator::MutualTlsChannelCredentials(*tls));
     if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5))) {
-      if (last != "down") fprintf(stderr, "[waiting] the migrator at %s is not back yet\n", target.c_str());
+      if (last != "down")
+        fprintf(stderr, "[waiting] the migrator at %s is not back yet\n", target.c_str());
       last = "down";
       continue;
     }
@@ -295,7 +296,8 @@ absl::StatusOr<v1::MigrationReport> WaitForOutcome(const Args& args, const std::
     if (!stub->Status(&ctx, v1::StatusRequest(), &status).ok()) continue;
     for (const v1::MigrationReport& r : status.recent())
       if (r.migration_id() == id) return r;
-    if (last != "back") fprintf(stderr, "[waiting] the migrator is back; move %s still in flight\n", id.c_str());
+    if (last != "back")
+      fprintf(stderr, "[waiting] the migrator is back; move %s still in flight\n", id.c_str());
     last = "back";
   }
   return absl::DeadlineExceededError(
@@ -338,7 +340,8 @@ int FollowMove(Client* c, const Args& args, const char* what,
             what, c->target().c_str(), id.c_str(), last_phase.c_str(), st.error_message().c_str(),
             c->target().c_str(), args.wait ? " (waiting for it)" : ", and --wait waits for it");
     if (!args.wait) return kUnreachable;
-    absl::StatusOr<v1::MigrationReport> r = WaitForOutcome(args, c->target(), id, absl::Minutes(10));
+    absl::StatusOr<v1::MigrationReport> r =
+        WaitForOutcome(args, c->target(), id, absl::Minutes(10));
     if (!r.ok()) {
       fprintf(stderr, "rdmavirtctl: %s: %s\n", what, std::string(r.status().message()).c_str());
       return kUnreachable;

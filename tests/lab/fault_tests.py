@@ -110,14 +110,22 @@ def cleanup(name, pids):
     mt.ensure_daemons()
 
 
+def pair_with_failpoints(name, host, points):
+    """host`host`'s migrator restarted with RDMAVIRT_FAILPOINTS=`points`,
+    the others up; the workload started (Q on host3, P on host1) and
+    flowing. Returns (q, p)."""
+    mt.ensure_daemons()
+    migrators.kill_daemon(host)
+    migrators.start_daemon(host, f"RDMAVIRT_FAILPOINTS={points}")
+    mt.ensure_daemons()
+    q, p = mt.start_pair(name, 3000)
+    return q, p
+
+
 @lab_test
 @mt.logs_on_failure("srckill")
 def the_source_migrator_killed_after_the_final_dump_rolls_back_on_its_restart():
-    mt.ensure_daemons()
-    migrators.kill_daemon(1)
-    migrators.start_daemon(1, "RDMAVIRT_FAILPOINTS=phase:transfer")
-    mt.ensure_daemons()
-    q, p = mt.start_pair("srckill", 3000)
+    q, p = pair_with_failpoints("srckill", 1, "phase:transfer")
     try:
         mt.wait_sent("srckill", 200)
         job = migrate_job(1, p, 2, wait=True)
@@ -141,11 +149,7 @@ def killed_then_asked_again(name, host, point):
     """P moves host1 -> host2 while host`host`'s migrator is killed at
     `point` (after P runs on host2) and started again: the source asks
     again and the move finishes, one copy of P and of Q."""
-    mt.ensure_daemons()
-    migrators.kill_daemon(host)
-    migrators.start_daemon(host, f"RDMAVIRT_FAILPOINTS={point}")
-    mt.ensure_daemons()
-    q, p = mt.start_pair(name, 3000)
+    q, p = pair_with_failpoints(name, host, point)
     try:
         mt.wait_sent(name, 200)
         job = migrate_job(1, p, 2)
@@ -202,11 +206,7 @@ def cut_while_continuing(stopped_host, cut_host):
 @lab_test
 @mt.logs_on_failure("cut")
 def a_fabric_cut_during_the_transfer_and_the_reconnect_ends_in_one_copy():
-    mt.ensure_daemons()
-    migrators.kill_daemon(1)
-    migrators.start_daemon(1, "RDMAVIRT_FAILPOINTS=phase:transfer,phase:reconnect")
-    mt.ensure_daemons()
-    q, p = mt.start_pair("cut", 3000)
+    q, p = pair_with_failpoints("cut", 1, "phase:transfer,phase:reconnect")
     try:
         mt.wait_sent("cut", 200)
         job = migrate_job(1, p, 2)

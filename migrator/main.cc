@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "migrator/addresses.h"
+#include "migrator/certificates.h"
 #include "migrator/checkpointer.h"
 #include "migrator/failpoints.h"
 #include "migrator/grpc_service.h"
@@ -175,6 +176,16 @@ int Run(int argc, char** argv) {
     Log("cannot start: %s", tls.status().message());
     return 1;
   }
+  if (absl::Status own =
+          CheckOwnCertificate(*tls, flags.tls_dir + "/host.pem", CertRole::kHost, absl::Now());
+      !own.ok()) {
+    Log("cannot start: %s", own.message());
+    return 1;
+  }
+  if (absl::StatusOr<CertInfo> mine = InspectCertificate(tls->cert);
+      mine.ok() && mine->not_after - absl::Now() < absl::Hours(24 * 30))
+    Log("warning: %s/host.pem expires on %s; make a new one before then", flags.tls_dir,
+        absl::FormatTime("%Y-%m-%d", mine->not_after, absl::UTCTimeZone()));
 
   // Every CRIU this daemon runs (libcriu's `criu swrk`, a child) loads its
   // plugins from here: set before any thread starts.

@@ -1,5 +1,7 @@
 #include "migrator/tls.h"
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -11,11 +13,20 @@ namespace rdmavirt::migrator {
 namespace {
 
 absl::StatusOr<std::string> ReadPem(const std::string& path) {
+  errno = 0;
   std::ifstream in(path);
-  if (!in)
-    return absl::FailedPreconditionError(absl::StrCat("cannot read ", path,
-                                                      " (make certificates with "
-                                                      "tools/rdmavirt-certs)"));
+  if (!in) {
+    const int err = errno;
+    if (err == ENOENT || err == 0)
+      return absl::FailedPreconditionError(absl::StrCat("cannot read ", path,
+                                                        ": no such file (make certificates with "
+                                                        "tools/rdmavirt-certs)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot read ", path, ": ", strerror(err),
+        err == EACCES ? " (keys are readable by their owner only: run as the user who owns "
+                        "them, root for a host's)"
+                      : ""));
+  }
   std::stringstream s;
   s << in.rdbuf();
   if (!absl::StrContains(s.str(), "-----BEGIN "))

@@ -1,15 +1,16 @@
 // The migrator's gRPC services over real TCP on 127.0.0.1 with mutual TLS:
 // certificates from tools/rdmavirt-certs; a client with a certificate of
 // the CA gets through, one without a certificate or with another CA's does
-// not.
+// not; a host's certificate does not open the Operator service, nor an
+// operator's the Transfer service; an expired certificate is refused.
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
-#include "gtest/gtest.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 #include "migrator/grpc_service.h"
 #include "migrator/migrator.h"
 #include "migrator/tls.h"
@@ -19,10 +20,12 @@ namespace rdmavirt::migrator {
 namespace {
 
 std::string MakeCerts(const std::string& name) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/grpc_tls_test-", getpid(), "-", name);
+  const std::string dir =
+      absl::StrCat(::testing::TempDir(), "/grpc_tls_test-", getpid(), "-", name);
   std::filesystem::remove_all(dir);
-  const std::string cmd = absl::StrCat(RDMAVIRT_SOURCE_DIR, "/tools/rdmavirt-certs --dir ", dir,
-                                       " lab 1 > /dev/null 2>&1");
+  const std::string cmd =
+      absl::StrCat(RDMAVIRT_SOURCE_DIR, "/tools/rdmavirt-certs --dir ", dir, " lab 1 && ",
+                   RDMAVIRT_SOURCE_DIR, "/tests/migrator/bad-certs.sh ", dir, " > /dev/null 2>&1");
   EXPECT_EQ(system(cmd.c_str()), 0) << cmd;
   std::filesystem::copy_file(dir + "/host1.pem", dir + "/host.pem");
   std::filesystem::copy_file(dir + "/host1.key", dir + "/host.key");
@@ -55,8 +58,8 @@ class GrpcTlsTest : public ::testing::Test {
   void TearDown() override { server_->Shutdown(); }
 
   grpc::Status HostInfo(std::shared_ptr<grpc::ChannelCredentials> creds, v1::HostInfo* out) {
-    auto stub = v1::Operator::NewStub(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), creds));
+    auto stub =
+        v1::Operator::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), creds));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     return stub->GetHostInfo(&ctx, v1::HostInfoRequest(), out);
@@ -104,6 +107,61 @@ TEST_F(GrpcTlsTest, ClientOfAnotherCaIsRefused) {
 TEST_F(GrpcTlsTest, PlaintextIsRefused) {
   v1::HostInfo info;
   EXPECT_FALSE(HostInfo(grpc::InsecureChannelCredentials(), &info).ok());
+}
+
+std::shared_ptr<grpc::ChannelCredentials> Creds(const std::string& dir, const std::string& name) {
+  absl::StatusOr<TlsFiles> f = LoadTls(dir, name + ".pem", name + ".key");
+  EXPECT_TRUE(f.ok()) << f.status();
+  return MutualTlsChannelCredentials(f.ok() ? *f : TlsFiles());
+}
+
+TEST_F(GrpcTlsTest, AHostCertificateDoesNotOpenTheOperatorService) {
+  v1::HostInfo info;
+  grpc::Status st = HostInfo(Creds(certs_, "host1"), &info);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(st.error_message(),
+            "the Operator service takes an operator's certificate (the CLI's) and CN=host1 is a "
+            "host's");
+  EXPECT_EQ(info.hostname(), "");
+}
+
+TEST_F(GrpcTlsTest, AnOperatorCertificateDoesNotOpenTheTransferService) {
+  auto stub = v1::Transfer::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), Creds(certs_, "cli")));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::AbortIncomingRequest req;
+  req.set_migration_id("m-1");
+  v1::AbortIncomingResponse out;
+  grpc::Status st = stub->AbortIncoming(&ctx, req, &out);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(st.error_message(),
+            "the Transfer service takes a host's certificate (a migrator's) and CN=cli is an "
+            "operator's");
+  // The same call with a host's certificate reaches the migrator (which
+  // knows no such move).
+  auto host = v1::Transfer::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), Creds(certs_, "host1")));
+  grpc::ClientContext ctx2;
+  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  EXPECT_NE(host->AbortIncoming(&ctx2, req, &out).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+}
+
+TEST_F(GrpcTlsTest, AnExpiredClientCertificateIsRefused) {
+  v1::HostInfo info;
+  grpc::Status st = HostInfo(Creds(certs_, "expired"), &info);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(info.hostname(), "");
+}
+
+TEST_F(GrpcTlsTest, ACertificateWithoutRoleIsRefused) {
+  v1::HostInfo info;
+  grpc::Status st = HostInfo(Creds(certs_, "noeku"), &info);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(st.error_message(),
+            "CN=noeku has no extendedKeyUsage, so it is neither a host's "
+            "nor an operator's");
 }
 
 TEST(TlsFilesTest, MissingFilesAreNamed) {

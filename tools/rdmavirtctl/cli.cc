@@ -1,8 +1,20 @@
 #include "tools/rdmavirtctl/cli.h"
 
-#include <chrono>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "google/protobuf/util/json_util.h"
+#include "migrator/certificates.h"
 #include "migrator/tls.h"
 
 namespace rdmavirt::ctl {
@@ -16,18 +28,80 @@ std::string Json(const google::protobuf::Message& m) {
   return out;
 }
 
+namespace {
+
+// Why no TCP connection to `target` ("host:port", "[v6]:port") can be made
+// within 5 s; "" when one can; nullopt for a target that is not host:port.
+std::optional<std::string> TcpRefusal(const std::string& target) {
+  const size_t colon = target.rfind(':');
+  if (colon == std::string::npos || colon == 0) return std::nullopt;
+  std::string host = target.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  addrinfo hints = {};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), target.c_str() + colon + 1, &hints, &found); rc != 0)
+    return absl::StrCat("cannot resolve ", host, ": ", gai_strerror(rc));
+  std::string why = "no address";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    int err = connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+    if (err == EINPROGRESS) {
+      pollfd p = {fd, POLLOUT, 0};
+      socklen_t len = sizeof(err);
+      if (poll(&p, 1, 5000) != 1)
+        err = ETIMEDOUT;
+      else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0)
+        err = errno;
+    }
+    close(fd);
+    if (err == 0) {
+      freeaddrinfo(found);
+      return std::string();
+    }
+    why = strerror(err);
+  }
+  freeaddrinfo(found);
+  return why;
+}
+
+}  // namespace
+
 int Client::Connect() {
   absl::StatusOr<migrator::TlsFiles> tls = migrator::LoadTls(tls_dir_, "cli.pem", "cli.key");
   if (!tls.ok()) {
     fprintf(stderr, "rdmavirtctl: %s\n", std::string(tls.status().message()).c_str());
     return kUnreachable;
   }
+  // An expired certificate, or one of another CA, would only show as a
+  // handshake that fails without a reason.
+  if (absl::Status own = migrator::CheckOwnCertificate(*tls, tls_dir_ + "/cli.pem",
+                                                       migrator::CertRole::kOperator, absl::Now());
+      !own.ok()) {
+    fprintf(stderr, "rdmavirtctl: %s\n", std::string(own.message()).c_str());
+    return kUnreachable;
+  }
   channel_ = grpc::CreateChannel(target_, migrator::MutualTlsChannelCredentials(*tls));
   if (!channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
-    fprintf(stderr,
-            "rdmavirtctl: cannot reach rdmavirt-migratord at %s (is it running there, and "
-            "are its certificates and those in %s of the same CA?)\n",
-            target_.c_str(), tls_dir_.c_str());
+    const std::optional<std::string> tcp = TcpRefusal(target_);
+    if (tcp.has_value() && tcp->empty())
+      fprintf(stderr,
+              "rdmavirtctl: cannot reach rdmavirt-migratord at %s: it accepts connections, but "
+              "the TLS handshake failed: it refused our certificate (is %s/cli.pem of its CA?) "
+              "or we refused its (is it signed by %s/ca.pem?)\n",
+              target_.c_str(), tls_dir_.c_str(), tls_dir_.c_str());
+    else if (tcp.has_value())
+      fprintf(stderr,
+              "rdmavirtctl: cannot reach rdmavirt-migratord at %s: %s (is it running "
+              "there?)\n",
+              target_.c_str(), tcp->c_str());
+    else
+      fprintf(stderr,
+              "rdmavirtctl: cannot reach rdmavirt-migratord at %s (is it running there, and "
+              "are its certificates and those in %s of the same CA?)\n",
+              target_.c_str(), tls_dir_.c_str());
     return kUnreachable;
   }
   stub_ = v1::Operator::NewStub(channel_);

@@ -401,25 +401,64 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   m->rec.set_dumped(true);
   b->set_final_dump_us(MicrosSince(d0));
 
-  SetPhase(m, "transfer", absl::StrCat(SumSizes(*files), " bytes"));
+  if (absl::Status st = TransferFinal(m, final_dir, manifest); !st.ok()) return st;
+  return RestoreOnDestination(m);
+}
+
+absl::Status Migrator::PrepareDestination(Move* m, const v1::PrepareRequest& prep,
+                                          const char* untouched) {
+  const std::string target = m->rec.destination();
+  v1::Transfer::StubInterface* stub = Stub(m, target);
+  absl::StatusOr<v1::PrepareResponse> ready = Rpc<v1::PrepareResponse>(
+      std::min(options_.rpc_timeout, absl::Seconds(15)), absl::StrCat("destination ", target),
+      [&](grpc::ClientContext* c, v1::PrepareResponse* out) {
+        return stub->Prepare(c, prep, out);
+      });
+  if (!ready.ok()) {
+    const absl::Status& st = ready.status();
+    if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st))
+      return absl::UnavailableError(absl::StrCat("destination ", target,
+                                                 " is unreachable (no rdmavirt-migratord answers "
+                                                 "there over mutual TLS); ",
+                                                 untouched, ": ", st.message()));
+    return Annotate(st, untouched);
+  }
+  m->prepared = true;
+  m->rec.mutable_report()->set_destination(
+      ready->host().hostname().empty() ? target
+                                       : absl::StrCat(ready->host().hostname(), " (", target, ")"));
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::TransferFinal(Move* m, const std::string& dir,
+                                     const v1::Manifest& manifest) {
+  v1::MigrationReport* r = m->rec.mutable_report();
+  uint64_t total = 0;
+  for (const v1::ImageFile& f : manifest.files()) total += f.size();
+  SetPhase(m, "transfer", absl::StrCat(total, " bytes"));
   const absl::Time t0 = absl::Now();
   const uint64_t before = r->bytes_moved();
   absl::StatusOr<uint64_t> sent =
-      SendImages(dest, id, final_dir, manifest, false, 0, options_.transfer_timeout,
-                 [&](uint64_t done, uint64_t total) {
+      SendImages(Stub(m, m->rec.destination()), r->migration_id(), dir, manifest, false, 0,
+                 options_.transfer_timeout, [&](uint64_t done, uint64_t total) {
                    SendBytes(m, "transfer", before + done, before + total);
                  });
   if (!sent.ok()) return Annotate(sent.status(), "sending the final dump");
   r->set_bytes_moved(r->bytes_moved() + *sent);
-  b->set_transfer_us(MicrosSince(t0));
+  r->mutable_breakdown()->set_transfer_us(MicrosSince(t0));
+  return absl::OkStatus();
+}
 
+absl::Status Migrator::RestoreOnDestination(Move* m) {
+  v1::Breakdown* b = m->rec.mutable_report()->mutable_breakdown();
   SetPhase(m, "restore", m->rec.destination());
   // Past the destination's restore only a record says where the process
   // runs: without one the move goes back while it still can.
   if (!m->record_error.ok()) return m->record_error;
   m->restore_asked = true;
   v1::RestoreIncomingRequest rq;
-  rq.set_migration_id(id);
+  rq.set_migration_id(m->rec.report().migration_id());
+  v1::Transfer::StubInterface* dest = Stub(m, m->rec.destination());
   absl::StatusOr<v1::RestoreIncomingResponse> restored = Rpc<v1::RestoreIncomingResponse>(
       options_.hello_timeout + options_.rpc_timeout * 4,
       absl::StrCat("restoring on ", m->rec.destination()),
@@ -436,7 +475,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   return absl::OkStatus();
 }
 
-void Migrator::CompleteForward(Move* m) {
+absl::Status Migrator::CompleteForward(Move* m) {
   v1::MigrationReport* r = m->rec.mutable_report();
   SetPhase(m, "reconnect");
   const absl::Time c0 = absl::Now();
@@ -453,7 +492,9 @@ void Migrator::CompleteForward(Move* m) {
   r->mutable_breakdown()->set_reconnect_us(MicrosSince(c0));
   r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
   SetPhase(m, "cleanup");
-  const absl::Status killed = KillSourceCopy(r->pid());
+  // A restore elsewhere left no copy here; a move left one, stopped.
+  const absl::Status killed = m->rec.stopped() ? KillSourceCopy(r->pid()) : absl::OkStatus();
+  if (r->kind() == "restore") r->set_pid(m->rec.restored_pid());
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))
     if (e.is_directory()) std::filesystem::remove_all(e.path(), ec);
@@ -462,6 +503,7 @@ void Migrator::CompleteForward(Move* m) {
   if (!killed.ok()) st = killed;
   if (!st.ok()) r->set_error(absl::StrCat("the endpoint moved, but: ", st.message()));
   Finish(m, st);
+  return st;
 }
 
 // The source's copy of a process that now runs on the destination is
@@ -558,7 +600,10 @@ void Migrator::RollBack(Move* m, const absl::Status& cause) {
       problems.push_back(std::string(rr.status().message()));
     }
   }
-  if (back && !peers_done && (m->rec.local_peers() || m->rec.peer_hosts_size() > 0)) {
+  // A restore's peers were paused by the checkpoint, not by this move:
+  // they stay paused for the next restore.
+  if (back && !peers_done && r->kind() != "restore" &&
+      (m->rec.local_peers() || m->rec.peer_hosts_size() > 0)) {
     // The endpoint kept its QPs: its peers resume as they were.
     if (absl::Status st = ReconnectAll(m, m->rec.endpoint().mapping(), true); !st.ok())
       problems.push_back(std::string(st.message()));
@@ -613,36 +658,20 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   *prep.mutable_endpoint() = *e;
   // With the prefix this host has for them.
   for (const std::string& a : m->rec.report().addresses()) prep.add_addresses(a);
-  v1::Transfer::StubInterface* stub = Stub(m.get(), target);
-  absl::StatusOr<v1::PrepareResponse> ready = Rpc<v1::PrepareResponse>(
-      std::min(options_.rpc_timeout, absl::Seconds(15)), absl::StrCat("destination ", target),
-      [&](grpc::ClientContext* c, v1::PrepareResponse* out) {
-        return stub->Prepare(c, prep, out);
-      });
-  if (!ready.ok()) {
-    absl::Status st = ready.status();
-    if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st))
-      st = absl::UnavailableError(absl::StrCat("destination ", target,
-                                               " is unreachable (no rdmavirt-migratord answers "
-                                               "there over mutual TLS); nothing was quiesced: ",
-                                               ready.status().message()));
-    else
-      st = Annotate(st, "nothing was quiesced");
+  if (absl::Status st = PrepareDestination(m.get(), prep, "nothing was quiesced"); !st.ok()) {
     m->rec.mutable_report()->set_rolled_back(false);
     Finish(m.get(), st);
     return st;
   }
-  m->prepared = true;
-  m->rec.mutable_report()->set_destination(
-      ready->host().hostname().empty() ? target
-                                       : absl::StrCat(ready->host().hostname(), " (", target, ")"));
 
   absl::Status st = RunSource(m.get(), request);
   if (!st.ok()) {
     RollBack(m.get(), st);
     return st;
   }
-  CompleteForward(m.get());
+  // Done: what went wrong after the restore (a peer not re-pointed) is in
+  // the report, and the move is not undone for it.
+  (void)CompleteForward(m.get());
   return absl::OkStatus();
 }
 
@@ -783,102 +812,56 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   }
   r->set_peers(m->rec.peer_hosts_size() + (m->rec.local_peers() ? 1 : 0));
 
-  v1::Mapping mapping;
   if (on.has_value()) {
-    const std::string target = on->Target();
-    m->rec.set_destination(target);
-    r->set_destination(target);
-    v1::Transfer::StubInterface* stub = Stub(m.get(), target);
-    SetPhase(m.get(), "prepare", target);
+    // The second half of a move: prepare, transfer, restore and resume as
+    // Migrate does, and a failure rolled back by the same RollBack.
+    m->rec.set_destination(on->Target());
+    r->set_destination(on->Target());
+    SetPhase(m.get(), "prepare", on->Target());
     v1::PrepareRequest prep;
     prep.set_migration_id(r->migration_id());
     *prep.mutable_endpoint() = manifest->endpoint();
-    absl::StatusOr<v1::PrepareResponse> ready =
-        Rpc<v1::PrepareResponse>(absl::Seconds(15), absl::StrCat("destination ", target),
-                                 [&](grpc::ClientContext* c, v1::PrepareResponse* out) {
-                                   return stub->Prepare(c, prep, out);
-                                 });
-    absl::Status st = ready.status();
-    if (st.ok()) {
-      m->prepared = true;
-      SetPhase(m.get(), "transfer");
-      const absl::Time t0 = absl::Now();
-      v1::Manifest sent_manifest = *manifest;
-      sent_manifest.set_migration_id(r->migration_id());
-      absl::StatusOr<uint64_t> sent = SendImages(
-          stub, r->migration_id(), request.dir(), sent_manifest, false, 0,
-          options_.transfer_timeout,
-          [&](uint64_t done, uint64_t total) { SendBytes(m.get(), "transfer", done, total); });
-      st = sent.status();
-      if (sent.ok()) r->set_bytes_moved(*sent);
-      b->set_transfer_us(MicrosSince(t0));
-    }
-    if (st.ok()) {
-      SetPhase(m.get(), "restore", target);
-      m->restore_asked = true;
-      v1::RestoreIncomingRequest rq;
-      rq.set_migration_id(r->migration_id());
-      absl::StatusOr<v1::RestoreIncomingResponse> restored = Rpc<v1::RestoreIncomingResponse>(
-          options_.hello_timeout + options_.rpc_timeout * 4, absl::StrCat("restoring on ", target),
-          [&](grpc::ClientContext* c, v1::RestoreIncomingResponse* out) {
-            return stub->RestoreIncoming(c, rq, out);
-          });
-      st = restored.status();
-      if (restored.ok()) {
-        b->set_criu_restore_us(restored->criu_restore_us());
-        b->set_rdma_restore_us(restored->rdma_restore_us());
-        r->set_pid(restored->pid());
-        m->rec.set_confirmed(true);
-        *m->rec.mutable_new_mapping() = restored->endpoint().mapping();
-      }
-    }
+    absl::Status st = PrepareDestination(m.get(), prep, "nothing was restored");
     if (!st.ok()) {
-      if (absl::Status ab = AbortOnDestination(m.get()); !ab.ok())
-        r->set_error(absl::StrCat(st.message(), " (then ", ab.message(), ")"));
       Finish(m.get(), st);
       return st;
     }
-    mapping = m->rec.new_mapping();
-    Persist(m.get());
-  } else {
-    r->set_destination(options_.host_name);
-    SetPhase(m.get(), "restore", "on this host");
-    v1::RestoreIncomingResponse out;
-    absl::StatusOr<pid_t> pid = RestoreFromDir(
-        request.dir(), /*tcp_established=*/false,
-        [&](pid_t p) {
-          m->rec.set_restored_pid(p);
-          Persist(m.get());
-        },
-        {}, &out);
-    if (!pid.ok()) {
-      Finish(m.get(), pid.status());
-      return pid.status();
+    v1::Manifest sent = *manifest;
+    sent.set_migration_id(r->migration_id());
+    st = TransferFinal(m.get(), request.dir(), sent);
+    if (st.ok()) st = RestoreOnDestination(m.get());
+    if (!st.ok()) {
+      RollBack(m.get(), st);
+      return st;
     }
-    r->set_pid(*pid);
-    b->set_criu_restore_us(out.criu_restore_us());
-    b->set_rdma_restore_us(out.rdma_restore_us());
-    mapping = out.endpoint().mapping();
+    return CompleteForward(m.get());
   }
+
+  r->set_destination(options_.host_name);
+  SetPhase(m.get(), "restore", "on this host");
+  v1::RestoreIncomingResponse out;
+  absl::StatusOr<pid_t> pid = RestoreFromDir(
+      request.dir(), /*tcp_established=*/false,
+      [&](pid_t p) {
+        m->rec.set_restored_pid(p);
+        Persist(m.get());
+      },
+      {}, &out);
+  if (!pid.ok()) {
+    Finish(m.get(), pid.status());
+    return pid.status();
+  }
+  r->set_pid(*pid);
+  b->set_criu_restore_us(out.criu_restore_us());
+  b->set_rdma_restore_us(out.rdma_restore_us());
 
   SetPhase(m.get(), "reconnect");
   const absl::Time c0 = absl::Now();
-  absl::Status st = ReconnectAll(m.get(), mapping, false);
-  if (on.has_value()) {
-    v1::ReconnectPeersRequest req;
-    req.set_migration_id(r->migration_id());
-    *req.mutable_mapping() = mapping;
-    req.set_resume_endpoint(true);
-    absl::StatusOr<v1::ReconnectPeersResponse> resumed =
-        ReconnectPeersOn(m.get(), m->rec.destination(), req,
-                         absl::StrCat("resuming the endpoint on ", m->rec.destination()));
-    if (!resumed.ok()) st = resumed.status();
-  } else {
-    v1::MigratorToShim res;
-    res.mutable_resume();
-    absl::StatusOr<v1::Reply> rr = Command(r->pid(), res, options_.rpc_timeout, "resume");
-    if (st.ok() && !rr.ok()) st = rr.status();
-  }
+  absl::Status st = ReconnectAll(m.get(), out.endpoint().mapping(), false);
+  v1::MigratorToShim res;
+  res.mutable_resume();
+  absl::StatusOr<v1::Reply> rr = Command(r->pid(), res, options_.rpc_timeout, "resume");
+  if (st.ok() && !rr.ok()) st = rr.status();
   b->set_reconnect_us(MicrosSince(c0));
   b->set_blackout_us(MicrosSince(m->blackout_start));
   Finish(m.get(), st);

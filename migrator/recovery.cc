@@ -51,9 +51,13 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
   const absl::Status cause = absl::AbortedError(absl::StrCat(
       "rdmavirt-migratord restarted during the ", r->kind(), " (phase ", m.rec.phase(), ")"));
 
-  if (r->kind() == "migrate" && m.rec.confirmed()) {
+  if ((r->kind() == "migrate" || r->kind() == "restore") && m.rec.confirmed() &&
+      !m.rec.destination().empty()) {
     // The endpoint lives on the destination: finish the move.
-    CompleteForward(&m);
+    (void)CompleteForward(&m);
+  } else if (r->kind() == "restore" && !m.rec.destination().empty()) {
+    // Restored elsewhere maybe, never resumed: the destination drops it.
+    RollBack(&m, cause);
   } else if (r->kind() == "restore") {
     if (m.rec.restored_pid() > 0 && procs_->Exists(m.rec.restored_pid()))
       (void)procs_->Kill(m.rec.restored_pid());

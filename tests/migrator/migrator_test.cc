@@ -123,7 +123,7 @@ class Cluster {
     FakeHost* h = node.host.get();
     o.addresses = h;
     node.m = std::make_unique<Migrator>(o, h, h, h);
-    node.svc = std::make_unique<TransferService>(node.m.get());
+    node.svc = std::make_unique<TransferService>(node.m.get(), Admission::kAnyone);
     grpc::ServerBuilder b;
     b.RegisterService(node.svc.get());
     b.AddListeningPort(Socket(n), grpc::InsecureServerCredentials());
@@ -705,6 +705,40 @@ TEST(MigratorTest, RestoreElsewhereStreamsTheCheckpoint) {
   st = c.m(3).Migrate(mq, nullptr);
   EXPECT_TRUE(st.ok()) << st;
   EXPECT_TRUE(c.host(1).Get(300).alive);
+}
+
+// Restore --on is the second half of a move (the same steps): a failure is
+// rolled back as a move's is, except that the peers, paused by the
+// checkpoint, wait for the next restore.
+TEST(MigratorTest, ARestoreElsewhereThatFailsIsRolledBackAndCanBeMadeAgain) {
+  Cluster c("ckptfail");
+  Topology(c);
+  const std::string dir = TempDir("ckptfail-dir");
+  v1::CheckpointRequest req;
+  req.set_pid(100);
+  req.set_dir(dir);
+  ASSERT_TRUE(c.m(1).Checkpoint(req, nullptr).ok());
+  c.host(2).restore_error = absl::InternalError("criu: restore failed");
+  v1::RestoreRequest rr;
+  rr.set_dir(dir);
+  rr.set_on("h2");
+  absl::Status st = c.m(1).Restore(rr, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_FALSE(c.host(2).Exists(100));
+  EXPECT_TRUE(c.host(3).Get(300).paused);
+  EXPECT_TRUE(c.host(3).Get(300).reconnected_to.empty());
+  const v1::StatusResponse status = c.m(1).Status();
+  ASSERT_FALSE(status.recent().empty());
+  EXPECT_TRUE(status.recent(0).rolled_back());
+  EXPECT_THAT(status.recent(0).error(), HasSubstr("restore failed"));
+
+  c.host(2).restore_error = absl::OkStatus();
+  st = c.m(1).Restore(rr, nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(c.host(2).Get(100).alive);
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+  EXPECT_EQ(c.host(3).Get(300).reconnected_to.back().physical_gid(), Gid(2));
+  EXPECT_EQ(c.m(1).Status().recent(0).pid(), c.host(2).Get(100).pid);
 }
 
 TEST(MigratorTest, CorruptedCheckpointIsRefusedAndNothingIsCreated) {

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <string>
 
 #include "shim/data_path.h"
@@ -196,7 +198,18 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const i
   }
   // The drain posts markers: after a CRIU restore only an application
   // thread may (OnAppThread), and they are all paused now.
-  return OnAppThread([&] { return DrainNow(drain_timeout_ms, drained_sends, toward); });
+  // The step owns what it uses (OnAppThread may stop waiting for it).
+  std::optional<ibv_gid> peer;
+  if (toward != nullptr) peer = *toward;
+  auto count = std::make_shared<uint32_t>(0);
+  Status st = OnAppThread(
+      "drain",
+      [this, drain_timeout_ms, peer, count] {
+        return DrainNow(drain_timeout_ms, count.get(), peer ? &*peer : nullptr);
+      },
+      static_cast<int>(drain_timeout_ms));
+  if (st.ok()) *drained_sends = *count;
+  return st;
 }
 
 Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward) {
@@ -895,42 +908,63 @@ Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
 // while paused picks the step up (data_path.cc), and its own posts then
 // pass (providers such as rxe ring the doorbell with write()). If no
 // application thread comes within app_thread_wait_ms_ (one blocked in
-// ibv_get_cq_event, say) the control thread runs the step itself.
-Status Shim::OnAppThread(const std::function<Status()>& step) {
+// ibv_get_cq_event, say) the control thread runs the step itself. A step
+// taken up and never finished (a verb blocked in the kernel) is waited for
+// within a bound, then said; no step starts while it runs.
+Status Shim::OnAppThread(const char* name, std::function<Status()> step, int budget_ms) {
   if (!app_thread_steps_.load()) return step();
-  PendingStep pending;
-  pending.run = &step;
-  task_.store(&pending);
+  if (!step_.done.load(std::memory_order_acquire))
+    return Error(Code::kUnavailable,
+                 std::string("the shim's ") + step_.name +
+                     " step is still running on an application thread; no other step starts "
+                     "before it ends");
+  step_.run = std::move(step);
+  step_.name = name;
+  step_.done.store(false);
+  task_.store(&step_);
   WakeEventWaiters();
   for (int waited = 0; waited < app_thread_wait_ms_; ++waited) {
-    if (pending.done.load()) return pending.result;
+    if (step_.done.load(std::memory_order_acquire)) return step_.result;
     usleep(1000);
   }
-  PendingStep* expected = &pending;
-  if (task_.compare_exchange_strong(expected, nullptr)) return step();
-  while (!pending.done.load()) usleep(1000);  // an application thread is running it
-  return pending.result;
+  PendingStep* expected = &step_;
+  if (task_.compare_exchange_strong(expected, nullptr)) {
+    Status st = step_.run();
+    step_.done.store(true, std::memory_order_release);
+    return st;
+  }
+  // An application thread is running it.
+  const int limit = budget_ms + step_timeout_ms_;
+  for (int waited = 0; waited < limit; ++waited) {
+    if (step_.done.load(std::memory_order_acquire)) return step_.result;
+    usleep(1000);
+  }
+  return Error(Code::kDeadlineExceeded,
+               std::string("the ") + name + " step has run on an application thread for " +
+                   std::to_string(limit) +
+                   " ms without finishing (a verb blocked in the kernel?); the endpoint stays "
+                   "as that step leaves it, and no other step starts before it ends");
 }
 
 void Shim::RunPendingStep() {
   PendingStep* p = task_.exchange(nullptr);
   if (p == nullptr) return;
-  p->result = (*p->run)();
+  p->result = p->run();
   steps_on_app_threads_.fetch_add(1);
-  p->done.store(true);
+  p->done.store(true, std::memory_order_release);
 }
 
 Status Shim::Release() {
-  return OnAppThread([this] { return ReleaseNow(); });
+  return OnAppThread("release", [this] { return ReleaseNow(); });
 }
 Status Shim::Restore(const std::string& device, const std::vector<RemoteMapping>& peers) {
-  return OnAppThread([&] { return RestoreNow(device, peers); });
+  return OnAppThread("restore", [this, device, peers] { return RestoreNow(device, peers); });
 }
 Status Shim::Resume() {
-  return OnAppThread([this] { return ResumeNow(); });
+  return OnAppThread("resume", [this] { return ResumeNow(); });
 }
 Status Shim::PeerReconnect(const RemoteMapping& mapping) {
-  return OnAppThread([&] { return PeerReconnectNow(mapping); });
+  return OnAppThread("peer reconnect", [this, mapping] { return PeerReconnectNow(mapping); });
 }
 
 EndpointView Shim::Describe() const {

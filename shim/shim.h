@@ -150,6 +150,9 @@ class Shim {
   bool step_pending() const { return task_.load(std::memory_order_relaxed) != nullptr; }
   // How long a step waits for an application thread (tests shorten it).
   void set_app_thread_wait_ms(int ms) { app_thread_wait_ms_ = ms; }
+  // How long the control thread then waits for a step an application
+  // thread took up, beyond the step's own deadline (tests shorten it).
+  void set_step_timeout_ms(int ms) { step_timeout_ms_ = ms; }
   // Steps run by application threads so far.
   int steps_on_app_threads() const { return steps_on_app_threads_.load(); }
 
@@ -207,7 +210,12 @@ class Shim {
   Status RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers);
   Status ResumeNow();
   Status PeerReconnectNow(const RemoteMapping& mapping);
-  Status OnAppThread(const std::function<Status()>& step);
+  // Runs `step` (named `name` in errors) on an application thread once the
+  // process was restored, else here. Waits at most app_thread_wait_ms_
+  // for a thread to take it up, then `budget_ms` (the step's own
+  // deadline) plus step_timeout_ms_ for it to finish: DEADLINE_EXCEEDED
+  // past that, and UNAVAILABLE for any step asked while one still runs.
+  Status OnAppThread(const char* name, std::function<Status()> step, int budget_ms = 0);
   Status RecreateReal(const std::string& device);  // requires mu_
   Status Reconnect(Qp* qp);                        // requires mu_
   // Quiesce's second half: the drain, on an application thread if need be.
@@ -260,12 +268,20 @@ class Shim {
   // The data path's pause; its objects point at it when migratable_.
   PauseGate pause_;
   int app_thread_wait_ms_ = 2000;
+  // Under the migrator's 30 s wait for an answer, so that the answer says
+  // what the shim waited for.
+  int step_timeout_ms_ = 20000;
   std::atomic<int> steps_on_app_threads_{0};
+  // The step in flight. A member, not the control thread's: an application
+  // thread may still run it after the control thread stopped waiting, so
+  // it owns what it uses, and no other step starts before it is done.
   struct PendingStep {
-    const std::function<Status()>* run = nullptr;
+    std::function<Status()> run;
+    const char* name = "";
     Status result;
-    std::atomic<bool> done{false};
+    std::atomic<bool> done{true};
   };
+  PendingStep step_;
   std::atomic<PendingStep*> task_{nullptr};
   // Every mapping published, for lock-free lookups by physical GID (the
   // RemoteEndpoints live as long as the process, in remotes_).

@@ -924,6 +924,13 @@ void FakeBackend::FailNext(Op op, int error) {
   std::lock_guard<std::mutex> lock(mu_);
   faults_[op] = error;
 }
+void FakeBackend::set_stall_open_device(bool stall) {
+  {
+    std::lock_guard<std::mutex> lock(stall_mu_);
+    stall_open_device_ = stall;
+  }
+  stall_cv_.notify_all();
+}
 void FakeBackend::SetNextQpn(uint32_t qpn) {
   std::lock_guard<std::mutex> lock(mu_);
   forced_qpn_ = qpn;
@@ -999,6 +1006,10 @@ ibv_device** FakeBackend::GetDeviceList(int* num) {
 void FakeBackend::FreeDeviceList(ibv_device** list) { delete[] list; }
 
 ibv_context* FakeBackend::OpenDevice(ibv_device* device) {
+  {
+    std::unique_lock<std::mutex> stall(stall_mu_);
+    stall_cv_.wait(stall, [this] { return !stall_open_device_; });
+  }
   std::lock_guard<std::mutex> lock(mu_);
   int err;
   if (TakeFault(Op::kOpenDevice, &err)) {

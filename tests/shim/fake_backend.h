@@ -28,6 +28,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -174,6 +175,9 @@ class FakeBackend final : public VerbsBackend {
   // Queues an asynchronous event for GetAsyncEvent on `ctx`; its element
   // must be one of this fake's objects.
   void InjectAsyncEvent(ibv_context* ctx, const ibv_async_event& event);
+  // While set, OpenDevice blocks (a verb stuck in the kernel); clearing it
+  // lets the blocked calls go on.
+  void set_stall_open_device(bool stall);
   // Completion channels made from now on have blocking fds: GetCqEvent
   // waits for an event, or for the channel's destroy (then EIO).
   void set_blocking_channels(bool blocking);
@@ -245,6 +249,9 @@ class FakeBackend final : public VerbsBackend {
   uint32_t forced_qpn_ = 0;
   uint32_t next_handle_ = 1;
   std::map<Op, int> faults_;
+  std::mutex stall_mu_;  // not mu_: a stalled call must not block the others
+  std::condition_variable stall_cv_;
+  bool stall_open_device_ = false;
   Owned<ContextObj> contexts_;
   Owned<PdObj> pds_;
   Owned<MrObj> mrs_;

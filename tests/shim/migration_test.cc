@@ -370,6 +370,46 @@ TEST_F(MigrationTest, AfterARestoreStepsRunOnAThreadThatPolls) {
       << "the restore that reopened the device, and the resume, ran on the polling thread";
 }
 
+// A step an application thread took up and cannot finish (its verb stuck
+// in the kernel) is waited for within a bound and said; no other step
+// runs beside it; once it ends, the endpoint moves on.
+TEST_F(MigrationTest, AStepStuckOnAnApplicationThreadIsReportedNotWaitedForever) {
+  Connect();
+  p_.set_app_thread_wait_ms(5000);
+  p_.set_step_timeout_ms(300);
+  uint32_t drained = 0;
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  std::atomic<bool> stop{false};
+  std::thread app([&] {
+    ibv_wc wc;
+    while (!stop.load()) ibv_poll_cq(pdev_->cq, 1, &wc);
+  });
+  ASSERT_TRUE(p_.Release().ok());
+  fake_.set_stall_open_device(true);
+  const Status stuck = p_.Restore("", {});
+  EXPECT_EQ(stuck.code, Code::kDeadlineExceeded);
+  EXPECT_NE(stuck.message.find("the restore step has run on an application thread for 300 ms"),
+            std::string::npos)
+      << stuck.message;
+  const Status refused = p_.Resume();
+  EXPECT_EQ(refused.code, Code::kUnavailable);
+  EXPECT_NE(refused.message.find("restore step is still running"), std::string::npos)
+      << refused.message;
+  fake_.set_stall_open_device(false);
+  // The stuck restore finishes on its thread; then steps run again.
+  Status resumed;
+  for (int i = 0; i < 5000; ++i) {
+    resumed = p_.Resume();
+    if (resumed.code != Code::kUnavailable) break;
+    usleep(1000);
+  }
+  EXPECT_TRUE(resumed.ok()) << resumed.message;
+  EXPECT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  stop.store(true);
+  app.join();
+}
+
 TEST(MigrationNotMigratableTest, QuiesceRefusesAShimWhoseQueuesTakeTheFastPath) {
   FakeBackend fake;
   Shim shim(&fake, IdentityMode{});

@@ -95,12 +95,7 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
     const std::function<bool(v1::ImageChunk*)>& next) {
   v1::ImageChunk first;
   if (!next(&first)) return absl::InvalidArgumentError("an empty image stream");
-  Incoming* in = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = incoming_.find(first.migration_id());
-    if (it != incoming_.end()) in = it->second.get();
-  }
+  std::shared_ptr<Incoming> in = FindIncoming(first.migration_id());
   if (in == nullptr)
     return absl::NotFoundError(
         absl::StrCat("no migration ", first.migration_id(), " was prepared here"));
@@ -127,7 +122,7 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
   in->rec.mutable_report()->set_bytes_moved(in->rec.report().bytes_moved() + rx.bytes());
   if (first.manifest().has_endpoint() && !first.pre_dump())
     *in->rec.mutable_endpoint() = first.manifest().endpoint();
-  PersistIncoming(in);
+  PersistIncoming(in.get());
   v1::PushImagesResponse out;
   out.set_bytes_received(rx.bytes());
   return out;
@@ -164,60 +159,74 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
   return *pid;
 }
 
+std::shared_ptr<Migrator::Incoming> Migrator::FindIncoming(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  auto it = incoming_.find(id);
+  return it == incoming_.end() ? nullptr : it->second;
+}
+
 absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
     const v1::RestoreIncomingRequest& request) {
-  Incoming* in = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = incoming_.find(request.migration_id());
-    if (it != incoming_.end()) in = it->second.get();
-  }
+  const std::string& id = request.migration_id();
+  std::shared_ptr<Incoming> in = FindIncoming(id);
   if (in == nullptr)
-    return absl::NotFoundError(
-        absl::StrCat("no migration ", request.migration_id(), " was prepared here"));
-  absl::MutexLock lock(&in->mu);
-  if (in->rec.phase() != "receiving")
-    return absl::FailedPreconditionError(
-        absl::StrCat("migration ", request.migration_id(), " is ", in->rec.phase()));
+    return absl::NotFoundError(absl::StrCat("no migration ", id, " was prepared here"));
   const std::string final_dir = in->dir + "/final";
-  // Verified as it arrived (ImageReceiver::Finish); its manifest must be there.
-  absl::StatusOr<v1::Manifest> manifest = ReadManifest(final_dir);
-  if (!manifest.ok())
-    return absl::FailedPreconditionError(
-        absl::StrCat("no complete final dump received: ", manifest.status().message()));
-  in->rec.set_phase("restoring");
-  // Its service addresses first: CRIU binds its sockets to them.
-  const bool tcp = in->rec.addresses_size() > 0;
-  if (tcp) {
-    in->rec.set_addresses_moved(true);
-    PersistIncoming(in);
-    if (absl::Status st = AddAddresses(in->rec); !st.ok()) {
-      in->rec.set_addresses_moved(false);
-      in->rec.set_phase("receiving");
-      PersistIncoming(in);
-      return Annotate(st, "adding the service addresses");
-    }
+  v1::MigrationRecord rec;
+  {
+    absl::MutexLock lock(&in->mu);
+    if (in->rec.phase() != "receiving")
+      return absl::FailedPreconditionError(absl::StrCat("migration ", id, " is ", in->rec.phase()));
+    // Verified as it arrived (ImageReceiver::Finish); its manifest must be there.
+    absl::StatusOr<v1::Manifest> manifest = ReadManifest(final_dir);
+    if (!manifest.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("no complete final dump received: ", manifest.status().message()));
+    in->rec.set_phase("restoring");
+    in->rec.set_addresses_moved(in->rec.addresses_size() > 0);
+    PersistIncoming(in.get());
+    rec = in->rec;
   }
+  // Its service addresses first: CRIU binds its sockets to them.
+  const bool tcp = rec.addresses_size() > 0;
+  absl::Status st = tcp ? AddAddresses(rec) : absl::OkStatus();
+  if (!st.ok()) st = Annotate(st, "adding the service addresses");
   std::vector<v1::Mapping> peers(request.peers().begin(), request.peers().end());
   v1::RestoreIncomingResponse out;
-  absl::StatusOr<pid_t> pid = RestoreFromDir(
-      final_dir, tcp,
-      [&](pid_t p) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        in->rec.set_restored_pid(p);
-        PersistIncoming(in);
-      },
-      peers, &out);
+  absl::StatusOr<pid_t> pid = absl::UnknownError("not restored");
+  if (!st.ok())
+    pid = st;
+  else
+    pid = RestoreFromDir(
+        final_dir, tcp,
+        [&](pid_t p) {
+          absl::MutexLock lock(&in->mu);
+          if (in->aborted) return;  // the record says aborted; killed below
+          in->rec.set_restored_pid(p);
+          PersistIncoming(in.get());
+        },
+        peers, &out);
+  absl::MutexLock lock(&in->mu);
+  if (in->aborted) {
+    // The abort cleaned up what it found; what the restore made since goes too.
+    if (pid.ok() && procs_->Exists(*pid)) (void)procs_->Kill(*pid);
+    if (tcp && st.ok()) (void)RemoveAddresses(rec);
+    Log("incoming %s: aborted by the source during the restore", id);
+    return absl::AbortedError(absl::StrCat("migration ", id, " was aborted during the restore"));
+  }
   if (!pid.ok()) {
-    if (tcp) {
-      if (absl::Status st = RemoveAddresses(in->rec); st.ok())
-        in->rec.set_addresses_moved(false);
+    if (tcp && st.ok()) {
+      if (absl::Status rm = RemoveAddresses(in->rec); !rm.ok())
+        Log("incoming %s: %s", id, rm.ToString());
       else
-        Log("incoming %s: %s", request.migration_id(), st.ToString());
+        in->rec.set_addresses_moved(false);
+    } else {
+      in->rec.set_addresses_moved(false);
     }
     in->rec.set_restored_pid(0);
     in->rec.set_phase("receiving");
-    PersistIncoming(in);
-    Log("incoming %s: restore failed: %s", request.migration_id(), pid.status().ToString());
+    PersistIncoming(in.get());
+    Log("incoming %s: restore failed: %s", id, pid.status().ToString());
     return pid.status();
   }
   in->rec.set_phase("restored");
@@ -232,14 +241,13 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
   v1::Breakdown* b = in->rec.mutable_report()->mutable_breakdown();
   b->set_criu_restore_us(out.criu_restore_us());
   b->set_rdma_restore_us(out.rdma_restore_us());
-  PersistIncoming(in);
-  Log("incoming %s: restored as process %d on %s", request.migration_id(), *pid,
-      out.endpoint().device());
+  PersistIncoming(in.get());
+  Log("incoming %s: restored as process %d on %s", id, *pid, out.endpoint().device());
   return out;
 }
 
 absl::Status Migrator::AbortIncoming(const v1::AbortIncomingRequest& request) {
-  std::unique_ptr<Incoming> in;
+  std::shared_ptr<Incoming> in;
   {
     absl::MutexLock lock(&mu_);
     auto it = incoming_.find(request.migration_id());
@@ -248,6 +256,8 @@ absl::Status Migrator::AbortIncoming(const v1::AbortIncomingRequest& request) {
     incoming_.erase(it);
   }
   absl::MutexLock lock(&in->mu);
+  // A restore in flight finds this and kills what it restores from here on.
+  in->aborted = true;
   const pid_t pid = in->rec.restored_pid();
   {
     absl::MutexLock arriving(&mu_);
@@ -275,7 +285,7 @@ absl::Status Migrator::AbortIncoming(const v1::AbortIncomingRequest& request) {
 }
 
 absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {
-  std::unique_ptr<Incoming> in;
+  std::shared_ptr<Incoming> in;
   {
     absl::MutexLock lock(&mu_);
     auto it = incoming_.find(request.migration_id());

@@ -215,6 +215,8 @@ class Migrator {
 
   // ---- destination side (incoming.cc)
   std::string IncomingDir(const std::string& id) const;
+  // The incoming move `id`, or nullptr.
+  std::shared_ptr<Incoming> FindIncoming(const std::string& id);
   void PersistIncoming(Incoming* in);
   absl::Status CheckCanHost();
   // CRIU-restores `dir`, then brings the endpoint back (paused) on this
@@ -258,7 +260,8 @@ class Migrator {
   std::set<pid_t> moving_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::MigrationReport> in_flight_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::MigrationReport> recent_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::unique_ptr<Incoming>> incoming_ ABSL_GUARDED_BY(mu_);
+  // Shared: an abort takes a move out while its restore may still run.
+  std::map<std::string, std::shared_ptr<Incoming>> incoming_ ABSL_GUARDED_BY(mu_);
   // Pids this host peer-quiesced for each migration id.
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
   // Endpoints whose own move has begun to quiesce them (outgoing.cc).

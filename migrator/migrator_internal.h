@@ -35,10 +35,14 @@ struct Migrator::Move {
 
 // A move this host receives. Its operations come one at a time from the
 // source (Prepare, PushImages..., RestoreIncoming, then ReconnectPeers or
-// AbortIncoming); `mu` orders them anyway.
+// AbortIncoming); `mu` orders them anyway, except that the CRIU restore
+// runs without it, so that an abort (the source gave up waiting) is not
+// held up behind it: the restore then finds `aborted` and kills what it
+// restored.
 struct Migrator::Incoming {
   absl::Mutex mu;
   v1::MigrationRecord rec ABSL_GUARDED_BY(mu);
+  bool aborted ABSL_GUARDED_BY(mu) = false;
   std::string dir;  // STATE/incoming/ID
   uint32_t last_iteration ABSL_GUARDED_BY(mu) = 0;
 };

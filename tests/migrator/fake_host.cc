@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace rdmavirt::migrator::testing {
 namespace {
@@ -371,6 +372,8 @@ absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
 }
 
 absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_established) {
+  ++restores_started;
+  while (stall_restore.load()) absl::SleepFor(absl::Milliseconds(1));
   absl::MutexLock lock(&mu_);
   ++restores;
   events_.push_back(absl::StrCat("restore", tcp_established ? " tcp" : ""));

@@ -12,6 +12,7 @@
 #ifndef RDMAVIRT_TESTS_MIGRATOR_FAKE_HOST_H_
 #define RDMAVIRT_TESTS_MIGRATOR_FAKE_HOST_H_
 
+#include <atomic>
 #include <map>
 #include <set>
 #include <string>
@@ -89,6 +90,9 @@ class FakeHost final : public ShimChannel,
   absl::Status check_error, predump_error, dump_error, restore_error;
   absl::Status kill_error;  // every Kill fails with it (a task stuck in the kernel)
   int predumps = 0, dumps = 0, restores = 0;
+  // While set, Restore waits (before it counts), as a slow CRIU does.
+  std::atomic<bool> stall_restore{false};
+  std::atomic<int> restores_started{0};
   uint64_t predump_bytes = 64 << 10;
 
   // ShimChannel

@@ -710,6 +710,33 @@ TEST(MigratorTest, RestoreElsewhereStreamsTheCheckpoint) {
 // Restore --on is the second half of a move (the same steps): a failure is
 // rolled back as a move's is, except that the peers, paused by the
 // checkpoint, wait for the next restore.
+// The source gives up on a slow restore and aborts it: the abort does not
+// wait behind the CRIU restore, and what the restore makes after it is
+// killed, so that only the source's copy runs.
+TEST(MigratorTest, AnAbortDoesNotWaitForTheRestoreItCancels) {
+  Cluster c("abortrestore");
+  Topology(c);
+  c.host(2).stall_restore = true;
+  MoveRun run;
+  std::thread mover([&] { run = Migrate(c, 100, "h2"); });
+  while (c.host(2).restores_started.load() == 0) absl::SleepFor(absl::Milliseconds(1));
+  std::string id;
+  for (const auto& e : std::filesystem::directory_iterator(c[2].state_dir + "/incoming"))
+    id = e.path().filename().string();
+  ASSERT_FALSE(id.empty());
+  v1::AbortIncomingRequest abort;
+  abort.set_migration_id(id);
+  EXPECT_TRUE(c.m(2).AbortIncoming(abort).ok());
+  EXPECT_TRUE(c.host(2).stall_restore.load()) << "the abort returned while CRIU still restores";
+  c.host(2).stall_restore = false;
+  mover.join();
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kAborted) << run.status;
+  EXPECT_TRUE(run.report.rolled_back());
+  EXPECT_FALSE(c.host(2).Exists(100)) << "the copy restored after the abort was killed";
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.paused);
+}
+
 TEST(MigratorTest, ARestoreElsewhereThatFailsIsRolledBackAndCanBeMadeAgain) {
   Cluster c("ckptfail");
   Topology(c);

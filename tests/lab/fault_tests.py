@@ -179,6 +179,55 @@ def a_peer_host_migrator_killed_before_the_re_point_is_asked_again():
     killed_then_asked_again("peerkill", 3, "serve:reconnect")
 
 
+def outcome_on(host, kind, timeout=600):
+    """The report of host`host`'s newest `kind` once nothing is in flight
+    there (a restarted migrator's recovery ended it)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        r = migrators.ctl(host, f"--host {mt.ip(host)}:{mt.PORT} status --json")
+        if r.rc == 0:
+            s = json.loads(r.out)
+            recent = [m for m in s.get("recent", []) if m.get("kind") == kind]
+            if not s.get("in_flight") and recent:
+                return recent[0]
+        time.sleep(1)
+    check(False, f"host{host}: no {kind} ended within {timeout}s")
+
+
+@lab_test
+@mt.logs_on_failure("rstkill")
+def the_source_migrator_killed_while_a_restore_elsewhere_re_points_finishes_it():
+    """A restore on another host runs a move's steps: its source's migrator
+    killed once the process runs (paused) on the destination finishes the
+    restore when it starts again, as it finishes a move."""
+    mt.ensure_daemons()
+    q, p = mt.start_pair("rstkill", 3000)
+    ckpt = "/var/lib/rdmavirt-lab/ckpt-rstkill"
+    try:
+        mt.wait_sent("rstkill", 200)
+        r, rep = mt.ctl(1, f"checkpoint {p} --dir {ckpt}")
+        check(r.rc == 0 and rep and rep.get("ok"), "checkpoint of P", r)
+        migrators.kill_daemon(1)
+        migrators.start_daemon(1, "RDMAVIRT_FAILPOINTS=phase:reconnect")
+        job = LAB.submit(1, f"{CTL} --host {mt.ip(1)}:{mt.PORT} --tls-dir "
+                            f"{migrators.CERTS}/host1 --json restore --dir {ckpt} "
+                            f"--on {mt.ip(2)}", 900)
+        stopped_at_failpoint(1, "phase:reconnect")
+        crash_and_restart(1)
+        r = LAB.wait(1, job, 900)
+        check(r.rc == 3 and "went away during move" in r.err,
+              "the CLI did not say the daemon went away", r)
+        rep = outcome_on(1, "restore")
+        check(rep.get("ok") is True, "the restore was not finished by the restarted migrator", rep)
+        exactly_one_copy(p, 2, (1,), "P")
+        exactly_one_copy(q, 3, (1, 2), "Q")
+        progresses("rstkill")
+        verdict("rstkill", ["host1", "host2"])
+    finally:
+        LAB.run(1, f"rm -rf {ckpt}")
+        cleanup("rstkill", (p, q))
+
+
 FABRIC = "10.77.0.0/24"
 CUT_S = 5  # how long each cut lasts
 

@@ -2,38 +2,22 @@
 // on real certificates from tools/rdmavirt-certs and tests/migrator/bad-certs.sh.
 #include "migrator/certificates.h"
 
-#include <unistd.h>
-
-#include <cstdlib>
-#include <filesystem>
-
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "migrator/tls.h"
+#include "tests/migrator/test_certs.h"
 
 namespace rdmavirt::migrator {
 namespace {
 
 using ::testing::HasSubstr;
 
-// DIR with a CA, host1, cli, expired and noeku (bad-certs.sh).
-std::string MakeCerts(const std::string& name) {
-  const std::string dir =
-      absl::StrCat(::testing::TempDir(), "/certificates_test-", getpid(), "-", name);
-  std::filesystem::remove_all(dir);
-  const std::string cmd =
-      absl::StrCat(RDMAVIRT_SOURCE_DIR, "/tools/rdmavirt-certs --dir ", dir, " lab 1 && ",
-                   RDMAVIRT_SOURCE_DIR, "/tests/migrator/bad-certs.sh ", dir, " > /dev/null 2>&1");
-  EXPECT_EQ(system(cmd.c_str()), 0) << cmd;
-  return dir;
-}
-
 class CertificatesTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new std::string(MakeCerts("a"));
-    other_ = new std::string(MakeCerts("b"));
+    dir_ = new std::string(testing::MakeTestCerts("certificates-a"));
+    other_ = new std::string(testing::MakeTestCerts("certificates-b"));
   }
   static void TearDownTestSuite() {
     delete dir_;

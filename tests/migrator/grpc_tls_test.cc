@@ -15,18 +15,13 @@
 #include "migrator/migrator.h"
 #include "migrator/tls.h"
 #include "tests/migrator/fake_host.h"
+#include "tests/migrator/test_certs.h"
 
 namespace rdmavirt::migrator {
 namespace {
 
 std::string MakeCerts(const std::string& name) {
-  const std::string dir =
-      absl::StrCat(::testing::TempDir(), "/grpc_tls_test-", getpid(), "-", name);
-  std::filesystem::remove_all(dir);
-  const std::string cmd =
-      absl::StrCat(RDMAVIRT_SOURCE_DIR, "/tools/rdmavirt-certs --dir ", dir, " lab 1 && ",
-                   RDMAVIRT_SOURCE_DIR, "/tests/migrator/bad-certs.sh ", dir, " > /dev/null 2>&1");
-  EXPECT_EQ(system(cmd.c_str()), 0) << cmd;
+  const std::string dir = testing::MakeTestCerts(absl::StrCat("grpc-tls-", name));
   std::filesystem::copy_file(dir + "/host1.pem", dir + "/host.pem");
   std::filesystem::copy_file(dir + "/host1.key", dir + "/host.key");
   return dir;
@@ -126,26 +121,24 @@ TEST_F(GrpcTlsTest, AHostCertificateDoesNotOpenTheOperatorService) {
 }
 
 TEST_F(GrpcTlsTest, AnOperatorCertificateDoesNotOpenTheTransferService) {
-  auto stub = v1::Transfer::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), Creds(certs_, "cli")));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  v1::AbortIncomingRequest req;
-  req.set_migration_id("m-1");
-  v1::AbortIncomingResponse out;
-  grpc::Status st = stub->AbortIncoming(&ctx, req, &out);
+  auto abort_as = [&](const std::string& who) {
+    auto stub = v1::Transfer::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), Creds(certs_, who)));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::AbortIncomingRequest req;
+    req.set_migration_id("m-1");
+    v1::AbortIncomingResponse out;
+    return stub->AbortIncoming(&ctx, req, &out);
+  };
+  grpc::Status st = abort_as("cli");
   EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(st.error_message(),
             "the Transfer service takes a host's certificate (a migrator's) and CN=cli is an "
             "operator's");
   // The same call with a host's certificate reaches the migrator (which
   // knows no such move).
-  auto host = v1::Transfer::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), Creds(certs_, "host1")));
-  grpc::ClientContext ctx2;
-  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  EXPECT_NE(host->AbortIncoming(&ctx2, req, &out).error_code(),
-            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(abort_as("host1").error_code(), grpc::StatusCode::PERMISSION_DENIED);
 }
 
 TEST_F(GrpcTlsTest, AnExpiredClientCertificateIsRefused) {

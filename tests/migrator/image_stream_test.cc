@@ -59,7 +59,8 @@ TEST_F(ImageReceiverTest, ReceivesAWholeDirectory) {
 }
 
 TEST_F(ImageReceiverTest, RefusesNamesOutsideTheDirectory) {
-  for (const char* bad : {"../x", "/etc/passwd", "a/../../b", "", "manifest.pb", "parent", "a//b"}) {
+  for (const char* bad :
+       {"../x", "/etc/passwd", "a/../../b", "", "manifest.pb", "parent", "a//b"}) {
     v1::ImageChunk first = first_;
     first.mutable_manifest()->add_files()->set_name(bad);
     ImageReceiver rx(root_ + "-" + std::to_string(std::hash<std::string>()(bad)));

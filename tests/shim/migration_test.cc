@@ -45,6 +45,18 @@ class MigrationTest : public TwoEndpointsTest {
     ASSERT_EQ(ToRts(q_, *qud, 0, {}), 0);
   }
 
+  // Both quiesced, and an application thread of P polling its CQ until
+  // `stop` (steps after a restore run on such a thread).
+  std::thread QuiesceWithAPollingThread(std::atomic<bool>* stop) {
+    uint32_t drained = 0;
+    EXPECT_TRUE(q_.Quiesce(1000, &drained).ok());
+    EXPECT_TRUE(p_.Quiesce(1000, &drained).ok());
+    return std::thread([this, stop] {
+      ibv_wc wc;
+      while (!stop->load()) ibv_poll_cq(pdev_->cq, 1, &wc);
+    });
+  }
+
   // P moves: both pause, P releases and is re-created, Q re-points, P resumes.
   // `q_paused` runs once Q has paused and P not yet.
   void Move(const std::function<void()>& q_paused = nullptr) {
@@ -351,14 +363,8 @@ TEST_F(MigrationTest, StepsOutOfOrderAreRefused) {
 TEST_F(MigrationTest, AfterARestoreStepsRunOnAThreadThatPolls) {
   Connect();
   p_.set_app_thread_wait_ms(5000);
-  uint32_t drained = 0;
-  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
-  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
   std::atomic<bool> stop{false};
-  std::thread app([&] {
-    ibv_wc wc;
-    while (!stop.load()) ibv_poll_cq(pdev_->cq, 1, &wc);
-  });
+  std::thread app = QuiesceWithAPollingThread(&stop);
   EXPECT_TRUE(p_.Release().ok());
   EXPECT_EQ(p_.steps_on_app_threads(), 0) << "the first release: the opener's own credentials";
   EXPECT_TRUE(p_.Restore("", {}).ok());
@@ -377,14 +383,8 @@ TEST_F(MigrationTest, AStepStuckOnAnApplicationThreadIsReportedNotWaitedForever)
   Connect();
   p_.set_app_thread_wait_ms(5000);
   p_.set_step_timeout_ms(300);
-  uint32_t drained = 0;
-  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
-  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
   std::atomic<bool> stop{false};
-  std::thread app([&] {
-    ibv_wc wc;
-    while (!stop.load()) ibv_poll_cq(pdev_->cq, 1, &wc);
-  });
+  std::thread app = QuiesceWithAPollingThread(&stop);
   ASSERT_TRUE(p_.Release().ok());
   fake_.set_stall_open_device(true);
   const Status stuck = p_.Restore("", {});

@@ -4,6 +4,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "migrator/image_dir.h"
 #include "migrator/image_stream.h"
 #include "migrator/log.h"
@@ -263,25 +264,36 @@ absl::Status Migrator::AbortIncoming(const v1::AbortIncomingRequest& request) {
     absl::MutexLock arriving(&mu_);
     arriving_.erase(pid);
   }
+  return DropIncoming(in.get(), "aborted by the source");
+}
+
+absl::Status Migrator::DropIncoming(Incoming* in, const std::string& why) {
+  in->mu.AssertHeld();
+  const std::string id = in->rec.report().migration_id();
+  const pid_t pid = in->rec.restored_pid();
+  std::vector<std::string> problems;
   if (pid > 0 && procs_->Exists(pid)) {
-    if (absl::Status st = procs_->Kill(pid); !st.ok())
-      Log("incoming %s: killing process %d: %s", request.migration_id(), pid, st.ToString());
+    if (absl::Status st = KillCopy(pid, "restored copy"); !st.ok())
+      problems.push_back(std::string(st.message()));
   }
   if (in->rec.addresses_moved()) {
-    // The source takes them back.
+    // The source takes them back: they must not be on two hosts.
     if (absl::Status st = RemoveAddresses(in->rec); !st.ok())
-      Log("incoming %s: %s", request.migration_id(), st.ToString());
+      problems.push_back(absl::StrCat("removing the service addresses: ", st.message()));
     else
       in->rec.set_addresses_moved(false);
   }
   RemoveImages(in->dir);
   in->rec.set_done(true);
   in->rec.set_phase("aborted");
-  in->rec.mutable_report()->set_error("aborted by the source");
-  PersistIncoming(in.get());
-  Log("incoming %s: aborted%s", request.migration_id(),
-      pid > 0 ? absl::StrCat(", restored process ", pid, " killed") : "");
-  return absl::OkStatus();
+  const std::string killed = pid > 0 ? absl::StrCat("; restored process ", pid, " killed") : "";
+  in->rec.mutable_report()->set_error(
+      problems.empty() ? why + killed : absl::StrCat(why, "; but ", absl::StrJoin(problems, "; ")));
+  PersistIncoming(in);
+  Log("incoming %s: %s", id, in->rec.report().error());
+  if (problems.empty()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("migration ", id, " aborted on ", options_.host_name,
+                                          ", but ", absl::StrJoin(problems, "; ")));
 }
 
 absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {

@@ -164,8 +164,13 @@ class Migrator {
   void DoneMoving(pid_t pid);
   // AbortIncoming on a prepared move's destination; its failure, said.
   absl::Status AbortOnDestination(Move* m);
-  // SIGKILL of a moved process's stopped source copy, tried three times.
-  absl::Status KillSourceCopy(pid_t pid);
+  // SIGKILL of a copy of a moved process that must not stay (`which`
+  // names it in errors), tried three times; INTERNAL if it stays.
+  absl::Status KillCopy(pid_t pid, const char* which);
+  // Kills what an incoming move restored, takes its service addresses
+  // off, deletes its images and marks its record aborted with `why`;
+  // returns (and records) what could not be undone.
+  absl::Status DropIncoming(Incoming* in, const std::string& why);
   // Creates the resume marker, waits for the released shim's Hello,
   // removes the marker, sends restore; the endpoint stays paused.
   absl::StatusOr<v1::EndpointSummary> BringBack(pid_t pid, const std::string& device,

@@ -493,7 +493,8 @@ absl::Status Migrator::CompleteForward(Move* m) {
   r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
   SetPhase(m, "cleanup");
   // A restore elsewhere left no copy here; a move left one, stopped.
-  const absl::Status killed = m->rec.stopped() ? KillSourceCopy(r->pid()) : absl::OkStatus();
+  const absl::Status killed =
+      m->rec.stopped() ? KillCopy(r->pid(), "stopped source copy") : absl::OkStatus();
   if (r->kind() == "restore") r->set_pid(m->rec.restored_pid());
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))
@@ -506,20 +507,20 @@ absl::Status Migrator::CompleteForward(Move* m) {
   return st;
 }
 
-// The source's copy of a process that now runs on the destination is
-// stopped and released (it holds no RDMA resource); it must not stay. A
-// kill that does not take (a task stuck in the kernel) is tried again,
-// then said: the report must not claim one copy while two exist.
-absl::Status Migrator::KillSourceCopy(pid_t pid) {
+// A copy of a moved process that must not stay: the source's stopped copy
+// once the process runs on the destination, or a destination's restored
+// copy once its move is aborted. A kill that does not take (a task stuck in
+// the kernel) is tried again, then said: a report must not claim one copy
+// while two exist.
+absl::Status Migrator::KillCopy(pid_t pid, const char* which) {
   absl::Status st;
   for (int attempt = 0; attempt < 3; ++attempt) {
     st = procs_->Kill(pid);
-    if (st.ok()) return st;
-    Log("killing the source copy of pid %d (attempt %d): %s", pid, attempt + 1, st.ToString());
+    if (st.ok() || !procs_->Exists(pid)) return absl::OkStatus();
+    Log("killing the %s (pid %d, attempt %d): %s", which, pid, attempt + 1, st.ToString());
   }
-  return absl::InternalError(
-      absl::StrCat("the stopped source copy (pid ", pid,
-                   ") could not be killed and stays stopped: ", st.message()));
+  return absl::InternalError(absl::StrCat(
+      "the ", which, " (pid ", pid, ") could not be killed and stays stopped: ", st.message()));
 }
 
 // Asks the destination of a prepared move to drop it (kill what it

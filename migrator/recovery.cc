@@ -127,28 +127,7 @@ void Migrator::RecoverDestination(const std::string& dir, v1::MigrationRecord re
     incoming_[id] = std::move(in);
     return;
   }
-  const pid_t pid = in->rec.restored_pid();
-  if (pid > 0 && procs_->Exists(pid)) {
-    if (absl::Status st = procs_->Kill(pid); !st.ok())
-      Log("recovery: incoming %s: killing process %d: %s", id, pid, st.ToString());
-  }
-  // The source takes its service addresses back on its rollback.
-  if (in->rec.addresses_moved()) {
-    if (absl::Status st = RemoveAddresses(in->rec); !st.ok())
-      Log("recovery: incoming %s: %s", id, st.ToString());
-    else
-      in->rec.set_addresses_moved(false);
-  }
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
-    if (e.path().filename() != kRecordFile) std::filesystem::remove_all(e.path(), ec);
-  in->rec.set_done(true);
-  in->rec.set_phase("aborted");
-  in->rec.mutable_report()->set_error(
-      absl::StrCat("rdmavirt-migratord restarted before the restore completed",
-                   pid > 0 ? absl::StrCat("; half-restored process ", pid, " killed") : ""));
-  PersistIncoming(in.get());
-  Log("recovery: incoming %s aborted", id);
+  (void)DropIncoming(in.get(), "rdmavirt-migratord restarted before the restore completed");
 }
 
 }  // namespace rdmavirt::migrator

@@ -904,6 +904,30 @@ TEST(MigratorRecoveryTest, SourceRestoresAGoneProcessFromItsFinalDump) {
   EXPECT_TRUE(ReadRecord(dir)->report().rolled_back());
 }
 
+// A half-restored copy that cannot be killed is not reported as gone: the
+// record says so (the same path serves a source's abort).
+TEST(MigratorRecoveryTest, ADestinationCopyThatCannotBeKilledIsSaid) {
+  Cluster c("recover-dst-stuck");
+  c.host(2).Add(100, VGid(1), {});
+  const std::string dir = c[2].state_dir + "/incoming/crashed-2";
+  v1::MigrationRecord rec;
+  rec.mutable_report()->set_migration_id("crashed-2");
+  rec.set_role("destination");
+  rec.set_phase("restoring");
+  rec.set_restored_pid(100);
+  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  c.Stop(2);
+  c.Start(2);
+  c.host(2).kill_error = absl::InternalError("task stuck in D state");
+  c.m(2).Recover();
+  EXPECT_TRUE(c.host(2).Exists(100));
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->phase(), "aborted");
+  EXPECT_THAT(after->report().error(),
+              HasSubstr("but the restored copy (pid 100) could not be killed and stays stopped"));
+}
+
 TEST(MigratorRecoveryTest, DestinationKillsAHalfRestoredProcess) {
   Cluster c("recover-dst");
   // CRIU restored pid 100 on h2, then h2's migrator died before the restore completed.

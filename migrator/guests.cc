@@ -241,11 +241,11 @@ void Migrator::FillGuestNics(v1::HostInfo* info) {
     *(e.running() ? p->add_domains() : p->add_reserved()) = e.domain();
 }
 
-void Migrator::SaveGuestNics() {
-  if (absl::Status st =
-          WriteFileAtomically(options_.state_dir + kGuestNicsFile, guest_nics_.SerializeAsString());
-      !st.ok())
-    Log("cannot save the guests' NICs: %s", st.ToString());
+absl::Status Migrator::SaveGuestNics() {
+  absl::Status st =
+      WriteFileAtomically(options_.state_dir + kGuestNicsFile, guest_nics_.SerializeAsString());
+  if (!st.ok()) Log("cannot save the guests' NICs: %s", st.ToString());
+  return Annotate(st, "saving the guests' NICs");
 }
 
 absl::Status Migrator::GuestEvent(const v1::GuestEventRequest& request) {
@@ -270,8 +270,9 @@ absl::Status Migrator::GuestEvent(const v1::GuestEventRequest& request) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown guest event \"", request.event(), "\" (started, stopped)"));
   }
-  SaveGuestNics();
-  return absl::OkStatus();
+  // Applied here either way (the guest did start or stop); a restarted
+  // migrator would not know it.
+  return SaveGuestNics();
 }
 
 absl::StatusOr<v1::GuestNic> Migrator::AllocateGuestNic(
@@ -332,7 +333,11 @@ absl::StatusOr<v1::GuestNic> Migrator::AllocateGuestNic(
   e->set_domain(request.domain());
   e->set_mac(nic.mac());
   e->set_address(nic.address());
-  SaveGuestNics();
+  if (absl::Status st = SaveGuestNics(); !st.ok()) {
+    // Not saved, not given: a restarted migrator would give it again.
+    guest_nics_.mutable_entries()->RemoveLast();
+    return st;
+  }
   Log("guest %s: NIC %s, address %s", request.domain(), nic.mac(), nic.address());
   return nic;
 }

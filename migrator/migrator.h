@@ -248,7 +248,8 @@ class Migrator {
   // ---- guests (guests.cc)
   void LoadGuestNics();
   void FillGuestNics(v1::HostInfo* info);
-  void SaveGuestNics() ABSL_EXCLUSIVE_LOCKS_REQUIRED(guests_mu_);
+  // The guests' NICs written to the state directory; the failure, said.
+  absl::Status SaveGuestNics() ABSL_EXCLUSIVE_LOCKS_REQUIRED(guests_mu_);
   void ResumeOne(Move* m, const std::string& device, v1::MigrationReport* out);
 
   std::string PeerTarget(const std::string& gid);

@@ -1110,6 +1110,26 @@ TEST(GuestTest, ResumeWithoutADeviceKeepsThemSuspended) {
   EXPECT_FALSE(c.host(3).Get(300).paused);
 }
 
+// A NIC handed out must survive a restart: one that cannot be saved is
+// not handed out.
+TEST(GuestTest, ANicThatCannotBeSavedIsNotHandedOut) {
+  Cluster c("nics-unsaved");
+  c[1].guest_nics = 2;
+  c.Stop(1);
+  c.Start(1);
+  std::filesystem::create_directories(c[1].state_dir + "/guests.pb");  // rename cannot replace it
+  v1::AllocateGuestNicRequest a;
+  a.set_domain("vm-a");
+  absl::StatusOr<v1::GuestNic> na = c.m(1).AllocateGuestNic(a);
+  EXPECT_FALSE(na.ok());
+  EXPECT_THAT(std::string(na.status().message()), HasSubstr("saving the guests' NICs"));
+  EXPECT_EQ(c.m(1).GetHostInfo().guest_nics().in_use(), 0u);
+  std::filesystem::remove_all(c[1].state_dir + "/guests.pb");
+  na = c.m(1).AllocateGuestNic(a);
+  ASSERT_TRUE(na.ok()) << na.status();
+  EXPECT_EQ(c.m(1).GetHostInfo().guest_nics().in_use(), 1u);
+}
+
 TEST(GuestTest, HostHandsOutNicsUpToItsCapacityAndKeepsTrack) {
   Cluster c("nics");
   v1::AllocateGuestNicRequest a;

@@ -332,11 +332,32 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
   return {};
 }
 
+void Shim::SettleUnacknowledgedReceives(const std::vector<Qp*>& qps) {
+  std::vector<Cq*> cqs;
+  for (const Qp* qp : qps) {
+    const uint32_t type = qp->shadow.qp_base.qp_type;
+    if (qp->real == nullptr || qp->recv_cq == nullptr || (type != IBV_QPT_UD && type != IBV_QPT_UC))
+      continue;
+    if (std::find(cqs.begin(), cqs.end(), qp->recv_cq) == cqs.end()) cqs.push_back(qp->recv_cq);
+  }
+  if (cqs.empty()) return;
+  constexpr uint64_t kQuietUs = 50000, kSettleUs = 1000000;
+  const uint64_t start = NowUs();
+  uint64_t last = start;
+  while (NowUs() - last < kQuietUs && NowUs() - start < kSettleUs) {
+    int got = 0;
+    for (Cq* cq : cqs) got += std::max(DrainCq(cq, nullptr), 0);
+    if (got > 0) last = NowUs();
+    usleep(1000);
+  }
+}
+
 void Shim::FailAndCountRecvs(const std::vector<Qp*>& qps) {
   // One QP per receive CQ at a time: its flushes and its marker receive
   // fit a CQ the application sized for that QP's receives, plus CqSlack().
   // What the CQs hold already goes to the shadow CQs first.
   for (Cq* cq : All<Cq>(Kind::kCq)) DrainCq(cq, nullptr);
+  SettleUnacknowledgedReceives(qps);
   std::vector<Qp*> rest = qps;
   while (!rest.empty()) {
     std::vector<Qp*> batch, later;

@@ -232,10 +232,17 @@ class Shim {
   bool PostSendMarker(Qp* qp, std::string* why);  // requires mu_, paused
   // Moves QPs to the error state and takes their receives still posted
   // into Qp::outstanding, counted from their flushes.
-  void FailAndCountRecvs(const std::vector<Qp*>& qps);    // requires mu_, paused
-  void FailAndCountRecvsOf(const std::vector<Qp*>& qps);  // no two on one receive CQ
-  int ReplayTransitions(Qp* qp);                          // requires mu_
-  int RealQpState(const Qp* qp);                          // the HCA's, or -1
+  // Datagrams a peer sent (its UD or UC send completed) may still be
+  // queued in the kernel for this host's receiver: rxe completes such a
+  // send when it hands the packet on, and for a peer on the same host the
+  // receiver's responder runs a moment later. The error state that counts
+  // the receives drops what is still queued, so the receive CQs of UD and
+  // UC QPs are polled first until they stay quiet for 50 ms (1 s at most).
+  void SettleUnacknowledgedReceives(const std::vector<Qp*>& qps);  // requires mu_
+  void FailAndCountRecvs(const std::vector<Qp*>& qps);             // requires mu_, paused
+  void FailAndCountRecvsOf(const std::vector<Qp*>& qps);           // no two on one receive CQ
+  int ReplayTransitions(Qp* qp);                                   // requires mu_
+  int RealQpState(const Qp* qp);                                   // the HCA's, or -1
   // Completion events (shim.cc): what a release must acknowledge.
   void NoteEventDelivered(Cq* cq, ibv_cq* real);
   // Release: acknowledges what the application has not, and marks the

@@ -326,6 +326,7 @@ struct FakeBackend::Ops {
   static int PollCq(ibv_cq* c, int n, ibv_wc* wc) {
     FakeBackend* f = Of(c->context);
     std::lock_guard<std::mutex> lock(f->mu_);
+    f->DeliverDueDatagrams();
     CqObj* cq = f->Lookup(f->cqs_, c);
     if (cq == nullptr || n < 0) return -EINVAL;
     int got = 0;
@@ -735,6 +736,69 @@ void FakeBackend::Execute(QpObj* qp, const Wr& w) {
   }
 }
 
+// A datagram reaching its receiver: lost, as on rxe, unless the QP is
+// ready to receive, its Q_Key matches and a receive is posted.
+void FakeBackend::ReceiveDatagram(const Datagram& g) {
+  QpObj* d = FindQpByNum(g.dest_qp);
+  if (d == nullptr || d->ex.qp_base.qp_type != IBV_QPT_UD ||
+      (d->ex.qp_base.state != IBV_QPS_RTR && d->ex.qp_base.state != IBV_QPS_RTS) ||
+      d->attr.qkey != g.qkey)
+    return;
+  std::deque<RecvWr>& rq = d->srq != nullptr ? d->srq->rq : d->rq;
+  if (rq.empty()) return;
+  const RecvWr r = std::move(rq.front());
+  rq.pop_front();
+  ibv_wc wc{};
+  wc.wr_id = r.wr_id;
+  wc.opcode = IBV_WC_RECV;
+  wc.qp_num = d->ex.qp_base.qp_num;
+  wc.src_qp = g.src_qp;
+  wc.wc_flags = IBV_WC_GRH;
+  if (g.with_imm) {
+    wc.wc_flags |= IBV_WC_WITH_IMM;
+    wc.imm_data = g.imm;
+  }
+  wc.status = Scatter(d, r, g.message);
+  wc.byte_len = static_cast<uint32_t>(g.message.size());
+  Complete(d->recv_cq, wc, g.solicited);
+  if (wc.status != IBV_WC_SUCCESS) {
+    d->ex.qp_base.state = IBV_QPS_ERR;
+    d->attr.qp_state = IBV_QPS_ERR;
+    FlushRecvs(d);
+  }
+}
+
+void FakeBackend::DeliverDueDatagrams() {
+  const auto now = std::chrono::steady_clock::now();
+  while (!held_.empty() && held_.front().due <= now) {
+    const Datagram g = std::move(held_.front());
+    held_.pop_front();
+    ReceiveDatagram(g);
+  }
+}
+
+// Writes `message` into a receive WR's buffers (lkeys of the responder).
+ibv_wc_status FakeBackend::Scatter(QpObj* d, const RecvWr& r, const std::string& message) {
+  const PdObj* pd = d->srq != nullptr ? d->srq->pd : d->pd;
+  std::vector<std::pair<char*, uint32_t>> dst;
+  uint64_t room = 0;
+  for (const ibv_sge& g : r.sges) {
+    MrObj* mr = FindMr(pd, g.lkey, false);
+    char* host = mr ? HostRange(mr->mr, mr->iova, g.addr, g.length) : nullptr;
+    if (host == nullptr || !(mr->access & IBV_ACCESS_LOCAL_WRITE)) return IBV_WC_LOC_PROT_ERR;
+    dst.emplace_back(host, g.length);
+    room += g.length;
+  }
+  if (message.size() > room) return IBV_WC_LOC_LEN_ERR;
+  size_t off = 0;
+  for (const auto& [host, len] : dst) {
+    const size_t n = std::min<size_t>(len, message.size() - off);
+    memcpy(host, message.data() + off, n);
+    off += n;
+  }
+  return IBV_WC_SUCCESS;
+}
+
 ibv_wc_status FakeBackend::Deliver(QpObj* qp, const Wr& w, const std::string& payload,
                                    uint32_t* byte_len) {
   const ibv_qp& q = qp->ex.qp_base;
@@ -749,26 +813,8 @@ ibv_wc_status FakeBackend::Deliver(QpObj* qp, const Wr& w, const std::string& pa
     rq.pop_front();
     return true;
   };
-  // Writes `message` into a receive WR's buffers (lkeys of the responder).
   auto scatter = [this](QpObj* d, const RecvWr& r, const std::string& message) {
-    const PdObj* pd = d->srq != nullptr ? d->srq->pd : d->pd;
-    std::vector<std::pair<char*, uint32_t>> dst;
-    uint64_t room = 0;
-    for (const ibv_sge& g : r.sges) {
-      MrObj* mr = FindMr(pd, g.lkey, false);
-      char* host = mr ? HostRange(mr->mr, mr->iova, g.addr, g.length) : nullptr;
-      if (host == nullptr || !(mr->access & IBV_ACCESS_LOCAL_WRITE)) return IBV_WC_LOC_PROT_ERR;
-      dst.emplace_back(host, g.length);
-      room += g.length;
-    }
-    if (message.size() > room) return IBV_WC_LOC_LEN_ERR;
-    size_t off = 0;
-    for (const auto& [host, len] : dst) {
-      const size_t n = std::min<size_t>(len, message.size() - off);
-      memcpy(host, message.data() + off, n);
-      off += n;
-    }
-    return IBV_WC_SUCCESS;
+    return Scatter(d, r, message);
   };
   // A responder-side error: its QP goes to error as well.
   auto fail_responder = [this](QpObj* d) {
@@ -790,29 +836,25 @@ ibv_wc_status FakeBackend::Deliver(QpObj* qp, const Wr& w, const std::string& pa
     if (payload.size() > kMtu) return IBV_WC_LOC_LEN_ERR;
     // A datagram to an address or QPN that is not here is lost, silently.
     if (!IsOurGid(ah->attr.grh.dgid)) return IBV_WC_SUCCESS;
-    QpObj* d = FindQpByNum(w.remote_qpn);
-    if (d == nullptr || d->ex.qp_base.qp_type != IBV_QPT_UD ||
-        (d->ex.qp_base.state != IBV_QPS_RTR && d->ex.qp_base.state != IBV_QPS_RTS) ||
-        d->attr.qkey != w.remote_qkey)
-      return IBV_WC_SUCCESS;
+    Datagram g;
+    g.src_qp = q.qp_num;
+    g.dest_qp = w.remote_qpn;
+    g.qkey = w.remote_qkey;
     uint8_t grh[kGrhBytes];
     BuildGrh(Gid(ah->attr.grh.sgid_index), ah->attr.grh.dgid, ah->attr.grh.traffic_class,
              ah->attr.grh.hop_limit, payload.size(), grh);
-    std::string message(reinterpret_cast<const char*>(grh), kGrhBytes);
-    message += payload;
-    RecvWr r;
-    if (!pop_recv(d, &r)) return IBV_WC_SUCCESS;
-    ibv_wc wc = new_recv_wc(d, r, IBV_WC_RECV);
-    wc.src_qp = q.qp_num;
-    wc.wc_flags = IBV_WC_GRH;
-    if (w.opcode == IBV_WR_SEND_WITH_IMM) {
-      wc.wc_flags |= IBV_WC_WITH_IMM;
-      wc.imm_data = w.imm;
+    g.message.assign(reinterpret_cast<const char*>(grh), kGrhBytes);
+    g.message += payload;
+    g.with_imm = w.opcode == IBV_WR_SEND_WITH_IMM;
+    g.imm = w.imm;
+    g.solicited = w.flags & IBV_SEND_SOLICITED;
+    if (ud_delay_ms_ > 0) {
+      // Completed at the sender now, received later.
+      g.due = std::chrono::steady_clock::now() + std::chrono::milliseconds(ud_delay_ms_);
+      held_.push_back(std::move(g));
+      return IBV_WC_SUCCESS;
     }
-    wc.status = scatter(d, r, message);
-    wc.byte_len = static_cast<uint32_t>(message.size());
-    Complete(d->recv_cq, wc, w.flags & IBV_SEND_SOLICITED);
-    if (wc.status != IBV_WC_SUCCESS) fail_responder(d);
+    ReceiveDatagram(g);
     return IBV_WC_SUCCESS;
   }
 
@@ -923,6 +965,10 @@ ibv_wc_status FakeBackend::Deliver(QpObj* qp, const Wr& w, const std::string& pa
 void FakeBackend::FailNext(Op op, int error) {
   std::lock_guard<std::mutex> lock(mu_);
   faults_[op] = error;
+}
+void FakeBackend::set_ud_delivery_delay_ms(int ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ud_delay_ms_ = ms;
 }
 void FakeBackend::set_stall_open_device(bool stall) {
   {

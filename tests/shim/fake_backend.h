@@ -28,7 +28,9 @@
 
 #include <infiniband/verbs.h>
 
+#include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -175,6 +177,12 @@ class FakeBackend final : public VerbsBackend {
   // Queues an asynchronous event for GetAsyncEvent on `ctx`; its element
   // must be one of this fake's objects.
   void InjectAsyncEvent(ibv_context* ctx, const ibv_async_event& event);
+  // UD datagrams reach their receiver this long after the sender's
+  // completion (rxe completes a UD send when it hands the packet on; the
+  // receiver's responder runs later), on the next poll of any CQ after
+  // that. One that finds its receiver not ready (error state, no receive
+  // posted) is lost, as on rxe. 0 (the default): at once.
+  void set_ud_delivery_delay_ms(int ms);
   // While set, OpenDevice blocks (a verb stuck in the kernel); clearing it
   // lets the blocked calls go on.
   void set_stall_open_device(bool stall);
@@ -240,6 +248,15 @@ class FakeBackend final : public VerbsBackend {
                         uint32_t* byte_len);                   // requires mu_
   void Complete(CqObj* cq, const ibv_wc& wc, bool solicited);  // requires mu_
   void FlushRecvs(QpObj* qp);                                  // requires mu_
+  struct Datagram {
+    std::chrono::steady_clock::time_point due;
+    uint32_t src_qp = 0, dest_qp = 0, qkey = 0, imm = 0;
+    bool with_imm = false, solicited = false;
+    std::string message;  // GRH and payload
+  };
+  void ReceiveDatagram(const Datagram& g);                                       // requires mu_
+  void DeliverDueDatagrams();                                                    // requires mu_
+  ibv_wc_status Scatter(QpObj* d, const RecvWr& r, const std::string& message);  // requires mu_
 
   mutable std::mutex mu_;
   ibv_device device_{};
@@ -249,7 +266,9 @@ class FakeBackend final : public VerbsBackend {
   uint32_t forced_qpn_ = 0;
   uint32_t next_handle_ = 1;
   std::map<Op, int> faults_;
-  std::mutex stall_mu_;  // not mu_: a stalled call must not block the others
+  int ud_delay_ms_ = 0;
+  std::deque<Datagram> held_;  // in order of their due time
+  std::mutex stall_mu_;        // not mu_: a stalled call must not block the others
   std::condition_variable stall_cv_;
   bool stall_open_device_ = false;
   Owned<ContextObj> contexts_;

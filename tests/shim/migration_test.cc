@@ -329,6 +329,27 @@ TEST_F(MigrationTest, UdDatagramsReachAMovedQpThroughTheSameAddressHandle) {
   EXPECT_NE(q[1].src_qp, ShimQp(pud)->physical_qpn);
 }
 
+// A datagram whose send completed at Q but that rxe had not yet handed to
+// P's QP when P moved (a peer on the same host: the receiver's responder
+// runs after the sender's completion) is received, not dropped by the
+// release's move to the error state.
+TEST_F(MigrationTest, ADatagramStillOnItsWayWhenTheReceiverMovesIsReceived) {
+  ibv_qp *pud, *qud;
+  UdPair(&pud, &qud);
+  ibv_ah* ah = qdev_->Ah(pdev_->gid);
+  static char rbuf[4096];
+  ibv_mr* rmr = pdev_->Reg(rbuf, sizeof(rbuf));
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(PostRecvOf(pud, 300 + i, rbuf + 512 * i, 512, rmr), 0);
+  fake_.set_ud_delivery_delay_ms(20);
+  ASSERT_EQ(Send(qud, 7, qbuf_, qmr_, "in flight", ah, pud->qp_num), 0);
+  fake_.set_ud_delivery_delay_ms(0);
+  Move();
+  const std::vector<ibv_wc> got = Drain(pdev_->cq);
+  ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{300})) << "the datagram was lost in the move";
+  EXPECT_EQ(got[0].status, IBV_WC_SUCCESS);
+  EXPECT_STREQ(rbuf + FakeBackend::kGrhBytes, "in flight");
+}
+
 TEST_F(MigrationTest, AFailedRestoreLeavesNothingAndCanBeRetried) {
   Connect();
   uint32_t drained = 0;

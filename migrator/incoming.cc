@@ -38,8 +38,11 @@ std::string Migrator::IncomingDir(const std::string& id) const {
 
 void Migrator::PersistIncoming(Incoming* in) {
   in->mu.AssertHeld();
-  if (absl::Status st = WriteRecord(in->dir, in->rec); !st.ok())
+  absl::Status st = WriteRecord(in->dir, in->rec);
+  if (!st.ok()) {
     Log("incoming %s: cannot write its record: %s", in->rec.report().migration_id(), st.ToString());
+    if (in->record_error.ok()) in->record_error = st;
+  }
 }
 
 absl::Status Migrator::CheckCanHost() {
@@ -79,7 +82,15 @@ absl::StatusOr<v1::PrepareResponse> Migrator::Prepare(const v1::PrepareRequest& 
     *in->rec.mutable_endpoint() = request.endpoint();
     in->rec.set_image_dir(in->dir);
     *in->rec.mutable_addresses() = homed.addresses();
+    // Crash recovery reads it: without it, a restored process would be
+    // nobody's after a restart.
     PersistIncoming(in.get());
+    if (const absl::Status st = in->record_error; !st.ok()) {
+      std::filesystem::remove_all(in->dir, ec);
+      return absl::Status(st.code(), absl::StrCat("cannot write the incoming record that crash "
+                                                  "recovery reads: ",
+                                                  st.message()));
+    }
   }
   Log("incoming %s: prepared for endpoint %s (pid %d on its source)", request.migration_id(),
       request.endpoint().endpoint_id(), request.endpoint().pid());
@@ -140,19 +151,19 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
   // A live move dumps its process stopped, and CRIU restores it so; a
   // checkpoint's process was running. Either way it runs from here on.
   if (absl::Status st = procs_->Continue(*pid); !st.ok()) {
-    if (absl::Status k = procs_->Kill(*pid); !k.ok())
-      Log("restore: killing process %d: %s", *pid, k.ToString());
-    return Annotate(st, absl::StrCat("continuing restored process ", *pid));
+    const absl::Status k = KillCopy(*pid, "restored copy");
+    return Annotate(st, absl::StrCat("continuing restored process ", *pid,
+                                     k.ok() ? "" : absl::StrCat(" (", k.message(), ")")));
   }
   out->set_criu_restore_us(MicrosSince(c0));
   const absl::Time r0 = absl::Now();
   absl::StatusOr<v1::EndpointSummary> e = BringBack(*pid, FirstActiveDeviceName(), peers);
   if (!e.ok()) {
-    // No half-made process stays behind.
-    if (absl::Status st = procs_->Kill(*pid); !st.ok())
-      Log("restore: killing process %d: %s", *pid, st.ToString());
+    // No half-made process stays behind, or the error says it does.
+    const absl::Status k = KillCopy(*pid, "restored copy");
     return Annotate(e.status(),
-                    absl::StrCat("bringing back the endpoint of restored process ", *pid));
+                    absl::StrCat("bringing back the endpoint of restored process ", *pid,
+                                 k.ok() ? "" : absl::StrCat(" (", k.message(), ")")));
   }
   out->set_rdma_restore_us(MicrosSince(r0));
   out->set_pid(*pid);
@@ -183,6 +194,10 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
     if (!manifest.ok())
       return absl::FailedPreconditionError(
           absl::StrCat("no complete final dump received: ", manifest.status().message()));
+    if (!in->record_error.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("not restored: the incoming record cannot be written (",
+                       in->record_error.message(), ")"));
     in->rec.set_phase("restoring");
     in->rec.set_addresses_moved(in->rec.addresses_size() > 0);
     PersistIncoming(in.get());

@@ -424,10 +424,15 @@ absl::Status Migrator::AddAddresses(const v1::MigrationRecord& rec) {
     added.emplace_back(a, ifname);
   }
   if (st.ok()) return st;
+  std::string left;
   for (const auto& [a, ifname] : added)
     if (absl::Status undo = addresses_->Remove(ifname, a); !undo.ok())
-      Log("removing service address %s again: %s", a.Text(), undo.ToString());
-  return st;
+      absl::StrAppend(&left, left.empty() ? "" : ", ", a.Text(), " (", undo.message(), ")");
+  if (left.empty()) return st;
+  return absl::Status(st.code(), absl::StrCat(st.message(),
+                                              "; and these added ones could not be "
+                                              "removed again: ",
+                                              left));
 }
 
 absl::Status Migrator::RemoveAddresses(const v1::MigrationRecord& rec) {

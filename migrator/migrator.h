@@ -222,6 +222,7 @@ class Migrator {
   std::string IncomingDir(const std::string& id) const;
   // The incoming move `id`, or nullptr.
   std::shared_ptr<Incoming> FindIncoming(const std::string& id);
+  // Writes its record; the first failure also stays in in->record_error.
   void PersistIncoming(Incoming* in);
   absl::Status CheckCanHost();
   // CRIU-restores `dir`, then brings the endpoint back (paused) on this

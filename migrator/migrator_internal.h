@@ -43,7 +43,8 @@ struct Migrator::Incoming {
   absl::Mutex mu;
   v1::MigrationRecord rec ABSL_GUARDED_BY(mu);
   bool aborted ABSL_GUARDED_BY(mu) = false;
-  std::string dir;  // STATE/incoming/ID
+  absl::Status record_error ABSL_GUARDED_BY(mu);  // the first failed record write
+  std::string dir;                                // STATE/incoming/ID
   uint32_t last_iteration ABSL_GUARDED_BY(mu) = 0;
 };
 

@@ -113,8 +113,12 @@ void Migrator::Finish(Move* m, const absl::Status& status) {
   r->mutable_breakdown()->set_total_us(MicrosSince(m->start));
   m->rec.set_done(true);
   m->rec.set_phase("done");
-  if (absl::Status st = WriteRecord(m->dir, m->rec); !st.ok())
+  if (absl::Status st = WriteRecord(m->dir, m->rec); !st.ok()) {
     Log("migration %s: cannot write its record: %s", r->migration_id(), st.ToString());
+    r->set_error(absl::StrCat(r->error(), r->error().empty() ? "" : "; ",
+                              "its record could not be marked done (", st.message(),
+                              "): a restarted migrator would take the move up again"));
+  }
   {
     absl::MutexLock lock(&mu_);
     in_flight_.erase(r->migration_id());

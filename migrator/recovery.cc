@@ -67,10 +67,10 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
     SetPhase(&m, "rollback", "restoring the final dump on this host");
     // Its service addresses come back first: CRIU binds its sockets to them.
     const bool tcp = m.rec.addresses_size() > 0;
+    std::string addresses_error;
     if (m.rec.addresses_moved()) {
       if (absl::Status st = AddAddresses(m.rec); !st.ok())
-        Log("recovery: migration %s: adding the service addresses back: %s", r->migration_id(),
-            st.ToString());
+        addresses_error = absl::StrCat("; adding the service addresses back: ", st.message());
       else
         m.rec.set_addresses_moved(false);
     }
@@ -83,7 +83,7 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
         },
         {}, &out);
     if (!back.ok()) {
-      r->set_error(absl::StrCat(cause.message(),
+      r->set_error(absl::StrCat(cause.message(), addresses_error,
                                 "; restoring the final dump failed: ", back.status().message()));
       Finish(&m, cause);
     } else {
@@ -95,8 +95,8 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
       res.mutable_resume();
       absl::StatusOr<v1::Reply> rr = Command(*back, res, options_.rpc_timeout, "resume");
       r->set_rolled_back(rr.ok());
-      r->set_error(std::string(cause.message()));
-      if (!peers.ok()) r->set_error(absl::StrCat(cause.message(), "; ", peers.message()));
+      r->set_error(absl::StrCat(cause.message(), addresses_error));
+      if (!peers.ok()) r->set_error(absl::StrCat(r->error(), "; ", peers.message()));
       Finish(&m, cause);
     }
   } else if (!procs_->Exists(pid)) {

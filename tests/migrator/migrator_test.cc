@@ -448,6 +448,24 @@ TEST(MigratorTest, AFailedRecordWriteRefusesTheMoveBeforeAnythingIsQuiesced) {
   EXPECT_EQ(c.host(1).dumps, 0);
 }
 
+// The destination's record is what its crash recovery reads: a destination
+// that cannot write it says no before anything is quiesced.
+TEST(MigratorTest, ADestinationThatCannotWriteItsRecordRefusesTheMove) {
+  Cluster c("norecord-dst");
+  Topology(c);
+  const std::string incoming = c[2].state_dir + "/incoming";
+  std::filesystem::remove_all(incoming);
+  { std::ofstream(incoming) << "not a directory"; }
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_FALSE(run.status.ok());
+  EXPECT_THAT(std::string(run.status.message()),
+              HasSubstr("cannot write the incoming record that crash recovery reads"));
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+  EXPECT_FALSE(c.host(2).Exists(100));
+}
+
 // After a failure, the endpoint runs on h1 again, restored on its HCA, and
 // every peer points at it.
 void ExpectRolledBack(Cluster& c, const MoveRun& run, bool restored) {

@@ -17,7 +17,7 @@ import struct
 import subprocess
 import sys
 
-from labtest import LAB, ROOT, check, lab_test, main, run_ok, wait_until
+from labtest import LAB, ROOT, check, lab_test, main, wait_until
 
 import migrator_tests as migrators
 
@@ -108,7 +108,7 @@ def a_user_who_is_not_root_cannot_make_the_migrator_act():
         # The shim socket, spoken to directly: a Hello for root's process
         # (its pid and endpoint id) from the user's own process.
         frame = hello_frame(pid, endpoint).hex()
-        script = (f"import socket,sys,time; s=socket.socket(socket.AF_UNIX); "
+        script = (f"import socket; s=socket.socket(socket.AF_UNIX); "
                   f"s.connect('{migrators.SOCK}'); s.sendall(bytes.fromhex('{frame}')); "
                   f"s.settimeout(20); d=s.recv(64); print('closed' if d==b'' else 'answered')")
         r = LAB.run(1, f"{AS_USER} python3 -c \"{script}\"")

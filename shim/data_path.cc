@@ -67,8 +67,16 @@ inline uint32_t PeerRkey(const Qp* qp, uint32_t rkey) {
   const RemoteEndpoint* r = qp->remote.load(std::memory_order_acquire);
   return r != nullptr ? r->Rkey(rkey) : qp->mode.PhysicalRkey(rkey);
 }
-inline uint32_t UdPeerQpn(const Qp* qp, const Ah* ah, uint32_t qpn) {
-  return ah->remote != nullptr ? ah->remote->Qpn(qpn) : qp->mode.PhysicalQpn(qpn);
+// A datagram's way to its peer: the route of the moved endpoint that owns
+// the QPN it is sent to, else the AH's own (the GID's place). No route on
+// an AH toward peers that never moved: one load.
+inline const AhRoute* UdRoute(const Ah* ah, uint32_t qpn) {
+  for (int i = ah->nroutes.load(std::memory_order_acquire); i-- > 0;)
+    if (ah->routes[i].remote->Owns(qpn)) return &ah->routes[i];
+  return nullptr;
+}
+inline uint32_t UdPeerQpn(const Qp* qp, const AhRoute* route, uint32_t qpn) {
+  return route != nullptr ? route->remote->Qpn(qpn) : qp->mode.PhysicalQpn(qpn);
 }
 
 // The field of a WR that holds the peer's rkey, if its opcode has one.
@@ -102,8 +110,9 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   if (uint32_t* rkey = RkeyField(wr)) p->Key(rkey, PeerRkey(qp, *rkey));
   if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
     const Ah* ah = reinterpret_cast<Ah*>(wr->wr.ud.ah);
-    p->Key(&wr->wr.ud.remote_qpn, UdPeerQpn(qp, ah, wr->wr.ud.remote_qpn));
-    p->Ptr(&wr->wr.ud.ah, ah->real);
+    const AhRoute* route = UdRoute(ah, wr->wr.ud.remote_qpn);
+    p->Key(&wr->wr.ud.remote_qpn, UdPeerQpn(qp, route, wr->wr.ud.remote_qpn));
+    p->Ptr(&wr->wr.ud.ah, route != nullptr ? route->real : ah->real);
   }
   return true;
 }
@@ -524,7 +533,7 @@ inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
   const RemoteEndpoint* from = nullptr;
   ibv_gid source;
   const bool grh = (wc->wc_flags & IBV_WC_GRH) && e != nullptr;
-  if (grh && ReadGrhSource(e->sge, e->num_sge, &source)) from = shim->RemoteAt(source);
+  if (grh && ReadGrhSource(e->sge, e->num_sge, &source)) from = shim->RemoteAt(source, wc->src_qp);
   wc->src_qp = from != nullptr ? from->VirtualQpn(wc->src_qp) : qp->mode.VirtualQpn(wc->src_qp);
   if (grh)
     RewriteGrhInSges(e->sge, e->num_sge,
@@ -741,7 +750,9 @@ void WrLocalInv(ibv_qp_ex* q, uint32_t rkey) {
 void WrSetUdAddr(ibv_qp_ex* q, ibv_ah* ah, uint32_t remote_qpn, uint32_t remote_qkey) {
   ibv_qp_ex* real = AsQp(q)->real_ex;
   const Ah* a = reinterpret_cast<Ah*>(ah);
-  real->wr_set_ud_addr(real, a->real, UdPeerQpn(AsQp(q), a, remote_qpn), remote_qkey);
+  const AhRoute* route = UdRoute(a, remote_qpn);
+  real->wr_set_ud_addr(real, route != nullptr ? route->real : a->real,
+                       UdPeerQpn(AsQp(q), route, remote_qpn), remote_qkey);
 }
 void WrSetInlineData(ibv_qp_ex* q, void* addr, size_t length) {
   ibv_qp_ex* real = AsQp(q)->real_ex;

@@ -448,6 +448,9 @@ void Shim::DestroyReal() {
   for (Ah* ah : All<Ah>(Kind::kAh)) {
     if (ah->real != nullptr) backend_->DestroyAh(ah->real);
     ah->real = nullptr;
+    for (int i = 0; i < ah->nroutes.load(); ++i)
+      if (ah->routes[i].real != nullptr) backend_->DestroyAh(ah->routes[i].real);
+    ah->nroutes.store(0, std::memory_order_release);
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
     if (qp->real == nullptr) continue;
@@ -641,7 +644,8 @@ int Shim::ReplayTransitions(Qp* qp) {
     ibv_qp_attr attr = t.attr;
     const RemoteEndpoint* remote = qp->remote.load(std::memory_order_acquire);
     if ((t.mask & IBV_QP_AV) && attr.ah_attr.is_global)
-      remote = FindRemoteLocked(attr.ah_attr.grh.dgid);
+      remote = FindRemoteLocked(attr.ah_attr.grh.dgid,
+                                (t.mask & IBV_QP_DEST_QPN) ? t.attr.dest_qp_num : qp->remote_qpn);
     PhysicalizeQpAttr(&attr, t.mask, remote);
     const int rc = backend_->ModifyQp(qp->real, &attr, t.mask);
     if (rc != 0) return rc;
@@ -765,13 +769,11 @@ Status Shim::RecreateReal(const std::string& device) {
     qp->shadow.qp_base.state = qp->real->state;
   }
   for (Ah* ah : All<Ah>(Kind::kAh)) {
-    ibv_ah_attr attr = ah->attr;
-    ah->remote = attr.is_global ? FindRemoteLocked(attr.grh.dgid) : nullptr;
-    if (attr.is_global)
-      attr.grh.dgid = ah->remote ? ah->remote->physical_gid() : mode_.PhysicalGid(attr.grh.dgid);
-    ah->real = backend_->CreateAh(ah->pd->real, &attr);
+    ah->real = CreateHomeAhLocked(ah->pd, ah->attr);
     if (ah->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_ah", errno));
     ah->shadow.handle = ah->real->handle;
+    if (const int rc = RouteAhToAllLocked(ah); rc != 0)
+      return Error(Code::kResourceExhausted, Errno("an address handle toward a moved peer", rc));
   }
   // The receives that were posted when the endpoint was released.
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
@@ -907,14 +909,9 @@ Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
       if (Status st = Reconnect(qp); !st.ok()) return st;
     }
     for (Ah* ah : All<Ah>(Kind::kAh)) {
-      if (ah->remote != r) continue;
-      ibv_ah_attr attr = ah->attr;
-      attr.grh.dgid = r->physical_gid();
-      ibv_ah* fresh = backend_->CreateAh(ah->pd->real, &attr);
-      if (fresh == nullptr)
-        return Error(Code::kResourceExhausted, Errno("re-creating an address handle", errno));
-      backend_->DestroyAh(ah->real);
-      ah->real = fresh;
+      if (const int rc = RouteAhLocked(ah, r); rc != 0)
+        return Error(Code::kResourceExhausted,
+                     Errno("an address handle toward the moved peer", rc));
     }
   }
   return ResumeNow();

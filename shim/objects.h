@@ -185,6 +185,7 @@ struct Qp {
   // mapping (RC/UC; set under the shim's mutex, read on the translating path).
   std::atomic<const RemoteEndpoint*> remote{nullptr};
   ibv_gid remote_gid{};      // the virtual GID it was connected to
+  uint32_t remote_qpn = 0;   // and the virtual QPN
   RecvLog* recvs = nullptr;  // own_recvs, or the SRQ's
   RecvLog own_recvs;
   ibv_qp_init_attr_ex init{};
@@ -217,12 +218,25 @@ struct Qp {
   uint64_t builder_signaled = 0;        // ibv_wr_* between wr_start and wr_complete
 };
 
+// An AH addresses a virtual GID, behind which several endpoints may live
+// (every process started on one host has that host's GID). `real` reaches
+// the GID's own place: the endpoints that never moved. Each endpoint that
+// moved away has a route, an AH of its own to where it is now, chosen per
+// datagram by the remote QPN it is sent to (UdRoute, data_path.cc).
+inline constexpr int kMaxAhRoutes = 8;
+struct AhRoute {
+  const RemoteEndpoint* remote = nullptr;
+  ibv_ah* real = nullptr;
+};
 struct Ah {
   ibv_ah shadow;
   ibv_ah* real = nullptr;
   Pd* pd = nullptr;
-  ibv_ah_attr attr{};                      // virtual GID, as the application gave it
-  const RemoteEndpoint* remote = nullptr;  // the moved peer it addresses, if any
+  ibv_ah_attr attr{};  // virtual GID, as the application gave it
+  // Written under the shim's mutex while the endpoint is paused (or before
+  // the AH is handed out), read on the data path.
+  std::atomic<int> nroutes{0};
+  AhRoute routes[kMaxAhRoutes];
 };
 
 }  // namespace rdmavirt::shim

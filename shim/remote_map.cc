@@ -1,5 +1,6 @@
 #include "shim/remote_map.h"
 
+#include <cstring>
 #include <new>
 
 namespace rdmavirt::shim {
@@ -29,7 +30,16 @@ std::unique_ptr<RemoteEndpoint> RemoteEndpoint::Build(const RemoteMapping& m) {
     return nullptr;
   e->virtual_gid_ = m.virtual_gid;
   e->physical_gid_ = m.physical_gid;
+  e->virtual_qpns_.reserve(m.qpns.size());
+  for (const auto& [v, p] : m.qpns) e->virtual_qpns_.push_back(v);
   return e;
+}
+
+bool RemoteEndpoint::SameEndpointAs(const RemoteEndpoint& o) const {
+  if (memcmp(virtual_gid_.raw, o.virtual_gid_.raw, sizeof(virtual_gid_.raw)) != 0) return false;
+  for (uint32_t v : virtual_qpns_)
+    if (o.Owns(v)) return true;
+  return false;
 }
 
 }  // namespace rdmavirt::shim

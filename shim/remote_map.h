@@ -46,6 +46,14 @@ class RemoteEndpoint {
   // Physical QPN -> virtual (the source QPN of a UD datagram it sent).
   uint32_t VirtualQpn(uint32_t p) const { return qpns_back_.Find(p); }
 
+  // Several endpoints can share a virtual GID (every process started on one
+  // host has that host's GID), and only one of them may have moved: the
+  // QPNs it published say which QPs and datagrams are its.
+  bool Owns(uint32_t virtual_qpn) const { return qpns_.Has(virtual_qpn); }
+  bool SentFrom(uint32_t physical_qpn) const { return qpns_back_.Has(physical_qpn); }
+  // The same endpoint (a later move of it): same virtual GID, a QPN in common.
+  bool SameEndpointAs(const RemoteEndpoint& o) const;
+
  private:
   // Open addressing, at most half full, so a miss ends quickly.
   class Map {
@@ -57,6 +65,14 @@ class RemoteEndpoint {
         const Slot& s = slots_[i];
         if (!s.used) return v;
         if (s.v == v) return s.p;
+      }
+    }
+    bool Has(uint32_t v) const {
+      if (mask_ == 0) return false;
+      for (uint32_t i = Hash(v) & mask_;; i = (i + 1) & mask_) {
+        const Slot& s = slots_[i];
+        if (!s.used) return false;
+        if (s.v == v) return true;
       }
     }
 
@@ -73,6 +89,7 @@ class RemoteEndpoint {
 
   ibv_gid virtual_gid_{};
   ibv_gid physical_gid_{};
+  std::vector<uint32_t> virtual_qpns_;
   Map qpns_;
   Map qpns_back_;
   Map rkeys_;

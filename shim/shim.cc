@@ -887,10 +887,11 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
   // through what it published.
   const RemoteEndpoint* remote = qp->remote.load(std::memory_order_acquire);
   ibv_gid remote_gid = qp->remote_gid;
-  if ((mask & IBV_QP_AV) && attr->ah_attr.is_global) {
-    remote_gid = attr->ah_attr.grh.dgid;
-    remote = FindRemote(remote_gid);
-  }
+  uint32_t remote_qpn = qp->remote_qpn;
+  if (mask & IBV_QP_DEST_QPN) remote_qpn = attr->dest_qp_num;
+  if ((mask & IBV_QP_AV) && attr->ah_attr.is_global) remote_gid = attr->ah_attr.grh.dgid;
+  if ((mask & (IBV_QP_AV | IBV_QP_DEST_QPN)) && !IdentityMode::IsZero(remote_gid))
+    remote = FindRemote(remote_gid, remote_qpn);
   ibv_qp_attr real_attr = *attr;
   PhysicalizeQpAttr(&real_attr, mask, remote);
   const int rc = backend_->ModifyQp(qp->real, &real_attr, mask);
@@ -899,6 +900,7 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
   if ((mask & IBV_QP_AV) && attr->ah_attr.is_global)
     NoteEndpointGid(qp->ctx, attr->ah_attr.port_num, attr->ah_attr.grh.sgid_index);
   qp->remote_gid = remote_gid;
+  qp->remote_qpn = remote_qpn;
   qp->remote.store(remote, std::memory_order_release);
   if (remote != nullptr) qp->path.Set(Path::kTranslated);
   qp->transitions.push_back({*attr, mask});
@@ -973,11 +975,12 @@ int Shim::QueryQpDataInOrder(ibv_qp* q, ibv_wr_opcode op, uint32_t flags) {
 ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   Pd* pd = FindPd(p);
   if (pd == nullptr) return backend_->CreateAh(p, attr);
-  ibv_ah_attr real_attr = *attr;
-  const RemoteEndpoint* remote = attr->is_global ? FindRemote(attr->grh.dgid) : nullptr;
-  if (real_attr.is_global)
-    real_attr.grh.dgid = remote ? remote->physical_gid() : mode_.PhysicalGid(real_attr.grh.dgid);
-  ibv_ah* real = backend_->CreateAh(pd->real, &real_attr);
+  // To the GID's own place; endpoints that moved away get routes.
+  ibv_ah* real = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    real = CreateHomeAhLocked(pd, *attr);
+  }
   if (real == nullptr) return nullptr;
   Ah* ah = NewZeroed<Ah>();
   if (ah == nullptr) {
@@ -988,11 +991,17 @@ ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   ah->real = real;
   ah->pd = pd;
   ah->attr = *attr;
-  ah->remote = remote;
   ah->shadow.context = p->context;
   ah->shadow.pd = p;
   ah->shadow.handle = real->handle;
   std::lock_guard<std::mutex> lock(mu_);
+  if (const int rc = RouteAhToAllLocked(ah); rc != 0) {
+    for (int i = 0; i < ah->nroutes.load(); ++i) backend_->DestroyAh(ah->routes[i].real);
+    backend_->DestroyAh(real);
+    delete ah;
+    errno = rc;
+    return nullptr;
+  }
   if (attr->is_global) NoteEndpointGid(pd->ctx, attr->port_num, attr->grh.sgid_index);
   Register(ah, Kind::kAh);
   return &ah->shadow;
@@ -1032,6 +1041,8 @@ int Shim::DestroyAh(ibv_ah* a) {
   if (ah == nullptr) return backend_->DestroyAh(a);
   const int rc = ah->real != nullptr ? backend_->DestroyAh(ah->real) : 0;
   if (rc != 0) return rc;
+  for (int i = 0; i < ah->nroutes.load(); ++i)
+    if (ah->routes[i].real != nullptr) backend_->DestroyAh(ah->routes[i].real);
   std::lock_guard<std::mutex> lock(mu_);
   Unregister(ah);
   delete ah;
@@ -1055,16 +1066,84 @@ const RemoteEndpoint* Shim::FindRemoteLocked(const ibv_gid& gid) const {
   return nullptr;
 }
 
+const RemoteEndpoint* Shim::FindRemoteLocked(const ibv_gid& gid, uint32_t virtual_qpn) const {
+  for (auto it = remotes_.rbegin(); it != remotes_.rend(); ++it) {
+    if (memcmp((*it)->virtual_gid().raw, gid.raw, sizeof(gid.raw)) == 0 && (*it)->Owns(virtual_qpn))
+      return it->get();
+  }
+  return nullptr;
+}
+
 const RemoteEndpoint* Shim::FindRemote(const ibv_gid& gid) const {
   std::lock_guard<std::mutex> lock(mu_);
   return FindRemoteLocked(gid);
+}
+
+const RemoteEndpoint* Shim::FindRemote(const ibv_gid& gid, uint32_t virtual_qpn) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return FindRemoteLocked(gid, virtual_qpn);
+}
+
+ibv_ah* Shim::CreateHomeAhLocked(Pd* pd, const ibv_ah_attr& attr) {
+  ibv_ah_attr real_attr = attr;
+  if (!attr.is_global) return backend_->CreateAh(pd->real, &real_attr);
+  real_attr.grh.dgid = mode_.PhysicalGid(attr.grh.dgid);
+  ibv_ah* real = backend_->CreateAh(pd->real, &real_attr);
+  if (real != nullptr) return real;
+  // Nobody answers at the GID's place any more (a guest whose NIC was
+  // swapped: its old address is gone, and RoCE cannot resolve it). If an
+  // endpoint of that GID moved, its datagrams go where it is now, as its
+  // route's do.
+  const int err = errno;
+  const RemoteEndpoint* r = FindRemoteLocked(attr.grh.dgid);
+  if (r == nullptr) {
+    errno = err;
+    return nullptr;
+  }
+  real_attr.grh.dgid = r->physical_gid();
+  return backend_->CreateAh(pd->real, &real_attr);
+}
+
+int Shim::RouteAhLocked(Ah* ah, const RemoteEndpoint* r) {
+  if (!ah->attr.is_global || memcmp(ah->attr.grh.dgid.raw, r->virtual_gid().raw, 16) != 0) return 0;
+  ibv_ah_attr attr = ah->attr;
+  attr.grh.dgid = r->physical_gid();
+  ibv_ah* fresh = backend_->CreateAh(ah->pd->real, &attr);
+  if (fresh == nullptr) return errno != 0 ? errno : ENOMEM;
+  const int n = ah->nroutes.load(std::memory_order_relaxed);
+  for (int i = 0; i < n; ++i) {
+    AhRoute& route = ah->routes[i];
+    if (route.remote != r && !route.remote->SameEndpointAs(*r)) continue;
+    ibv_ah* old = route.real;
+    route.real = fresh;
+    route.remote = r;
+    backend_->DestroyAh(old);
+    return 0;
+  }
+  if (n == kMaxAhRoutes) {
+    backend_->DestroyAh(fresh);
+    return EAGAIN;
+  }
+  ah->routes[n] = {r, fresh};
+  ah->nroutes.store(n + 1, std::memory_order_release);
+  return 0;
+}
+
+int Shim::RouteAhToAllLocked(Ah* ah) {
+  if (!ah->attr.is_global) return 0;
+  // Oldest first: a later move of an endpoint replaces its earlier route.
+  for (const auto& r : remotes_)
+    if (const int rc = RouteAhLocked(ah, r.get()); rc != 0) return rc;
+  return 0;
 }
 
 int Shim::PublishRemote(const RemoteMapping& mapping) {
   std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
   if (e == nullptr) return ENOMEM;
   std::lock_guard<std::mutex> lock(mu_);
-  PublishRemoteLocked(std::move(e));
+  const RemoteEndpoint* r = PublishRemoteLocked(std::move(e));
+  for (Ah* ah : All<Ah>(Kind::kAh))
+    if (const int rc = RouteAhLocked(ah, r); rc != 0) return rc;
   return 0;
 }
 
@@ -1078,25 +1157,24 @@ const RemoteEndpoint* Shim::PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> 
   } else {
     LogOnce("more than 256 peer moves published: UD sources of later ones show physical QPNs");
   }
+  // Its QPs (of the GID, connected to a QPN it owns) translate through it;
+  // AHs get their routes to it when the endpoint is re-pointed
+  // (RouteAhLocked: creating an AH is a verb, not done here).
   const ibv_gid& gid = r->virtual_gid();
   for (const auto& [p, kind] : shadows_) {
-    if (kind == Kind::kQp) {
-      Qp* qp = static_cast<Qp*>(const_cast<void*>(p));
-      if (memcmp(qp->remote_gid.raw, gid.raw, 16) != 0) continue;
-      qp->path.Set(Path::kTranslated);
-      qp->remote.store(r, std::memory_order_release);
-    } else if (kind == Kind::kAh) {
-      Ah* ah = static_cast<Ah*>(const_cast<void*>(p));
-      if (ah->attr.is_global && memcmp(ah->attr.grh.dgid.raw, gid.raw, 16) == 0) ah->remote = r;
-    }
+    if (kind != Kind::kQp) continue;
+    Qp* qp = static_cast<Qp*>(const_cast<void*>(p));
+    if (memcmp(qp->remote_gid.raw, gid.raw, 16) != 0 || !r->Owns(qp->remote_qpn)) continue;
+    qp->path.Set(Path::kTranslated);
+    qp->remote.store(r, std::memory_order_release);
   }
   return r;
 }
 
-const RemoteEndpoint* Shim::RemoteAt(const ibv_gid& gid) const {
+const RemoteEndpoint* Shim::RemoteAt(const ibv_gid& gid, uint32_t physical_qpn) const {
   for (uint32_t i = npublished_.load(std::memory_order_acquire); i-- > 0;) {
     const RemoteEndpoint* r = published_[i].load(std::memory_order_acquire);
-    if (memcmp(r->physical_gid().raw, gid.raw, 16) == 0) return r;
+    if (memcmp(r->physical_gid().raw, gid.raw, 16) == 0 && r->SentFrom(physical_qpn)) return r;
   }
   return nullptr;
 }

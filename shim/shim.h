@@ -113,8 +113,11 @@ class Shim {
   // a connected QP's hardware state at the new location is the reconnect
   // step of a migration. 0, or ENOMEM.
   int PublishRemote(const RemoteMapping& mapping);
-  // The cached endpoint behind a virtual GID, or nullptr.
+  // The cached endpoint behind a virtual GID, or nullptr: the newest one
+  // published; with `virtual_qpn`, the newest that owns that QPN (another
+  // endpoint of the same GID may not have moved).
   const RemoteEndpoint* FindRemote(const ibv_gid& virtual_gid) const;
+  const RemoteEndpoint* FindRemote(const ibv_gid& virtual_gid, uint32_t virtual_qpn) const;
 
   // ---- Migration (migration.cc). Called by one thread at a time (the
   // control thread); the application's threads keep posting and polling.
@@ -156,9 +159,9 @@ class Shim {
   // Steps run by application threads so far.
   int steps_on_app_threads() const { return steps_on_app_threads_.load(); }
 
-  // Data path (UD receives): the moved peer now behind a physical GID,
-  // newest first, or nullptr. Lock-free.
-  const RemoteEndpoint* RemoteAt(const ibv_gid& physical_gid) const;
+  // Data path (UD receives): the moved peer now behind a physical GID that
+  // sent from `physical_qpn`, newest first, or nullptr. Lock-free.
+  const RemoteEndpoint* RemoteAt(const ibv_gid& physical_gid, uint32_t physical_qpn) const;
   // A GID of a UD receive's GRH as the application should see it.
   ibv_gid VirtualizeGid(const ibv_gid& g, const RemoteEndpoint* from) const;
 
@@ -198,7 +201,20 @@ class Shim {
   void KeysDiverged();  // requires mu_
   // To what the hardware takes; `remote`: the moved peer addressed, if any.
   void PhysicalizeQpAttr(ibv_qp_attr* attr, int mask, const RemoteEndpoint* remote) const;
-  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid) const;      // requires mu_
+  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid) const;  // requires mu_
+  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid,
+                                         uint32_t virtual_qpn) const;  // requires mu_
+  // `ah` reaches `r` (a moved endpoint behind its GID) through an AH of its
+  // own from now on; one of an earlier move of the same endpoint is
+  // replaced. ENOMEM, or EAGAIN when the AH has routes to kMaxAhRoutes
+  // endpoints already.
+  int RouteAhLocked(Ah* ah, const RemoteEndpoint* r);  // requires mu_
+  // The AH's own hardware AH, to its GID's place; when that cannot be
+  // resolved and an endpoint of the GID moved, to where it is now. nullptr
+  // with errno set.
+  ibv_ah* CreateHomeAhLocked(Pd* pd, const ibv_ah_attr& attr);  // requires mu_
+  // Every route `ah` needs now: one per moved endpoint behind its GID.
+  int RouteAhToAllLocked(Ah* ah);                                                // requires mu_
   const RemoteEndpoint* PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> e);  // requires mu_
   // The port GID this endpoint's QPs use becomes its virtual GID.
   void NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index);  // requires mu_

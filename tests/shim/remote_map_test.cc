@@ -75,7 +75,54 @@ class RemoteMapTest : public ShimTest {
     return {a, b};
   }
   static constexpr uint32_t kPeerVqpn = 0x800777;
+  // Two UD QPs at RTS: `a` (ours) and `b`.
+  std::pair<ibv_qp*, ibv_qp*> UdQps() {
+    ibv_qp* a = dev().Qp(IBV_QPT_UD);
+    ibv_qp* b = dev().Qp(IBV_QPT_UD);
+    EXPECT_EQ(ToRts(shim_, a, 0, {}), 0);
+    EXPECT_EQ(ToRts(shim_, b, 0, {}), 0);
+    return {a, b};
+  }
+  // The peer known as MovedPeerGid() is UD QP `b` now (its rkey unused).
+  void PublishUdPeer(ibv_qp* b) {
+    ibv_mr* mr = dev().Reg(unused_, sizeof(unused_));
+    PublishPeer(b, kPeerVqpn, mr, kPeerVrkey);
+  }
+  // A UD SEND of `sge` to `qpn` through `ah`.
+  static ibv_send_wr UdSend(ibv_sge* sge, ibv_ah* ah, uint32_t qpn) {
+    ibv_send_wr wr{};
+    wr.sg_list = sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.wr.ud.ah = ah;
+    wr.wr.ud.remote_qpn = qpn;
+    wr.wr.ud.remote_qkey = kQkey;
+    return wr;
+  }
+  char unused_[8] = {};
+  // `a` receives one datagram `text` that `sender` sends it through an AH
+  // to this device's GID, into `dst` (GRH first); its completion.
+  ibv_wc ReceiveFrom(ibv_qp* sender, ibv_qp* a, char* dst, size_t len, const char* text) {
+    ibv_mr* dmr = dev().Reg(dst, len);
+    ibv_sge rsge = Sge(dst, len, dmr);
+    ibv_recv_wr rwr{};
+    rwr.sg_list = &rsge;
+    rwr.num_sge = 1;
+    ibv_recv_wr* rbad = nullptr;
+    EXPECT_EQ(ibv_post_recv(a, &rwr, &rbad), 0);
+    ibv_mr* smr = dev().Reg(const_cast<char*>(text), strlen(text) + 1);
+    ibv_sge sge = Sge(const_cast<char*>(text), strlen(text) + 1, smr);
+    ibv_send_wr wr = UdSend(&sge, dev().Ah(dev().gid), a->qp_num);
+    ibv_send_wr* bad = nullptr;
+    EXPECT_EQ(ibv_post_send(sender, &wr, &bad), 0);
+    ibv_wc wc{};
+    for (const ibv_wc& w : Drain(dev().cq))
+      if (w.qp_num == a->qp_num) wc = w;
+    return wc;
+  }
   static constexpr uint32_t kPeerVrkey = 0x80abcd42;
+  // Another endpoint behind the same virtual GID, that did not move.
+  static constexpr uint32_t kOtherVqpn = 0x800778;
 };
 
 TEST_F(RemoteMapTest, ConnectingToAMovedPeerUsesItsPublishedLocation) {
@@ -150,13 +197,8 @@ TEST_F(RemoteMapTest, APublicationReachesQpsAlreadyConnected) {
 }
 
 TEST_F(RemoteMapTest, UdAddressHandlesTowardAMovedPeer) {
-  ibv_qp* a = dev().Qp(IBV_QPT_UD);
-  ibv_qp* b = dev().Qp(IBV_QPT_UD);
-  ASSERT_EQ(ToRts(shim_, a, 0, {}), 0);
-  ASSERT_EQ(ToRts(shim_, b, 0, {}), 0);
-  char unused[8];
-  ibv_mr* mr = dev().Reg(unused, sizeof(unused));
-  PublishPeer(b, kPeerVqpn, mr, kPeerVrkey);
+  auto [a, b] = UdQps();
+  PublishUdPeer(b);
   ibv_ah* ah = dev().Ah(MovedPeerGid());
   ASSERT_NE(ah, nullptr);
   ASSERT_FALSE(fake_.ahs().empty());
@@ -165,13 +207,7 @@ TEST_F(RemoteMapTest, UdAddressHandlesTowardAMovedPeer) {
   char payload[8] = "dgram";
   ibv_mr* smr = dev().Reg(payload, sizeof(payload));
   ibv_sge sge = Sge(payload, sizeof(payload), smr);
-  ibv_send_wr wr{};
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.opcode = IBV_WR_SEND;
-  wr.wr.ud.ah = ah;
-  wr.wr.ud.remote_qpn = kPeerVqpn;
-  wr.wr.ud.remote_qkey = kQkey;
+  ibv_send_wr wr = UdSend(&sge, ah, kPeerVqpn);
   ibv_send_wr* bad = nullptr;
   ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0);
   EXPECT_EQ(fake_.sends().back().remote_qpn, ShimQp(b)->real->qp_num);
@@ -185,38 +221,11 @@ TEST_F(RemoteMapTest, UdAddressHandlesTowardAMovedPeer) {
 // still show the peer's virtual QPN and address (the soak found them
 // showing the physical QPN once P was moved to Q's host).
 TEST_F(RemoteMapTest, DatagramsOfAPeerThatMovedOntoThisHostShowItsVirtualSource) {
-  ibv_qp* a = dev().Qp(IBV_QPT_UD);
-  ibv_qp* b = dev().Qp(IBV_QPT_UD);
-  ASSERT_EQ(ToRts(shim_, a, 0, {}), 0);
-  ASSERT_EQ(ToRts(shim_, b, 0, {}), 0);
-  char unused[8];
-  ibv_mr* mr = dev().Reg(unused, sizeof(unused));
-  PublishPeer(b, kPeerVqpn, mr, kPeerVrkey);
+  auto [a, b] = UdQps();
+  PublishUdPeer(b);
 
   char dst[FakeBackend::kGrhBytes + 8] = {};
-  ibv_mr* dmr = dev().Reg(dst, sizeof(dst));
-  ibv_sge rsge = Sge(dst, sizeof(dst), dmr);
-  ibv_recv_wr rwr{};
-  rwr.sg_list = &rsge;
-  rwr.num_sge = 1;
-  ibv_recv_wr* rbad = nullptr;
-  ASSERT_EQ(ibv_post_recv(a, &rwr, &rbad), 0);
-  char payload[8] = "dgram";
-  ibv_mr* smr = dev().Reg(payload, sizeof(payload));
-  ibv_sge sge = Sge(payload, sizeof(payload), smr);
-  ibv_send_wr wr{};
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.opcode = IBV_WR_SEND;
-  wr.wr.ud.ah = dev().Ah(dev().gid);
-  wr.wr.ud.remote_qpn = a->qp_num;
-  wr.wr.ud.remote_qkey = kQkey;
-  ibv_send_wr* bad = nullptr;
-  ASSERT_EQ(ibv_post_send(b, &wr, &bad), 0);
-
-  ibv_wc wc{};
-  for (const ibv_wc& w : Drain(dev().cq))
-    if (w.qp_num == a->qp_num) wc = w;
+  const ibv_wc wc = ReceiveFrom(b, a, dst, sizeof(dst), "dgram");
   ASSERT_EQ(wc.status, IBV_WC_SUCCESS);
   ASSERT_EQ(wc.qp_num, a->qp_num) << "the datagram was not received";
   EXPECT_EQ(wc.src_qp, kPeerVqpn) << "physical " << ShimQp(b)->real->qp_num;
@@ -234,6 +243,101 @@ TEST_F(RemoteMapTest, ALaterPublicationReplacesAnEarlierOne) {
   PublishPeer(b, kPeerVqpn, second, kPeerVrkey);
   ASSERT_EQ(ToRts(shim_, a, kPeerVqpn, MovedPeerGid()), 0);
   EXPECT_EQ(ShimQp(a)->remote.load()->Rkey(kPeerVrkey), ShimMr(second)->real->rkey);
+}
+
+// Every process started on one host has that host's GID: two endpoints
+// behind one virtual GID, and only one of them moves (a drain moves them one
+// at a time). The lab found the other's peers re-pointed at the mover's new
+// host, their traffic stopped for good.
+TEST_F(RemoteMapTest, OnlyTheQpsOfTheEndpointThatMovedFollowIt) {
+  auto [a, b] = Qps();
+  ibv_qp* stays = dev().Qp(IBV_QPT_RC);  // toward the endpoint that did not move
+  char dst[16] = {};
+  ibv_mr* dmr = dev().Reg(dst, sizeof(dst));
+  ASSERT_EQ(ToRts(shim_, a, kPeerVqpn, MovedPeerGid()), 0);
+  ASSERT_EQ(ToRts(shim_, stays, kOtherVqpn, MovedPeerGid()), 0);
+  PublishPeer(b, kPeerVqpn, dmr, kPeerVrkey);
+  EXPECT_NE(ShimQp(a)->remote.load(), nullptr);
+  EXPECT_EQ(ShimQp(stays)->remote.load(), nullptr) << "re-pointed at an endpoint it never knew";
+  EXPECT_EQ(shim_.FindRemote(MovedPeerGid(), kOtherVqpn), nullptr);
+  EXPECT_NE(shim_.FindRemote(MovedPeerGid(), kPeerVqpn), nullptr);
+  // Connected after the publication: the same.
+  ibv_qp* late = dev().Qp(IBV_QPT_RC);
+  ASSERT_EQ(ToRts(shim_, late, kOtherVqpn, MovedPeerGid()), 0);
+  EXPECT_EQ(ShimQp(late)->remote.load(), nullptr);
+  for (const auto& m : fake_.modifies()) {
+    if (m.qp != ShimQp(late)->real || !(m.mask & IBV_QP_DEST_QPN)) continue;
+    EXPECT_EQ(m.attr.dest_qp_num, kOtherVqpn & ~kQpnMarker);
+    EXPECT_FALSE(GidEq(m.attr.ah_attr.grh.dgid, FakeBackend::Gid(kIpv4GidIndex)));
+  }
+}
+
+TEST_F(RemoteMapTest, ADatagramGoesWhereTheEndpointOfItsQpnIs) {
+  auto [a, b] = UdQps();
+  ibv_ah* ah = dev().Ah(MovedPeerGid());  // made before the move
+  ASSERT_NE(ah, nullptr);
+  PublishUdPeer(b);
+  char payload[8] = "dgram";
+  ibv_mr* smr = dev().Reg(payload, sizeof(payload));
+  auto send = [&](uint32_t qpn) {
+    ibv_sge sge = Sge(payload, sizeof(payload), smr);
+    ibv_send_wr wr = UdSend(&sge, ah, qpn);
+    ibv_send_wr* bad = nullptr;
+    EXPECT_EQ(ibv_post_send(a, &wr, &bad), 0);
+    EXPECT_EQ(wr.wr.ud.remote_qpn, qpn);
+    EXPECT_EQ(wr.wr.ud.ah, ah);
+    return fake_.sends().back();
+  };
+  const auto moved = send(kPeerVqpn);
+  EXPECT_EQ(moved.remote_qpn, ShimQp(b)->real->qp_num);
+  ASSERT_EQ(ShimAh(ah)->nroutes.load(), 1);
+  EXPECT_EQ(moved.ah, ShimAh(ah)->routes[0].real);
+  const auto stayed = send(kOtherVqpn);
+  EXPECT_EQ(stayed.remote_qpn, kOtherVqpn & ~kQpnMarker);
+  EXPECT_EQ(stayed.ah, ShimAh(ah)->real) << "sent to where the moved one went";
+  // A second move of the same endpoint replaces its route.
+  PublishUdPeer(b);
+  EXPECT_EQ(ShimAh(ah)->nroutes.load(), 1);
+  Drain(dev().cq);
+}
+
+TEST_F(RemoteMapTest, ADatagramFromAnotherEndpointOfTheMovedOnesHostKeepsItsOwnSource) {
+  auto [a, b] = UdQps();             // b: the moved peer, now on this device
+  ibv_qp* c = dev().Qp(IBV_QPT_UD);  // a native of this device
+  ASSERT_EQ(ToRts(shim_, c, 0, {}), 0);
+  PublishUdPeer(b);
+
+  char dst[FakeBackend::kGrhBytes + 8] = {};
+  const ibv_wc wc = ReceiveFrom(c, a, dst, sizeof(dst), "native");
+  ASSERT_EQ(wc.status, IBV_WC_SUCCESS);
+  ASSERT_EQ(wc.qp_num, a->qp_num) << "the datagram was not received";
+  EXPECT_EQ(wc.src_qp, c->qp_num) << "shown as the moved peer's";
+  const auto* ip = reinterpret_cast<const uint8_t*>(dst) + 20;
+  EXPECT_NE(memcmp(ip + 12, MovedPeerGid().raw + 12, 4), 0) << "its source shown as the moved peer";
+  EXPECT_STREQ(dst + FakeBackend::kGrhBytes, "native");
+}
+
+// A guest whose NIC was swapped: its old address is gone, and RoCE cannot
+// resolve an AH toward it (rxe: ETIMEDOUT). An AH toward its virtual GID is
+// then made toward where it is now (the VM lab's drain failed on this).
+TEST_F(RemoteMapTest, AnAhTowardAGidNobodyAnswersAtAnyMoreGoesWhereItsEndpointMoved) {
+  auto [a, b] = UdQps();
+  PublishUdPeer(b);
+  fake_.FailNext(FakeBackend::Op::kCreateAh, ETIMEDOUT);
+  ibv_ah* ah = dev().Ah(MovedPeerGid());
+  ASSERT_NE(ah, nullptr) << "no AH toward a peer that moved";
+  EXPECT_TRUE(GidEq(fake_.ahs().front().attr.grh.dgid, FakeBackend::Gid(kIpv4GidIndex)))
+      << "its own AH does not go where the peer is now";
+  // Nothing moved from a GID: the failure is the application's.
+  fake_.FailNext(FakeBackend::Op::kCreateAh, ETIMEDOUT);
+  ibv_ah_attr attr{};
+  attr.is_global = 1;
+  attr.grh.dgid = dev().gid;
+  attr.grh.sgid_index = kIpv4GidIndex;
+  attr.port_num = FakeBackend::kPort;
+  errno = 0;
+  EXPECT_EQ(shim_.CreateAh(dev().pd, &attr), nullptr);
+  EXPECT_EQ(errno, ETIMEDOUT);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/security/auth_context.h"
 
@@ -144,6 +145,11 @@ absl::StatusOr<CertInfo> InspectCertificate(absl::string_view pem) {
   info.subject = NameText(X509_get_subject_name(cert.get()));
   info.not_before = TimeOf(X509_get0_notBefore(cert.get()));
   info.not_after = TimeOf(X509_get0_notAfter(cert.get()));
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int md_len = 0;
+  if (X509_digest(cert.get(), EVP_sha256(), md, &md_len) == 1)
+    info.sha256 =
+        absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(md), md_len));
   const uint32_t flags = X509_get_extension_flags(cert.get());
   if ((flags & EXFLAG_INVALID) != 0)
     return absl::InvalidArgumentError(absl::StrCat(info.subject, ": malformed extensions"));

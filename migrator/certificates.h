@@ -33,6 +33,7 @@ struct CertInfo {
   CertRole role = CertRole::kOperator;
   absl::Time not_before;
   absl::Time not_after;
+  std::string sha256;  // of the DER, lowercase hex (what `openssl x509 -fingerprint -sha256` shows)
 };
 
 // Parses the first certificate of `pem`. INVALID_ARGUMENT when it does not

@@ -79,12 +79,17 @@ grpc::Status OperatorService::Restore(grpc::ServerContext* ctx, const v1::Restor
   return gate_.Admit(*ctx, "Restore", [&] { return ToGrpc(m_->Restore(*request, Sink(writer))); });
 }
 
-grpc::Status OperatorService::Status(grpc::ServerContext* ctx, const v1::StatusRequest*,
+grpc::Status OperatorService::Status(grpc::ServerContext* ctx, const v1::StatusRequest* request,
                                      v1::StatusResponse* out) {
   return gate_.Admit(*ctx, "Status", [&] {
-    *out = m_->Status();
+    *out = m_->Status(request->all());
     return grpc::Status::OK;
   });
+}
+
+grpc::Status OperatorService::ListHosts(grpc::ServerContext* ctx, const v1::ListHostsRequest*,
+                                        v1::ListHostsResponse* out) {
+  return gate_.Admit(*ctx, "ListHosts", [&] { return Reply(m_->ListHosts(), out); });
 }
 
 grpc::Status OperatorService::Suspend(grpc::ServerContext* ctx, const v1::SuspendRequest* request,

@@ -59,6 +59,8 @@ class OperatorService final : public v1::Operator::Service {
                        grpc::ServerWriter<v1::Progress>* writer) override;
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*,
                       v1::StatusResponse* out) override;
+  grpc::Status ListHosts(grpc::ServerContext*, const v1::ListHostsRequest*,
+                         v1::ListHostsResponse* out) override;
   grpc::Status Suspend(grpc::ServerContext*, const v1::SuspendRequest* request,
                        v1::GuestReport* out) override;
   grpc::Status Resume(grpc::ServerContext*, const v1::ResumeRequest* request,

@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "migrator/inventory.h"
 #include "migrator/log.h"
 #include "migrator/migrator.h"
 #include "migrator/migrator_internal.h"
@@ -255,6 +256,10 @@ absl::Status Migrator::GuestEvent(const v1::GuestEventRequest& request) {
   auto it = std::find_if(entries->begin(), entries->end(), [&](const v1::GuestNicEntry& e) {
     return e.domain() == request.domain();
   });
+  // A guest that arrived (or went) is no move in flight any more.
+  if (options_.inventory != nullptr && it != entries->end() && !it->running())
+    (void)options_.inventory->Unclaim(absl::StrCat("guest/", request.domain()),
+                                      absl::StrCat("nic-", it->mac()));
   if (request.event() == "started") {
     v1::GuestNicEntry* e = it != entries->end() ? &*it : guest_nics_.add_entries();
     e->set_domain(request.domain());
@@ -329,6 +334,18 @@ absl::StatusOr<v1::GuestNic> Migrator::AllocateGuestNic(
   nic.set_mac(absl::StrFormat("52:54:00:%02x:%02x:%02x", r >> 16, (r >> 8) & 0xff, r & 0xff));
   nic.set_address(text);
   nic.set_interface_xml(GuestInterfaceXml(options_.guest_nic_bridge, nic.mac()));
+  // The move, for the cluster to see: a second move of the guest to
+  // another host is refused there until this one is over.
+  if (options_.inventory != nullptr) {
+    v1::MoveClaim claim;
+    claim.set_subject(absl::StrCat("guest/", request.domain()));
+    claim.set_migration_id(absl::StrCat("nic-", nic.mac()));
+    claim.set_kind("vm-migrate");
+    claim.set_destination(options_.host_name);
+    claim.set_source(options_.host_name);
+    claim.set_started_at(absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()));
+    if (absl::Status st = options_.inventory->Claim(claim); !st.ok()) return st;
+  }
   v1::GuestNicEntry* e = guest_nics_.add_entries();
   e->set_domain(request.domain());
   e->set_mac(nic.mac());
@@ -336,6 +353,9 @@ absl::StatusOr<v1::GuestNic> Migrator::AllocateGuestNic(
   if (absl::Status st = SaveGuestNics(); !st.ok()) {
     // Not saved, not given: a restarted migrator would give it again.
     guest_nics_.mutable_entries()->RemoveLast();
+    if (options_.inventory != nullptr)
+      (void)options_.inventory->Unclaim(absl::StrCat("guest/", request.domain()),
+                                        absl::StrCat("nic-", nic.mac()));
     return st;
   }
   Log("guest %s: NIC %s, address %s", request.domain(), nic.mac(), nic.address());

@@ -22,6 +22,7 @@
 #include "migrator/checkpointer.h"
 #include "migrator/failpoints.h"
 #include "migrator/grpc_service.h"
+#include "migrator/inventory.h"
 #include "migrator/log.h"
 #include "migrator/migrator.h"
 #include "migrator/process_control.h"
@@ -47,6 +48,14 @@ constexpr char kUsage[] =
     "  --guest-nic-first A.B.C.D/LEN\n"
     "                        the first of the guests' fabric addresses (with BR)\n"
     "  --guest-nic-capacity N  RDMA guests this host can run (with BR, default 8)\n"
+    "  --inventory URL[,URL...]  etcd endpoints (https://HOST:PORT with this host's\n"
+    "                        certificate, or http://): register this host there, find\n"
+    "                        peers' hosts by their GIDs, record moves (docs/migrator.md)\n"
+    "  --advertise HOST:PORT  where other migrators reach this one (the management\n"
+    "                        network; with --inventory, default the --listen address)\n"
+    "  --inventory-prefix P  keys under P (default /rdmavirt/)\n"
+    "  --inventory-ttl S     seconds a dead migrator stays listed (default 10)\n"
+    "  --libvirt-uri URI     where guests moving to this host go, for drain --auto\n"
     "SIGTERM or SIGINT stops it cleanly.\n";
 
 struct Flags {
@@ -61,6 +70,11 @@ struct Flags {
   std::string guest_nic_bridge;
   std::string guest_nic_first;
   uint32_t guest_nic_capacity = 8;
+  std::string inventory;
+  std::string advertise;
+  std::string inventory_prefix = "/rdmavirt/";
+  uint32_t inventory_ttl_s = 10;
+  std::string libvirt_uri;
 };
 
 // 0 to go on, else the exit code.
@@ -111,6 +125,20 @@ int ParseFlags(int argc, char** argv, Flags* f) {
         fprintf(stderr, "rdmavirt-migratord: --guest-nic-capacity takes 1..4096\n");
         return 2;
       }
+    } else if (name == "--inventory") {
+      f->inventory = value;
+    } else if (name == "--advertise") {
+      f->advertise = value;
+    } else if (name == "--inventory-prefix") {
+      f->inventory_prefix = value;
+    } else if (name == "--inventory-ttl") {
+      if (!absl::SimpleAtoi(value, &f->inventory_ttl_s) || f->inventory_ttl_s < 3 ||
+          f->inventory_ttl_s > 3600) {
+        fprintf(stderr, "rdmavirt-migratord: --inventory-ttl takes 3..3600 seconds\n");
+        return 2;
+      }
+    } else if (name == "--libvirt-uri") {
+      f->libvirt_uri = value;
     } else {
       fprintf(stderr, "rdmavirt-migratord: unknown option %s\n%s", name.c_str(), kUsage);
       return 2;
@@ -136,6 +164,10 @@ int ParseFlags(int argc, char** argv, Flags* f) {
     }
   } else if (!f->guest_nic_first.empty()) {
     fprintf(stderr, "rdmavirt-migratord: --guest-nic-first needs --guest-nic-bridge\n");
+    return 2;
+  }
+  if (f->inventory.empty() && (!f->advertise.empty() || !f->libvirt_uri.empty())) {
+    fprintf(stderr, "rdmavirt-migratord: --advertise and --libvirt-uri need --inventory\n");
     return 2;
   }
   if (f->criu_log_dir.empty()) f->criu_log_dir = f->state_dir + "/criu-logs";
@@ -220,7 +252,39 @@ int Run(int argc, char** argv) {
   std::unique_ptr<Checkpointer> criu = NewCriuCheckpointer(flags.criu_log_dir);
   std::unique_ptr<ProcessControl> procs = NewProcessControl();
 
+  // Where other migrators reach this one, for the inventory.
+  std::string advertise;
+  if (!flags.inventory.empty()) {
+    absl::StatusOr<HostPort> a =
+        ParseHostPort(flags.advertise.empty() ? flags.listen : flags.advertise, listen->port);
+    if (!a.ok() || a->host == "0.0.0.0" || a->host == "::") {
+      fprintf(stderr,
+              "rdmavirt-migratord: --advertise %s: give the address other migrators reach this "
+              "one at (HOST:PORT on the management network)\n",
+              a.ok() ? "is needed when --listen is a wildcard"
+                     : std::string(a.status().message()).c_str());
+      return 2;
+    }
+    advertise = a->Target();
+  }
+  std::unique_ptr<Inventory> inventory;
+  if (!flags.inventory.empty()) {
+    Inventory::Options io;
+    io.endpoints = {flags.inventory};
+    io.prefix = flags.inventory_prefix;
+    io.ttl = absl::Seconds(flags.inventory_ttl_s);
+    io.tls = *tls;
+    absl::StatusOr<std::unique_ptr<Inventory>> inv = Inventory::Create(io);
+    if (!inv.ok()) {
+      fprintf(stderr, "rdmavirt-migratord: --inventory: %s\n",
+              std::string(inv.status().message()).c_str());
+      return 2;
+    }
+    inventory = *std::move(inv);
+  }
+
   Migrator::Options mo;
+  mo.inventory = inventory.get();
   mo.host_name = flags.host_name;
   mo.state_dir = flags.state_dir;
   mo.version = RDMAVIRT_VERSION;
@@ -263,10 +327,25 @@ int Run(int argc, char** argv) {
     (void)migrator.GetHostInfo();  // runs `criu check` once, before anyone waits for it
     migrator.Recover();
   });
+  if (inventory != nullptr) {
+    const std::string fingerprint = InspectCertificate(tls->cert).value_or(CertInfo{}).sha256;
+    const std::string started =
+        absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone());
+    (void)inventory->StartRegistration([&migrator, advertise, fingerprint, started, &flags] {
+      v1::InventoryHost h = migrator.DescribeForInventory();
+      h.set_address(advertise);
+      h.set_cert_sha256(fingerprint);
+      h.set_libvirt_uri(flags.libvirt_uri);
+      h.set_registered_at(started);
+      return h;
+    });
+  }
 
   int sig = 0;
   sigwait(&stop, &sig);
   Log("%s: stopping", strsignal(sig));
+  // Off the inventory first: no move should pick a host that is going.
+  if (inventory != nullptr) inventory->StopRegistration(/*revoke=*/true);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   recovery.join();
   shims->reset();

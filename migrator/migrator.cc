@@ -12,6 +12,7 @@
 #include "grpcpp/grpcpp.h"
 #include "migrator/addresses.h"
 #include "migrator/failpoints.h"
+#include "migrator/inventory.h"
 #include "migrator/log.h"
 #include "migrator/migrator_internal.h"
 #include "migrator/rdma_devices.h"
@@ -33,9 +34,18 @@ Migrator::Options WithDefaults(Migrator::Options o) {
   if (!o.list_devices) o.list_devices = ListRdmaDevices;
   if (o.max_precopy_iterations == 0) o.max_precopy_iterations = 3;
   if (o.drain_timeout_ms == 0) o.drain_timeout_ms = 10000;
+  if (!o.locate_peer && o.inventory != nullptr) {
+    Inventory* inventory = o.inventory;
+    const std::string self = o.host_name;
+    o.locate_peer = [inventory, self](const std::string& gid) -> absl::StatusOr<std::string> {
+      absl::StatusOr<v1::InventoryHost> owner = inventory->OwnerOfGid(gid);
+      if (!owner.ok()) return owner.status();
+      return owner->name() == self ? "" : owner->address();
+    };
+  }
   if (!o.locate_peer) {
     const int port = o.port;
-    o.locate_peer = [port](const std::string& gid) -> std::string {
+    o.locate_peer = [port](const std::string& gid) -> absl::StatusOr<std::string> {
       const std::string ip = GidIpv4(gid);
       if (ip.empty() || IsLocalAddress(ip)) return "";
       return absl::StrCat(ip, ":", port);
@@ -92,7 +102,44 @@ std::string Migrator::NewId() {
                          absl::Uniform<uint32_t>(*gen, 0, 1u << 24));
 }
 
-std::string Migrator::PeerTarget(const std::string& gid) { return options_.locate_peer(gid); }
+absl::StatusOr<std::string> Migrator::PeerTarget(const std::string& gid) {
+  return options_.locate_peer(gid);
+}
+
+absl::Status Migrator::CheckPeersLocatable(const v1::EndpointSummary& e) {
+  std::set<std::string> asked;
+  for (const v1::QpSummary& q : e.qps()) {
+    if (q.remote_physical_gid().empty() || !asked.insert(q.remote_physical_gid()).second) continue;
+    absl::StatusOr<std::string> t = PeerTarget(q.remote_physical_gid());
+    if (!t.ok())
+      return Annotate(t.status(), absl::StrCat("the host of QP ", q.virtual_qpn(), "'s peer"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::ClaimMove(Move* m) {
+  if (options_.inventory == nullptr) return absl::OkStatus();
+  const v1::MigrationReport& r = m->rec.report();
+  v1::MoveClaim claim;
+  claim.set_subject(absl::StrCat("endpoint/", r.endpoint_id()));
+  claim.set_migration_id(r.migration_id());
+  claim.set_kind(r.kind());
+  claim.set_pid(r.pid());
+  claim.set_source(options_.host_name);
+  claim.set_destination(r.destination());
+  claim.set_started_at(r.started_at());
+  return options_.inventory->Claim(claim);
+}
+
+void Migrator::UnclaimMove(Move* m) {
+  if (options_.inventory == nullptr) return;
+  const v1::MigrationReport& r = m->rec.report();
+  // A claim left behind goes with this host's lease; say so, nothing more.
+  if (absl::Status st =
+          options_.inventory->Unclaim(absl::StrCat("endpoint/", r.endpoint_id()), r.migration_id());
+      !st.ok())
+    Log("migration %s: %s", r.migration_id(), st.message());
+}
 
 v1::HostInfo Migrator::GetHostInfo() {
   v1::HostInfo info;
@@ -230,7 +277,7 @@ v1::ListEndpointsResponse Migrator::ListEndpoints() {
   return out;
 }
 
-v1::StatusResponse Migrator::Status() {
+v1::StatusResponse Migrator::Status(bool all) {
   v1::StatusResponse out;
   {
     absl::MutexLock lock(&mu_);
@@ -238,7 +285,39 @@ v1::StatusResponse Migrator::Status() {
     for (const auto& r : recent_) *out.add_recent() = r;
   }
   *out.mutable_host() = GetHostInfo();
+  if (options_.inventory != nullptr) {
+    out.set_inventory(options_.inventory->Describe());
+    if (all) {
+      absl::StatusOr<std::vector<v1::MoveClaim>> moves = options_.inventory->Moves();
+      if (moves.ok())
+        for (v1::MoveClaim& c : *moves) *out.add_cluster_moves() = std::move(c);
+      else
+        out.set_inventory(absl::StrCat(out.inventory(), " (", moves.status().message(), ")"));
+    }
+  }
   return out;
+}
+
+absl::StatusOr<v1::ListHostsResponse> Migrator::ListHosts() {
+  if (options_.inventory == nullptr)
+    return absl::FailedPreconditionError(
+        absl::StrCat(options_.host_name, "'s migrator has no inventory (--inventory)"));
+  absl::StatusOr<std::vector<v1::InventoryHost>> hosts = options_.inventory->Hosts();
+  if (!hosts.ok()) return hosts.status();
+  v1::ListHostsResponse out;
+  for (v1::InventoryHost& h : *hosts) *out.add_hosts() = std::move(h);
+  return out;
+}
+
+v1::InventoryHost Migrator::DescribeForInventory() {
+  v1::InventoryHost h;
+  h.set_name(options_.host_name);
+  *h.mutable_info() = GetHostInfo();
+  uint32_t active = 0;
+  for (const v1::RdmaDevice& d : h.info().devices())
+    for (const v1::RdmaPort& p : d.ports()) active += p.state() == "ACTIVE";
+  h.set_active_ports(active);
+  return h;
 }
 
 // ---- peers of a moving endpoint on this host (Transfer) ------------------

@@ -47,6 +47,7 @@
 namespace rdmavirt::migrator {
 
 class ImageReceiver;
+class Inventory;
 
 class Migrator {
  public:
@@ -54,7 +55,8 @@ class Migrator {
     std::string host_name;
     std::string state_dir = "/var/lib/rdmavirt";
     std::string version;
-    // The TCP port of every migrator (peers are found at their GID's IPv4).
+    // The TCP port of every migrator (without an inventory, peers are found
+    // at their GID's IPv4 and this port).
     int port = 7700;
     uint32_t max_precopy_iterations = 3;
     // A pre-dump that writes less than this ends the pre-copy.
@@ -71,9 +73,13 @@ class Migrator {
     // or the endpoint resumed there is asked again, every second, for this
     // long: a restarted migrator finds the shims again and can do it.
     absl::Duration restart_wait = absl::Minutes(2);
+    // Where the cluster's migrators find each other (inventory.h); none:
+    // one host, or peers found by their GIDs' IPv4 addresses.
+    Inventory* inventory = nullptr;
     // A peer's physical GID (16 bytes) -> "host:port" of its migrator, ""
-    // when it is on this host. Default: the GID's IPv4 and `port`.
-    std::function<std::string(const std::string& gid)> locate_peer;
+    // when it is on this host; NOT_FOUND when no migrator owns it.
+    // Default: the owner in `inventory`, else the GID's IPv4 and `port`.
+    std::function<absl::StatusOr<std::string>(const std::string& gid)> locate_peer;
     // "host:port" -> a Transfer stub to that migrator. Required.
     std::function<std::unique_ptr<v1::Transfer::StubInterface>(const std::string& target)> connect;
     // This host's RDMA devices. Default: libibverbs.
@@ -106,7 +112,13 @@ class Migrator {
   absl::Status Migrate(const v1::MigrateRequest& request, const ProgressSink& sink);
   absl::Status Checkpoint(const v1::CheckpointRequest& request, const ProgressSink& sink);
   absl::Status Restore(const v1::RestoreRequest& request, const ProgressSink& sink);
-  v1::StatusResponse Status();
+  // `all`: with the moves in flight anywhere in the cluster (inventory).
+  v1::StatusResponse Status(bool all = false);
+  // The inventory's live hosts; FAILED_PRECONDITION without an inventory.
+  absl::StatusOr<v1::ListHostsResponse> ListHosts();
+  // What this host publishes in the inventory (InventoryHost without its
+  // address, certificate and libvirt URI, which main() knows).
+  v1::InventoryHost DescribeForInventory();
 
   // ---- guests (guests.cc)
   // Guest side: every endpoint (or the listed ones) and its peers quiesced
@@ -253,7 +265,14 @@ class Migrator {
   absl::Status SaveGuestNics() ABSL_EXCLUSIVE_LOCKS_REQUIRED(guests_mu_);
   void ResumeOne(Move* m, const std::string& device, v1::MigrationReport* out);
 
-  std::string PeerTarget(const std::string& gid);
+  absl::StatusOr<std::string> PeerTarget(const std::string& gid);
+  // Every connected peer's host found (NOT_FOUND naming a GID no migrator
+  // owns), before anything is quiesced.
+  absl::Status CheckPeersLocatable(const v1::EndpointSummary& e);
+  // The move recorded in the inventory for the cluster to see (and to
+  // refuse a second move of the same endpoint); OK without an inventory.
+  absl::Status ClaimMove(Move* m);
+  void UnclaimMove(Move* m);
   std::string NewId();
 
   const Options options_;

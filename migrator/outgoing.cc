@@ -183,8 +183,9 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
   std::set<std::string> remote;
   for (const v1::QpSummary& q : e.qps()) {
     if (q.remote_physical_gid().empty()) continue;
-    const std::string t = PeerTarget(q.remote_physical_gid());
-    if (!t.empty()) remote.insert(t);
+    absl::StatusOr<std::string> t = PeerTarget(q.remote_physical_gid());
+    if (!t.ok()) return t.status();
+    if (!t->empty()) remote.insert(*t);
   }
   m->blackout_start = absl::Now();
   uint32_t peers = 0;
@@ -629,14 +630,15 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   if (pid <= 0) return absl::InvalidArgumentError(absl::StrCat("invalid pid ", pid));
   absl::StatusOr<HostPort> dest = ParseHostPort(request.destination(), options_.port);
   if (!dest.ok()) return Annotate(dest.status(), "destination");
-  if (absl::Status st = CheckShim(pid); !st.ok()) return st;
-  if (absl::Status st = CheckNoTerminal(pid); !st.ok()) return st;
+  // First: a process in the middle of its move has no shim to ask.
   {
     absl::MutexLock lock(&mu_);
     if (!moving_.insert(pid).second)
       return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is already moving"));
   }
   absl::Cleanup unbusy = [&] { DoneMoving(pid); };
+  if (absl::Status st = CheckShim(pid); !st.ok()) return st;
+  if (absl::Status st = CheckNoTerminal(pid); !st.ok()) return st;
   std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
   const std::string target = dest->Target();
   m->rec.set_destination(target);
@@ -658,6 +660,14 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   }
   *m->rec.mutable_endpoint() = *e;
   m->rec.mutable_report()->set_endpoint_id(e->endpoint_id());
+  absl::Status known = CheckPeersLocatable(*e);
+  if (known.ok()) known = ClaimMove(m.get());
+  if (!known.ok()) {
+    known = Annotate(known, "nothing was quiesced");
+    Finish(m.get(), known);
+    return known;
+  }
+  absl::Cleanup unclaim = [&] { UnclaimMove(m.get()); };
   v1::PrepareRequest prep;
   prep.set_migration_id(m->rec.report().migration_id());
   *prep.mutable_endpoint() = *e;
@@ -808,14 +818,26 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   // hosts restarted; they are re-pointed either way).
   for (const v1::QpSummary& q : manifest->endpoint().qps()) {
     if (q.remote_physical_gid().empty()) continue;
-    const std::string t = PeerTarget(q.remote_physical_gid());
-    if (t.empty())
+    absl::StatusOr<std::string> t = PeerTarget(q.remote_physical_gid());
+    if (!t.ok()) {
+      const absl::Status st = Annotate(t.status(), "nothing was restored");
+      Finish(m.get(), st);
+      return st;
+    }
+    if (t->empty())
       m->rec.set_local_peers(true);
-    else if (std::find(m->rec.peer_hosts().begin(), m->rec.peer_hosts().end(), t) ==
+    else if (std::find(m->rec.peer_hosts().begin(), m->rec.peer_hosts().end(), *t) ==
              m->rec.peer_hosts().end())
-      m->rec.add_peer_hosts(t);
+      m->rec.add_peer_hosts(*t);
   }
   r->set_peers(m->rec.peer_hosts_size() + (m->rec.local_peers() ? 1 : 0));
+  r->set_destination(on.has_value() ? on->Target() : options_.host_name);
+  if (absl::Status st = ClaimMove(m.get()); !st.ok()) {
+    st = Annotate(st, "nothing was restored");
+    Finish(m.get(), st);
+    return st;
+  }
+  absl::Cleanup unclaim = [&] { UnclaimMove(m.get()); };
 
   if (on.has_value()) {
     // The second half of a move: prepare, transfer, restore and resume as

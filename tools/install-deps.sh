@@ -28,6 +28,8 @@ packages=(
   qemu-system-x86 qemu-utils vde2 busybox-static cpio kmod iproute2 coreutils procps
   # the lab's fault tests cut the fabric between hosts with packet filters
   iptables
+  # the inventory (docs/migrator.md): etcd for the tests and the lab
+  etcd-server etcd-client
   python3
 )
 

@@ -50,18 +50,20 @@ def pid_of(host, pattern):
     return int(r.out.strip())
 
 
-def start_pair(name, iterations, server=3, client=1, ballast_mib=0):
+def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, port=18900):
     """The workload under the shim: server Q on `server`, client P on
     `client`, their output in files every host sees at the same path (CRIU
     re-opens them on the destination; the migrator stops the source before
     its final dump, so the files it finds are those the dump saw). P carries
-    `ballast_mib` MiB of plain memory that it verifies at the end."""
+    `ballast_mib` MiB of plain memory that it verifies at the end. `shim`:
+    the environment that puts them under the shim (and names the migrators'
+    socket); `port`: Q's."""
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
-    args = f"--iterations {iterations} --ud-lost-after 1800 --port 18900"
-    run_ok(server, f"(setsid env {SHIM}{PROG} --server {args} --report {WORK}/{name}-q.json "
+    args = f"--iterations {iterations} --ud-lost-after 1800 --port {port}"
+    run_ok(server, f"(setsid env {shim}{PROG} --server {args} --report {WORK}/{name}-q.json "
                    f"> {WORK}/{name}-q.out 2>&1 < /dev/null &)")
-    wait_listening(server, 18900)
-    run_ok(client, f"(setsid env {SHIM}{PROG} --connect {ip(server)} {args} "
+    wait_listening(server, port)
+    run_ok(client, f"(setsid env {shim}{PROG} --connect {ip(server)} {args} "
                    f"--ballast {ballast_mib} "
                    f"--report {WORK}/{name}-p.json > {WORK}/{name}-p.out 2>&1 < /dev/null &)")
     wait_sent(name, 20)
@@ -118,6 +120,20 @@ def wait_reports(name, timeout=900):
         with open(p) as f:
             out.append(json.load(f))
     return out
+
+
+def nothing_lost(name, p_hosts, q_hosts):
+    """Both sides of pair `name` finished with every message delivered once,
+    whole and in order, P having run on `p_hosts` and Q on `q_hosts` (the
+    hosts their reports saw, in order)."""
+    p, q = wait_reports(name, 900)
+    for side, rep in (("P", p), ("Q", q)):
+        check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and
+              rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
+              rep["completion_errors"] == 0 and rep["sends"] == rep["iterations"],
+              f"{side}'s integrity report", rep)
+    check(hosts_seen(p) == p_hosts, "P ran elsewhere than expected", p["places"], p_hosts)
+    check(hosts_seen(q) == q_hosts, "Q ran elsewhere than expected", q["places"], q_hosts)
 
 
 def show_logs(name, hosts=(1, 2, 3)):

@@ -17,9 +17,12 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "migrator/addresses.h"
 #include "migrator/grpc_service.h"
 #include "migrator/image_dir.h"
+#include "migrator/inventory.h"
 #include "migrator/record_store.h"
+#include "tests/migrator/etcd_process.h"
 #include "tests/migrator/fake_host.h"
 
 namespace rdmavirt::migrator {
@@ -57,13 +60,17 @@ class Cluster {
     std::unique_ptr<FakeHost> host;
     std::string state_dir;
     bool rdma = true;
-    uint32_t guest_nics = 0;  // capacity; 0: no NICs for guests
+    uint32_t guest_nics = 0;               // capacity; 0: no NICs for guests
+    std::unique_ptr<Inventory> inventory;  // with an etcd: registered there
     std::unique_ptr<Migrator> m;
     std::unique_ptr<TransferService> svc;
     std::unique_ptr<grpc::Server> server;
   };
 
-  explicit Cluster(const std::string& test) {
+  // `inventory`: an etcd URL; the migrators register there and find their
+  // peers' hosts through it (else by a table of the hosts' GIDs).
+  explicit Cluster(const std::string& test, const std::string& inventory = "")
+      : inventory_(inventory) {
     for (int n = 1; n <= 3; ++n) {
       Node& node = nodes_[n];
       node.host = std::make_unique<FakeHost>(n);
@@ -90,11 +97,19 @@ class Cluster {
     o.transfer_timeout = absl::Seconds(10);
     o.restart_wait = absl::Seconds(3);
     o.drain_timeout_ms = 100;
-    o.locate_peer = [this, n](const std::string& gid) -> std::string {
-      for (auto& [k, other] : nodes_)
-        if (other.host->gid() == gid) return k == n ? "" : Target(k);
-      return "unknown:7700";
-    };
+    if (inventory_.empty()) {
+      o.locate_peer = [this, n](const std::string& gid) -> std::string {
+        for (auto& [k, other] : nodes_)
+          if (other.host->gid() == gid) return k == n ? "" : Target(k);
+        return "unknown:7700";
+      };
+    } else {
+      Inventory::Options io;
+      io.endpoints = {inventory_};
+      io.ttl = absl::Seconds(3);
+      node.inventory = *Inventory::Create(io);
+      o.inventory = node.inventory.get();
+    }
     o.connect = [this](const std::string& target) -> std::unique_ptr<v1::Transfer::StubInterface> {
       for (auto& [k, other] : nodes_)
         if (Target(k) == target && other.server != nullptr)
@@ -112,6 +127,7 @@ class Cluster {
       v1::RdmaPort* p = d.add_ports();
       p->set_port_num(1);
       p->set_state("ACTIVE");
+      p->add_gids(GidText(nodes_[n].host->gid()));
       out.push_back(d);
       return out;
     };
@@ -128,6 +144,15 @@ class Cluster {
     b.RegisterService(node.svc.get());
     b.AddListeningPort(Socket(n), grpc::InsecureServerCredentials());
     node.server = b.BuildAndStart();
+    if (node.inventory != nullptr) {
+      Migrator* m = node.m.get();
+      const absl::Status st = node.inventory->StartRegistration([m, n] {
+        v1::InventoryHost h = m->DescribeForInventory();
+        h.set_address(Target(n));
+        return h;
+      });
+      EXPECT_TRUE(st.ok()) << st;
+    }
   }
 
   void Stop(int n) {
@@ -135,7 +160,9 @@ class Cluster {
     if (node.server) node.server->Shutdown();
     node.server.reset();
     node.svc.reset();
+    if (node.inventory != nullptr) node.inventory->StopRegistration(/*revoke=*/true);
     node.m.reset();
+    node.inventory.reset();
   }
 
   Node& operator[](int n) { return nodes_[n]; }
@@ -148,6 +175,7 @@ class Cluster {
   // again once it is started anew.
   std::string Socket(int n) { return absl::StrCat("unix:", nodes_[n].state_dir, "/grpc.sock"); }
 
+  const std::string inventory_;
   std::map<int, Node> nodes_;
 };
 
@@ -1204,6 +1232,126 @@ TEST(GuestTest, HostHandsOutNicsUpToItsCapacityAndKeepsTrack) {
 }
 
 }  // namespace guests
+
+// ---- with an inventory (a real etcd) ---------------------------------------
+
+TEST(MigratorInventoryTest, PeersAreFoundByTheirGidsAndTheMoveIsSeenFromEveryHost) {
+  testing::Etcd etcd;
+  Cluster c("inv-ok", etcd.url());
+  Topology(c);
+  c.host(2).stall_restore = true;
+  MoveRun run;
+  std::thread mover([&] { run = Migrate(c, 100, "h2"); });
+  // While it restores, h3 (a peer's host, not a party to the move's RPCs
+  // for status) lists it; a second move of the endpoint is refused.
+  std::vector<v1::MoveClaim> seen;
+  for (absl::Time end = absl::Now() + absl::Seconds(30); seen.empty() && absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(20))) {
+    v1::StatusResponse st = c.m(3).Status(/*all=*/true);
+    seen.assign(st.cluster_moves().begin(), st.cluster_moves().end());
+  }
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].subject(), "endpoint/ep100");
+  EXPECT_EQ(seen[0].source(), "h1");
+  EXPECT_EQ(seen[0].destination(), "h2:7700");
+  c.host(2).stall_restore = false;
+  mover.join();
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  // Found through the inventory: h3's peer re-pointed, h1's (local) too.
+  FakeEndpoint moved = c.host(2).Get(100);
+  EXPECT_TRUE(moved.alive && moved.connected && !moved.paused);
+  for (auto [host, pid] : {std::pair{1, 200}, std::pair{3, 300}}) {
+    FakeEndpoint p = c.host(host).Get(pid);
+    EXPECT_THAT(Commands(p.log), ElementsAre("peer_quiesce", "peer_reconnect")) << pid;
+    EXPECT_FALSE(p.paused);
+  }
+  // Done: the claim is gone.
+  EXPECT_EQ(c.m(3).Status(true).cluster_moves_size(), 0);
+  EXPECT_EQ(c.m(3).Status(true).inventory(), etcd.url());
+  absl::StatusOr<v1::ListHostsResponse> hosts = c.m(1).ListHosts();
+  ASSERT_TRUE(hosts.ok()) << hosts.status();
+  EXPECT_EQ(hosts->hosts_size(), 3);
+}
+
+TEST(MigratorInventoryTest, APeerGidNoMigratorOwnsIsRefusedBeforeAnythingIsQuiesced) {
+  testing::Etcd etcd;
+  Cluster c("inv-unknown", etcd.url());
+  Topology(c);
+  // h3's migrator leaves the inventory: its GID has no owner.
+  c.Stop(3);
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kNotFound) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("no migrator owns GID"));
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
+  EXPECT_THAT(run.phases, ElementsAre("prepare"));
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_TRUE(e.alive && !e.paused && !e.released);
+  EXPECT_THAT(Commands(e.log), ElementsAre());
+  EXPECT_THAT(Commands(c.host(1).Get(200).log), ElementsAre());
+  EXPECT_FALSE(c.host(2).Exists(100));
+}
+
+TEST(MigratorInventoryTest, AMoveOfAnEndpointClaimedElsewhereIsRefused) {
+  testing::Etcd etcd;
+  Cluster c("inv-claimed", etcd.url());
+  Topology(c);
+  // Another host's move of the same endpoint (a restore of its checkpoint,
+  // say) holds the claim.
+  v1::MoveClaim other;
+  other.set_subject("endpoint/ep100");
+  other.set_migration_id("elsewhere-1");
+  other.set_kind("restore");
+  other.set_source("h3");
+  other.set_destination("h3");
+  ASSERT_TRUE(c[3].inventory->Claim(other).ok());
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()),
+              HasSubstr("endpoint/ep100 is being moved already: restore elsewhere-1 from h3"));
+  EXPECT_THAT(Commands(c.host(1).Get(100).log), ElementsAre());
+  // Once that move is over, this one goes.
+  ASSERT_TRUE(c[3].inventory->Unclaim("endpoint/ep100", "elsewhere-1").ok());
+  run = Migrate(c, 100, "h2");
+  EXPECT_TRUE(run.status.ok()) << run.status;
+}
+
+TEST(MigratorInventoryTest, AGuestMovingToOneHostIsNotTakenInByAnotherUntilItArrives) {
+  testing::Etcd etcd;
+  Cluster c("inv-guest", etcd.url());
+  for (int n : {2, 3}) {
+    c[n].guest_nics = 2;
+    c.Stop(n);
+    c.Start(n);
+  }
+  v1::AllocateGuestNicRequest a;
+  a.set_domain("vm-a");
+  absl::StatusOr<v1::GuestNic> to2 = c.m(2).AllocateGuestNic(a);
+  ASSERT_TRUE(to2.ok()) << to2.status();
+  // A second operator's move of vm-a to h3, while the first is in flight.
+  absl::StatusOr<v1::GuestNic> to3 = c.m(3).AllocateGuestNic(a);
+  EXPECT_EQ(to3.status().code(), absl::StatusCode::kFailedPrecondition) << to3.status();
+  EXPECT_THAT(std::string(to3.status().message()),
+              HasSubstr("guest/vm-a is being moved already: vm-migrate"));
+  EXPECT_EQ(c.m(3).GetHostInfo().guest_nics().in_use(), 0u);
+  EXPECT_EQ(c.m(1).Status(true).cluster_moves_size(), 1);
+  // The guest arrives on h2 (its hook says so): the move is over.
+  v1::GuestEventRequest started;
+  started.set_domain("vm-a");
+  started.set_event("started");
+  started.set_mac(to2->mac());
+  ASSERT_TRUE(c.m(2).GuestEvent(started).ok());
+  EXPECT_EQ(c.m(1).Status(true).cluster_moves_size(), 0);
+  // A move that fails gives its NIC back, and the claim with it.
+  v1::AllocateGuestNicRequest b;
+  b.set_domain("vm-b");
+  absl::StatusOr<v1::GuestNic> b2 = c.m(2).AllocateGuestNic(b);
+  ASSERT_TRUE(b2.ok()) << b2.status();
+  v1::GuestEventRequest stopped;
+  stopped.set_domain("vm-b");
+  stopped.set_event("stopped");
+  ASSERT_TRUE(c.m(2).GuestEvent(stopped).ok());
+  EXPECT_TRUE(c.m(3).AllocateGuestNic(b).ok());
+}
 
 }  // namespace
 }  // namespace rdmavirt::migrator

@@ -72,4 +72,30 @@ TEST(VmTest, SnapshotNames) {
 }
 
 }  // namespace
+v1::InventoryHost Live(const std::string& name, bool criu = true, uint32_t ports = 1) {
+  v1::InventoryHost h;
+  h.set_name(name);
+  h.set_address(name + ":7700");
+  h.mutable_info()->set_criu_ok(criu);
+  h.set_active_ports(ports);
+  return h;
+}
+
+TEST(PickProcessHostTest, SpreadsOverLiveHostsThatCanTakeAProcessAndSkipsTheDead) {
+  const std::vector<v1::InventoryHost> hosts = {Live("h1"), Live("h2"), Live("h3"),
+                                                Live("nocriu", false), Live("noport", true, 0)};
+  std::map<std::string, int> placed;
+  std::vector<std::string> picks;
+  for (int i = 0; i < 4; ++i) {
+    const std::string p = PickProcessHost(hosts, "h1", {}, placed);
+    picks.push_back(p);
+    ++placed[p.substr(0, p.find(':'))];
+  }
+  // Never itself nor a host that cannot take it; one each, then again.
+  EXPECT_EQ(picks, (std::vector<std::string>{"h2:7700", "h3:7700", "h2:7700", "h3:7700"}));
+  EXPECT_EQ(PickProcessHost(hosts, "h1", {"h2"}, {}), "h3:7700");
+  EXPECT_EQ(PickProcessHost(hosts, "h1", {"h2", "h3"}, {}), "");
+  EXPECT_EQ(PickProcessHost({}, "h1", {}, {}), "");
+}
+
 }  // namespace rdmavirt::ctl

@@ -457,23 +457,29 @@ def supervise(directory):
     signal.signal(signal.SIGHUP, on_signal)
 
     procs = {}
-    # The switch's stdin is a pipe that only we hold: it sees EOF and exits
+    # Two switches: the RDMA fabric (sw, eth0, rxe0) and the management
+    # network (mgmt, eth1) that the inventory tests keep the migrators on.
+    # A switch's stdin is a pipe that only we hold: it sees EOF and exits
     # when we are gone, however we went.
-    sock = os.path.join(directory, "sw")
-    switch = subprocess.Popen(["vde_switch", "-s", sock, "-n", "16"],
+    switches = []
+    for name in ("sw", "mgmt"):
+        sock = os.path.join(directory, name)
+        sw = subprocess.Popen(["vde_switch", "-s", sock, "-n", "16"],
                               stdin=subprocess.PIPE,
-                              stdout=open(os.path.join(directory, "switch.log"), "wb"),
+                              stdout=open(os.path.join(directory, f"{name}.log"), "wb"),
                               stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-    state["pids"].append(switch.pid)
-    for _ in range(100):
-        if os.path.exists(os.path.join(sock, "ctl")):
-            break
-        time.sleep(0.05)
-    else:
-        state["failed"] = "vde_switch did not create its socket"
-        save()
-        switch.kill()
-        return 1
+        state["pids"].append(sw.pid)
+        switches.append(sw)
+        for _ in range(100):
+            if os.path.exists(os.path.join(sock, "ctl")):
+                break
+            time.sleep(0.05)
+        else:
+            state["failed"] = f"vde_switch did not create its socket {sock}"
+            save()
+            for x in switches:
+                x.kill()
+            return 1
 
     for n in range(1, cfg["hosts"] + 1):
         cmd = qemu_command(cfg, directory, n)
@@ -496,17 +502,18 @@ def supervise(directory):
                 state["dead"].append(n)
                 print(f"host{n}: qemu exited with {p.returncode}", flush=True)
                 save()
-        if switch.poll() is not None:
-            state["failed"] = f"vde_switch exited with {switch.returncode}"
+        if any(sw.poll() is not None for sw in switches):
+            state["failed"] = "a vde_switch exited: " + ", ".join(
+                str(sw.returncode) for sw in switches)
             save()
             break
         time.sleep(0.5)
 
-    for p in list(procs.values()) + [switch]:
+    for p in list(procs.values()) + switches:
         if p.poll() is None:
             p.terminate()
     end = time.monotonic() + 5
-    for p in list(procs.values()) + [switch]:
+    for p in list(procs.values()) + switches:
         try:
             p.wait(max(0.1, end - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -539,6 +546,8 @@ def qemu_command(cfg, directory, n):
                    "readonly=on,multidevs=remap",
         "-netdev", f"vde,id=n0,sock={os.path.join(directory, 'sw')}",
         "-device", f"virtio-net-pci,netdev=n0,mac={mac}",
+        "-netdev", f"vde,id=n1,sock={os.path.join(directory, 'mgmt')}",
+        "-device", f"virtio-net-pci,netdev=n1,mac=52:54:00:78:00:{n:02x}",
     ]
 
 

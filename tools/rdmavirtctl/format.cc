@@ -101,7 +101,34 @@ std::string StatusText(const v1::StatusResponse& s) {
   if (!s.in_flight().empty()) absl::StrAppend(&out, Table(rows_of(s.in_flight())));
   absl::StrAppend(&out, "\nrecent:", s.recent().empty() ? " none\n" : "\n");
   if (!s.recent().empty()) absl::StrAppend(&out, Table(rows_of(s.recent())));
+  if (!s.inventory().empty()) absl::StrAppend(&out, "\ninventory: ", s.inventory(), "\n");
+  if (s.cluster_moves_size() > 0) {
+    std::vector<std::vector<std::string>> rows = {
+        {"SUBJECT", "MIGRATION", "KIND", "PID", "SOURCE", "DESTINATION", "STARTED"}};
+    for (const v1::MoveClaim& c : s.cluster_moves())
+      rows.push_back({c.subject(), c.migration_id(), c.kind(), absl::StrCat(c.pid()), c.source(),
+                      c.destination(), c.started_at()});
+    absl::StrAppend(&out, "\nin flight in the cluster:\n", Table(rows));
+  }
   return out;
+}
+
+std::string HostsTable(const v1::ListHostsResponse& hosts) {
+  std::vector<std::vector<std::string>> rows = {
+      {"NAME", "MIGRATOR", "PORTS", "GIDS", "CRIU", "GUEST NICS", "LIBVIRT", "SINCE"}};
+  for (const v1::InventoryHost& h : hosts.hosts()) {
+    int gids = 0;
+    for (const v1::RdmaDevice& d : h.info().devices())
+      for (const v1::RdmaPort& p : d.ports()) gids += p.gids_size();
+    const v1::GuestNicPool& g = h.info().guest_nics();
+    rows.push_back({h.name(), h.address(), absl::StrCat(h.active_ports(), " active"),
+                    absl::StrCat(gids), h.info().criu_ok() ? "ok" : "unusable",
+                    h.info().has_guest_nics()
+                        ? absl::StrCat(g.capacity() - g.in_use(), " free of ", g.capacity())
+                        : "-",
+                    h.libvirt_uri().empty() ? "-" : h.libvirt_uri(), h.registered_at()});
+  }
+  return Table(rows);
 }
 
 std::string ReportText(const v1::MigrationReport& r) {

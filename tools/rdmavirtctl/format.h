@@ -15,6 +15,8 @@ std::string Micros(uint64_t us);  // "812 ms", "5.21 s", "40 us"
 std::string EndpointTable(const v1::ListEndpointsResponse& list);
 std::string HostText(const v1::HostInfo& host);
 std::string StatusText(const v1::StatusResponse& status);
+// The inventory's hosts, one line each.
+std::string HostsTable(const v1::ListHostsResponse& hosts);
 // The summary printed after migrate, checkpoint and restore.
 std::string ReportText(const v1::MigrationReport& report);
 // The endpoints a guest suspended or resumed.

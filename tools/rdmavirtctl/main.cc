@@ -41,8 +41,10 @@ constexpr char kUsageText[] =
     "  checkpoint PID --dir DIR [--leave-running]\n"
     "                                       checkpoint PID into DIR on HOST\n"
     "  restore --dir DIR [--on HOST[:PORT]] restore a checkpoint of HOST (on another host)\n"
-    "  status                               moves in flight and recent, and HostInfo\n"
+    "  status [--all]                       moves in flight and recent, and HostInfo\n"
+    "                                       (--all: every move in flight in the cluster)\n"
     "  host                                 HostInfo: RDMA devices, ports, GIDs, CRIU\n"
+    "  hosts                                the live hosts of HOST's inventory\n"
     "\n"
     "VMs (libvirt; HOST's migrator is the destination's):\n"
     "  vm-migrate DOMAIN --to URI [--to-migrator HOST[:PORT]] [--connect URI]\n"
@@ -94,8 +96,16 @@ const std::map<std::string, std::string>& CommandHelp() {
        "--on. The images are verified first: a corrupted or truncated checkpoint is\n"
        "refused (DATA_LOSS) and nothing is created.\n"},
       {"status",
-       "usage: rdmavirtctl status\n"
-       "Moves in flight and the recent ones on --host, with their results, and HostInfo.\n"},
+       "usage: rdmavirtctl status [--all]\n"
+       "Moves in flight and the recent ones on --host, with their results, and HostInfo.\n"
+       "--all adds every move in flight in the cluster, as --host's inventory records\n"
+       "them (its migrator's --inventory): endpoint, migration, source, destination.\n"},
+      {"hosts",
+       "usage: rdmavirtctl hosts\n"
+       "The live hosts of --host's inventory (its migrator's --inventory): name, where\n"
+       "its migrator listens, RDMA ports active, GIDs, CRIU, free RDMA NICs for guests,\n"
+       "libvirt URI. A host whose migrator stopped or died is not listed (its lease\n"
+       "expired). Exit code 1 when --host's migrator has no inventory.\n"},
       {"vm-migrate",
        "usage: rdmavirtctl vm-migrate DOMAIN --to URI [--to-migrator HOST[:PORT]]\n"
        "                              [--connect URI] [--migrate-uri URI] [--unsafe]\n"
@@ -112,14 +122,18 @@ const std::map<std::string, std::string>& CommandHelp() {
       {"drain",
        "usage: rdmavirtctl drain (--to URI [--to-migrator HOST[:PORT]] | --auto [--hosts FILE])\n"
        "                         [--connect URI] [--migrate-uri URI] [--dry-run]\n"
-       "Moves every RDMA guest of the libvirt at --connect (default qemu:///system) with\n"
-       "vm-migrate, and every process under the shim on --host with migrate, off this\n"
+       "Moves every RDMA guest of the libvirt at --connect (default qemu:///system; none:\n"
+       "this host runs no libvirt) with vm-migrate, and every process under the shim on\n"
+       "--host with migrate, off this\n"
        "host: to --to (guests) and --to-migrator (processes; default the host of --to,\n"
-       "port 7700), or with --auto, each guest to the host of FILE (default\n"
-       "/etc/rdmavirt/hosts: \"LIBVIRT-URI MIGRATOR-HOST:PORT\" lines) with the most free\n"
-       "RDMA NICs for guests, processes to the first host listed. One at a time, with\n"
-       "progress on stderr and a summary; --dry-run prints the plan and moves nothing.\n"
-       "Exit code 1 if anything stayed.\n"},
+       "port 7700), or with --auto, to the live hosts of --host's inventory (its\n"
+       "migrator's --inventory, read again before each move): each guest to the host\n"
+       "with the most free RDMA NICs for guests (of those registered with a libvirt URI),\n"
+       "processes spread over the hosts where CRIU works and an RDMA port is active, a\n"
+       "host a move could not start on not picked again. --auto --hosts FILE takes the\n"
+       "hosts from FILE instead (\"LIBVIRT-URI MIGRATOR-HOST:PORT\" lines; processes go to\n"
+       "the first). One at a time, with progress on stderr and a summary; --dry-run\n"
+       "prints the plan and moves nothing. Exit code 1 if anything stayed.\n"},
       {"snapshot",
        "usage: rdmavirtctl snapshot DOMAIN NAME [--with DOMAIN[@URI]]... [--connect URI]\n"
        "                            [--guest-command PATH]\n"
@@ -173,6 +187,7 @@ struct Args {
   bool auto_pick = false;
   bool wait = false;
   bool help = false;
+  bool all = false;
 };
 
 int UsageError(const std::string& message, const std::string& command = "") {
@@ -217,6 +232,10 @@ int Parse(int argc, char** argv, Args* a) {
     }
     if (arg == "--wait") {
       a->wait = true;
+      continue;
+    }
+    if (arg == "--all") {
+      a->all = true;
       continue;
     }
     if (arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
@@ -425,8 +444,12 @@ int GuestCommand(const Args& args) {
     if (drain && args.auto_pick) {
       if (!o.to.empty() || !Opt(args, "--to-migrator").empty())
         return UsageError("--auto or --to, not both", args.command);
-      const std::string path =
-          Opt(args, "--hosts").empty() ? "/etc/rdmavirt/hosts" : Opt(args, "--hosts");
+      d.from_inventory = Opt(args, "--hosts").empty();
+    }
+    if (d.from_inventory) {
+      // The candidates are read from --host's migrator as the drain goes.
+    } else if (drain && args.auto_pick) {
+      const std::string path = Opt(args, "--hosts");
       std::ifstream in(path);
       if (!in) return UsageError(absl::StrCat("cannot read ", path), args.command);
       std::stringstream text;
@@ -553,6 +576,7 @@ int Main(int argc, char** argv) {
       {"ps", {0, {}}},
       {"status", {0, {}}},
       {"host", {0, {}}},
+      {"hosts", {0, {}}},
       {"migrate", {1, {"--to", "--max-precopy", "--drain-timeout-ms", "--address"}}},
       {"checkpoint", {1, {"--dir"}}},
       {"restore", {0, {"--dir", "--on"}}},
@@ -567,6 +591,7 @@ int Main(int argc, char** argv) {
       return UsageError(absl::StrCat(args.command, " does not take ", name), args.command);
   if (args.leave_running && args.command != "checkpoint")
     return UsageError("--leave-running is for checkpoint", args.command);
+  if (args.all && args.command != "status") return UsageError("--all is for status", args.command);
 
   absl::StatusOr<migrator::HostPort> host = migrator::ParseHostPort(args.host);
   if (!host.ok()) return UsageError(absl::StrCat("--host: ", host.status().message()));
@@ -644,9 +669,18 @@ int Main(int argc, char** argv) {
     printf("%s", args.json ? (Json(out) + "\n").c_str() : HostText(out).c_str());
     return kOk;
   }
+  if (args.command == "hosts") {
+    v1::ListHostsResponse out;
+    const grpc::Status st = client.stub()->ListHosts(&ctx, v1::ListHostsRequest(), &out);
+    if (!st.ok()) return client.Failed("hosts", st);
+    printf("%s", args.json ? (Json(out) + "\n").c_str() : HostsTable(out).c_str());
+    return kOk;
+  }
   if (args.command == "status") {
     v1::StatusResponse out;
-    const grpc::Status st = client.stub()->Status(&ctx, v1::StatusRequest(), &out);
+    v1::StatusRequest req;
+    req.set_all(args.all);
+    const grpc::Status st = client.stub()->Status(&ctx, req, &out);
     if (!st.ok()) return client.Failed("status", st);
     printf("%s", args.json ? (Json(out) + "\n").c_str() : StatusText(out).c_str());
     return kOk;

@@ -513,7 +513,36 @@ int FreeGuestNics(const std::string& tls_dir, const std::string& target) {
          static_cast<int>(info.guest_nics().in_use());
 }
 
+// The inventory's live hosts, as --host's migrator reads them.
+absl::StatusOr<std::vector<v1::InventoryHost>> LiveHosts(Client* here) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::ListHostsResponse out;
+  const grpc::Status st = here->stub()->ListHosts(&ctx, v1::ListHostsRequest(), &out);
+  if (!st.ok())
+    return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
+  return std::vector<v1::InventoryHost>(out.hosts().begin(), out.hosts().end());
+}
+
 }  // namespace
+
+std::string PickProcessHost(const std::vector<v1::InventoryHost>& hosts, const std::string& self,
+                            const std::set<std::string>& dead,
+                            const std::map<std::string, int>& placed) {
+  const v1::InventoryHost* best = nullptr;
+  int best_count = 0;
+  for (const v1::InventoryHost& h : hosts) {
+    if (h.name() == self || dead.contains(h.name()) || h.address().empty()) continue;
+    if (!h.info().criu_ok() || h.active_ports() == 0) continue;
+    const auto it = placed.find(h.name());
+    const int count = it == placed.end() ? 0 : it->second;
+    if (best == nullptr || count < best_count || (count == best_count && h.name() < best->name())) {
+      best = &h;
+      best_count = count;
+    }
+  }
+  return best == nullptr ? "" : best->address();
+}
 
 int Drain(const DrainOptions& o) {
   v1::DrainReport rep;
@@ -541,15 +570,20 @@ int Drain(const DrainOptions& o) {
     return rep.ok() ? kOk : kFailed;
   };
 
-  // ---- what is here
-  absl::StatusOr<Conn> src = Open(o.vm.connect);
-  if (!src.ok()) {
-    fprintf(stderr, "rdmavirtctl: drain: %s\n", std::string(src.status().message()).c_str());
-    return finish(kUnreachable);
-  }
+  // ---- what is here (--connect none: a host without libvirt, processes only)
   std::vector<std::string> guests;
+  absl::StatusOr<Conn> src = absl::NotFoundError("no libvirt");
+  if (o.vm.connect != "none") {
+    src = Open(o.vm.connect);
+    if (!src.ok()) {
+      fprintf(stderr, "rdmavirtctl: drain: %s (--connect none drains processes only)\n",
+              std::string(src.status().message()).c_str());
+      return finish(kUnreachable);
+    }
+  }
   virDomainPtr* doms = nullptr;
-  const int n = virConnectListAllDomains(src->get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE);
+  const int n =
+      src.ok() ? virConnectListAllDomains(src->get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE) : 0;
   for (int i = 0; i < n; ++i) {
     char* meta = virDomainGetMetadata(doms[i], VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
                                       VIR_DOMAIN_AFFECT_LIVE);
@@ -573,6 +607,39 @@ int Drain(const DrainOptions& o) {
   }
 
   // ---- where each goes
+  std::string self;            // this host's name in the inventory
+  std::set<std::string> dead;  // hosts a move could not start on
+  std::map<std::string, int> placed;
+  std::vector<v1::InventoryHost> live;
+  // The inventory again, before each move: a host that died meanwhile is
+  // gone from it once its lease expires.
+  auto refresh = [&]() -> bool {
+    if (!o.from_inventory) return true;
+    absl::StatusOr<std::vector<v1::InventoryHost>> hosts = LiveHosts(&here);
+    if (!hosts.ok()) {
+      fprintf(stderr, "rdmavirtctl: drain: the inventory: %s\n",
+              std::string(hosts.status().message()).c_str());
+      return false;
+    }
+    live = *std::move(hosts);
+    return true;
+  };
+  if (o.from_inventory) {
+    grpc::ClientContext ctx;
+    v1::HostInfo info;
+    grpc::Status st = here.stub()->GetHostInfo(&ctx, v1::HostInfoRequest(), &info);
+    if (!st.ok()) return finish(here.Failed("drain: asking this host's name", st));
+    self = info.hostname();
+    if (!refresh()) return finish(kFailed);
+  }
+  auto guest_candidates = [&] {
+    if (!o.from_inventory) return o.candidates;
+    std::vector<std::pair<std::string, std::string>> c;
+    for (const v1::InventoryHost& h : live)
+      if (h.name() != self && !dead.contains(h.name()) && !h.libvirt_uri().empty())
+        c.emplace_back(h.libvirt_uri(), h.address());
+    return c;
+  };
   auto pick = [&](std::string* uri, std::string* migrator_target) -> bool {
     if (!o.vm.to.empty()) {
       *uri = o.vm.to;
@@ -580,7 +647,7 @@ int Drain(const DrainOptions& o) {
       return true;
     }
     int best = 0;
-    for (const auto& [u, m] : o.candidates) {
+    for (const auto& [u, m] : guest_candidates()) {
       const int free_nics = FreeGuestNics(o.vm.tls_dir, m);
       if (free_nics > best) {
         best = free_nics;
@@ -592,6 +659,7 @@ int Drain(const DrainOptions& o) {
   };
   for (const std::string& g : guests) {
     std::string uri, m;
+    if (!o.dry_run) refresh();
     if (!pick(&uri, &m)) {
       rep.add_stayed(absl::StrCat(g, ": no candidate host has a free RDMA NIC for guests"));
       continue;
@@ -607,30 +675,54 @@ int Drain(const DrainOptions& o) {
     v1::VmReport* r = rep.add_vms();
     if (RunVmMigrate(vo, r) != kOk || !r->ok()) rep.add_stayed(absl::StrCat(g, ": ", r->error()));
   }
-  const std::string proc_dest = !o.vm.to_migrator.empty()
-                                    ? o.vm.to_migrator
-                                    : (o.candidates.empty() ? "" : o.candidates[0].second);
+  auto name_of = [&](const std::string& address) {
+    for (const v1::InventoryHost& h : live)
+      if (h.address() == address) return h.name();
+    return address;
+  };
+  auto process_host = [&]() -> std::string {
+    if (!o.vm.to_migrator.empty()) return o.vm.to_migrator;
+    if (o.from_inventory) return PickProcessHost(live, self, dead, placed);
+    return o.candidates.empty() ? "" : o.candidates[0].second;
+  };
   for (const v1::EndpointSummary& e : procs) {
-    if (proc_dest.empty()) {
-      rep.add_stayed(absl::StrCat("pid ", e.pid(), ": no destination"));
-      continue;
-    }
-    rep.add_plan(absl::StrCat("pid ", e.pid(), " (", e.program(), ") -> ", proc_dest));
-    if (o.dry_run) continue;
-    fprintf(stderr, "drain: pid %d (%s) -> %s\n", e.pid(), e.program().c_str(), proc_dest.c_str());
-    grpc::ClientContext ctx;
-    v1::MigrateRequest req;
-    req.set_pid(e.pid());
-    req.set_destination(proc_dest);
-    std::unique_ptr<grpc::ClientReader<v1::Progress>> reader = here.stub()->Migrate(&ctx, req);
-    v1::Progress p;
-    v1::MigrationReport* r = rep.add_processes();
-    while (reader->Read(&p))
-      if (p.has_report()) *r = p.report();
-    const grpc::Status st = reader->Finish();
-    if (!st.ok() || !r->ok())
+    if (!o.dry_run) refresh();
+    for (;;) {
+      const std::string dest = process_host();
+      if (dest.empty()) {
+        rep.add_stayed(absl::StrCat("pid ", e.pid(), ": no destination",
+                                    o.from_inventory ? " (no other live host can take it)" : ""));
+        break;
+      }
+      rep.add_plan(absl::StrCat("pid ", e.pid(), " (", e.program(), ") -> ", dest));
+      ++placed[name_of(dest)];
+      if (o.dry_run) break;
+      fprintf(stderr, "drain: pid %d (%s) -> %s\n", e.pid(), e.program().c_str(), dest.c_str());
+      grpc::ClientContext ctx;
+      v1::MigrateRequest req;
+      req.set_pid(e.pid());
+      req.set_destination(dest);
+      std::unique_ptr<grpc::ClientReader<v1::Progress>> reader = here.stub()->Migrate(&ctx, req);
+      v1::Progress p;
+      v1::MigrationReport* r = rep.add_processes();
+      while (reader->Read(&p))
+        if (p.has_report()) *r = p.report();
+      const grpc::Status st = reader->Finish();
+      if (st.ok() && r->ok()) break;
+      // The destination did not answer before anything was touched: it is
+      // not picked again, and the process tries the next host.
+      if (o.from_inventory && st.error_code() == grpc::StatusCode::UNAVAILABLE &&
+          !r->rolled_back()) {
+        fprintf(stderr, "drain: %s cannot take it (%s); trying another host\n", dest.c_str(),
+                st.error_message().c_str());
+        dead.insert(name_of(dest));
+        --placed[name_of(dest)];
+        continue;
+      }
       rep.add_stayed(
           absl::StrCat("pid ", e.pid(), ": ", st.ok() ? r->error() : st.error_message()));
+      break;
+    }
   }
   return finish(kOk);
 }

@@ -5,6 +5,8 @@
 #ifndef RDMAVIRT_TOOLS_RDMAVIRTCTL_VM_H_
 #define RDMAVIRT_TOOLS_RDMAVIRTCTL_VM_H_
 
+#include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,9 +52,21 @@ struct DrainOptions {
   VmOptions vm;
   std::string host;
   std::vector<std::pair<std::string, std::string>> candidates;
+  // Candidates from the inventory of `host`'s migrator, read again before
+  // each move: only live hosts are picked.
+  bool from_inventory = false;
   bool dry_run = false;
 };
 int Drain(const DrainOptions& o);
+// Where a drained process goes: of the inventory's live `hosts`, one that is
+// not `self`, not in `dead` (a move to it could not start), and can take a
+// process (CRIU works, an RDMA port is active), with the fewest of the
+// drain's processes so far (`placed`, by name), by name on a tie. Its
+// migrator's address; "" if none.
+std::string PickProcessHost(const std::vector<v1::InventoryHost>& hosts, const std::string& self,
+                            const std::set<std::string>& dead,
+                            const std::map<std::string, int>& placed);
+
 // "URI MIGRATOR" lines of a hosts file (# comments); INVALID_ARGUMENT saying
 // which line is wrong.
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseHostsFile(

@@ -1,0 +1,271 @@
+"""The inventory on real lab hosts: a real etcd, migrators that find each
+other through it on a management network apart from the RDMA fabric.
+
+The lab gives every host two NICs: eth0 (10.77.0.N) carries rxe0, the
+fabric; eth1 (10.78.0.N) is the management network. etcd runs as a cluster
+of three members, one on each host's management address, with mutual TLS
+between members and with clients (each host's certificate, the lab's CA);
+the migrators are given all three endpoints. These tests run a second set of migrators beside
+migrator_tests.py's: port 7701, listening on the management address only
+(nothing answers at a fabric address, so the old rule "the migrator is at
+the peer GID's IPv4" cannot reach anyone), their own shim socket and state
+directory, each registered in etcd with a 10 s lease.
+"""
+
+import json
+import os
+import time
+
+from labtest import BUILD, LAB, check, lab_test, main, run_ok, wait_listening, wait_until
+
+import migration_tests as mt
+import migrator_tests as migrators
+
+PORT = 7701
+SOCK = "/run/rdmavirt-inv/migratord.sock"
+STATE = "/var/lib/rdmavirt-inv"
+SHIM = f"RDMAVIRT_SOCKET={SOCK} LD_PRELOAD={BUILD}/shim/librdmavirt.so "
+LOGS = "/lab/inventory-logs"
+ETCD_PORT = 2379
+ETCD_PEER_PORT = 2380
+ETCD = ",".join(f"https://10.78.0.{n}:{ETCD_PORT}" for n in (1, 2, 3))
+CTL = f"{BUILD}/tools/rdmavirtctl/rdmavirtctl"
+TTL = 10
+
+
+def mgmt(host):
+    return f"10.78.0.{host}"
+
+
+def etcd_up():
+    """Three etcd members, one on each host's management address, mutual
+    TLS for clients and between members; started afresh unless all three
+    run (what the inventory holds lives as long as the lab)."""
+    hosts = (1, 2, 3)
+    if all(LAB.run(n, f"ss -Hltn 'sport = :{ETCD_PORT}' | grep -q .").rc == 0 for n in hosts):
+        return
+    cluster = ",".join(f"m{n}=https://{mgmt(n)}:{ETCD_PEER_PORT}" for n in hosts)
+    # Every old member gone first: a new one that meets an old one is
+    # told it was bootstrapped already, and exits.
+    for n in hosts:
+        LAB.run(n, "pkill -9 -x etcd; true")
+        wait_until(n, f"! ss -Hltn 'sport = :{ETCD_PEER_PORT}' | grep -q . && ! pgrep -x etcd",
+                   30, "the old etcd member gone")
+    for n in hosts:
+        certs = f"{migrators.CERTS}/host{n}"
+        tls = " ".join(f"--{side}cert-file {certs}/host.pem --{side}key-file {certs}/host.key "
+                       f"--{side}trusted-ca-file {certs}/ca.pem --{side}client-cert-auth"
+                       for side in ("", "peer-"))
+        run_ok(n, f"mkdir -p {LOGS} && rm -rf /tmp/etcd-lab && "
+                  f"setsid /usr/bin/etcd --name m{n} --data-dir /tmp/etcd-lab "
+                  f"--listen-client-urls https://{mgmt(n)}:{ETCD_PORT} "
+                  f"--advertise-client-urls https://{mgmt(n)}:{ETCD_PORT} "
+                  f"--listen-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
+                  f"--initial-advertise-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
+                  f"--initial-cluster {cluster} --initial-cluster-state new {tls} "
+                  f">> {LOGS}/etcd-host{n}.log 2>&1 < /dev/null &")
+    for n in hosts:
+        wait_listening(n, ETCD_PORT, 60)
+
+
+def start_migrator(n, ttl=TTL):
+    run_ok(n, f"mkdir -p {LOGS} && setsid {migrators.DAEMON} --listen {mgmt(n)}:{PORT} "
+              f"--socket {SOCK} --state-dir {STATE} --tls-dir {migrators.CERTS}/host{n} "
+              f"--host-name host{n} --inventory {ETCD} --inventory-ttl {ttl} "
+              f">> {LOGS}/host{n}.log 2>&1 < /dev/null &")
+    wait_listening(n, PORT, 60)
+
+
+def migrator_pid(n):
+    r = LAB.run(n, f"pgrep -f 'rdmavirt-migratord --listen {mgmt(n)}:{PORT}'")
+    return int(r.out.split()[0]) if r.rc == 0 and r.out.split() else 0
+
+
+def ctl(host, args, on=None, timeout=600):
+    """rdmavirtctl on `host`, against host`on`'s (default its own) migrator
+    at its management address; the result and its JSON."""
+    r = LAB.run(host, f"{CTL} --host {mgmt(on or host)}:{PORT} "
+                      f"--tls-dir {migrators.CERTS}/host{host} --json {args}", timeout)
+    try:
+        data = json.loads(r.out) if r.out.strip() else None
+    except json.JSONDecodeError:
+        data = None
+    return r, data
+
+
+def live_hosts(asked=1):
+    r, data = ctl(asked, "hosts")
+    check(r.rc == 0, "hosts", r)
+    return {h["name"]: h for h in (data or {}).get("hosts", [])}
+
+
+def wait_hosts(names, timeout=60, asked=1):
+    """Until the inventory lists exactly `names`."""
+    end = time.monotonic() + timeout
+    while sorted(live_hosts(asked)) != sorted(names):
+        check(time.monotonic() < end, f"the inventory does not list exactly {names}",
+              live_hosts(asked))
+        time.sleep(1)
+
+
+def inventory_up():
+    migrators.make_certs()
+    etcd_up()
+    for n in (1, 2, 3):
+        if not migrator_pid(n):
+            start_migrator(n)
+    wait_hosts(["host1", "host2", "host3"])
+
+
+def under_shim(host, pid, timeout=60):
+    end = time.monotonic() + timeout
+    while True:
+        r, data = ctl(host, "ps")
+        if r.rc == 0 and any(e.get("pid") == pid for e in (data or {}).get("endpoints", [])):
+            return
+        check(time.monotonic() < end, f"host{host}: {pid} never showed up under the shim", r)
+        time.sleep(1)
+
+
+def show_logs():
+    d = os.path.join(LAB.shared, LOGS[len("/lab/"):])
+    for name in ("host1.log", "host2.log", "host3.log", "etcd-host1.log"):
+        path = os.path.join(d, name)
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                print(f"--- {name} (end)\n{f.read()[-3000:]}", flush=True)
+
+
+def inventory_down():
+    """These migrators stopped (SIGTERM: they leave the inventory), and the
+    workload's processes with them: the other test groups find one
+    migrator per host."""
+    pattern = "rdmavirt-migratord --listen 10.78.0"
+    for n in (1, 2, 3):
+        LAB.run(n, f"pkill -f '{pattern}'; pkill -f 'integrity.*--port 189[5-9]'; true")
+    # One still finishing a move (a failed test left it) is killed.
+    for n in (1, 2, 3):
+        LAB.run(n, f"for i in $(seq 100); do pgrep -f '{pattern}' > /dev/null || exit 0; "
+                   f"sleep 0.2; done; pkill -9 -f '{pattern}'; true", 40)
+    for n in (1, 2, 3):
+        wait_until(n, f"! pgrep -f '{pattern}' > /dev/null", 30,
+                   "the inventory's migrator stopped")
+
+
+def inventory_test(fn):
+    """A lab test of this file: logs shown when it fails, its migrators
+    stopped however it ends."""
+    def run():
+        try:
+            fn()
+        except BaseException:
+            show_logs()
+            raise
+        finally:
+            inventory_down()
+    run.__name__ = fn.__name__
+    run.__module__ = fn.__module__
+    return lab_test(run)
+
+
+@inventory_test
+def a_move_finds_its_peers_host_through_the_inventory_on_the_management_network():
+    inventory_up()
+    hosts = live_hosts(asked=2)
+    for n in (1, 2, 3):
+        h = hosts[f"host{n}"]
+        check(h["address"] == f"{mgmt(n)}:{PORT}", f"host{n}'s address", h)
+        gids = [g for d in h["info"]["devices"] for p in d["ports"] for g in p.get("gids", [])]
+        check(f"::ffff:10.77.0.{n}" in gids, f"host{n}'s fabric GID is not registered", gids)
+        check(h.get("active_ports") == 1 and len(h.get("cert_sha256", "")) == 64, f"host{n}", h)
+    # Nothing answers at the fabric address: the GID's IPv4 leads nowhere.
+    check(LAB.run(3, f"ss -Hltn 'sport = :{PORT}' | grep -q '10.77.0.3'").rc != 0,
+          "host3's migrator listens on the fabric")
+    check(LAB.run(1, f"timeout 5 bash -c '</dev/tcp/10.77.0.3/{PORT}'").rc != 0,
+          "host3's migrator answers on the fabric")
+
+    qpid, ppid = mt.start_pair("inv-move", 2500, server=3, client=1, shim=SHIM, port=18950)
+    under_shim(1, ppid)
+    job = LAB.submit(1, f"{CTL} --host {mgmt(1)}:{PORT} --tls-dir {migrators.CERTS}/host1 "
+                        f"--json migrate {ppid} --to {mgmt(2)}:{PORT}", 600)
+    # While it moves, a host that is no party to it lists it, and a second
+    # operator's move of the same process is refused.
+    seen = None
+    end = time.monotonic() + 120
+    while seen is None and time.monotonic() < end and not LAB.done(1, job):
+        r, data = ctl(3, "status --all")
+        moves = (data or {}).get("cluster_moves", [])
+        if moves:
+            seen = moves[0]
+    check(seen is not None, "host3's status --all never listed the move")
+    check(seen["source"] == "host1" and seen["destination"] == f"{mgmt(2)}:{PORT}" and
+          seen["pid"] == ppid and seen["subject"].startswith("endpoint/"), "the listed move", seen)
+    r, _ = ctl(3, f"migrate {ppid} --to {mgmt(3)}:{PORT}", on=1)
+    check(r.rc == 1 and "already" in (r.out + r.err), "a second move of P was not refused", r)
+    res = LAB.wait(1, job, 660)
+    rep = json.loads(res.out) if res.out.strip() else {}
+    check(res.rc == 0 and rep.get("ok"), "migrate P host1 -> host2", res)
+    check(rep.get("peers", 0) >= 1, "Q was not re-pointed", rep)
+    mt.check_moved(ppid, 1, 2, "P")
+    r, data = ctl(3, "status --all")
+    check(r.rc == 0 and not (data or {}).get("cluster_moves"), "the move is still listed", data)
+    mt.nothing_lost("inv-move", ["host1", "host2"], ["host3"])
+
+    # etcd's member on host1, the first endpoint every migrator was given,
+    # killed: their keep-alives go to the other members, and for twice the
+    # lease no host drops out.
+    run_ok(1, "pkill -9 -x etcd")
+    end = time.monotonic() + 2 * TTL
+    while time.monotonic() < end:
+        check(sorted(live_hosts(asked=2)) == ["host1", "host2", "host3"],
+              "a host dropped out with one etcd member down", live_hosts(asked=2))
+        time.sleep(1)
+
+
+@inventory_test
+def an_unknown_gid_is_refused_and_drain_auto_avoids_a_killed_host():
+    inventory_up()
+    # --- A peer whose host left the inventory: refused before anything.
+    qpid, ppid = mt.start_pair("inv-unknown", 100000, server=3, client=1, shim=SHIM,
+                               port=18951)
+    under_shim(1, ppid)
+    run_ok(3, f"kill -TERM {migrator_pid(3)}")
+    wait_hosts(["host1", "host2"], 30)
+    r, _ = ctl(1, f"migrate {ppid} --to {mgmt(2)}:{PORT}")
+    check(r.rc == 1 and "no migrator owns GID ::ffff:10.77.0.3" in r.err and
+          "nothing was quiesced" in r.err, "the move was not refused for Q's GID", r)
+    mt.check_moved(ppid, 2, 1, "P")  # still on host1, not on host2
+    mt.wait_sent("inv-unknown", mt.sent_by_p("inv-unknown") + 100, 120)
+    for h, pid in ((1, ppid), (3, qpid)):
+        LAB.run(h, f"kill {pid}; true")
+
+    # --- Two processes on host1, their peers on host2. host3's migrator
+    # comes back with a 300 s lease and is killed just before the drain:
+    # still listed, it is the second process's pick (the drain spreads), the
+    # move cannot start there, and the process goes to host2 instead.
+    start_migrator(3, ttl=300)
+    wait_hosts(["host1", "host2", "host3"])
+    q1, p1 = mt.start_pair("inv-drain1", 5000, server=2, client=1, shim=SHIM, port=18952)
+    q2, p2 = mt.start_pair("inv-drain2", 5000, server=2, client=1, shim=SHIM, port=18953)
+    for pid in (p1, p2):
+        under_shim(1, pid)
+    run_ok(3, f"kill -9 {migrator_pid(3)}")
+    check("host3" in live_hosts(), "host3 left the inventory at once")
+    r = LAB.run(1, f"{CTL} --host {mgmt(1)}:{PORT} --tls-dir {migrators.CERTS}/host1 --json "
+                   f"drain --auto --connect none", 900)
+    print(r.err[-2000:], flush=True)
+    rep = json.loads(r.out) if r.out.strip() else {}
+    check(r.rc == 0 and rep.get("ok") and not rep.get("stayed"), "drain --auto", r)
+    check(f"{mgmt(3)}:{PORT} cannot take it" in r.err, "the drain never tried host3", r)
+    # Gone from host1, never on host3; where each ran is in its report (it
+    # may have finished by now).
+    for pid in (p1, p2):
+        for h in (1, 3):
+            check(LAB.run(h, f"kill -0 {pid}").rc != 0, f"process {pid} is on host{h}")
+    mt.nothing_lost("inv-drain1", ["host1", "host2"], ["host2"])
+    mt.nothing_lost("inv-drain2", ["host1", "host2"], ["host2"])
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv))

@@ -111,22 +111,48 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
   if (in == nullptr)
     return absl::NotFoundError(
         absl::StrCat("no migration ", first.migration_id(), " was prepared here"));
-  absl::MutexLock lock(&in->mu);
-  if (in->rec.phase() != "prepared" && in->rec.phase() != "receiving")
-    return absl::FailedPreconditionError(
-        absl::StrCat("migration ", first.migration_id(), " is ", in->rec.phase()));
-  if (first.pre_dump() && first.iteration() != in->last_iteration + 1)
-    return absl::InvalidArgumentError(
-        absl::StrCat("pre-dump iteration ", first.iteration(), " after ", in->last_iteration));
-  ImageReceiver rx(in->dir);
-  if (absl::Status st = rx.Begin(first); !st.ok()) return st;
-  v1::ImageChunk c;
-  while (next(&c)) {
-    if (c.migration_id() != first.migration_id() || c.has_manifest())
-      return absl::InvalidArgumentError("an image stream carries one migration's manifest");
-    if (absl::Status st = rx.Add(c); !st.ok()) return st;
+  {
+    absl::MutexLock lock(&in->mu);
+    if (in->aborted || (in->rec.phase() != "prepared" && in->rec.phase() != "receiving"))
+      return absl::FailedPreconditionError(absl::StrCat("migration ", first.migration_id(), " is ",
+                                                        in->aborted ? "aborted" : in->rec.phase()));
+    if (in->streaming)
+      return absl::FailedPreconditionError(
+          absl::StrCat("migration ", first.migration_id(), " is receiving another stream"));
+    if (first.pre_dump() && first.iteration() != in->last_iteration + 1)
+      return absl::InvalidArgumentError(
+          absl::StrCat("pre-dump iteration ", first.iteration(), " after ", in->last_iteration));
+    in->streaming = true;
   }
-  if (absl::Status st = rx.Finish(); !st.ok()) return st;
+  // Written without the lock: an abort meanwhile marks the move aborted
+  // and deletes its images at once; the stream stops at its next chunk and
+  // deletes what it wrote after that.
+  auto aborted = [&] {
+    absl::MutexLock lock(&in->mu);
+    return in->aborted;
+  };
+  absl::Status st;
+  ImageReceiver rx(in->dir);
+  st = rx.Begin(first);
+  v1::ImageChunk c;
+  while (st.ok() && next(&c)) {
+    if (aborted()) {
+      st = absl::AbortedError(absl::StrCat("migration ", first.migration_id(), " was aborted"));
+    } else if (c.migration_id() != first.migration_id() || c.has_manifest()) {
+      st = absl::InvalidArgumentError("an image stream carries one migration's manifest");
+    } else {
+      st = rx.Add(c);
+    }
+  }
+  if (st.ok()) st = rx.Finish();
+  absl::MutexLock lock(&in->mu);
+  in->streaming = false;
+  if (st.ok() && in->aborted)
+    st = absl::AbortedError(absl::StrCat("migration ", first.migration_id(), " was aborted"));
+  if (!st.ok()) {
+    if (in->aborted) RemoveImages(in->dir);
+    return st;
+  }
   // CRIU's `parent` links travel as parent.path files (criu_driver.h);
   // CriuDriver::Restore re-creates the links from them.
   if (first.pre_dump()) in->last_iteration = first.iteration();
@@ -189,6 +215,9 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
     absl::MutexLock lock(&in->mu);
     if (in->rec.phase() != "receiving")
       return absl::FailedPreconditionError(absl::StrCat("migration ", id, " is ", in->rec.phase()));
+    if (in->streaming)
+      return absl::FailedPreconditionError(
+          absl::StrCat("migration ", id, " is still receiving an image stream"));
     // Verified as it arrived (ImageReceiver::Finish); its manifest must be there.
     absl::StatusOr<v1::Manifest> manifest = ReadManifest(final_dir);
     if (!manifest.ok())
@@ -219,6 +248,7 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
           absl::MutexLock lock(&in->mu);
           if (in->aborted) return;  // the record says aborted; killed below
           in->rec.set_restored_pid(p);
+          in->rec.set_restored_identity(procs_->Identity(p));
           PersistIncoming(in.get());
         },
         peers, &out);
@@ -240,6 +270,7 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
       in->rec.set_addresses_moved(false);
     }
     in->rec.set_restored_pid(0);
+    in->rec.clear_restored_identity();
     in->rec.set_phase("receiving");
     PersistIncoming(in.get());
     Log("incoming %s: restore failed: %s", id, pid.status().ToString());
@@ -287,9 +318,15 @@ absl::Status Migrator::DropIncoming(Incoming* in, const std::string& why) {
   const std::string id = in->rec.report().migration_id();
   const pid_t pid = in->rec.restored_pid();
   std::vector<std::string> problems;
-  if (pid > 0 && procs_->Exists(pid)) {
+  std::string killed;
+  if (SameProcess(pid, in->rec.restored_identity())) {
     if (absl::Status st = KillCopy(pid, "restored copy"); !st.ok())
       problems.push_back(std::string(st.message()));
+    else
+      killed = absl::StrCat("; restored process ", pid, " killed");
+  } else if (pid > 0) {
+    killed = absl::StrCat("; restored process ", pid, " was gone",
+                          procs_->Exists(pid) ? " (its pid names another process now)" : "");
   }
   if (in->rec.addresses_moved()) {
     // The source takes them back: they must not be on two hosts.
@@ -301,7 +338,6 @@ absl::Status Migrator::DropIncoming(Incoming* in, const std::string& why) {
   RemoveImages(in->dir);
   in->rec.set_done(true);
   in->rec.set_phase("aborted");
-  const std::string killed = pid > 0 ? absl::StrCat("; restored process ", pid, " killed") : "";
   in->rec.mutable_report()->set_error(
       problems.empty() ? why + killed : absl::StrCat(why, "; but ", absl::StrJoin(problems, "; ")));
   PersistIncoming(in);

@@ -179,6 +179,9 @@ class Migrator {
   // SIGKILL of a copy of a moved process that must not stay (`which`
   // names it in errors), tried three times; INTERNAL if it stays.
   absl::Status KillCopy(pid_t pid, const char* which);
+  // `pid` still names the process whose ProcessControl::Identity was
+  // `identity` (when `identity` is "", that a process has the pid).
+  bool SameProcess(pid_t pid, const std::string& identity);
   // Kills what an incoming move restored, takes its service addresses
   // off, deletes its images and marks its record aborted with `why`;
   // returns (and records) what could not be undone.

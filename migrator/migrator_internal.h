@@ -43,6 +43,9 @@ struct Migrator::Incoming {
   absl::Mutex mu;
   v1::MigrationRecord rec ABSL_GUARDED_BY(mu);
   bool aborted ABSL_GUARDED_BY(mu) = false;
+  // A PushImages stream is being written (without `mu` held, so that an
+  // abort need not wait for it); a second stream is refused meanwhile.
+  bool streaming ABSL_GUARDED_BY(mu) = false;
   absl::Status record_error ABSL_GUARDED_BY(mu);  // the first failed record write
   std::string dir;                                // STATE/incoming/ID
   uint32_t last_iteration ABSL_GUARDED_BY(mu) = 0;

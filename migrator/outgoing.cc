@@ -69,6 +69,7 @@ std::unique_ptr<Migrator::Move> Migrator::NewMove(const std::string& kind, pid_t
   r->set_source(options_.host_name);
   r->set_started_at(Rfc3339(m->start));
   m->rec.set_role("source");
+  m->rec.set_identity(procs_->Identity(pid));
   return m;
 }
 
@@ -517,6 +518,11 @@ absl::Status Migrator::CompleteForward(Move* m) {
 // copy once its move is aborted. A kill that does not take (a task stuck in
 // the kernel) is tried again, then said: a report must not claim one copy
 // while two exist.
+bool Migrator::SameProcess(pid_t pid, const std::string& identity) {
+  if (pid <= 0) return false;
+  return identity.empty() ? procs_->Exists(pid) : procs_->Identity(pid) == identity;
+}
+
 absl::Status Migrator::KillCopy(pid_t pid, const char* which) {
   absl::Status st;
   for (int attempt = 0; attempt < 3; ++attempt) {
@@ -871,6 +877,7 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
       request.dir(), /*tcp_established=*/false,
       [&](pid_t p) {
         m->rec.set_restored_pid(p);
+        m->rec.set_restored_identity(procs_->Identity(p));
         Persist(m.get());
       },
       {}, &out);

@@ -54,6 +54,18 @@ dev_t ControllingTerminal(pid_t pid) {
   return makedev((v >> 8) & 0xfff, (v & 0xff) | ((v >> 12) & 0xfff00));
 }
 
+// The kernel's boot id, read once: a start time means something only
+// within one boot.
+const std::string& BootId() {
+  static const std::string* id = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    auto* s = new std::string;
+    std::getline(in, *s);
+    return s;
+  }();
+  return *id;
+}
+
 class RealProcessControl final : public ProcessControl {
  public:
   bool Exists(pid_t pid) override {
@@ -61,6 +73,17 @@ class RealProcessControl final : public ProcessControl {
     if (kill(pid, 0) != 0 && errno == ESRCH) return false;
     const char s = State(pid);
     return s != 0 && s != 'Z' && s != 'X';
+  }
+
+  std::string Identity(pid_t pid) override {
+    if (!Exists(pid)) return "";
+    // starttime is /proc/PID/stat's field 22; StatFields starts at field 3.
+    std::istringstream rest(StatFields(pid));
+    std::string field;
+    for (int i = 3; i <= 22 && rest >> field; ++i) {
+      if (i == 22) return absl::StrCat(BootId(), ":", field);
+    }
+    return "";
   }
 
   std::string Terminal(pid_t pid) override {

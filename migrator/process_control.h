@@ -17,6 +17,12 @@ class ProcessControl {
  public:
   virtual ~ProcessControl() = default;
   virtual bool Exists(pid_t pid) = 0;
+  // What tells this process from any other that had or will have its pid:
+  // "BOOT_ID:START" (the kernel's boot id, the process's start time in
+  // clock ticks since boot); "" when no process has the pid. A record
+  // keeps it, so that a migrator that restarts (after a reboot, or long
+  // after the move) never signals a stranger that was given the pid.
+  virtual std::string Identity(pid_t pid) = 0;
   // SIGSTOP, and wait until the process is stopped.
   virtual absl::Status Stop(pid_t pid) = 0;
   // SIGCONT.

@@ -10,6 +10,10 @@
 //    delete the images);
 //  - destination, restored: keep the process, wait for the source's
 //    ReconnectPeers to resume it.
+// A pid of a record is acted on only while it names the same process (its
+// ProcessControl::Identity): after a reboot, or once the process died and
+// its pid was given to another, the record's process is gone, and the
+// stranger is neither signalled nor killed.
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
@@ -50,6 +54,17 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
   }
   const absl::Status cause = absl::AbortedError(absl::StrCat(
       "rdmavirt-migratord restarted during the ", r->kind(), " (phase ", m.rec.phase(), ")"));
+  const bool alive = SameProcess(pid, m.rec.identity());
+  if (!alive && procs_->Exists(pid)) {
+    Log("recovery: migration %s: pid %d is another process now (%s, was %s): left alone",
+        r->migration_id(), pid, procs_->Identity(pid), m.rec.identity());
+  }
+  if (!alive) {
+    // Nothing of it here to continue, bring back or kill.
+    m.rec.set_stopped(false);
+    m.rec.set_released(false);
+    m.rec.set_quiesced(false);
+  }
 
   if ((r->kind() == "migrate" || r->kind() == "restore") && m.rec.confirmed() &&
       !m.rec.destination().empty()) {
@@ -59,10 +74,10 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
     // Restored elsewhere maybe, never resumed: the destination drops it.
     RollBack(&m, cause);
   } else if (r->kind() == "restore") {
-    if (m.rec.restored_pid() > 0 && procs_->Exists(m.rec.restored_pid()))
+    if (SameProcess(m.rec.restored_pid(), m.rec.restored_identity()))
       (void)procs_->Kill(m.rec.restored_pid());
     Finish(&m, cause);
-  } else if (!procs_->Exists(pid) && m.rec.dumped() && r->kind() == "migrate") {
+  } else if (!alive && m.rec.dumped() && r->kind() == "migrate") {
     // Gone (killed with us?), but its final dump is whole: restore it here.
     SetPhase(&m, "rollback", "restoring the final dump on this host");
     // Its service addresses come back first: CRIU binds its sockets to them.
@@ -79,6 +94,7 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
         m.rec.image_dir(), tcp,
         [&](pid_t p) {
           m.rec.set_restored_pid(p);
+          m.rec.set_restored_identity(procs_->Identity(p));
           Persist(&m);
         },
         {}, &out);
@@ -88,6 +104,7 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
       Finish(&m, cause);
     } else {
       r->set_pid(*back);
+      m.rec.set_identity(m.rec.restored_identity());
       m.rec.set_released(false);
       m.rec.set_stopped(false);
       absl::Status peers = ReconnectAll(&m, out.endpoint().mapping(), false);
@@ -99,7 +116,7 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
       if (!peers.ok()) r->set_error(absl::StrCat(r->error(), "; ", peers.message()));
       Finish(&m, cause);
     }
-  } else if (!procs_->Exists(pid)) {
+  } else if (!alive) {
     r->set_error(absl::StrCat(cause.message(), "; process ", pid,
                               " is gone and no complete dump of it exists"));
     Finish(&m, cause);

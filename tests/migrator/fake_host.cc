@@ -120,6 +120,13 @@ void FakeHost::AddPlainProcess(pid_t pid) {
   plain_.insert(pid);
 }
 
+void FakeHost::ReusePid(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  eps_.erase(pid);
+  plain_.insert(pid);
+  ++incarnation_[pid];
+}
+
 void FakeHost::SetTerminal(pid_t pid, const std::string& tty) {
   absl::MutexLock lock(&mu_);
   terminals_[pid] = tty;
@@ -307,6 +314,12 @@ bool FakeHost::Exists(pid_t pid) {
   return plain_.contains(pid) || (it != eps_.end() && it->second.alive);
 }
 
+std::string FakeHost::Identity(pid_t pid) {
+  if (!Exists(pid)) return "";
+  absl::MutexLock lock(&mu_);
+  return absl::StrCat("h", n_, ":", pid, ":", incarnation_[pid]);
+}
+
 absl::Status FakeHost::Stop(pid_t pid) {
   absl::MutexLock lock(&mu_);
   eps_[pid].stopped = true;
@@ -402,6 +415,7 @@ absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_establi
       return absl::FailedPreconditionError(
           "Can't bind inet socket: Cannot assign requested address");
   }
+  ++incarnation_[pid];  // a new process, given the old pid
   FakeEndpoint& e = eps_[pid];
   auto fail = std::move(e.fail);  // faults set up for the restored process
   e = FakeEndpoint{};

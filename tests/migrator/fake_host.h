@@ -71,6 +71,9 @@ class FakeHost final : public ShimChannel,
   void SetTcpAddress(pid_t pid, const std::string& address);
   // A process that is not under the shim.
   void AddPlainProcess(pid_t pid);
+  // The process with `pid` is gone and a stranger (not under the shim) was
+  // given its pid: Exists is true, Identity differs.
+  void ReusePid(pid_t pid);
   // The process holds this terminal (ProcessControl::Terminal).
   void SetTerminal(pid_t pid, const std::string& tty);
   const std::string& gid() const { return gid_; }
@@ -105,6 +108,7 @@ class FakeHost final : public ShimChannel,
   absl::Status SetResumeMarker(pid_t pid, bool present) override;
   // ProcessControl
   bool Exists(pid_t pid) override;
+  std::string Identity(pid_t pid) override;
   absl::Status Stop(pid_t pid) override;
   absl::Status Continue(pid_t pid) override;
   absl::Status Kill(pid_t pid) override;
@@ -136,6 +140,8 @@ class FakeHost final : public ShimChannel,
   absl::Mutex mu_;
   std::map<pid_t, FakeEndpoint> eps_ ABSL_GUARDED_BY(mu_);
   std::set<pid_t> plain_ ABSL_GUARDED_BY(mu_);
+  std::map<pid_t, int> incarnation_ ABSL_GUARDED_BY(mu_);  // Identity's
+
   std::map<pid_t, std::string> terminals_ ABSL_GUARDED_BY(mu_);
   std::set<pid_t> markers_ ABSL_GUARDED_BY(mu_);
   // address (host order) -> (interface, prefix)

@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -28,6 +29,7 @@
 namespace rdmavirt::migrator {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::Contains;
 using ::testing::ElementsAre;
 using testing::FakeEndpoint;
@@ -783,6 +785,65 @@ TEST(MigratorTest, AnAbortDoesNotWaitForTheRestoreItCancels) {
   EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.paused);
 }
 
+// A source that aborts while its image stream hangs (the source stalled,
+// the network slow) is answered at once, not when the stream ends; the
+// stream then stops at its next piece and leaves no image behind.
+TEST(MigratorTest, AnAbortDoesNotWaitForAnImageStream) {
+  Cluster c("abortstream");
+  v1::PrepareRequest prep;
+  prep.set_migration_id("stream-1");
+  prep.mutable_endpoint()->set_pid(100);
+  ASSERT_TRUE(c.m(2).Prepare(prep).ok());
+  const std::string src = TempDir("abortstream-src");
+  std::ofstream(src + "/pages.img") << "0123456789";
+  absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(src);
+  ASSERT_TRUE(files.ok());
+  v1::ImageChunk first;
+  first.set_migration_id("stream-1");
+  first.mutable_manifest()->set_format_version(1);
+  for (const auto& f : *files) *first.mutable_manifest()->add_files() = f;
+
+  absl::Notification second_asked, go_on;
+  int calls = 0;
+  auto next = [&](v1::ImageChunk* chunk) {
+    switch (calls++) {
+      case 0:
+        *chunk = first;
+        return true;
+      case 1:
+        chunk->set_migration_id("stream-1");
+        chunk->set_name("pages.img");
+        chunk->set_data("01234");
+        return true;
+      case 2:
+        second_asked.Notify();
+        go_on.WaitForNotification();  // the source stalls here
+        chunk->set_migration_id("stream-1");
+        chunk->set_name("pages.img");
+        chunk->set_offset(5);
+        chunk->set_data("56789");
+        return true;
+      default:
+        return false;
+    }
+  };
+  absl::StatusOr<v1::PushImagesResponse> pushed;
+  std::thread stream([&] { pushed = c.m(2).PushImages(next); });
+  second_asked.WaitForNotification();
+  v1::AbortIncomingRequest abort;
+  abort.set_migration_id("stream-1");
+  EXPECT_TRUE(c.m(2).AbortIncoming(abort).ok());
+  EXPECT_FALSE(go_on.HasBeenNotified()) << "the abort returned only after the stream went on";
+  go_on.Notify();
+  stream.join();
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kAborted) << pushed.status();
+  const std::string dir = c[2].state_dir + "/incoming/stream-1";
+  EXPECT_FALSE(std::filesystem::exists(dir + "/final/pages.img"));
+  absl::StatusOr<v1::MigrationRecord> rec = ReadRecord(dir);
+  ASSERT_TRUE(rec.ok());
+  EXPECT_EQ(rec->phase(), "aborted");
+}
+
 TEST(MigratorTest, ARestoreElsewhereThatFailsIsRolledBackAndCanBeMadeAgain) {
   Cluster c("ckptfail");
   Topology(c);
@@ -998,6 +1059,81 @@ TEST(MigratorRecoveryTest, DestinationKillsAHalfRestoredProcess) {
   ASSERT_TRUE(after.ok());
   EXPECT_TRUE(after->done());
   EXPECT_EQ(after->phase(), "aborted");
+}
+
+// The moved process's pid now names a stranger (the host rebooted, or the
+// process died and its pid was given to another): the move is finished,
+// but the stranger is neither killed nor continued.
+TEST(MigratorRecoveryTest, SourceLeavesAloneAStrangerGivenTheMovedProcessPid) {
+  Cluster c("recover-reused");
+  Topology(c);
+  Crash(c, /*released=*/true, /*stopped=*/true);
+  v1::MigrationRecord rec = CrashedRecord("reconnect");
+  rec.set_released(true);
+  rec.set_stopped(true);
+  rec.set_confirmed(true);
+  rec.set_identity(c.host(1).Identity(100));
+  ASSERT_FALSE(rec.identity().empty());
+  const std::string dir = c[1].state_dir + "/migrations/crashed-1";
+  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  c.Stop(1);
+  c.host(1).ReusePid(100);
+  ASSERT_NE(c.host(1).Identity(100), rec.identity());
+  c.Start(1);
+  c.m(1).Recover();
+  EXPECT_TRUE(c.host(1).Exists(100));
+  EXPECT_THAT(c.host(1).Events(), AllOf(Not(Contains("kill 100")), Not(Contains("continue 100"))));
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->done());
+}
+
+// The same for a source whose move was not confirmed: nothing to roll back.
+TEST(MigratorRecoveryTest, SourceDoesNotContinueAStrangerGivenTheStoppedProcessPid) {
+  Cluster c("recover-reused-rb");
+  Topology(c);
+  Crash(c, /*released=*/true, /*stopped=*/true);
+  v1::MigrationRecord rec = CrashedRecord("transfer");
+  rec.set_released(true);
+  rec.set_stopped(true);
+  rec.set_identity(c.host(1).Identity(100));
+  const std::string dir = c[1].state_dir + "/migrations/crashed-1";
+  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  c.Stop(1);
+  c.host(1).ReusePid(100);
+  c.Start(1);
+  c.m(1).Recover();
+  EXPECT_TRUE(c.host(1).Exists(100));
+  EXPECT_THAT(c.host(1).Events(), AllOf(Not(Contains("kill 100")), Not(Contains("continue 100"))));
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->done());
+  EXPECT_FALSE(after->report().rolled_back());
+  EXPECT_THAT(after->report().error(), HasSubstr("process 100 is gone"));
+}
+
+TEST(MigratorRecoveryTest, DestinationDoesNotKillAStrangerGivenTheRestoredPid) {
+  Cluster c("recover-dst-reused");
+  c.host(2).Add(100, VGid(1), {});
+  const std::string dir = c[2].state_dir + "/incoming/crashed-1";
+  v1::MigrationRecord rec;
+  rec.mutable_report()->set_migration_id("crashed-1");
+  rec.set_role("destination");
+  rec.set_phase("restoring");
+  rec.set_restored_pid(100);
+  rec.set_restored_identity(c.host(2).Identity(100));
+  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  c.Stop(2);
+  c.host(2).ReusePid(100);
+  c.Start(2);
+  c.m(2).Recover();
+  EXPECT_TRUE(c.host(2).Exists(100));
+  EXPECT_THAT(c.host(2).Events(), Not(Contains("kill 100")));
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->phase(), "aborted");
+  EXPECT_THAT(after->report().error(),
+              HasSubstr("restored process 100 was gone (its pid names another process now)"));
 }
 
 // ---- guests ---------------------------------------------------------------

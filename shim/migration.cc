@@ -25,6 +25,21 @@
 namespace rdmavirt::shim {
 namespace {
 
+// This thread's control verbs in progress (a provider may call exported
+// verbs from inside one), and whether it runs a migration step: either
+// passes the control gate.
+thread_local int t_control_depth = 0;
+thread_local bool t_in_step = false;
+
+// Runs `step` marked as a step of this thread.
+Status AsStep(const std::function<Status()>& step) {
+  const bool outer = t_in_step;
+  t_in_step = true;
+  Status st = step();
+  t_in_step = outer;
+  return st;
+}
+
 uint64_t NowUs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -526,6 +541,10 @@ void Shim::ReopenChannel(Channel* ch) {
 }
 
 void Shim::WakeEventWaiters() {
+  {
+    std::lock_guard<std::mutex> lock(control_mu_);
+    control_cv_.notify_all();
+  }
   std::vector<Channel*> channels;
   {
     std::lock_guard<std::mutex> registry(registry_mu_);
@@ -573,9 +592,15 @@ void Shim::OweEvents(const std::vector<Cq*>& cqs) {
 }
 
 Status Shim::ReleaseNow() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!paused_) return Error(Code::kFailedPrecondition, "release needs a quiesced endpoint");
+    if (released_) return {};
+  }
+  // The application's control verbs in progress return first; later ones
+  // wait for the resume.
+  if (Status st = CloseControl(); !st.ok()) return st;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!paused_) return Error(Code::kFailedPrecondition, "release needs a quiesced endpoint");
-  if (released_) return {};
   // Every QP to the error state, its receives still posted counted from
   // their flushes; then what else arrived since the drain.
   FailAndCountRecvs(All<Qp>(Kind::kQp));
@@ -864,6 +889,7 @@ Status Shim::ResumeNow() {
   SetPaused(false);
   pause_.Open();
   paused_ = false;
+  OpenControl();
   OweEvents(owed);
   if (!st.ok()) LogOnce(st.message.c_str());
   return st;
@@ -930,7 +956,7 @@ Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
 // taken up and never finished (a verb blocked in the kernel) is waited for
 // within a bound, then said; no step starts while it runs.
 Status Shim::OnAppThread(const char* name, std::function<Status()> step, int budget_ms) {
-  if (!app_thread_steps_.load()) return step();
+  if (!app_thread_steps_.load()) return AsStep(step);
   if (!step_.done.load(std::memory_order_acquire))
     return Error(Code::kUnavailable,
                  std::string("the shim's ") + step_.name +
@@ -947,7 +973,7 @@ Status Shim::OnAppThread(const char* name, std::function<Status()> step, int bud
   }
   PendingStep* expected = &step_;
   if (task_.compare_exchange_strong(expected, nullptr)) {
-    Status st = step_.run();
+    Status st = AsStep(step_.run);
     step_.done.store(true, std::memory_order_release);
     return st;
   }
@@ -967,9 +993,59 @@ Status Shim::OnAppThread(const char* name, std::function<Status()> step, int bud
 void Shim::RunPendingStep() {
   PendingStep* p = task_.exchange(nullptr);
   if (p == nullptr) return;
-  p->result = p->run();
+  p->result = AsStep(p->run);
   steps_on_app_threads_.fetch_add(1);
   p->done.store(true, std::memory_order_release);
+}
+
+Shim::ControlScope::ControlScope(Shim* shim, bool applies) : shim_(shim) {
+  if (!applies) return;
+  entered_ = true;
+  if (t_control_depth++ > 0 || t_in_step) return;
+  std::unique_lock<std::mutex> lock(shim_->control_mu_);
+  while (shim_->control_closed_) {
+    if (shim_->step_pending()) {
+      lock.unlock();
+      shim_->RunPendingStep();
+      lock.lock();
+      continue;
+    }
+    shim_->control_waiters_.fetch_add(1);
+    shim_->control_cv_.wait(lock,
+                            [this] { return !shim_->control_closed_ || shim_->step_pending(); });
+    shim_->control_waiters_.fetch_sub(1);
+  }
+  ++shim_->control_inside_;
+  counted_ = true;
+}
+
+Shim::ControlScope::~ControlScope() {
+  if (!entered_) return;
+  --t_control_depth;
+  if (!counted_) return;
+  std::lock_guard<std::mutex> lock(shim_->control_mu_);
+  if (--shim_->control_inside_ == 0) shim_->control_cv_.notify_all();
+}
+
+Status Shim::CloseControl() {
+  std::unique_lock<std::mutex> lock(control_mu_);
+  control_closed_ = true;
+  if (control_cv_.wait_for(lock, std::chrono::milliseconds(control_wait_ms_),
+                           [this] { return control_inside_ == 0; }))
+    return {};
+  control_closed_ = false;
+  control_cv_.notify_all();
+  return Error(Code::kDeadlineExceeded,
+               "an application thread's verbs call (other than a post or a poll) did not return "
+               "within " +
+                   std::to_string(control_wait_ms_) +
+                   " ms; the endpoint was not released (it stays paused until resumed)");
+}
+
+void Shim::OpenControl() {
+  std::lock_guard<std::mutex> lock(control_mu_);
+  control_closed_ = false;
+  control_cv_.notify_all();
 }
 
 Status Shim::Release() {

@@ -126,6 +126,8 @@ ibv_device** Shim::GetDeviceList(int* num) {
 void Shim::FreeDeviceList(ibv_device** list) { backend_->FreeDeviceList(list); }
 
 ibv_context* Shim::OpenDevice(ibv_device* device) {
+  // A device opened while the endpoint is away would stay open in the dump.
+  ControlScope scope(this);
   ibv_context* real = backend_->OpenDevice(device);
   if (real == nullptr) return nullptr;
   Context* ctx = NewZeroed<Context>();
@@ -151,6 +153,7 @@ ibv_context* Shim::OpenDevice(ibv_device* device) {
 
 int Shim::CloseDevice(ibv_context* c) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   if (ctx == nullptr) return backend_->CloseDevice(c);
   const int rc = ctx->real != nullptr ? backend_->CloseDevice(ctx->real) : 0;
   if (rc != 0) return rc;
@@ -186,20 +189,27 @@ int Shim::GetAsyncEvent(ibv_context* c, ibv_async_event* event) {
 }
 
 void Shim::AckAsyncEvent(ibv_async_event* event) {
-  ibv_async_event real = *event;
+  Qp* qp = nullptr;
+  Cq* cq = nullptr;
+  Srq* srq = nullptr;
   switch (ElementOf(event->event_type)) {
     case EventElement::kQp:
-      if (Qp* qp = FindQp(event->element.qp)) real.element.qp = qp->real;
+      qp = FindQp(event->element.qp);
       break;
     case EventElement::kCq:
-      if (Cq* cq = FindCq(event->element.cq)) real.element.cq = cq->real;
+      cq = FindCq(event->element.cq);
       break;
     case EventElement::kSrq:
-      if (Srq* srq = FindSrq(event->element.srq)) real.element.srq = srq->real;
+      srq = FindSrq(event->element.srq);
       break;
     case EventElement::kOther:
       break;
   }
+  ControlScope scope(this, qp != nullptr || cq != nullptr || srq != nullptr);
+  ibv_async_event real = *event;
+  if (qp != nullptr) real.element.qp = qp->real;
+  if (cq != nullptr) real.element.cq = cq->real;
+  if (srq != nullptr) real.element.srq = srq->real;
   backend_->AckAsyncEvent(&real);
 }
 
@@ -207,12 +217,14 @@ void Shim::AckAsyncEvent(ibv_async_event* event) {
 
 int Shim::QueryDevice(ibv_context* c, ibv_device_attr* attr) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   return backend_->QueryDevice(ctx ? ctx->real : c, attr);
 }
 
 int Shim::QueryDeviceEx(ibv_context* c, const ibv_query_device_ex_input* input,
                         ibv_device_attr_ex* attr, size_t size) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   ibv_context* real = ctx ? ctx->real : c;
   auto* vctx = verbs_get_ctx_op(real, query_device_ex);
   if (vctx == nullptr) return EOPNOTSUPP;
@@ -221,6 +233,7 @@ int Shim::QueryDeviceEx(ibv_context* c, const ibv_query_device_ex_input* input,
 
 int Shim::QueryPort(ibv_context* c, uint8_t port, ibv_port_attr* attr, size_t size) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   ibv_port_attr full{};
   const int rc = backend_->QueryPort(ctx ? ctx->real : c, port, &full);
   if (rc == 0) memcpy(attr, &full, size < sizeof(full) ? size : sizeof(full));
@@ -229,6 +242,7 @@ int Shim::QueryPort(ibv_context* c, uint8_t port, ibv_port_attr* attr, size_t si
 
 int Shim::QueryGid(ibv_context* c, uint8_t port, int index, ibv_gid* gid) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   const int rc = backend_->QueryGid(ctx ? ctx->real : c, port, index, gid);
   if (rc == 0 && ctx != nullptr) *gid = mode_.VirtualGid(*gid);
   if (rc == 0 && ctx != nullptr) {
@@ -243,6 +257,7 @@ int Shim::QueryGid(ibv_context* c, uint8_t port, int index, ibv_gid* gid) {
 int Shim::QueryGidEx(ibv_context* c, uint32_t port, uint32_t index, ibv_gid_entry* entry,
                      uint32_t flags, size_t size) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   const int rc = backend_->QueryGidEx(ctx ? ctx->real : c, port, index, entry, flags, size);
   if (rc == 0 && ctx != nullptr) entry->gid = mode_.VirtualGid(entry->gid);
   return rc;
@@ -251,6 +266,7 @@ int Shim::QueryGidEx(ibv_context* c, uint32_t port, uint32_t index, ibv_gid_entr
 ssize_t Shim::QueryGidTable(ibv_context* c, ibv_gid_entry* entries, size_t max, uint32_t flags,
                             size_t size) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   const ssize_t n = backend_->QueryGidTable(ctx ? ctx->real : c, entries, max, flags, size);
   if (ctx != nullptr) {
     for (ssize_t i = 0; i < n; ++i) {
@@ -263,16 +279,19 @@ ssize_t Shim::QueryGidTable(ibv_context* c, ibv_gid_entry* entries, size_t max, 
 
 int Shim::QueryPkey(ibv_context* c, uint8_t port, int index, __be16* pkey) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   return backend_->QueryPkey(ctx ? ctx->real : c, port, index, pkey);
 }
 
 int Shim::QueryGidType(ibv_context* c, uint8_t port, unsigned int index, int* type) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   return backend_->QueryGidType(ctx ? ctx->real : c, port, index, type);
 }
 
 int Shim::ResolveEthL2FromGid(ibv_context* c, ibv_ah_attr* attr, uint8_t mac[6], uint16_t* vid) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   if (ctx == nullptr) return backend_->ResolveEthL2FromGid(c, attr, mac, vid);
   // The destination is resolved where it is now (its physical GID).
   ibv_ah_attr real_attr = *attr;
@@ -285,6 +304,7 @@ int Shim::ResolveEthL2FromGid(ibv_context* c, ibv_ah_attr* attr, uint8_t mac[6],
 
 int Shim::GetPkeyIndex(ibv_context* c, uint8_t port, __be16 pkey) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   return backend_->GetPkeyIndex(ctx ? ctx->real : c, port, pkey);
 }
 
@@ -292,6 +312,7 @@ int Shim::GetPkeyIndex(ibv_context* c, uint8_t port, __be16 pkey) {
 
 ibv_pd* Shim::AllocPd(ibv_context* c) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   if (ctx == nullptr) return backend_->AllocPd(c);
   ibv_pd* real = backend_->AllocPd(ctx->real);
   if (real == nullptr) return nullptr;
@@ -312,6 +333,7 @@ ibv_pd* Shim::AllocPd(ibv_context* c) {
 
 int Shim::DeallocPd(ibv_pd* p) {
   Pd* pd = FindPd(p);
+  ControlScope scope(this, pd != nullptr);
   if (pd == nullptr) return backend_->DeallocPd(p);
   const int rc = pd->real != nullptr ? backend_->DeallocPd(pd->real) : 0;
   if (rc != 0) return rc;
@@ -323,6 +345,7 @@ int Shim::DeallocPd(ibv_pd* p) {
 
 ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova, unsigned int access) {
   Pd* pd = FindPd(p);
+  ControlScope scope(this, pd != nullptr);
   if (pd == nullptr) return backend_->RegMr(p, addr, length, iova, access);
   ibv_mr* real = backend_->RegMr(pd->real, addr, length, iova, access);
   if (real == nullptr) return nullptr;
@@ -370,6 +393,7 @@ ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova, unsigne
 
 int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length, int access) {
   Mr* mr = Find<Mr>(m, Kind::kMr);
+  ControlScope scope(this, mr != nullptr);
   if (mr == nullptr) return backend_->ReregMr(m, flags, p, addr, length, access);
   Pd* pd = nullptr;
   if (flags & IBV_REREG_MR_CHANGE_PD) {
@@ -401,6 +425,7 @@ int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length, in
 
 int Shim::DeregMr(ibv_mr* m) {
   Mr* mr = Find<Mr>(m, Kind::kMr);
+  ControlScope scope(this, mr != nullptr);
   if (mr == nullptr) return backend_->DeregMr(m);
   const int rc = mr->real != nullptr ? backend_->DeregMr(mr->real) : 0;
   if (rc != 0) return rc;
@@ -415,6 +440,7 @@ int Shim::DeregMr(ibv_mr* m) {
 
 ibv_comp_channel* Shim::CreateCompChannel(ibv_context* c) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   if (ctx == nullptr) return backend_->CreateCompChannel(c);
   ibv_comp_channel* real = backend_->CreateCompChannel(ctx->real);
   if (real == nullptr) return nullptr;
@@ -436,6 +462,7 @@ ibv_comp_channel* Shim::CreateCompChannel(ibv_context* c) {
 
 int Shim::DestroyCompChannel(ibv_comp_channel* c) {
   Channel* ch = FindChannel(c);
+  ControlScope scope(this, ch != nullptr);
   if (ch == nullptr) return backend_->DestroyCompChannel(c);
   const int rc = ch->real != nullptr ? backend_->DestroyCompChannel(ch->real) : 0;
   if (rc != 0) return rc;
@@ -486,6 +513,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
 ibv_cq* Shim::CreateCq(ibv_context* c, int cqe, void* cq_context, ibv_comp_channel* channel,
                        int comp_vector) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   if (ctx == nullptr) return backend_->CreateCq(c, cqe, cq_context, channel, comp_vector);
   Channel* ch = FindChannel(channel);
   if (channel != nullptr && ch == nullptr) {
@@ -505,6 +533,7 @@ ibv_cq* Shim::CreateCq(ibv_context* c, int cqe, void* cq_context, ibv_comp_chann
 
 ibv_cq_ex* Shim::CreateCqEx(ibv_context* c, ibv_cq_init_attr_ex* attr) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   if (ctx == nullptr) return backend_->CreateCqEx(c, attr);
   if (attr->comp_mask & IBV_CQ_INIT_ATTR_MASK_PD) {
     LogOnce("ibv_create_cq_ex with a parent domain is not supported");
@@ -534,6 +563,7 @@ ibv_cq_ex* Shim::CreateCqEx(ibv_context* c, ibv_cq_init_attr_ex* attr) {
 
 int Shim::ResizeCq(ibv_cq* c, int cqe) {
   Cq* cq = FindCq(c);
+  ControlScope scope(this, cq != nullptr);
   if (cq == nullptr) return backend_->ResizeCq(c, cqe);
   const int rc = backend_->ResizeCq(cq->real, cqe + CqSlack());
   if (rc == 0) {
@@ -545,6 +575,7 @@ int Shim::ResizeCq(ibv_cq* c, int cqe) {
 
 int Shim::DestroyCq(ibv_cq* c) {
   Cq* cq = FindCq(c);
+  ControlScope scope(this, cq != nullptr);
   if (cq == nullptr) return backend_->DestroyCq(c);
   const int rc = cq->real != nullptr ? backend_->DestroyCq(cq->real) : 0;
   if (rc != 0) return rc;
@@ -664,6 +695,7 @@ int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) 
 
 void Shim::AckCqEvents(ibv_cq* c, unsigned int nevents) {
   Cq* cq = FindCq(c);
+  ControlScope scope(this, cq != nullptr);
   if (cq == nullptr) return backend_->AckCqEvents(c, nevents);
   std::lock_guard<std::mutex> lock(cq->events_mu);
   const uint32_t absorbed = std::min<uint32_t>(nevents, cq->events_absorbed);
@@ -677,6 +709,7 @@ void Shim::AckCqEvents(ibv_cq* c, unsigned int nevents) {
 
 ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   Pd* pd = FindPd(p);
+  ControlScope scope(this, pd != nullptr);
   if (pd == nullptr) return backend_->CreateSrq(p, attr);
   Srq* srq = NewZeroed<Srq>();
   if (srq == nullptr) return nullptr;
@@ -714,6 +747,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
 
 int Shim::ModifySrq(ibv_srq* s, ibv_srq_attr* attr, int mask) {
   Srq* srq = FindSrq(s);
+  ControlScope scope(this, srq != nullptr);
   if (srq == nullptr) return backend_->ModifySrq(s, attr, mask);
   const int rc = backend_->ModifySrq(srq->real, attr, mask);
   if (rc == 0 && (mask & IBV_SRQ_LIMIT)) srq->init.attr.srq_limit = attr->srq_limit;
@@ -722,11 +756,13 @@ int Shim::ModifySrq(ibv_srq* s, ibv_srq_attr* attr, int mask) {
 
 int Shim::QuerySrq(ibv_srq* s, ibv_srq_attr* attr) {
   Srq* srq = FindSrq(s);
+  ControlScope scope(this, srq != nullptr);
   return backend_->QuerySrq(srq ? srq->real : s, attr);
 }
 
 int Shim::DestroySrq(ibv_srq* s) {
   Srq* srq = FindSrq(s);
+  ControlScope scope(this, srq != nullptr);
   if (srq == nullptr) return backend_->DestroySrq(s);
   const int rc = srq->real != nullptr ? backend_->DestroySrq(srq->real) : 0;
   if (rc != 0) return rc;
@@ -800,6 +836,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
 
 ibv_qp* Shim::CreateQp(ibv_pd* p, ibv_qp_init_attr* attr) {
   Pd* pd = FindPd(p);
+  ControlScope scope(this, pd != nullptr);
   if (pd == nullptr) return backend_->CreateQp(p, attr);
   ibv_qp_init_attr_ex ex = ToInitAttrEx(p, *attr);
   ibv_qp* qp = CreateQpEx(p->context, &ex);
@@ -809,6 +846,7 @@ ibv_qp* Shim::CreateQp(ibv_pd* p, ibv_qp_init_attr* attr) {
 
 ibv_qp* Shim::CreateQpEx(ibv_context* c, ibv_qp_init_attr_ex* attr) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   if (ctx == nullptr) return backend_->CreateQpEx(c, attr);
   constexpr uint32_t kSupported =
       IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS | IBV_QP_INIT_ATTR_CREATE_FLAGS;
@@ -882,6 +920,7 @@ void Shim::VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const {
 
 int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
   Qp* qp = FindQp(q);
+  ControlScope scope(this, qp != nullptr);
   if (qp == nullptr) return backend_->ModifyQp(q, attr, mask);
   // The peer this QP is (being) connected to: a moved one translates
   // through what it published.
@@ -910,6 +949,7 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
 
 int Shim::QueryQp(ibv_qp* q, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init) {
   Qp* qp = FindQp(q);
+  ControlScope scope(this, qp != nullptr);
   if (qp == nullptr) return backend_->QueryQp(q, attr, mask, init);
   const int rc = backend_->QueryQp(qp->real, attr, mask, init);
   if (rc != 0) return rc;
@@ -938,6 +978,7 @@ int Shim::QueryQp(ibv_qp* q, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init
 
 int Shim::DestroyQp(ibv_qp* q) {
   Qp* qp = FindQp(q);
+  ControlScope scope(this, qp != nullptr);
   if (qp == nullptr) return backend_->DestroyQp(q);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -957,16 +998,19 @@ int Shim::DestroyQp(ibv_qp* q) {
 // ECE options carry no identity: the real QP's answer is the answer.
 int Shim::QueryEce(ibv_qp* q, ibv_ece* ece) {
   Qp* qp = FindQp(q);
+  ControlScope scope(this, qp != nullptr);
   return backend_->QueryEce(qp ? qp->real : q, ece);
 }
 
 int Shim::SetEce(ibv_qp* q, ibv_ece* ece) {
   Qp* qp = FindQp(q);
+  ControlScope scope(this, qp != nullptr);
   return backend_->SetEce(qp ? qp->real : q, ece);
 }
 
 int Shim::QueryQpDataInOrder(ibv_qp* q, ibv_wr_opcode op, uint32_t flags) {
   Qp* qp = FindQp(q);
+  ControlScope scope(this, qp != nullptr);
   return backend_->QueryQpDataInOrder(qp ? qp->real : q, op, flags);
 }
 
@@ -974,6 +1018,7 @@ int Shim::QueryQpDataInOrder(ibv_qp* q, ibv_wr_opcode op, uint32_t flags) {
 
 ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   Pd* pd = FindPd(p);
+  ControlScope scope(this, pd != nullptr);
   if (pd == nullptr) return backend_->CreateAh(p, attr);
   // To the GID's own place; endpoints that moved away get routes.
   ibv_ah* real = nullptr;
@@ -1009,6 +1054,7 @@ ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
 
 int Shim::InitAhFromWc(ibv_context* c, uint8_t port, ibv_wc* wc, ibv_grh* grh, ibv_ah_attr* attr) {
   Context* ctx = FindContext(c);
+  ControlScope scope(this, ctx != nullptr);
   if (ctx == nullptr) return backend_->InitAhFromWc(c, port, wc, grh, attr);
   // The application's GRH shows virtual addresses; the provider matches
   // them against the port's physical GID table.
@@ -1038,6 +1084,7 @@ ibv_ah* Shim::CreateAhFromWc(ibv_pd* pd, ibv_wc* wc, ibv_grh* grh, uint8_t port)
 
 int Shim::DestroyAh(ibv_ah* a) {
   Ah* ah = Find<Ah>(a, Kind::kAh);
+  ControlScope scope(this, ah != nullptr);
   if (ah == nullptr) return backend_->DestroyAh(a);
   const int rc = ah->real != nullptr ? backend_->DestroyAh(ah->real) : 0;
   if (rc != 0) return rc;
@@ -1051,11 +1098,13 @@ int Shim::DestroyAh(ibv_ah* a) {
 
 int Shim::AttachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
   Qp* qp = FindQp(q);
+  ControlScope scope(this, qp != nullptr);
   return backend_->AttachMcast(qp ? qp->real : q, gid, lid);
 }
 
 int Shim::DetachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
   Qp* qp = FindQp(q);
+  ControlScope scope(this, qp != nullptr);
   return backend_->DetachMcast(qp ? qp->real : q, gid, lid);
 }
 

@@ -15,6 +15,7 @@
 #include <infiniband/verbs.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -158,6 +159,12 @@ class Shim {
   void set_step_timeout_ms(int ms) { step_timeout_ms_ = ms; }
   // Steps run by application threads so far.
   int steps_on_app_threads() const { return steps_on_app_threads_.load(); }
+  // How long a release waits for the application's control verbs already
+  // running to return (tests shorten it).
+  void set_control_wait_ms(int ms) { control_wait_ms_ = ms; }
+  // Application threads waiting in a control verb for the endpoint to be
+  // back (tests wait for them).
+  int control_waiters() const { return control_waiters_.load(); }
 
   // Data path (UD receives): the moved peer now behind a physical GID that
   // sent from `physical_qpn`, newest first, or nullptr. Lock-free.
@@ -232,6 +239,34 @@ class Shim {
   // deadline) plus step_timeout_ms_ for it to finish: DEADLINE_EXCEEDED
   // past that, and UNAVAILABLE for any step asked while one still runs.
   Status OnAppThread(const char* name, std::function<Status()> step, int budget_ms = 0);
+
+  // The control verbs' gate. Every verb other than the data path and the
+  // event waits (which pause on their own) runs inside a ControlScope
+  // once it knows the object is the endpoint's. From a release until the
+  // resume the scope waits for the endpoint to be back, so that no verb
+  // meets an object whose hardware half is gone, and meanwhile runs a step
+  // left for an application thread (the restore may need it). A release
+  // first closes the gate and waits for the verbs inside to return. A
+  // thread already inside, or running a step, passes (a provider may call
+  // exported verbs back).
+  class ControlScope {
+   public:
+    // `applies`: the verb's object is the endpoint's (else the scope is
+    // nothing).
+    explicit ControlScope(Shim* shim, bool applies = true);
+    ~ControlScope();
+    ControlScope(const ControlScope&) = delete;
+    ControlScope& operator=(const ControlScope&) = delete;
+
+   private:
+    Shim* const shim_;
+    bool entered_ = false;
+    bool counted_ = false;
+  };
+  // DEADLINE_EXCEEDED (the gate open again) when a verb stays inside
+  // longer than control_wait_ms_.
+  Status CloseControl();
+  void OpenControl();
   Status RecreateReal(const std::string& device);  // requires mu_
   Status Reconnect(Qp* qp);                        // requires mu_
   // Quiesce's second half: the drain, on an application thread if need be.
@@ -295,6 +330,12 @@ class Shim {
   // what the shim waited for.
   int step_timeout_ms_ = 20000;
   std::atomic<int> steps_on_app_threads_{0};
+  std::mutex control_mu_;  // after mu_; never held across a verb or a step
+  std::condition_variable control_cv_;
+  int control_inside_ = 0;       // guarded by control_mu_
+  bool control_closed_ = false;  // guarded by control_mu_
+  std::atomic<int> control_waiters_{0};
+  int control_wait_ms_ = 10000;
   // The step in flight. A member, not the control thread's: an application
   // thread may still run it after the control thread stopped waiting, so
   // it owns what it uses, and no other step starts before it is done.

@@ -977,6 +977,10 @@ void FakeBackend::set_stall_open_device(bool stall) {
   }
   stall_cv_.notify_all();
 }
+int FakeBackend::stalled_opens() {
+  std::lock_guard<std::mutex> lock(stall_mu_);
+  return stalled_opens_;
+}
 void FakeBackend::SetNextQpn(uint32_t qpn) {
   std::lock_guard<std::mutex> lock(mu_);
   forced_qpn_ = qpn;
@@ -1054,7 +1058,9 @@ void FakeBackend::FreeDeviceList(ibv_device** list) { delete[] list; }
 ibv_context* FakeBackend::OpenDevice(ibv_device* device) {
   {
     std::unique_lock<std::mutex> stall(stall_mu_);
+    ++stalled_opens_;
     stall_cv_.wait(stall, [this] { return !stall_open_device_; });
+    --stalled_opens_;
   }
   std::lock_guard<std::mutex> lock(mu_);
   int err;

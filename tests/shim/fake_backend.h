@@ -186,6 +186,8 @@ class FakeBackend final : public VerbsBackend {
   // While set, OpenDevice blocks (a verb stuck in the kernel); clearing it
   // lets the blocked calls go on.
   void set_stall_open_device(bool stall);
+  // Threads held in OpenDevice by set_stall_open_device now.
+  int stalled_opens();
   // Completion channels made from now on have blocking fds: GetCqEvent
   // waits for an event, or for the channel's destroy (then EIO).
   void set_blocking_channels(bool blocking);
@@ -271,6 +273,7 @@ class FakeBackend final : public VerbsBackend {
   std::mutex stall_mu_;        // not mu_: a stalled call must not block the others
   std::condition_variable stall_cv_;
   bool stall_open_device_ = false;
+  int stalled_opens_ = 0;  // guarded by stall_mu_
   Owned<ContextObj> contexts_;
   Owned<PdObj> pds_;
   Owned<MrObj> mrs_;

@@ -431,6 +431,73 @@ TEST_F(MigrationTest, AStepStuckOnAnApplicationThreadIsReportedNotWaitedForever)
   app.join();
 }
 
+// Until `done` or 10 s; whether it became true.
+bool WaitUntil(const std::function<bool()>& done) {
+  for (int i = 0; i < 10000; ++i) {
+    if (done()) return true;
+    usleep(1000);
+  }
+  return done();
+}
+
+// A control verb the application calls while its endpoint is away (released
+// for a move) waits for the endpoint to be back and then runs on the
+// re-created objects: it never reaches one whose hardware half is gone.
+// The waiting thread is an application thread: it runs the restore.
+TEST_F(MigrationTest, AControlVerbWhileReleasedWaitsForTheResume) {
+  Connect();
+  Quiesce();
+  ASSERT_TRUE(p_.Release().ok());
+  p_.set_app_thread_wait_ms(5000);
+  int rc = -1;
+  ibv_qp_attr attr{};
+  std::thread app([&] {
+    ibv_qp_init_attr init{};
+    rc = p_.QueryQp(pqp_, &attr, IBV_QP_STATE, &init);
+  });
+  ASSERT_TRUE(WaitUntil([&] { return p_.control_waiters() == 1; }));
+  EXPECT_EQ(rc, -1) << "the verb returned while the endpoint was released";
+  const Status st = p_.Restore("", {});
+  ASSERT_TRUE(st.ok()) << st.message;
+  EXPECT_EQ(p_.steps_on_app_threads(), 1) << "the waiting thread ran the restore";
+  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  ASSERT_TRUE(p_.Resume().ok());
+  app.join();
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(attr.qp_state, IBV_QPS_RTS);
+}
+
+// A release waits for the control verbs already running; one that does not
+// return within the bound fails the release, which leaves the endpoint as
+// it was (paused); once the verb is back, the release goes through, and
+// what the verb made moves with the rest.
+TEST_F(MigrationTest, AReleaseWaitsForAControlVerbInFlightWithinABound) {
+  Connect();
+  p_.set_control_wait_ms(300);
+  fake_.set_stall_open_device(true);
+  ibv_context* extra = nullptr;
+  std::thread app([&] {
+    int n = 0;
+    ibv_device** list = p_.GetDeviceList(&n);
+    extra = p_.OpenDevice(list[0]);
+    p_.FreeDeviceList(list);
+  });
+  ASSERT_TRUE(WaitUntil([&] { return fake_.stalled_opens() == 1; }));
+  Quiesce();
+  const Status refused = p_.Release();
+  EXPECT_EQ(refused.code, Code::kDeadlineExceeded);
+  EXPECT_NE(refused.message.find("did not return within 300 ms"), std::string::npos)
+      << refused.message;
+  EXPECT_FALSE(p_.Describe().released);
+  fake_.set_stall_open_device(false);
+  app.join();
+  ASSERT_NE(extra, nullptr);
+  ReleaseRestoreResume();
+  ibv_device_attr dev{};
+  EXPECT_EQ(p_.QueryDevice(extra, &dev), 0);
+  EXPECT_EQ(p_.CloseDevice(extra), 0);
+}
+
 TEST(MigrationNotMigratableTest, QuiesceRefusesAShimWhoseQueuesTakeTheFastPath) {
   FakeBackend fake;
   Shim shim(&fake, IdentityMode{});

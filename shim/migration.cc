@@ -619,6 +619,7 @@ Status Shim::ReleaseNow() {
   DestroyReal();
   DirtyPages(writable);
   released_ = true;
+  ControlReleased();
   // Whatever brings the endpoint back (a CRIU restore, most likely) must
   // reopen the device on an application thread; see OnAppThread.
   app_thread_steps_.store(true);
@@ -823,11 +824,19 @@ Status Shim::RecreateReal(const std::string& device) {
 }
 
 Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!released_) return Error(Code::kFailedPrecondition, "restore needs a released endpoint");
+  }
+  // Destroys that passed the gate while released return first.
+  if (Status st = ControlRestoring(); !st.ok()) return st;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!released_) return Error(Code::kFailedPrecondition, "restore needs a released endpoint");
   for (const RemoteMapping& m : peers) {
     std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(m);
-    if (e == nullptr) return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
+    if (e == nullptr) {
+      ControlReleased();
+      return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
+    }
     PublishRemoteLocked(std::move(e));
   }
   Status st = RecreateReal(device);
@@ -835,6 +844,7 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
     // Nothing half-made stays: the endpoint is released as before, and a
     // later Restore (elsewhere, or here again) starts from the journal.
     DestroyReal();
+    ControlReleased();
     return st;
   }
   released_ = false;
@@ -998,12 +1008,12 @@ void Shim::RunPendingStep() {
   p->done.store(true, std::memory_order_release);
 }
 
-Shim::ControlScope::ControlScope(Shim* shim, bool applies) : shim_(shim) {
+Shim::ControlScope::ControlScope(Shim* shim, bool applies, bool when_released) : shim_(shim) {
   if (!applies) return;
   entered_ = true;
   if (t_control_depth++ > 0 || t_in_step) return;
   std::unique_lock<std::mutex> lock(shim_->control_mu_);
-  while (shim_->control_closed_) {
+  while (shim_->control_closed_ && !(when_released && shim_->control_released_)) {
     if (shim_->step_pending()) {
       lock.unlock();
       shim_->RunPendingStep();
@@ -1011,8 +1021,10 @@ Shim::ControlScope::ControlScope(Shim* shim, bool applies) : shim_(shim) {
       continue;
     }
     shim_->control_waiters_.fetch_add(1);
-    shim_->control_cv_.wait(lock,
-                            [this] { return !shim_->control_closed_ || shim_->step_pending(); });
+    shim_->control_cv_.wait(lock, [this, when_released] {
+      return !shim_->control_closed_ || (when_released && shim_->control_released_) ||
+             shim_->step_pending();
+    });
     shim_->control_waiters_.fetch_sub(1);
   }
   ++shim_->control_inside_;
@@ -1045,7 +1057,27 @@ Status Shim::CloseControl() {
 void Shim::OpenControl() {
   std::lock_guard<std::mutex> lock(control_mu_);
   control_closed_ = false;
+  control_released_ = false;
   control_cv_.notify_all();
+}
+
+void Shim::ControlReleased() {
+  std::lock_guard<std::mutex> lock(control_mu_);
+  control_released_ = true;
+  control_cv_.notify_all();
+}
+
+Status Shim::ControlRestoring() {
+  std::unique_lock<std::mutex> lock(control_mu_);
+  control_released_ = false;
+  if (control_cv_.wait_for(lock, std::chrono::milliseconds(control_wait_ms_),
+                           [this] { return control_inside_ == 0; }))
+    return {};
+  control_released_ = true;
+  control_cv_.notify_all();
+  return Error(Code::kDeadlineExceeded,
+               "an application thread's destroy, deregistration or close did not return within " +
+                   std::to_string(control_wait_ms_) + " ms; the endpoint stays released");
 }
 
 Status Shim::Release() {

@@ -153,7 +153,7 @@ ibv_context* Shim::OpenDevice(ibv_device* device) {
 
 int Shim::CloseDevice(ibv_context* c) {
   Context* ctx = FindContext(c);
-  ControlScope scope(this, ctx != nullptr);
+  ControlScope scope(this, ctx != nullptr, /*when_released=*/true);
   if (ctx == nullptr) return backend_->CloseDevice(c);
   const int rc = ctx->real != nullptr ? backend_->CloseDevice(ctx->real) : 0;
   if (rc != 0) return rc;
@@ -333,7 +333,7 @@ ibv_pd* Shim::AllocPd(ibv_context* c) {
 
 int Shim::DeallocPd(ibv_pd* p) {
   Pd* pd = FindPd(p);
-  ControlScope scope(this, pd != nullptr);
+  ControlScope scope(this, pd != nullptr, /*when_released=*/true);
   if (pd == nullptr) return backend_->DeallocPd(p);
   const int rc = pd->real != nullptr ? backend_->DeallocPd(pd->real) : 0;
   if (rc != 0) return rc;
@@ -425,7 +425,7 @@ int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length, in
 
 int Shim::DeregMr(ibv_mr* m) {
   Mr* mr = Find<Mr>(m, Kind::kMr);
-  ControlScope scope(this, mr != nullptr);
+  ControlScope scope(this, mr != nullptr, /*when_released=*/true);
   if (mr == nullptr) return backend_->DeregMr(m);
   const int rc = mr->real != nullptr ? backend_->DeregMr(mr->real) : 0;
   if (rc != 0) return rc;
@@ -462,7 +462,7 @@ ibv_comp_channel* Shim::CreateCompChannel(ibv_context* c) {
 
 int Shim::DestroyCompChannel(ibv_comp_channel* c) {
   Channel* ch = FindChannel(c);
-  ControlScope scope(this, ch != nullptr);
+  ControlScope scope(this, ch != nullptr, /*when_released=*/true);
   if (ch == nullptr) return backend_->DestroyCompChannel(c);
   const int rc = ch->real != nullptr ? backend_->DestroyCompChannel(ch->real) : 0;
   if (rc != 0) return rc;
@@ -575,7 +575,7 @@ int Shim::ResizeCq(ibv_cq* c, int cqe) {
 
 int Shim::DestroyCq(ibv_cq* c) {
   Cq* cq = FindCq(c);
-  ControlScope scope(this, cq != nullptr);
+  ControlScope scope(this, cq != nullptr, /*when_released=*/true);
   if (cq == nullptr) return backend_->DestroyCq(c);
   const int rc = cq->real != nullptr ? backend_->DestroyCq(cq->real) : 0;
   if (rc != 0) return rc;
@@ -695,7 +695,7 @@ int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) 
 
 void Shim::AckCqEvents(ibv_cq* c, unsigned int nevents) {
   Cq* cq = FindCq(c);
-  ControlScope scope(this, cq != nullptr);
+  ControlScope scope(this, cq != nullptr, /*when_released=*/true);
   if (cq == nullptr) return backend_->AckCqEvents(c, nevents);
   std::lock_guard<std::mutex> lock(cq->events_mu);
   const uint32_t absorbed = std::min<uint32_t>(nevents, cq->events_absorbed);
@@ -762,7 +762,7 @@ int Shim::QuerySrq(ibv_srq* s, ibv_srq_attr* attr) {
 
 int Shim::DestroySrq(ibv_srq* s) {
   Srq* srq = FindSrq(s);
-  ControlScope scope(this, srq != nullptr);
+  ControlScope scope(this, srq != nullptr, /*when_released=*/true);
   if (srq == nullptr) return backend_->DestroySrq(s);
   const int rc = srq->real != nullptr ? backend_->DestroySrq(srq->real) : 0;
   if (rc != 0) return rc;
@@ -978,7 +978,7 @@ int Shim::QueryQp(ibv_qp* q, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init
 
 int Shim::DestroyQp(ibv_qp* q) {
   Qp* qp = FindQp(q);
-  ControlScope scope(this, qp != nullptr);
+  ControlScope scope(this, qp != nullptr, /*when_released=*/true);
   if (qp == nullptr) return backend_->DestroyQp(q);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1084,7 +1084,7 @@ ibv_ah* Shim::CreateAhFromWc(ibv_pd* pd, ibv_wc* wc, ibv_grh* grh, uint8_t port)
 
 int Shim::DestroyAh(ibv_ah* a) {
   Ah* ah = Find<Ah>(a, Kind::kAh);
-  ControlScope scope(this, ah != nullptr);
+  ControlScope scope(this, ah != nullptr, /*when_released=*/true);
   if (ah == nullptr) return backend_->DestroyAh(a);
   const int rc = ah->real != nullptr ? backend_->DestroyAh(ah->real) : 0;
   if (rc != 0) return rc;

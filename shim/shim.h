@@ -248,12 +248,15 @@ class Shim {
   // left for an application thread (the restore may need it). A release
   // first closes the gate and waits for the verbs inside to return. A
   // thread already inside, or running a step, passes (a provider may call
-  // exported verbs back).
+  // exported verbs back). A verb that needs no hardware half (destroys,
+  // deregistration, closing, acknowledging CQ events: `when_released`)
+  // also passes once the release is done: it frees the shadow alone, and
+  // a restore waits for it as a release does.
   class ControlScope {
    public:
     // `applies`: the verb's object is the endpoint's (else the scope is
     // nothing).
-    explicit ControlScope(Shim* shim, bool applies = true);
+    explicit ControlScope(Shim* shim, bool applies = true, bool when_released = false);
     ~ControlScope();
     ControlScope(const ControlScope&) = delete;
     ControlScope& operator=(const ControlScope&) = delete;
@@ -267,6 +270,10 @@ class Shim {
   // longer than control_wait_ms_.
   Status CloseControl();
   void OpenControl();
+  // Released: verbs that need no hardware half pass (set after a release,
+  // cleared before a restore, which then waits for them to return).
+  void ControlReleased();
+  Status ControlRestoring();
   Status RecreateReal(const std::string& device);  // requires mu_
   Status Reconnect(Qp* qp);                        // requires mu_
   // Quiesce's second half: the drain, on an application thread if need be.
@@ -332,8 +339,9 @@ class Shim {
   std::atomic<int> steps_on_app_threads_{0};
   std::mutex control_mu_;  // after mu_; never held across a verb or a step
   std::condition_variable control_cv_;
-  int control_inside_ = 0;       // guarded by control_mu_
-  bool control_closed_ = false;  // guarded by control_mu_
+  int control_inside_ = 0;         // guarded by control_mu_
+  bool control_closed_ = false;    // guarded by control_mu_
+  bool control_released_ = false;  // guarded by control_mu_
   std::atomic<int> control_waiters_{0};
   int control_wait_ms_ = 10000;
   // The step in flight. A member, not the control thread's: an application

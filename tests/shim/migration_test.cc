@@ -467,6 +467,36 @@ TEST_F(MigrationTest, AControlVerbWhileReleasedWaitsForTheResume) {
   EXPECT_EQ(attr.qp_state, IBV_QPS_RTS);
 }
 
+// What needs no hardware half does not wait for the endpoint to be back
+// (a program that exits during a move, or one whose move left it
+// released): a QP destroyed while released is gone at once, and the
+// restore does not re-create it.
+TEST_F(MigrationTest, ADestroyWhileReleasedReturnsAtOnceAndIsNotRecreated) {
+  Connect();
+  ibv_qp_init_attr attr{};
+  attr.send_cq = pdev_->cq;
+  attr.recv_cq = pdev_->cq;
+  attr.qp_type = IBV_QPT_RC;
+  attr.cap.max_send_wr = 4;
+  attr.cap.max_recv_wr = 4;
+  attr.cap.max_send_sge = 1;
+  attr.cap.max_recv_sge = 1;
+  ibv_qp* extra = p_.CreateQp(pdev_->pd, &attr);
+  ASSERT_NE(extra, nullptr);
+  Quiesce();
+  ASSERT_TRUE(p_.Release().ok());
+  std::atomic<int> rc{-1};
+  std::thread app([&] { rc = p_.DestroyQp(extra); });
+  const bool returned = WaitUntil([&] { return rc.load() != -1; });
+  EXPECT_TRUE(returned) << "the destroy waited for the endpoint to be back";
+  ASSERT_TRUE(p_.Restore("", {}).ok());
+  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  ASSERT_TRUE(p_.Resume().ok());
+  app.join();
+  EXPECT_EQ(rc.load(), 0);
+  EXPECT_EQ(p_.Describe().qps, 1u) << "the destroyed QP was re-created";
+}
+
 // A release waits for the control verbs already running; one that does not
 // return within the bound fails the release, which leaves the endpoint as
 // it was (paused); once the verb is back, the release goes through, and

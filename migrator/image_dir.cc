@@ -93,7 +93,7 @@ const char* Kind(mode_t mode) {
 }
 
 absl::Status ScanDir(int dirfd, const std::string& root, const std::string& prefix, int depth,
-                     std::vector<v1::ImageFile>* out) {
+                     bool hash, std::vector<v1::ImageFile>* out) {
   if (depth > kMaxDepth) {
     return absl::FailedPreconditionError(
         absl::StrCat(root, "/", prefix, ": directories nested too deep"));
@@ -130,7 +130,7 @@ absl::Status ScanDir(int dirfd, const std::string& root, const std::string& pref
     if (S_ISDIR(st.st_mode)) {
       ScopedFd sub(openat(dirfd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
       if (sub.get() < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open ", shown));
-      if (absl::Status s = ScanDir(sub.get(), root, rel, depth + 1, out); !s.ok()) return s;
+      if (absl::Status s = ScanDir(sub.get(), root, rel, depth + 1, hash, out); !s.ok()) return s;
       continue;
     }
     if (!S_ISREG(st.st_mode)) {
@@ -138,6 +138,13 @@ absl::Status ScanDir(int dirfd, const std::string& root, const std::string& pref
           shown, " is ", Kind(st.st_mode), ": a checkpoint directory holds regular files only"));
     }
     if (prefix.empty() && (name == kManifestFile || name == kManifestTemp)) continue;
+    if (!hash) {
+      v1::ImageFile f;
+      f.set_name(rel);
+      f.set_size(static_cast<uint64_t>(st.st_size));
+      out->push_back(std::move(f));
+      continue;
+    }
     // O_NONBLOCK: should it have become a fifo since the stat, do not hang.
     ScopedFd fd(openat(dirfd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
     if (fd.get() < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open ", shown));
@@ -224,17 +231,47 @@ bool SafeImageName(std::string_view name) {
   return true;
 }
 
-absl::StatusOr<std::vector<v1::ImageFile>> ScanImages(const std::string& dir) {
+namespace {
+
+absl::StatusOr<std::vector<v1::ImageFile>> Scan(const std::string& dir, bool hash) {
   ScopedFd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no images dir ", dir));
     return absl::ErrnoToStatus(errno, absl::StrCat("cannot open images dir ", dir));
   }
   std::vector<v1::ImageFile> files;
-  if (absl::Status s = ScanDir(fd.get(), dir, "", 0, &files); !s.ok()) return s;
+  if (absl::Status s = ScanDir(fd.get(), dir, "", 0, hash, &files); !s.ok()) return s;
   std::sort(files.begin(), files.end(),
             [](const v1::ImageFile& a, const v1::ImageFile& b) { return a.name() < b.name(); });
   return files;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<v1::ImageFile>> ScanImages(const std::string& dir) {
+  return Scan(dir, /*hash=*/true);
+}
+
+absl::StatusOr<std::vector<v1::ImageFile>> ListImages(const std::string& dir) {
+  return Scan(dir, /*hash=*/false);
+}
+
+Sha256Stream::Sha256Stream() : ctx_(EVP_MD_CTX_new()) {
+  EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(), nullptr);
+}
+
+Sha256Stream::~Sha256Stream() { EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_)); }
+
+void Sha256Stream::Update(std::string_view data) {
+  EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(ctx_), data.data(), data.size());
+}
+
+std::string Sha256Stream::Final() {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_DigestFinal_ex(static_cast<EVP_MD_CTX*>(ctx_), md, &len);
+  EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(), nullptr);
+  return std::string(reinterpret_cast<const char*>(md), len);
 }
 
 absl::Status VerifyImages(const std::string& dir, const v1::Manifest& manifest) {

@@ -44,6 +44,26 @@ bool SafeImageName(std::string_view name);
 // size while it was read. Other errors as errno says.
 absl::StatusOr<std::vector<v1::ImageFile>> ScanImages(const std::string& dir);
 
+// As ScanImages, without reading the files: names and sizes, digests
+// empty (for a sender that hashes them as it streams them).
+absl::StatusOr<std::vector<v1::ImageFile>> ListImages(const std::string& dir);
+
+// SHA-256 over data given piece by piece.
+class Sha256Stream {
+ public:
+  Sha256Stream();
+  ~Sha256Stream();
+  Sha256Stream(const Sha256Stream&) = delete;
+  Sha256Stream& operator=(const Sha256Stream&) = delete;
+  void Update(std::string_view data);
+  // The digest (32 bytes) of everything given since the start or the last
+  // Final; starts again.
+  std::string Final();
+
+ private:
+  void* ctx_;  // EVP_MD_CTX
+};
+
 // Checks dir against manifest: every listed file present under dir (no
 // symlink on the way), regular, with the listed size and SHA-256. Files
 // not listed are not looked at.

@@ -29,7 +29,8 @@ std::string StreamSubdir(bool pre_dump, uint32_t iteration) {
 absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
                                     const std::string& migration_id, const std::string& dir,
                                     const v1::Manifest& manifest, bool pre_dump, uint32_t iteration,
-                                    absl::Duration timeout, const BytesProgress& progress) {
+                                    absl::Duration timeout, const BytesProgress& progress,
+                                    v1::Manifest* hashed) {
   uint64_t total = 0;
   for (const v1::ImageFile& f : manifest.files()) total += f.size();
   grpc::ClientContext ctx;
@@ -45,17 +46,27 @@ absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
   bool open = writer->Write(first);
   uint64_t sent = 0;
   std::string buf(kChunkBytes, '\0');
-  for (const v1::ImageFile& f : manifest.files()) {
+  v1::ImageChunk trailer;
+  trailer.set_migration_id(migration_id);
+  trailer.set_pre_dump(pre_dump);
+  trailer.set_iteration(iteration);
+  trailer.set_trailer(true);
+  *trailer.mutable_manifest() = manifest;
+  Sha256Stream hash;
+  for (v1::ImageFile& f : *trailer.mutable_manifest()->mutable_files()) {
     if (!open) break;
-    std::ifstream in(dir + "/" + f.name(), std::ios::binary);
+    const std::string path = absl::StrCat(dir, "/", f.name());
+    std::ifstream in(path, std::ios::binary);
     if (!in) {
       ctx.TryCancel();
-      return absl::NotFoundError(absl::StrCat("cannot read ", dir, "/", f.name()));
+      return absl::NotFoundError(absl::StrCat("cannot read ", path));
     }
     uint64_t offset = 0;
     do {
       in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
       const size_t n = static_cast<size_t>(in.gcount());
+      if (offset + n > f.size()) break;  // grew: said below
+      hash.Update(std::string_view(buf.data(), n));
       v1::ImageChunk c;
       c.set_migration_id(migration_id);
       c.set_name(f.name());
@@ -69,13 +80,27 @@ absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
       if (progress) progress(sent, total);
       if (n == 0) break;
     } while (open && in);
+    if (open && (offset != f.size() || in.peek() != std::ifstream::traits_type::eof())) {
+      ctx.TryCancel();
+      return absl::AbortedError(
+          absl::StrCat(path, " changed size while it was sent (", f.size(), " bytes listed)"));
+    }
+    std::string digest = hash.Final();
+    if (!f.sha256().empty() && f.sha256() != digest) {
+      ctx.TryCancel();
+      return absl::DataLossError(absl::StrCat(path, " has SHA-256 ", Hex(digest),
+                                              ", the manifest says ", Hex(f.sha256())));
+    }
+    f.set_sha256(std::move(digest));
   }
+  if (open) open = writer->Write(trailer);
   if (open) writer->WritesDone();
   const grpc::Status st = writer->Finish();
   if (!st.ok())
     return absl::Status(static_cast<absl::StatusCode>(st.error_code()),
                         absl::StrCat("pushing images: ", st.error_message()));
   if (!open) return absl::UnavailableError("the destination closed the image stream");
+  if (hashed != nullptr) *hashed = trailer.manifest();
   return sent;
 }
 
@@ -93,6 +118,9 @@ absl::Status ImageReceiver::Begin(const v1::ImageChunk& first) {
   for (const v1::ImageFile& f : manifest_.files()) {
     if (!ValidImageName(f.name()))
       return absl::InvalidArgumentError(absl::StrCat("invalid image name \"", f.name(), "\""));
+    if (!f.sha256().empty() && f.sha256().size() != kSha256Bytes)
+      return absl::InvalidArgumentError(
+          absl::StrCat(f.name(), ": a ", f.sha256().size(), "-byte digest, not SHA-256"));
     if (f.size() > (uint64_t{1} << 40))
       return absl::InvalidArgumentError(absl::StrCat(f.name(), ": size ", f.size(), " too large"));
     if (!expected_.emplace(f.name(), f.size()).second)
@@ -107,9 +135,16 @@ absl::Status ImageReceiver::Begin(const v1::ImageChunk& first) {
   return absl::OkStatus();
 }
 
+void ImageReceiver::CloseCurrent() {
+  if (current_.empty()) return;
+  computed_[current_] = hash_.Final();
+  current_.clear();
+}
+
 absl::Status ImageReceiver::Open(const std::string& name) {
   if (fd_ >= 0) close(fd_);
   fd_ = -1;
+  CloseCurrent();
   const std::string path = dir_ + "/" + name;
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
@@ -121,8 +156,31 @@ absl::Status ImageReceiver::Open(const std::string& name) {
   return absl::OkStatus();
 }
 
+absl::Status ImageReceiver::AddTrailer(const v1::ImageChunk& c) {
+  if (!c.has_manifest()) return absl::InvalidArgumentError("a trailer without its manifest");
+  const auto& want = manifest_.files();
+  const auto& got = c.manifest().files();
+  if (got.size() != want.size())
+    return absl::InvalidArgumentError(
+        absl::StrCat("the trailer lists ", got.size(), " files, the manifest ", want.size()));
+  for (int i = 0; i < got.size(); ++i) {
+    if (got[i].name() != want[i].name() || got[i].size() != want[i].size())
+      return absl::InvalidArgumentError(absl::StrCat("the trailer's file ", i, " (\"",
+                                                     got[i].name(), "\", ", got[i].size(),
+                                                     " bytes) is not the manifest's"));
+    if (got[i].sha256().size() != kSha256Bytes)
+      return absl::InvalidArgumentError(
+          absl::StrCat("the trailer's digest of ", got[i].name(), " is not SHA-256"));
+  }
+  trailer_ = c.manifest();
+  trailer_seen_ = true;
+  return absl::OkStatus();
+}
+
 absl::Status ImageReceiver::Add(const v1::ImageChunk& c) {
   if (dir_.empty()) return absl::FailedPreconditionError("no manifest yet");
+  if (trailer_seen_) return absl::InvalidArgumentError("a message after the trailer");
+  if (c.trailer()) return AddTrailer(c);
   auto it = expected_.find(c.name());
   if (it == expected_.end())
     return absl::InvalidArgumentError(absl::StrCat("\"", c.name(), "\" is not in the manifest"));
@@ -138,6 +196,7 @@ absl::Status ImageReceiver::Add(const v1::ImageChunk& c) {
     if (absl::Status st = Open(c.name()); !st.ok()) return st;
   }
   const std::string& d = c.data();
+  hash_.Update(d);
   size_t done = 0;
   while (done < d.size()) {
     const ssize_t n = write(fd_, d.data() + done, d.size() - done);
@@ -158,15 +217,25 @@ absl::Status ImageReceiver::Finish() {
     close(fd_);
     fd_ = -1;
   }
+  CloseCurrent();
   for (const auto& [name, size] : expected_) {
     auto w = written_.find(name);
-    const uint64_t got = w == written_.end() ? 0 : w->second;
-    if (got != size)
+    if (w == written_.end()) return absl::DataLossError(absl::StrCat(name, ": never received"));
+    if (w->second != size)
       return absl::DataLossError(
-          absl::StrCat(name, ": received ", got, " of its ", size, " bytes"));
+          absl::StrCat(name, ": received ", w->second, " of its ", size, " bytes"));
   }
-  if (absl::Status st = VerifyImages(dir_, manifest_); !st.ok()) return st;
-  return WriteManifest(dir_, manifest_);
+  if (!trailer_seen_)
+    return absl::DataLossError("the image stream ended without its trailer (the digests)");
+  for (int i = 0; i < trailer_.files_size(); ++i) {
+    const v1::ImageFile& f = trailer_.files(i);
+    const std::string& got = computed_[f.name()];
+    const std::string& first = manifest_.files(i).sha256();
+    if (got != f.sha256() || (!first.empty() && first != f.sha256()))
+      return absl::DataLossError(absl::StrCat(dir_, "/", f.name(), " arrived with SHA-256 ",
+                                              Hex(got), ", the sender's is ", Hex(f.sha256())));
+  }
+  return WriteManifest(dir_, trailer_);
 }
 
 }  // namespace rdmavirt::migrator

@@ -138,7 +138,7 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
   while (st.ok() && next(&c)) {
     if (aborted()) {
       st = absl::AbortedError(absl::StrCat("migration ", first.migration_id(), " was aborted"));
-    } else if (c.migration_id() != first.migration_id() || c.has_manifest()) {
+    } else if (c.migration_id() != first.migration_id() || (c.has_manifest() && !c.trailer())) {
       st = absl::InvalidArgumentError("an image stream carries one migration's manifest");
     } else {
       st = rx.Add(c);

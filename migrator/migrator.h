@@ -220,13 +220,15 @@ class Migrator {
   absl::Status RunSource(Move* m, const v1::MigrateRequest& request);
   // The steps a move and a restore elsewhere share. Prepare: the
   // destination's yes before anything is touched (`untouched` says what a
-  // refusal left as it was). TransferFinal: `dir`'s images sent.
+  // refusal left as it was). TransferFinal: `dir`'s images sent (`hashed`:
+  // the manifest with the digests the stream computed).
   // RestoreOnDestination: restored there (paused), the record says so.
   // CompleteForward: peers re-pointed, the endpoint resumed there, the
   // source's stopped copy (a move's) killed; the move finished, the first
   // failure returned (and in the report).
   absl::Status PrepareDestination(Move* m, const v1::PrepareRequest& prep, const char* untouched);
-  absl::Status TransferFinal(Move* m, const std::string& dir, const v1::Manifest& manifest);
+  absl::Status TransferFinal(Move* m, const std::string& dir, const v1::Manifest& manifest,
+                             v1::Manifest* hashed = nullptr);
   absl::Status RestoreOnDestination(Move* m);
   absl::Status CompleteForward(Move* m);
   // Puts the endpoint back on this host after a failure; `cause` is why.

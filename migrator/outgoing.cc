@@ -354,7 +354,8 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
       SetPhase(m, "precopy", "skipped: CRIU cannot pre-dump a process with the device mapped");
       break;
     }
-    absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(dir);
+    // Names and sizes: the stream hashes the files as it sends them.
+    absl::StatusOr<std::vector<v1::ImageFile>> files = ListImages(dir);
     if (!files.ok()) return files.status();
     const v1::Manifest manifest = MakeManifest(id, m->rec.endpoint(), *files, options_.host_name);
     SetPhase(m, "precopy", absl::StrCat("iteration ", k, ": ", SumSizes(*files), " bytes"));
@@ -400,14 +401,18 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   absl::StatusOr<DumpStats> dump =
       criu_->Dump(pid, final_dir, parent, /*leave_running=*/true, /*tcp_established=*/tcp);
   if (!dump.ok()) return Annotate(dump.status(), "final dump");
-  absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(final_dir);
+  // Inside the blackout each image is read once, by the stream, which
+  // hashes it as it goes: the manifest lists names and sizes, the digests
+  // follow the files (image_stream.h).
+  absl::StatusOr<std::vector<v1::ImageFile>> files = ListImages(final_dir);
   if (!files.ok()) return files.status();
-  const v1::Manifest manifest = MakeManifest(id, released, *files, options_.host_name);
-  if (absl::Status st = WriteManifest(final_dir, manifest); !st.ok()) return st;
+  const v1::Manifest listed = MakeManifest(id, released, *files, options_.host_name);
   m->rec.set_dumped(true);
   b->set_final_dump_us(MicrosSince(d0));
 
-  if (absl::Status st = TransferFinal(m, final_dir, manifest); !st.ok()) return st;
+  v1::Manifest hashed;
+  if (absl::Status st = TransferFinal(m, final_dir, listed, &hashed); !st.ok()) return st;
+  if (absl::Status st = WriteManifest(final_dir, hashed); !st.ok()) return st;
   return RestoreOnDestination(m);
 }
 
@@ -436,19 +441,21 @@ absl::Status Migrator::PrepareDestination(Move* m, const v1::PrepareRequest& pre
   return absl::OkStatus();
 }
 
-absl::Status Migrator::TransferFinal(Move* m, const std::string& dir,
-                                     const v1::Manifest& manifest) {
+absl::Status Migrator::TransferFinal(Move* m, const std::string& dir, const v1::Manifest& manifest,
+                                     v1::Manifest* hashed) {
   v1::MigrationReport* r = m->rec.mutable_report();
   uint64_t total = 0;
   for (const v1::ImageFile& f : manifest.files()) total += f.size();
   SetPhase(m, "transfer", absl::StrCat(total, " bytes"));
   const absl::Time t0 = absl::Now();
   const uint64_t before = r->bytes_moved();
-  absl::StatusOr<uint64_t> sent =
-      SendImages(Stub(m, m->rec.destination()), r->migration_id(), dir, manifest, false, 0,
-                 options_.transfer_timeout, [&](uint64_t done, uint64_t total) {
-                   SendBytes(m, "transfer", before + done, before + total);
-                 });
+  absl::StatusOr<uint64_t> sent = SendImages(
+      Stub(m, m->rec.destination()), r->migration_id(), dir, manifest, false, 0,
+      options_.transfer_timeout,
+      [&](uint64_t done, uint64_t total) {
+        SendBytes(m, "transfer", before + done, before + total);
+      },
+      hashed);
   if (!sent.ok()) return Annotate(sent.status(), "sending the final dump");
   r->set_bytes_moved(r->bytes_moved() + *sent);
   r->mutable_breakdown()->set_transfer_us(MicrosSince(t0));

@@ -14,7 +14,8 @@
 // seen), no symlink is created, no file grows past its manifest size and
 // the bytes on disk are the bytes counted; and a stream that Finish
 // accepts left exactly the files its manifest lists, with their sizes and
-// digests, and a manifest.pb that ReadManifest reads back.
+// the digests of its trailer, and a manifest.pb (the trailer's) that
+// ReadManifest reads back.
 #include <filesystem>
 #include <map>
 #include <string>
@@ -97,6 +98,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!first.ParseFromArray(messages[0].data(), static_cast<int>(messages[0].size()))) return 0;
   fuzz::ScratchDir scratch("image_receiver");
   bool finished = false;
+  v1::Manifest trailer;
   {
     migrator::ImageReceiver rx(scratch.path() + "/" + fuzz::kRootBelowScratch);
     if (rx.Begin(first).ok()) {
@@ -105,11 +107,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         v1::ImageChunk c;
         if (!c.ParseFromArray(messages[i].data(), static_cast<int>(messages[i].size()))) continue;
         ok = rx.Add(c).ok();
+        if (ok && c.trailer()) trailer = c.manifest();
       }
       finished = ok && rx.Finish().ok();
     }
     fuzz::CheckDisk(scratch, rx, first.manifest());
-    if (finished) fuzz::CheckFinished(rx, first.manifest());
+    if (finished) fuzz::CheckFinished(rx, trailer);
   }
   return 0;
 }

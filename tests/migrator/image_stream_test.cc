@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "migrator/image_dir.h"
 
@@ -42,6 +43,15 @@ class ImageReceiverTest : public ::testing::Test {
     return c;
   }
 
+  // The stream's last message: the manifest with every digest.
+  v1::ImageChunk Trailer(const v1::Manifest& m) {
+    v1::ImageChunk c;
+    c.set_migration_id("m");
+    c.set_trailer(true);
+    *c.mutable_manifest() = m;
+    return c;
+  }
+
   std::string src_, root_;
   v1::Manifest manifest_;
   v1::ImageChunk first_;
@@ -53,9 +63,61 @@ TEST_F(ImageReceiverTest, ReceivesAWholeDirectory) {
   ASSERT_TRUE(rx.Add(Piece("pages.img", 0, "01234")).ok());
   ASSERT_TRUE(rx.Add(Piece("pages.img", 5, "56789")).ok());
   ASSERT_TRUE(rx.Add(Piece("sub/core.img", 0, "")).ok());
+  ASSERT_TRUE(rx.Add(Trailer(manifest_)).ok());
   ASSERT_TRUE(rx.Finish().ok());
   EXPECT_EQ(rx.bytes(), 10u);
   EXPECT_TRUE(ReadManifest(root_ + "/final").ok());
+}
+
+// The sender lists names and sizes only; the digests come last, and the
+// receiver, which hashed what it wrote, stores the trailer's manifest.
+TEST_F(ImageReceiverTest, ReceivesAManifestWithoutDigestsAndItsTrailer) {
+  absl::StatusOr<std::vector<v1::ImageFile>> listed = ListImages(src_);
+  ASSERT_TRUE(listed.ok());
+  v1::ImageChunk first = first_;
+  first.mutable_manifest()->clear_files();
+  for (const auto& f : *listed) {
+    EXPECT_TRUE(f.sha256().empty()) << f.name();
+    *first.mutable_manifest()->add_files() = f;
+  }
+  ImageReceiver rx(root_);
+  ASSERT_TRUE(rx.Begin(first).ok());
+  ASSERT_TRUE(rx.Add(Piece("pages.img", 0, "0123456789")).ok());
+  ASSERT_TRUE(rx.Add(Piece("sub/core.img", 0, "")).ok());
+  ASSERT_TRUE(rx.Add(Trailer(manifest_)).ok());
+  ASSERT_TRUE(rx.Finish().ok());
+  absl::StatusOr<v1::Manifest> stored = ReadManifest(root_ + "/final");
+  ASSERT_TRUE(stored.ok());
+  EXPECT_EQ(stored->SerializeAsString(), manifest_.SerializeAsString());
+  EXPECT_TRUE(VerifyImages(root_ + "/final", *stored).ok());
+}
+
+TEST_F(ImageReceiverTest, AStreamWithoutItsTrailerIsDataLoss) {
+  ImageReceiver rx(root_);
+  ASSERT_TRUE(rx.Begin(first_).ok());
+  ASSERT_TRUE(rx.Add(Piece("pages.img", 0, "0123456789")).ok());
+  ASSERT_TRUE(rx.Add(Piece("sub/core.img", 0, "")).ok());
+  const absl::Status st = rx.Finish();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(st.message().find("without its trailer"), std::string::npos) << st;
+}
+
+TEST_F(ImageReceiverTest, RefusesATrailerThatIsNotTheManifests) {
+  v1::Manifest bigger = manifest_;
+  bigger.mutable_files(0)->set_size(11);
+  v1::Manifest short_digest = manifest_;
+  short_digest.mutable_files(1)->set_sha256("abc");
+  v1::Manifest fewer = manifest_;
+  fewer.mutable_files()->RemoveLast();
+  for (const v1::Manifest* m : {&bigger, &short_digest, &fewer}) {
+    ImageReceiver rx(absl::StrCat(root_, "-", m->files_size(), "-", m->files(0).size()));
+    ASSERT_TRUE(rx.Begin(first_).ok());
+    EXPECT_EQ(rx.Add(Trailer(*m)).code(), absl::StatusCode::kInvalidArgument);
+  }
+  ImageReceiver rx(root_ + "-after");
+  ASSERT_TRUE(rx.Begin(first_).ok());
+  ASSERT_TRUE(rx.Add(Trailer(manifest_)).ok());
+  EXPECT_EQ(rx.Add(Piece("pages.img", 0, "0")).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(ImageReceiverTest, RefusesNamesOutsideTheDirectory) {
@@ -88,7 +150,86 @@ TEST_F(ImageReceiverTest, ShortOrCorruptedFilesAreDataLoss) {
   ASSERT_TRUE(rx.Begin(first_).ok());
   ASSERT_TRUE(rx.Add(Piece("pages.img", 0, "0123456780")).ok());
   ASSERT_TRUE(rx.Add(Piece("sub/core.img", 0, "")).ok());
-  EXPECT_EQ(rx.Finish().code(), absl::StatusCode::kDataLoss);
+  ASSERT_TRUE(rx.Add(Trailer(manifest_)).ok());
+  const absl::Status st = rx.Finish();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(st.message().find("pages.img arrived with SHA-256"), std::string::npos) << st;
+}
+
+// A destination's Transfer service that writes what it receives, as a
+// migrator's does.
+class ReceivingTransfer final : public v1::Transfer::Service {
+ public:
+  explicit ReceivingTransfer(std::string root) : root_(std::move(root)) {}
+  grpc::Status PushImages(grpc::ServerContext*, grpc::ServerReader<v1::ImageChunk>* reader,
+                          v1::PushImagesResponse*) override {
+    ImageReceiver rx(root_);
+    v1::ImageChunk c;
+    absl::Status st = reader->Read(&c) ? rx.Begin(c) : absl::InvalidArgumentError("empty");
+    while (st.ok() && reader->Read(&c)) st = rx.Add(c);
+    if (st.ok()) st = rx.Finish();
+    result = st;
+    return st.ok()
+               ? grpc::Status::OK
+               : grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+  }
+  absl::Status result;
+
+ private:
+  const std::string root_;
+};
+
+class SendImagesTest : public ImageReceiverTest {
+ protected:
+  absl::StatusOr<uint64_t> Send(const v1::Manifest& m, v1::Manifest* hashed) {
+    ReceivingTransfer service(root_);
+    grpc::ServerBuilder b;
+    b.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+    auto stub = v1::Transfer::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
+    absl::StatusOr<uint64_t> sent =
+        SendImages(stub.get(), "m", src_, m, false, 0, absl::Seconds(10), {}, hashed);
+    server->Shutdown();
+    received_ = service.result;
+    return sent;
+  }
+  absl::Status received_;  // what the receiving end said
+};
+
+// One read of each file on each side: the sender hashes as it sends, and
+// both ends agree with a full scan's digests.
+TEST_F(SendImagesTest, DigestsComputedWhileSendingMatchAScan) {
+  absl::StatusOr<std::vector<v1::ImageFile>> listed = ListImages(src_);
+  ASSERT_TRUE(listed.ok());
+  v1::Manifest m = manifest_;
+  m.clear_files();
+  for (const auto& f : *listed) *m.add_files() = f;
+  v1::Manifest hashed;
+  absl::StatusOr<uint64_t> sent = Send(m, &hashed);
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  EXPECT_EQ(*sent, 10u);
+  EXPECT_TRUE(received_.ok()) << received_;
+  EXPECT_EQ(hashed.SerializeAsString(), manifest_.SerializeAsString());
+  absl::StatusOr<v1::Manifest> stored = ReadManifest(root_ + "/final");
+  ASSERT_TRUE(stored.ok());
+  EXPECT_EQ(stored->SerializeAsString(), manifest_.SerializeAsString());
+}
+
+TEST_F(SendImagesTest, AFileThatChangedSizeIsNotSentAsListed) {
+  v1::Manifest m = manifest_;
+  m.mutable_files(0)->set_size(8);  // pages.img has 10
+  m.mutable_files(0)->clear_sha256();
+  absl::StatusOr<uint64_t> sent = Send(m, nullptr);
+  EXPECT_EQ(sent.status().code(), absl::StatusCode::kAborted) << sent.status();
+  EXPECT_FALSE(ReadManifest(root_ + "/final").ok());
+}
+
+TEST_F(SendImagesTest, AFileWhoseDigestIsNotTheListedOneIsDataLoss) {
+  v1::Manifest m = manifest_;
+  m.mutable_files(0)->set_sha256(std::string(32, 'x'));
+  absl::StatusOr<uint64_t> sent = Send(m, nullptr);
+  EXPECT_EQ(sent.status().code(), absl::StatusCode::kDataLoss) << sent.status();
+  EXPECT_FALSE(ReadManifest(root_ + "/final").ok());
 }
 
 TEST_F(ImageReceiverTest, RefusesAStreamWithoutManifest) {

@@ -767,7 +767,13 @@ TEST(MigratorTest, AnAbortDoesNotWaitForTheRestoreItCancels) {
   c.host(2).stall_restore = true;
   MoveRun run;
   std::thread mover([&] { run = Migrate(c, 100, "h2"); });
-  while (c.host(2).restores_started.load() == 0) absl::SleepFor(absl::Milliseconds(1));
+  for (int i = 0; c.host(2).restores_started.load() == 0; ++i) {
+    if (i == 30000) {  // a failure, not a hang: the move ended before its restore
+      mover.join();
+      FAIL() << "the move never reached the restore: " << run.status;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
   std::string id;
   for (const auto& e : std::filesystem::directory_iterator(c[2].state_dir + "/incoming"))
     id = e.path().filename().string();

@@ -31,15 +31,6 @@ namespace {
 thread_local int t_control_depth = 0;
 thread_local bool t_in_step = false;
 
-// Runs `step` marked as a step of this thread.
-Status AsStep(const std::function<Status()>& step) {
-  const bool outer = t_in_step;
-  t_in_step = true;
-  Status st = step();
-  t_in_step = outer;
-  return st;
-}
-
 uint64_t NowUs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -619,7 +610,6 @@ Status Shim::ReleaseNow() {
   DestroyReal();
   DirtyPages(writable);
   released_ = true;
-  ControlReleased();
   // Whatever brings the endpoint back (a CRIU restore, most likely) must
   // reopen the device on an application thread; see OnAppThread.
   app_thread_steps_.store(true);
@@ -824,19 +814,11 @@ Status Shim::RecreateReal(const std::string& device) {
 }
 
 Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!released_) return Error(Code::kFailedPrecondition, "restore needs a released endpoint");
-  }
-  // Destroys that passed the gate while released return first.
-  if (Status st = ControlRestoring(); !st.ok()) return st;
   std::lock_guard<std::mutex> lock(mu_);
+  if (!released_) return Error(Code::kFailedPrecondition, "restore needs a released endpoint");
   for (const RemoteMapping& m : peers) {
     std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(m);
-    if (e == nullptr) {
-      ControlReleased();
-      return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
-    }
+    if (e == nullptr) return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
     PublishRemoteLocked(std::move(e));
   }
   Status st = RecreateReal(device);
@@ -844,7 +826,6 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
     // Nothing half-made stays: the endpoint is released as before, and a
     // later Restore (elsewhere, or here again) starts from the journal.
     DestroyReal();
-    ControlReleased();
     return st;
   }
   released_ = false;
@@ -966,7 +947,7 @@ Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
 // taken up and never finished (a verb blocked in the kernel) is waited for
 // within a bound, then said; no step starts while it runs.
 Status Shim::OnAppThread(const char* name, std::function<Status()> step, int budget_ms) {
-  if (!app_thread_steps_.load()) return AsStep(step);
+  if (!app_thread_steps_.load()) return RunStep(step);
   if (!step_.done.load(std::memory_order_acquire))
     return Error(Code::kUnavailable,
                  std::string("the shim's ") + step_.name +
@@ -983,7 +964,7 @@ Status Shim::OnAppThread(const char* name, std::function<Status()> step, int bud
   }
   PendingStep* expected = &step_;
   if (task_.compare_exchange_strong(expected, nullptr)) {
-    Status st = AsStep(step_.run);
+    Status st = RunStep(step_.run);
     step_.done.store(true, std::memory_order_release);
     return st;
   }
@@ -1003,7 +984,7 @@ Status Shim::OnAppThread(const char* name, std::function<Status()> step, int bud
 void Shim::RunPendingStep() {
   PendingStep* p = task_.exchange(nullptr);
   if (p == nullptr) return;
-  p->result = AsStep(p->run);
+  p->result = RunStep(p->run);
   steps_on_app_threads_.fetch_add(1);
   p->done.store(true, std::memory_order_release);
 }
@@ -1013,7 +994,7 @@ Shim::ControlScope::ControlScope(Shim* shim, bool applies, bool when_released) :
   entered_ = true;
   if (t_control_depth++ > 0 || t_in_step) return;
   std::unique_lock<std::mutex> lock(shim_->control_mu_);
-  while (shim_->control_closed_ && !(when_released && shim_->control_released_)) {
+  while (shim_->control_closed_ && !(when_released && shim_->control_idle_)) {
     if (shim_->step_pending()) {
       lock.unlock();
       shim_->RunPendingStep();
@@ -1022,7 +1003,7 @@ Shim::ControlScope::ControlScope(Shim* shim, bool applies, bool when_released) :
     }
     shim_->control_waiters_.fetch_add(1);
     shim_->control_cv_.wait(lock, [this, when_released] {
-      return !shim_->control_closed_ || (when_released && shim_->control_released_) ||
+      return !shim_->control_closed_ || (when_released && shim_->control_idle_) ||
              shim_->step_pending();
     });
     shim_->control_waiters_.fetch_sub(1);
@@ -1057,27 +1038,38 @@ Status Shim::CloseControl() {
 void Shim::OpenControl() {
   std::lock_guard<std::mutex> lock(control_mu_);
   control_closed_ = false;
-  control_released_ = false;
+  control_idle_ = false;
   control_cv_.notify_all();
 }
 
-void Shim::ControlReleased() {
-  std::lock_guard<std::mutex> lock(control_mu_);
-  control_released_ = true;
-  control_cv_.notify_all();
+Status Shim::RunStep(const std::function<Status()>& step) {
+  const bool outer = t_in_step;
+  t_in_step = true;
+  Status st = ControlBusy();
+  if (st.ok()) st = step();
+  ControlIdle();
+  t_in_step = outer;
+  return st;
 }
 
-Status Shim::ControlRestoring() {
+Status Shim::ControlBusy() {
   std::unique_lock<std::mutex> lock(control_mu_);
-  control_released_ = false;
+  if (!control_closed_) return {};
+  control_idle_ = false;
   if (control_cv_.wait_for(lock, std::chrono::milliseconds(control_wait_ms_),
                            [this] { return control_inside_ == 0; }))
     return {};
-  control_released_ = true;
+  control_idle_ = true;
   control_cv_.notify_all();
   return Error(Code::kDeadlineExceeded,
                "an application thread's destroy, deregistration or close did not return within " +
-                   std::to_string(control_wait_ms_) + " ms; the endpoint stays released");
+                   std::to_string(control_wait_ms_) + " ms; the step did not run");
+}
+
+void Shim::ControlIdle() {
+  std::lock_guard<std::mutex> lock(control_mu_);
+  control_idle_ = control_closed_;
+  control_cv_.notify_all();
 }
 
 Status Shim::Release() {

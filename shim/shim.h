@@ -248,10 +248,11 @@ class Shim {
   // left for an application thread (the restore may need it). A release
   // first closes the gate and waits for the verbs inside to return. A
   // thread already inside, or running a step, passes (a provider may call
-  // exported verbs back). A verb that needs no hardware half (destroys,
+  // exported verbs back). A verb that ends an object (destroys,
   // deregistration, closing, acknowledging CQ events: `when_released`)
-  // also passes once the release is done: it frees the shadow alone, and
-  // a restore waits for it as a release does.
+  // also passes while the gate is closed, between steps: with the endpoint
+  // released it frees the shadow alone; restored and not yet resumed, the
+  // hardware half too. A step waits for it, as a release does for the rest.
   class ControlScope {
    public:
     // `applies`: the verb's object is the endpoint's (else the scope is
@@ -270,10 +271,13 @@ class Shim {
   // longer than control_wait_ms_.
   Status CloseControl();
   void OpenControl();
-  // Released: verbs that need no hardware half pass (set after a release,
-  // cleared before a restore, which then waits for them to return).
-  void ControlReleased();
-  Status ControlRestoring();
+  // Runs a migration step on this thread (marked as one: it passes the
+  // gate). While the gate is closed, a step first waits (bounded) for the
+  // destroys inside to return and keeps new ones out; between steps they
+  // pass.
+  Status RunStep(const std::function<Status()>& step);
+  Status ControlBusy();
+  void ControlIdle();
   Status RecreateReal(const std::string& device);  // requires mu_
   Status Reconnect(Qp* qp);                        // requires mu_
   // Quiesce's second half: the drain, on an application thread if need be.
@@ -339,9 +343,9 @@ class Shim {
   std::atomic<int> steps_on_app_threads_{0};
   std::mutex control_mu_;  // after mu_; never held across a verb or a step
   std::condition_variable control_cv_;
-  int control_inside_ = 0;         // guarded by control_mu_
-  bool control_closed_ = false;    // guarded by control_mu_
-  bool control_released_ = false;  // guarded by control_mu_
+  int control_inside_ = 0;       // guarded by control_mu_
+  bool control_closed_ = false;  // guarded by control_mu_
+  bool control_idle_ = false;    // closed, and no step runs; guarded by control_mu_
   std::atomic<int> control_waiters_{0};
   int control_wait_ms_ = 10000;
   // The step in flight. A member, not the control thread's: an application

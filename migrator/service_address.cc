@@ -207,14 +207,23 @@ class NetlinkAddressControl final : public AddressControl {
   // What `ip route flush cache` does: a write to this file bumps the
   // namespace's IPv4 route generation, which every cached route is checked
   // against before use.
+  // IPv4's and IPv6's: a peer reached through an IPv6 GID (link-local or
+  // global) has its route cached the same way. A kernel without IPv6 has
+  // no IPv6 file, and nothing to forget there.
   absl::Status ForgetCachedRoutes() override {
-    constexpr char kFlush[] = "/proc/sys/net/ipv4/route/flush";
-    const int fd = open(kFlush, O_WRONLY | O_CLOEXEC);
-    if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("opening ", kFlush));
+    if (absl::Status st = Flush("/proc/sys/net/ipv4/route/flush", false); !st.ok()) return st;
+    return Flush("/proc/sys/net/ipv6/route/flush", true);
+  }
+
+ private:
+  static absl::Status Flush(const char* path, bool may_be_absent) {
+    const int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0 && may_be_absent && errno == ENOENT) return absl::OkStatus();
+    if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("opening ", path));
     const ssize_t n = write(fd, "1\n", 2);
     const int err = errno;
     close(fd);
-    if (n != 2) return absl::ErrnoToStatus(n < 0 ? err : EIO, absl::StrCat("writing ", kFlush));
+    if (n != 2) return absl::ErrnoToStatus(n < 0 ? err : EIO, absl::StrCat("writing ", path));
     return absl::OkStatus();
   }
 };

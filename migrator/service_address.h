@@ -60,7 +60,7 @@ class AddressControl {
   virtual absl::Status Add(const std::string& ifname, const ServiceAddress& a) = 0;
   // Removes `a` from `ifname`; OK when it was not there.
   virtual absl::Status Remove(const std::string& ifname, const ServiceAddress& a) = 0;
-  // Makes every IPv4 route the kernel keeps cached in a socket stale, to be
+  // Makes every IPv4 and IPv6 route the kernel keeps cached in a socket stale, to be
   // looked up again on its next use. rxe caches the route of an RC QP's
   // packets in the QP's socket and keeps it across modify_qp: a QP
   // re-pointed from a peer on this host (a local route, through lo) to one

@@ -1067,55 +1067,46 @@ TEST(MigratorRecoveryTest, DestinationKillsAHalfRestoredProcess) {
   EXPECT_EQ(after->phase(), "aborted");
 }
 
-// The moved process's pid now names a stranger (the host rebooted, or the
-// process died and its pid was given to another): the move is finished,
-// but the stranger is neither killed nor continued.
-TEST(MigratorRecoveryTest, SourceLeavesAloneAStrangerGivenTheMovedProcessPid) {
-  Cluster c("recover-reused");
+// h1's migrator crashed with P (pid 100) released and stopped, in
+// `phase` (`confirmed`: the destination restored it); while it was down, P
+// died and a stranger was given its pid. What the restarted migrator
+// recorded; the stranger must be neither killed nor continued.
+v1::MigrationRecord RecoverWithThePidReused(Cluster& c, const std::string& phase, bool confirmed) {
   Topology(c);
   Crash(c, /*released=*/true, /*stopped=*/true);
-  v1::MigrationRecord rec = CrashedRecord("reconnect");
+  v1::MigrationRecord rec = CrashedRecord(phase);
   rec.set_released(true);
   rec.set_stopped(true);
-  rec.set_confirmed(true);
+  rec.set_confirmed(confirmed);
   rec.set_identity(c.host(1).Identity(100));
-  ASSERT_FALSE(rec.identity().empty());
+  EXPECT_FALSE(rec.identity().empty());
   const std::string dir = c[1].state_dir + "/migrations/crashed-1";
-  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  EXPECT_TRUE(WriteRecord(dir, rec).ok());
   c.Stop(1);
   c.host(1).ReusePid(100);
-  ASSERT_NE(c.host(1).Identity(100), rec.identity());
+  EXPECT_NE(c.host(1).Identity(100), rec.identity());
   c.Start(1);
   c.m(1).Recover();
   EXPECT_TRUE(c.host(1).Exists(100));
   EXPECT_THAT(c.host(1).Events(), AllOf(Not(Contains("kill 100")), Not(Contains("continue 100"))));
   absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
-  ASSERT_TRUE(after.ok());
-  EXPECT_TRUE(after->done());
+  EXPECT_TRUE(after.ok());
+  return after.ok() ? *after : v1::MigrationRecord();
 }
 
-// The same for a source whose move was not confirmed: nothing to roll back.
+// Confirmed: the move is finished, the stranger left alone.
+TEST(MigratorRecoveryTest, SourceLeavesAloneAStrangerGivenTheMovedProcessPid) {
+  Cluster c("recover-reused");
+  EXPECT_TRUE(RecoverWithThePidReused(c, "reconnect", /*confirmed=*/true).done());
+}
+
+// Not confirmed: nothing to roll back, and it is said.
 TEST(MigratorRecoveryTest, SourceDoesNotContinueAStrangerGivenTheStoppedProcessPid) {
   Cluster c("recover-reused-rb");
-  Topology(c);
-  Crash(c, /*released=*/true, /*stopped=*/true);
-  v1::MigrationRecord rec = CrashedRecord("transfer");
-  rec.set_released(true);
-  rec.set_stopped(true);
-  rec.set_identity(c.host(1).Identity(100));
-  const std::string dir = c[1].state_dir + "/migrations/crashed-1";
-  ASSERT_TRUE(WriteRecord(dir, rec).ok());
-  c.Stop(1);
-  c.host(1).ReusePid(100);
-  c.Start(1);
-  c.m(1).Recover();
-  EXPECT_TRUE(c.host(1).Exists(100));
-  EXPECT_THAT(c.host(1).Events(), AllOf(Not(Contains("kill 100")), Not(Contains("continue 100"))));
-  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
-  ASSERT_TRUE(after.ok());
-  EXPECT_TRUE(after->done());
-  EXPECT_FALSE(after->report().rolled_back());
-  EXPECT_THAT(after->report().error(), HasSubstr("process 100 is gone"));
+  const v1::MigrationRecord after = RecoverWithThePidReused(c, "transfer", /*confirmed=*/false);
+  EXPECT_TRUE(after.done());
+  EXPECT_FALSE(after.report().rolled_back());
+  EXPECT_THAT(after.report().error(), HasSubstr("process 100 is gone"));
 }
 
 TEST(MigratorRecoveryTest, DestinationDoesNotKillAStrangerGivenTheRestoredPid) {

@@ -16,7 +16,8 @@ import json
 import os
 import time
 
-from labtest import BUILD, LAB, check, lab_test, main, run_ok, wait_listening, wait_until
+from labtest import (BUILD, LAB, check, json_of, lab_test, main, run_ok, wait_listening,
+                     wait_until)
 
 import migration_tests as mt
 import migrator_tests as migrators
@@ -86,11 +87,7 @@ def ctl(host, args, on=None, timeout=600):
     at its management address; the result and its JSON."""
     r = LAB.run(host, f"{CTL} --host {mgmt(on or host)}:{PORT} "
                       f"--tls-dir {migrators.CERTS}/host{host} --json {args}", timeout)
-    try:
-        data = json.loads(r.out) if r.out.strip() else None
-    except json.JSONDecodeError:
-        data = None
-    return r, data
+    return r, json_of(r)
 
 
 def live_hosts(asked=1):

@@ -5,6 +5,7 @@ process: `python3 lab_tests.py NAME`. The lab itself is booted once per
 test run by the `lab_up` fixture and torn down by `lab_down`.
 """
 
+import json
 import os
 import sys
 import time
@@ -35,6 +36,14 @@ def check(cond, msg, *results):
     if not cond:
         detail = "".join(f"\n  {r!r}" for r in results)
         raise Failure(msg + detail)
+
+
+def json_of(result):
+    """The JSON a command printed (rdmavirtctl --json), or None."""
+    try:
+        return json.loads(result.out) if result.out.strip() else None
+    except json.JSONDecodeError:
+        return None
 
 
 def run_ok(host, script, timeout=60):

@@ -13,7 +13,8 @@ import re
 import sys
 import time
 
-from labtest import BUILD, LAB, check, lab_test, main, run_ok, wait_listening, wait_until
+from labtest import (BUILD, LAB, check, json_of, lab_test, main, run_ok, wait_listening,
+                     wait_until)
 
 import migrator_tests as migrators
 
@@ -38,11 +39,7 @@ def ctl(host, args, timeout=600):
     """rdmavirtctl on `host`, against that host's migrator; parsed JSON."""
     r = LAB.run(host, f"{CTL} --host {ip(host)}:{PORT} --tls-dir {migrators.CERTS}/host{host} "
                       f"--json {args}", timeout)
-    try:
-        data = json.loads(r.out) if r.out.strip() else None
-    except json.JSONDecodeError:
-        data = None
-    return r, data
+    return r, json_of(r)
 
 
 def pid_of(host, pattern):

@@ -1017,17 +1017,24 @@ TEST(MigratorRecoveryTest, SourceRestoresAGoneProcessFromItsFinalDump) {
   EXPECT_TRUE(ReadRecord(dir)->report().rolled_back());
 }
 
+// A destination's record of a move whose CRIU restore made pid 100 and
+// was not confirmed (its migrator died during the restore).
+v1::MigrationRecord RestoringRecord(const std::string& id) {
+  v1::MigrationRecord rec;
+  rec.mutable_report()->set_migration_id(id);
+  rec.set_role("destination");
+  rec.set_phase("restoring");
+  rec.set_restored_pid(100);
+  return rec;
+}
+
 // A half-restored copy that cannot be killed is not reported as gone: the
 // record says so (the same path serves a source's abort).
 TEST(MigratorRecoveryTest, ADestinationCopyThatCannotBeKilledIsSaid) {
   Cluster c("recover-dst-stuck");
   c.host(2).Add(100, VGid(1), {});
   const std::string dir = c[2].state_dir + "/incoming/crashed-2";
-  v1::MigrationRecord rec;
-  rec.mutable_report()->set_migration_id("crashed-2");
-  rec.set_role("destination");
-  rec.set_phase("restoring");
-  rec.set_restored_pid(100);
+  v1::MigrationRecord rec = RestoringRecord("crashed-2");
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   c.Stop(2);
   c.Start(2);
@@ -1049,11 +1056,7 @@ TEST(MigratorRecoveryTest, DestinationKillsAHalfRestoredProcess) {
   q.mutable_quiesce();
   ASSERT_TRUE(c.host(2).Call(100, q, absl::Seconds(1)).ok());
   const std::string dir = c[2].state_dir + "/incoming/crashed-1";
-  v1::MigrationRecord rec;
-  rec.mutable_report()->set_migration_id("crashed-1");
-  rec.set_role("destination");
-  rec.set_phase("restoring");
-  rec.set_restored_pid(100);
+  v1::MigrationRecord rec = RestoringRecord("crashed-1");
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   std::filesystem::create_directories(dir + "/final");
   c.Stop(2);
@@ -1113,11 +1116,7 @@ TEST(MigratorRecoveryTest, DestinationDoesNotKillAStrangerGivenTheRestoredPid) {
   Cluster c("recover-dst-reused");
   c.host(2).Add(100, VGid(1), {});
   const std::string dir = c[2].state_dir + "/incoming/crashed-1";
-  v1::MigrationRecord rec;
-  rec.mutable_report()->set_migration_id("crashed-1");
-  rec.set_role("destination");
-  rec.set_phase("restoring");
-  rec.set_restored_pid(100);
+  v1::MigrationRecord rec = RestoringRecord("crashed-1");
   rec.set_restored_identity(c.host(2).Identity(100));
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   c.Stop(2);

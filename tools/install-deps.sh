@@ -19,6 +19,8 @@ packages=(
   qemu-guest-agent
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev valgrind strace python3-matplotlib
+  # bench-migration: the raw TCP rate between two lab hosts
+  iperf3
   # fuzzing (tools/fuzz): clang with libFuzzer and the sanitizers' runtimes
   clang libclang-rt-14-dev
   # MPI over rxe0 in the lab (docs/mpi.md): Open MPI with UCX, NetPIPE,

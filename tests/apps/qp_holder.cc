@@ -9,14 +9,27 @@
 // each completion: every QP is used again after a move. At the end it
 // prints one JSON object (writes, errors) and exits 0 when nothing failed.
 //
-// --no-rdma: the client only allocates and fills --mr-mib MiB and runs for
-// --seconds: the same memory with no verbs, for a plain CRIU baseline.
+// --heap-mib H: the client also holds H MiB that are not registered, and
+// rewrites --dirty-mib-s MiB of them per second of its running time, page
+// after page (what pre-copy must chase). Each page's first word counts the
+// times it was written, the rest holds a pattern; at the end every page is
+// checked (heap_bad_pages in the JSON).
+//
+// --no-rdma: the client only allocates and fills --mr-mib MiB (and the
+// heap, dirtied the same way) and runs for --seconds: the same memory with
+// no verbs, for a plain baseline. With --open-device it also opens the
+// device and allocates a PD (no QP, no MR), so that the migrator moves it
+// through the same path as an RDMA process.
+//
+// SIGTERM or SIGINT end the client early, with the same checks and JSON.
 //
 //   qp_holder --server [--port P] [--qps N] [--seconds S]
 //   qp_holder --connect HOST [--port P] [--qps N] [--mr-mib M] [--seconds S]
-//             [--interval-ms MS] [--device rxe0] [--gid-index 1] [--no-rdma]
+//             [--interval-ms MS] [--device rxe0] [--gid-index 1]
+//             [--heap-mib H] [--dirty-mib-s D] [--no-rdma [--open-device]]
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -51,14 +64,22 @@ struct Options {
   std::string device;
   int gid_index = 1;
   bool no_rdma = false;
+  bool open_device = false;
+  uint64_t heap_mib = 0;
+  double dirty_mib_s = 0;
 };
+
+volatile sig_atomic_t g_stop = 0;
+
+void OnStop(int) { g_stop = 1; }
 
 [[noreturn]] void Usage(const char* why, int status = 2) {
   std::fprintf(status == 0 ? stdout : stderr,
                "qp_holder: %s\n"
                "usage: qp_holder --server|--connect HOST [--port P] [--qps N] [--mr-mib M]\n"
                "                 [--seconds S] [--interval-ms MS] [--device NAME]\n"
-               "                 [--gid-index I] [--no-rdma]\n",
+               "                 [--gid-index I] [--heap-mib H] [--dirty-mib-s D]\n"
+               "                 [--no-rdma [--open-device]]\n",
                why);
   std::exit(status);
 }
@@ -103,6 +124,12 @@ Options ParseArgs(int argc, char** argv) {
       o.gid_index = static_cast<int>(number(0, 255));
     } else if (a == "--no-rdma") {
       o.no_rdma = true;
+    } else if (a == "--open-device") {
+      o.open_device = true;
+    } else if (a == "--heap-mib") {
+      o.heap_mib = static_cast<uint64_t>(number(0, 65536));
+    } else if (a == "--dirty-mib-s") {
+      o.dirty_mib_s = number(0, 65536);
     } else if (a == "-h" || a == "--help") {
       Usage("a verbs process of a chosen size: N connected RC QPs, M MiB registered", 0);
     } else {
@@ -110,7 +137,9 @@ Options ParseArgs(int argc, char** argv) {
     }
   }
   if (!role) Usage("--server or --connect HOST is required");
-  if (o.server && o.no_rdma) Usage("--no-rdma is for the client");
+  if (o.server && (o.no_rdma || o.heap_mib)) Usage("--no-rdma and --heap-mib are for the client");
+  if (o.open_device && !o.no_rdma) Usage("--open-device goes with --no-rdma");
+  if (o.dirty_mib_s > 0 && o.heap_mib == 0) Usage("--dirty-mib-s needs --heap-mib");
   return o;
 }
 
@@ -138,16 +167,109 @@ class RunningClock {
   double total_ = 0;
 };
 
+// Memory that is not registered, rewritten at a fixed rate. Page k holds
+// in its first word the number of times it was written (the fill is the
+// first), and in the rest the byte Fill(k).
+class Heap {
+ public:
+  Heap(uint64_t mib, double dirty_mib_s)
+      : pages_((mib << 20) / kPage), pages_per_s_(dirty_mib_s * (1 << 20) / kPage) {
+    if (pages_ == 0) return;
+    p_ = static_cast<uint8_t*>(
+        mmap(nullptr, pages_ * kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    if (p_ == MAP_FAILED) Die("mmap %" PRIu64 " MiB: %s", mib, std::strerror(errno));
+    for (size_t k = 0; k < pages_; ++k) {
+      uint8_t* page = p_ + k * kPage;
+      std::memset(page, Fill(k), kPage);
+      const uint64_t once = 1;
+      std::memcpy(page, &once, sizeof(once));
+    }
+  }
+
+  // Writes the pages due by `running_seconds` of running time, in order,
+  // wrapping around: a stop (a dump, a move) is not caught up.
+  void DirtyUntil(double running_seconds) {
+    if (pages_ == 0) return;
+    const auto due = static_cast<uint64_t>(running_seconds * pages_per_s_);
+    for (; written_ < due; ++written_) {
+      uint8_t* page = p_ + (written_ % pages_) * kPage;
+      uint64_t n;
+      std::memcpy(&n, page, sizeof(n));
+      ++n;
+      std::memcpy(page, &n, sizeof(n));
+    }
+  }
+
+  // Pages whose count or pattern is not what was written.
+  uint64_t BadPages() const {
+    uint64_t bad = 0;
+    uint8_t expect[kPage];
+    for (size_t k = 0; k < pages_; ++k) {
+      const uint8_t* page = p_ + k * kPage;
+      const uint64_t times = 1 + written_ / pages_ + (k < written_ % pages_ ? 1 : 0);
+      uint64_t n;
+      std::memcpy(&n, page, sizeof(n));
+      std::memset(expect, Fill(k), kPage);
+      if (n != times || std::memcmp(page + sizeof(n), expect + sizeof(n), kPage - sizeof(n)) != 0)
+        ++bad;
+    }
+    return bad;
+  }
+
+  uint64_t mib() const { return (pages_ * kPage) >> 20; }
+  uint64_t written() const { return written_; }
+
+ private:
+  static constexpr size_t kPage = 4096;
+  static uint8_t Fill(size_t k) { return static_cast<uint8_t>(k % 251 + 1); }
+
+  size_t pages_;
+  double pages_per_s_;
+  uint8_t* p_ = nullptr;
+  uint64_t written_ = 0;
+};
+
+// The heap's part of the closing JSON object.
+std::string HeapJson(const Heap& heap, uint64_t bad) {
+  return Sprintf(", \"heap_mib\": %" PRIu64 ", \"heap_pages_written\": %" PRIu64
+                 ", \"heap_bad_pages\": %" PRIu64,
+                 heap.mib(), heap.written(), bad);
+}
+
 int RunWithoutRdma(const Options& o) {
   const size_t bytes = o.mr_mib << 20;
   auto* p = static_cast<uint8_t*>(
       mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   if (p == MAP_FAILED) Die("mmap %zu bytes: %s", bytes, std::strerror(errno));
   for (size_t i = 0; i < bytes; i += 8) std::memcpy(p + i, &i, 8);
+  Heap heap(o.heap_mib, o.dirty_mib_s);
+  DeviceList list;
+  Context ctx;
+  Pd pd;
+  if (o.open_device) {
+    int num = 0;
+    list.reset(ibv_get_device_list(&num));
+    if (!list || num == 0) Die("no RDMA device");
+    ibv_device* dev = nullptr;
+    for (int i = 0; i < num && dev == nullptr; ++i)
+      if (o.device.empty() || o.device == ibv_get_device_name(list.get()[i])) dev = list.get()[i];
+    if (dev == nullptr) Die("no RDMA device named %s", o.device.c_str());
+    ctx.reset(ibv_open_device(dev));
+    if (!ctx) Die("ibv_open_device: %s", std::strerror(errno));
+    pd.reset(ibv_alloc_pd(ctx.get()));
+    if (!pd) Die("ibv_alloc_pd: %s", std::strerror(errno));
+  }
+  std::printf("qp_holder: client pid %d: no RDMA%s, %zu bytes, heap %" PRIu64 " MiB; connected\n",
+              static_cast<int>(getpid()), o.open_device ? " (device open)" : "", bytes, heap.mib());
   RunningClock clock;
-  while (clock.Seconds() < o.seconds) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  std::printf("{\"ok\": true, \"qps\": 0, \"mr_mib\": %" PRIu64 "}\n", o.mr_mib);
-  return 0;
+  for (double t = 0; (t = clock.Seconds()) < o.seconds && !g_stop;) {
+    heap.DirtyUntil(t);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const uint64_t bad = heap.BadPages();
+  std::printf("{\"ok\": %s, \"qps\": 0, \"mr_mib\": %" PRIu64 "%s}\n", bad ? "false" : "true",
+              o.mr_mib, HeapJson(heap, bad).c_str());
+  return bad ? 1 : 0;
 }
 
 int Run(const Options& o) {
@@ -170,6 +292,7 @@ int Run(const Options& o) {
   Mr mr(ibv_reg_mr(pd.get(), buf, bytes,
                    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ));
   if (!mr) Die("ibv_reg_mr of %zu bytes: %s", bytes, std::strerror(errno));
+  Heap heap(o.heap_mib, o.dirty_mib_s);
   Cq cq(ibv_create_cq(ctx.get(), static_cast<int>(o.qps) + 16, nullptr, nullptr, 0));
   if (!cq) Die("ibv_create_cq: %s", std::strerror(errno));
   std::vector<Qp> qps;
@@ -240,18 +363,22 @@ int Run(const Options& o) {
                               IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
       Die("QP %u to RTS: %s", i, std::strerror(rc));
   }
-  std::printf("qp_holder: %s pid %d: %u QPs connected, %zu bytes registered\n",
-              o.server ? "server" : "client", static_cast<int>(getpid()), o.qps, bytes);
+  std::printf("qp_holder: %s pid %d: %u QPs connected, %zu bytes registered, heap %" PRIu64
+              " MiB\n",
+              o.server ? "server" : "client", static_cast<int>(getpid()), o.qps, bytes, heap.mib());
   std::fflush(stdout);
 
   RunningClock clock;
   uint64_t writes = 0, errors = 0;
   if (o.server) {
     // The client writes; the server only keeps its QPs (a little longer).
-    while (clock.Seconds() < o.seconds + 120)
+    while (clock.Seconds() < o.seconds + 120 && !g_stop)
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
   } else {
-    for (uint32_t i = 0; clock.Seconds() < o.seconds; i = (i + 1) % o.qps) {
+    for (uint32_t i = 0; !g_stop; i = (i + 1) % o.qps) {
+      const double t = clock.Seconds();
+      if (t >= o.seconds) break;
+      heap.DirtyUntil(t);
       ibv_sge sge{reinterpret_cast<uintptr_t>(buf) + (i * kWriteBytes) % bytes, kWriteBytes,
                   mr->lkey};
       ibv_send_wr wr{};
@@ -279,10 +406,12 @@ int Run(const Options& o) {
       if (o.interval_ms) std::this_thread::sleep_for(std::chrono::milliseconds(o.interval_ms));
     }
   }
+  const uint64_t bad = heap.BadPages();
   std::printf("{\"ok\": %s, \"qps\": %u, \"mr_mib\": %" PRIu64 ", \"writes\": %" PRIu64
-              ", \"errors\": %" PRIu64 "}\n",
-              errors == 0 ? "true" : "false", o.qps, o.server ? 0 : o.mr_mib, writes, errors);
-  return errors == 0 ? 0 : 1;
+              ", \"errors\": %" PRIu64 "%s}\n",
+              errors == 0 && bad == 0 ? "true" : "false", o.qps, o.server ? 0 : o.mr_mib, writes,
+              errors, HeapJson(heap, bad).c_str());
+  return errors == 0 && bad == 0 ? 0 : 1;
 }
 
 }  // namespace
@@ -291,5 +420,9 @@ int main(int argc, char** argv) {
   program_name = "qp_holder";
   const Options o = ParseArgs(argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  struct sigaction sa {};
+  sa.sa_handler = OnStop;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
   return o.no_rdma ? RunWithoutRdma(o) : Run(o);
 }

@@ -356,9 +356,13 @@ absl::StatusOr<DumpStats> FakeHost::PreDump(pid_t pid, const std::string& dir,
   if (!predump_error.ok()) return predump_error;
   if (!eps_.contains(pid) || !eps_[pid].alive) return absl::NotFoundError("no such process");
   std::filesystem::create_directories(dir);
-  WriteFile(dir + "/pages-1.img", std::string(predump_bytes, 'p'));
+  const uint64_t bytes =
+      predump_sizes.empty()
+          ? predump_bytes
+          : predump_sizes[std::min<size_t>(predumps - 1, predump_sizes.size() - 1)];
+  WriteFile(dir + "/pages-1.img", std::string(bytes, 'p'));
   if (!parent.empty()) WriteFile(dir + "/parent.path", Relative(dir, parent) + "\n");
-  return DumpStats{10, predump_bytes};
+  return DumpStats{10, bytes};
 }
 
 absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,

@@ -97,6 +97,8 @@ class FakeHost final : public ShimChannel,
   std::atomic<bool> stall_restore{false};
   std::atomic<int> restores_started{0};
   uint64_t predump_bytes = 64 << 10;
+  // When set, the size of each pre-dump in turn (the last one repeats).
+  std::vector<uint64_t> predump_sizes;
 
   // ShimChannel
   std::vector<ShimInfo> Connected() override;

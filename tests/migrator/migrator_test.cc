@@ -251,6 +251,13 @@ TEST(MigratorTest, MigratesAndReconnectsEveryPeer) {
   EXPECT_EQ(run.report.qps(), 2u);
   EXPECT_GE(run.report.precopy_iterations(), 1u);
   EXPECT_GT(run.report.bytes_moved(), 64u << 10);
+  // What each round sent and the final dump add up to what moved (the
+  // rest is the connection state).
+  ASSERT_EQ(run.report.precopy_bytes_size(), static_cast<int>(run.report.precopy_iterations()));
+  uint64_t images = run.report.final_bytes();
+  for (uint64_t n : run.report.precopy_bytes()) images += n;
+  EXPECT_GT(run.report.final_bytes(), 0u);
+  EXPECT_LE(images, run.report.bytes_moved());
   EXPECT_GT(run.report.breakdown().blackout_us(), 0u);
   EXPECT_GE(run.report.breakdown().total_us(), run.report.breakdown().blackout_us());
   // Recorded as done; the destination kept no images.
@@ -326,15 +333,32 @@ TEST(MigratorTest, AHostThatStaysDownAfterTheMoveIsReportedAfterTheWait) {
   EXPECT_FALSE(c.host(1).Exists(100));
 }
 
-TEST(MigratorTest, PreCopyIteratesWhileDumpsStayLarge) {
+TEST(MigratorTest, PreCopyIteratesWhileDumpsStayLargeAndShrink) {
   Cluster c("precopy");
   Topology(c);
-  c.host(1).predump_bytes = 8 << 20;  // over precopy_small_bytes every time
+  // Over precopy_small_bytes every time, each smaller than the last.
+  c.host(1).predump_sizes = {32 << 20, 16 << 20, 8 << 20};
   MoveRun run = Migrate(c, 100, "h2");
   ASSERT_TRUE(run.status.ok()) << run.status;
   EXPECT_EQ(run.report.precopy_iterations(), 3u);
+  ASSERT_EQ(run.report.precopy_bytes_size(), 3);
+  for (uint64_t n : run.report.precopy_bytes()) EXPECT_GE(n, 8u << 20);
   EXPECT_EQ(c.host(1).predumps, 3);
   EXPECT_EQ(c.host(2).restores, 1);  // found its parents at pre-1..3
+}
+
+// A process that dirties memory as fast as a round carries it never
+// converges: another round would send as much again and leave the final
+// dump no smaller.
+TEST(MigratorTest, PreCopyStopsWhenARoundNoLongerShrinks) {
+  Cluster c("precopy-flat");
+  Topology(c);
+  c.host(1).predump_sizes = {32 << 20, 30 << 20, 29 << 20};
+  MoveRun run = Migrate(c, 100, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_EQ(run.report.precopy_iterations(), 2u);
+  EXPECT_EQ(c.host(1).predumps, 2);
+  EXPECT_EQ(c.host(2).restores, 1);
 }
 
 TEST(MigratorTest, UnreachableDestinationTouchesNothing) {

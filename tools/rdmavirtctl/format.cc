@@ -173,6 +173,14 @@ std::string ReportText(const v1::MigrationReport& r) {
                       ? absl::StrCat("; ", r.precopy_iterations(), " pre-copy iteration(s)")
                       : "",
                   "\n");
+  if (r.precopy_bytes_size() > 0 || r.final_bytes() > 0) {
+    std::vector<std::string> rounds;
+    for (uint64_t n : r.precopy_bytes()) rounds.push_back(Bytes(n));
+    absl::StrAppend(
+        &out, "  images sent: ",
+        rounds.empty() ? "" : absl::StrCat("pre-copy ", absl::StrJoin(rounds, ", "), "; "),
+        "final dump ", Bytes(r.final_bytes()), " (in the blackout)\n");
+  }
   if (!r.addresses().empty())
     absl::StrAppend(&out, "  service addresses moved with it: ", absl::StrJoin(r.addresses(), ", "),
                     "\n");

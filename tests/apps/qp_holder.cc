@@ -18,8 +18,8 @@
 // --no-rdma: the client only allocates and fills --mr-mib MiB (and the
 // heap, dirtied the same way) and runs for --seconds: the same memory with
 // no verbs, for a plain baseline. With --open-device it also opens the
-// device and allocates a PD (no QP, no MR), so that the migrator moves it
-// through the same path as an RDMA process.
+// device, allocates a PD (no QP, no MR) and queries its port every 20 ms,
+// so that the migrator moves it through the same path as an RDMA process.
 //
 // SIGTERM or SIGINT end the client early, with the same checks and JSON.
 //
@@ -264,6 +264,12 @@ int RunWithoutRdma(const Options& o) {
   RunningClock clock;
   for (double t = 0; (t = clock.Seconds()) < o.seconds && !g_stop;) {
     heap.DirtyUntil(t);
+    // A verb now and then, as a process that uses its device makes: after
+    // a restore the shim runs its steps on the first application thread
+    // that calls one (docs/shim.md), else only after waiting for one.
+    ibv_port_attr port{};
+    if (ctx && ibv_query_port(ctx.get(), kIbPort, &port) != 0)
+      Die("ibv_query_port: %s", std::strerror(errno));
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   const uint64_t bad = heap.BadPages();

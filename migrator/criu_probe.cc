@@ -168,7 +168,7 @@ int Main(int argc, char** argv) {
     for (v1::ImageFile& f : *files) {
       total += f.size();
       absl::StrAppend(&list, list.empty() ? "" : ", ", "{\"name\": ", Json(f.name()),
-                      ", \"size\": ", f.size(), ", \"sha256\": \"", Hex(f.sha256()), "\"}");
+                      ", \"size\": ", f.size(), ", \"digest\": \"", Hex(f.digest()), "\"}");
       *m.add_files() = std::move(f);
     }
     if (absl::Status s = WriteManifest(dir, m); !s.ok()) return Fail(cmd, s);

@@ -48,11 +48,20 @@ struct DirDeleter {
   void operator()(DIR* d) const { closedir(d); }
 };
 
-// SHA-256 of everything fd has to read, and how many bytes that was.
-absl::Status HashFd(int fd, const std::string& what, std::string* digest, uint64_t* bytes) {
+// The algorithm of a digest of `bytes` bytes: BLAKE2b-512, or SHA-256 for
+// older manifests; nullptr for any other size.
+const EVP_MD* DigestOfSize(size_t bytes) {
+  if (bytes == kDigestBytes) return EVP_blake2b512();
+  if (bytes == kSha256Bytes) return EVP_sha256();
+  return nullptr;
+}
+
+// The digest (md) of everything fd has to read, and how many bytes that was.
+absl::Status HashFd(int fd, const std::string& what, const EVP_MD* algorithm, std::string* digest,
+                    uint64_t* bytes) {
   std::unique_ptr<EVP_MD_CTX, MdCtxDeleter> ctx(EVP_MD_CTX_new());
-  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
-    return absl::InternalError("cannot set up SHA-256");
+  if (!ctx || EVP_DigestInit_ex(ctx.get(), algorithm, nullptr) != 1) {
+    return absl::InternalError("cannot set up the digest");
   }
   std::unique_ptr<char[]> buf(new char[kReadChunk]);
   *bytes = 0;
@@ -62,14 +71,15 @@ absl::Status HashFd(int fd, const std::string& what, std::string* digest, uint64
     if (n < 0) return absl::ErrnoToStatus(errno, absl::StrCat("reading ", what));
     if (n == 0) break;
     if (EVP_DigestUpdate(ctx.get(), buf.get(), static_cast<size_t>(n)) != 1) {
-      return absl::InternalError("SHA-256 update");
+      return absl::InternalError("digest update");
     }
     *bytes += static_cast<uint64_t>(n);
   }
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  if (EVP_DigestFinal_ex(ctx.get(), md, &len) != 1 || len != kSha256Bytes) {
-    return absl::InternalError("SHA-256 final");
+  if (EVP_DigestFinal_ex(ctx.get(), md, &len) != 1 ||
+      len != static_cast<unsigned>(EVP_MD_get_size(algorithm))) {
+    return absl::InternalError("digest final");
   }
   digest->assign(reinterpret_cast<const char*>(md), len);
   return absl::OkStatus();
@@ -156,13 +166,14 @@ absl::Status ScanDir(int dirfd, const std::string& root, const std::string& pref
     f.set_name(rel);
     std::string digest;
     uint64_t bytes = 0;
-    if (absl::Status s = HashFd(fd.get(), shown, &digest, &bytes); !s.ok()) return s;
+    if (absl::Status s = HashFd(fd.get(), shown, EVP_blake2b512(), &digest, &bytes); !s.ok())
+      return s;
     if (bytes != static_cast<uint64_t>(fst.st_size)) {
       return absl::AbortedError(absl::StrCat(shown, " changed size while it was read (", bytes,
                                              " bytes read, ", fst.st_size, " at open)"));
     }
     f.set_size(bytes);
-    f.set_sha256(digest);
+    f.set_digest(digest);
     out->push_back(std::move(f));
   }
   return absl::OkStatus();
@@ -256,21 +267,21 @@ absl::StatusOr<std::vector<v1::ImageFile>> ListImages(const std::string& dir) {
   return Scan(dir, /*hash=*/false);
 }
 
-Sha256Stream::Sha256Stream() : ctx_(EVP_MD_CTX_new()) {
-  EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(), nullptr);
+DigestStream::DigestStream() : ctx_(EVP_MD_CTX_new()) {
+  EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_blake2b512(), nullptr);
 }
 
-Sha256Stream::~Sha256Stream() { EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_)); }
+DigestStream::~DigestStream() { EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_)); }
 
-void Sha256Stream::Update(std::string_view data) {
+void DigestStream::Update(std::string_view data) {
   EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(ctx_), data.data(), data.size());
 }
 
-std::string Sha256Stream::Final() {
+std::string DigestStream::Final() {
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   EVP_DigestFinal_ex(static_cast<EVP_MD_CTX*>(ctx_), md, &len);
-  EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(), nullptr);
+  EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_blake2b512(), nullptr);
   return std::string(reinterpret_cast<const char*>(md), len);
 }
 
@@ -278,9 +289,10 @@ absl::Status VerifyImages(const std::string& dir, const v1::Manifest& manifest) 
   if (absl::Status s = CheckVersion(manifest); !s.ok()) return s;
   if (absl::Status s = CheckNames(manifest, absl::StatusCode::kDataLoss); !s.ok()) return s;
   for (const v1::ImageFile& f : manifest.files()) {
-    if (f.sha256().size() != kSha256Bytes) {
-      return absl::DataLossError(absl::StrCat("manifest entry ", f.name(), " has a ",
-                                              f.sha256().size(), "-byte digest, not SHA-256"));
+    if (DigestOfSize(f.digest().size()) == nullptr) {
+      return absl::DataLossError(
+          absl::StrCat("manifest entry ", f.name(), " has a ", f.digest().size(),
+                       "-byte digest, neither BLAKE2b-512 (64) nor SHA-256 (32)"));
     }
   }
   ScopedFd dirfd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
@@ -311,14 +323,16 @@ absl::Status VerifyImages(const std::string& dir, const v1::Manifest& manifest) 
     }
     std::string digest;
     uint64_t bytes = 0;
-    if (absl::Status s = HashFd(fd.get(), shown, &digest, &bytes); !s.ok()) return s;
+    if (absl::Status s = HashFd(fd.get(), shown, DigestOfSize(f.digest().size()), &digest, &bytes);
+        !s.ok())
+      return s;
     if (bytes != f.size()) {
       return absl::DataLossError(
           absl::StrCat(shown, " gave ", bytes, " bytes, the manifest says ", f.size()));
     }
-    if (digest != f.sha256()) {
-      return absl::DataLossError(absl::StrCat(shown, " has SHA-256 ", Hex(digest),
-                                              ", the manifest says ", Hex(f.sha256())));
+    if (digest != f.digest()) {
+      return absl::DataLossError(absl::StrCat(shown, " has digest ", Hex(digest),
+                                              ", the manifest says ", Hex(f.digest())));
     }
   }
   return absl::OkStatus();

@@ -45,14 +45,21 @@ absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
   first.set_iteration(iteration);
   bool open = writer->Write(first);
   uint64_t sent = 0;
-  std::string buf(kChunkBytes, '\0');
+  // One message for every piece, read into in place: its data's buffer is
+  // allocated once and each piece is copied once on its way out (by
+  // gRPC's serialization).
+  v1::ImageChunk c;
+  c.set_migration_id(migration_id);
+  c.set_pre_dump(pre_dump);
+  c.set_iteration(iteration);
+  std::string* buf = c.mutable_data();
   v1::ImageChunk trailer;
   trailer.set_migration_id(migration_id);
   trailer.set_pre_dump(pre_dump);
   trailer.set_iteration(iteration);
   trailer.set_trailer(true);
   *trailer.mutable_manifest() = manifest;
-  Sha256Stream hash;
+  DigestStream hash;
   for (v1::ImageFile& f : *trailer.mutable_manifest()->mutable_files()) {
     if (!open) break;
     const std::string path = absl::StrCat(dir, "/", f.name());
@@ -62,18 +69,15 @@ absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
       return absl::NotFoundError(absl::StrCat("cannot read ", path));
     }
     uint64_t offset = 0;
+    c.set_name(f.name());
     do {
-      in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+      buf->resize(kChunkBytes);
+      in.read(buf->data(), static_cast<std::streamsize>(buf->size()));
       const size_t n = static_cast<size_t>(in.gcount());
+      buf->resize(n);
       if (offset + n > f.size()) break;  // grew: said below
-      hash.Update(std::string_view(buf.data(), n));
-      v1::ImageChunk c;
-      c.set_migration_id(migration_id);
-      c.set_name(f.name());
+      hash.Update(*buf);
       c.set_offset(offset);
-      c.set_data(buf.data(), n);
-      c.set_pre_dump(pre_dump);
-      c.set_iteration(iteration);
       open = writer->Write(c);
       offset += n;
       sent += n;
@@ -86,12 +90,12 @@ absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
           absl::StrCat(path, " changed size while it was sent (", f.size(), " bytes listed)"));
     }
     std::string digest = hash.Final();
-    if (!f.sha256().empty() && f.sha256() != digest) {
+    if (!f.digest().empty() && f.digest() != digest) {
       ctx.TryCancel();
-      return absl::DataLossError(absl::StrCat(path, " has SHA-256 ", Hex(digest),
-                                              ", the manifest says ", Hex(f.sha256())));
+      return absl::DataLossError(absl::StrCat(path, " has digest ", Hex(digest),
+                                              ", the manifest says ", Hex(f.digest())));
     }
-    f.set_sha256(std::move(digest));
+    f.set_digest(std::move(digest));
   }
   if (open) open = writer->Write(trailer);
   if (open) writer->WritesDone();
@@ -118,9 +122,10 @@ absl::Status ImageReceiver::Begin(const v1::ImageChunk& first) {
   for (const v1::ImageFile& f : manifest_.files()) {
     if (!ValidImageName(f.name()))
       return absl::InvalidArgumentError(absl::StrCat("invalid image name \"", f.name(), "\""));
-    if (!f.sha256().empty() && f.sha256().size() != kSha256Bytes)
+    if (!f.digest().empty() && f.digest().size() != kDigestBytes)
       return absl::InvalidArgumentError(
-          absl::StrCat(f.name(), ": a ", f.sha256().size(), "-byte digest, not SHA-256"));
+          absl::StrCat(f.name(), ": a ", f.digest().size(),
+                       "-byte digest, not BLAKE2b-512 (a migrator of another version?)"));
     if (f.size() > (uint64_t{1} << 40))
       return absl::InvalidArgumentError(absl::StrCat(f.name(), ": size ", f.size(), " too large"));
     if (!expected_.emplace(f.name(), f.size()).second)
@@ -168,9 +173,10 @@ absl::Status ImageReceiver::AddTrailer(const v1::ImageChunk& c) {
       return absl::InvalidArgumentError(absl::StrCat("the trailer's file ", i, " (\"",
                                                      got[i].name(), "\", ", got[i].size(),
                                                      " bytes) is not the manifest's"));
-    if (got[i].sha256().size() != kSha256Bytes)
+    if (got[i].digest().size() != kDigestBytes)
       return absl::InvalidArgumentError(
-          absl::StrCat("the trailer's digest of ", got[i].name(), " is not SHA-256"));
+          absl::StrCat("the trailer's digest of ", got[i].name(),
+                       " is not BLAKE2b-512 (a migrator of another version?)"));
   }
   trailer_ = c.manifest();
   trailer_seen_ = true;
@@ -230,10 +236,10 @@ absl::Status ImageReceiver::Finish() {
   for (int i = 0; i < trailer_.files_size(); ++i) {
     const v1::ImageFile& f = trailer_.files(i);
     const std::string& got = computed_[f.name()];
-    const std::string& first = manifest_.files(i).sha256();
-    if (got != f.sha256() || (!first.empty() && first != f.sha256()))
-      return absl::DataLossError(absl::StrCat(dir_, "/", f.name(), " arrived with SHA-256 ",
-                                              Hex(got), ", the sender's is ", Hex(f.sha256())));
+    const std::string& first = manifest_.files(i).digest();
+    if (got != f.digest() || (!first.empty() && first != f.digest()))
+      return absl::DataLossError(absl::StrCat(dir_, "/", f.name(), " arrived with digest ",
+                                              Hex(got), ", the sender's is ", Hex(f.digest())));
   }
   return WriteManifest(dir_, trailer_);
 }

@@ -1,7 +1,7 @@
 // Moving a directory of CRIU images from one migrator to another over
 // Transfer.PushImages (protos/rdmavirt/v1/migrator.proto): the sender
 // streams the files its Manifest lists, hashing each as it reads it, and
-// ends with a trailer that carries every file's SHA-256; the receiver
+// ends with a trailer that carries every file's digest (BLAKE2b-512); the receiver
 // checks every name, offset and size against the manifest before writing a
 // byte, hashes what it writes, and compares with the trailer at the end.
 // So each file is read once on each side: no pass over the images before
@@ -62,7 +62,7 @@ class ImageReceiver {
   // A piece of a file, or the trailer. INVALID_ARGUMENT when it is not the
   // next piece of a manifest file or goes past the file's size, when it
   // follows the trailer, or when the trailer lists other files or sizes
-  // than the manifest, or digests that are not SHA-256.
+  // than the manifest, or digests that are not BLAKE2b-512.
   absl::Status Add(const v1::ImageChunk& chunk);
   // Every file complete and its digest (computed as it was written) the
   // trailer's and the first manifest's if it had one (DATA_LOSS otherwise,
@@ -85,7 +85,7 @@ class ImageReceiver {
   std::map<std::string, uint64_t> expected_;  // name -> size
   std::map<std::string, uint64_t> written_;
   std::string current_;
-  Sha256Stream hash_;                            // of current_, so far
+  DigestStream hash_;                            // of current_, so far
   std::map<std::string, std::string> computed_;  // name -> digest of what was written
   bool trailer_seen_ = false;
   v1::Manifest trailer_;

@@ -79,7 +79,7 @@ void CheckVerify(const v1::Manifest& m) {
   for (const v1::ImageFile& x : m.files()) {
     auto it = f.files.find(x.name());
     Check(it != f.files.end(), "VerifyImages accepted a name that is not a regular image file");
-    Check(it->second.size() == x.size() && it->second.sha256() == x.sha256(),
+    Check(it->second.size() == x.size() && it->second.digest() == x.digest(),
           "VerifyImages accepted a wrong size or digest");
   }
 }

@@ -73,8 +73,8 @@ void CheckFinished(const migrator::ImageReceiver& rx, const v1::Manifest& manife
   Check(scan.ok(), "Finish accepted a directory that ScanImages refuses");
   // Name, size and digest: a manifest may carry fields this build ignores.
   std::map<std::string, std::pair<uint64_t, std::string>> want, got;
-  for (const v1::ImageFile& f : manifest.files()) want[f.name()] = {f.size(), f.sha256()};
-  for (const v1::ImageFile& f : *scan) got[f.name()] = {f.size(), f.sha256()};
+  for (const v1::ImageFile& f : manifest.files()) want[f.name()] = {f.size(), f.digest()};
+  for (const v1::ImageFile& f : *scan) got[f.name()] = {f.size(), f.digest()};
   if (Tracing() && want != got) {
     for (const auto& [name, f] : want) Trace("listed: " + name);
     for (const auto& [name, f] : got) Trace("on disk: " + name);

@@ -24,8 +24,17 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
 // SHA-256("abc") and SHA-256("").
-constexpr char kAbcSha[] = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
-constexpr char kEmptySha[] = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+// BLAKE2b-512 of "abc" and of nothing (RFC 7693; `openssl dgst -blake2b512`).
+constexpr char kAbcDigest[] =
+    "ba80a53f981c4d0d6a2797b69f12f6e94c212f14685ac4b74b12bb6fdbffa2d1"
+    "7d87c5392aab792dc252d5de4533cc9518d38aa8dbf1925ab92386edd4009923";
+constexpr char kEmptyDigest[] =
+    "786a02f742015903c6c6fd852552d272912f4740e15847618a86e217f71f5419"
+    "d25e1031afee585313896444934eb04b903a685b1448b755d56f701afe9be2ce";
+// SHA-256 of "abc", as a manifest written before BLAKE2b has it.
+constexpr char kAbcSha256[] =
+    "\xba\x78\x16\xbf\x8f\x01\xcf\xea\x41\x41\x40\xde\x5d\xae\x22\x23"
+    "\xb0\x03\x61\xa3\x96\x17\x7a\x9c\xb4\x10\xff\x61\xf2\x00\x15\xad";
 
 class ImageDirTest : public ::testing::Test {
  protected:
@@ -76,10 +85,10 @@ TEST_F(ImageDirTest, ScanListsFilesRecursivelyWithSizesAndDigests) {
   ASSERT_EQ(files->size(), 4u);
   EXPECT_EQ((*files)[0].name(), "empty.img");
   EXPECT_EQ((*files)[0].size(), 0u);
-  EXPECT_EQ(Hex((*files)[0].sha256()), kEmptySha);
+  EXPECT_EQ(Hex((*files)[0].digest()), kEmptyDigest);
   EXPECT_EQ((*files)[1].name(), "inventory.img");
   EXPECT_EQ((*files)[1].size(), 3u);
-  EXPECT_EQ(Hex((*files)[1].sha256()), kAbcSha);
+  EXPECT_EQ(Hex((*files)[1].digest()), kAbcDigest);
   EXPECT_EQ((*files)[2].name(), "pages-1.img");
   EXPECT_EQ((*files)[2].size(), 100000u);
   EXPECT_EQ((*files)[3].name(), "sub/core-42.img");
@@ -157,7 +166,7 @@ TEST_F(ImageDirTest, VerifyCatchesACorruptedByte) {
   Write("pages-1.img", pages);
   const absl::Status s = VerifyImages(dir_, m);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(s.message(), HasSubstr("pages-1.img has SHA-256"));
+  EXPECT_THAT(s.message(), HasSubstr("pages-1.img has digest"));
   EXPECT_THAT(s.message(), HasSubstr("the manifest says"));
 }
 
@@ -217,10 +226,27 @@ TEST_F(ImageDirTest, VerifyRefusesASymlinkInPlaceOfAFile) {
 
 TEST_F(ImageDirTest, VerifyRefusesAShortDigest) {
   v1::Manifest m = Sample();
-  m.mutable_files(1)->set_sha256("abc");
+  m.mutable_files(1)->set_digest("abc");
   const absl::Status s = VerifyImages(dir_, m);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(s.message(), HasSubstr("3-byte digest"));
+}
+
+// A checkpoint written before BLAKE2b lists SHA-256 digests: it still
+// restores, and a file that does not match one is still refused.
+TEST_F(ImageDirTest, VerifyChecksAnOlderManifestsSha256Digests) {
+  v1::Manifest m = Sample();
+  v1::Manifest old;
+  old.set_format_version(m.format_version());
+  v1::ImageFile* f = old.add_files();
+  f->set_name("inventory.img");
+  f->set_size(3);
+  f->set_digest(std::string(kAbcSha256, 32));
+  EXPECT_TRUE(VerifyImages(dir_, old).ok()) << VerifyImages(dir_, old);
+  Write("inventory.img", "abd");
+  const absl::Status s = VerifyImages(dir_, old);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("inventory.img has digest"));
 }
 
 TEST_F(ImageDirTest, VerifyRefusesAnotherFormatVersion) {
@@ -325,14 +351,15 @@ TEST_F(ImageDirTest, ReadManifestRefusesAnUnsafeName) {
 
 TEST_F(ImageDirTest, ReadManifestRefusesAWellFramedBodyThatDoesNotParse) {
   // A body of protobuf garbage (a tag with wire type 7) under a header that
-  // matches it: magic, length, SHA-256 (taken from a scan of the body).
+  // matches it: magic, length, SHA-256 (`sha256sum` of the body).
   const std::string body = "\xff\xff\xff\xff\x0f";
-  Write("body", body);
-  absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(dir_);
-  ASSERT_TRUE(files.ok()) << files.status();
+  const std::string sha256(
+      "\xd4\x77\x15\xda\xb0\x5e\x27\xd5\xb3\x08\xb3\xb6\x4d\x23\x1d\x6c"
+      "\x1b\xdb\xa6\x82\xf9\x25\x1e\xb1\xd1\x32\xf8\xaa\x13\x00\xd5\xbe",
+      32);
   std::string file = SerializeManifestFile(v1::Manifest()).substr(0, 8);
   for (int i = 0; i < 8; ++i) file.push_back(static_cast<char>(i == 0 ? body.size() : 0));
-  file += (*files)[0].sha256() + body;
+  file += sha256 + body;
   const absl::Status s = ParseManifestFile(file).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(s.message(), HasSubstr("does not parse"));

@@ -77,7 +77,7 @@ TEST_F(ImageReceiverTest, ReceivesAManifestWithoutDigestsAndItsTrailer) {
   v1::ImageChunk first = first_;
   first.mutable_manifest()->clear_files();
   for (const auto& f : *listed) {
-    EXPECT_TRUE(f.sha256().empty()) << f.name();
+    EXPECT_TRUE(f.digest().empty()) << f.name();
     *first.mutable_manifest()->add_files() = f;
   }
   ImageReceiver rx(root_);
@@ -106,7 +106,7 @@ TEST_F(ImageReceiverTest, RefusesATrailerThatIsNotTheManifests) {
   v1::Manifest bigger = manifest_;
   bigger.mutable_files(0)->set_size(11);
   v1::Manifest short_digest = manifest_;
-  short_digest.mutable_files(1)->set_sha256("abc");
+  short_digest.mutable_files(1)->set_digest("abc");
   v1::Manifest fewer = manifest_;
   fewer.mutable_files()->RemoveLast();
   for (const v1::Manifest* m : {&bigger, &short_digest, &fewer}) {
@@ -153,7 +153,7 @@ TEST_F(ImageReceiverTest, ShortOrCorruptedFilesAreDataLoss) {
   ASSERT_TRUE(rx.Add(Trailer(manifest_)).ok());
   const absl::Status st = rx.Finish();
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
-  EXPECT_NE(st.message().find("pages.img arrived with SHA-256"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("pages.img arrived with digest"), std::string::npos) << st;
 }
 
 // A destination's Transfer service that writes what it receives, as a
@@ -218,7 +218,7 @@ TEST_F(SendImagesTest, DigestsComputedWhileSendingMatchAScan) {
 TEST_F(SendImagesTest, AFileThatChangedSizeIsNotSentAsListed) {
   v1::Manifest m = manifest_;
   m.mutable_files(0)->set_size(8);  // pages.img has 10
-  m.mutable_files(0)->clear_sha256();
+  m.mutable_files(0)->clear_digest();
   absl::StatusOr<uint64_t> sent = Send(m, nullptr);
   EXPECT_EQ(sent.status().code(), absl::StatusCode::kAborted) << sent.status();
   EXPECT_FALSE(ReadManifest(root_ + "/final").ok());
@@ -226,7 +226,7 @@ TEST_F(SendImagesTest, AFileThatChangedSizeIsNotSentAsListed) {
 
 TEST_F(SendImagesTest, AFileWhoseDigestIsNotTheListedOneIsDataLoss) {
   v1::Manifest m = manifest_;
-  m.mutable_files(0)->set_sha256(std::string(32, 'x'));
+  m.mutable_files(0)->set_digest(std::string(64, 'x'));
   absl::StatusOr<uint64_t> sent = Send(m, nullptr);
   EXPECT_EQ(sent.status().code(), absl::StatusCode::kDataLoss) << sent.status();
   EXPECT_FALSE(ReadManifest(root_ + "/final").ok());

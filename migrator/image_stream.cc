@@ -92,8 +92,8 @@ absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
     std::string digest = hash.Final();
     if (!f.digest().empty() && f.digest() != digest) {
       ctx.TryCancel();
-      return absl::DataLossError(absl::StrCat(path, " has digest ", Hex(digest),
-                                              ", the manifest says ", Hex(f.digest())));
+      return absl::DataLossError(
+          absl::StrCat(path, " has digest ", Hex(digest), ", the manifest says ", Hex(f.digest())));
     }
     f.set_digest(std::move(digest));
   }

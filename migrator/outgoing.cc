@@ -343,6 +343,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
                                                              : options_.max_precopy_iterations;
   std::string parent;
   uint64_t last_round = 0;
+  int flat_rounds = 0;  // in a row, each more than 9/10 of the one before
   for (uint32_t k = 1; k <= std::min(max_iter, kMaxPreDumpIterations); ++k) {
     const std::string dir = absl::StrCat(m->dir, "/pre-", k);
     absl::StatusOr<DumpStats> d = criu_->PreDump(pid, dir, parent);
@@ -372,10 +373,12 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
     r->set_precopy_iterations(k);
     parent = dir;
     if (d->image_bytes < options_.precopy_small_bytes) break;
-    // Not converging: the process dirtied about as much as the round
-    // carried (less than a tenth fewer bytes), so another round would not
-    // make the final dump smaller.
-    if (k > 1 && d->image_bytes * 10 > last_round * 9) {
+    // Not converging: twice in a row the process dirtied about as much as
+    // the round before carried (less than a tenth fewer bytes), so another
+    // round would not make the final dump smaller. Once may be a slow
+    // round (a busy host or link), after which the next shrinks again.
+    flat_rounds = k > 1 && d->image_bytes * 10 > last_round * 9 ? flat_rounds + 1 : 0;
+    if (flat_rounds == 2) {
       Log("migration %s: pre-copy stops after round %d: %d bytes after %d", id, k, d->image_bytes,
           last_round);
       break;

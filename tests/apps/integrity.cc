@@ -11,7 +11,13 @@
 //      pattern and checksum, announced by WRITE_WITH_IMM (even seq) or by a
 //      plain WRITE followed by a SEND naming the seq (odd seq);
 //   3. RDMA READs of a region of the peer whose content follows from a seed;
-//   4. UD datagrams, sent only into receives the peer has posted.
+//   4. UD datagrams, sent only into receives the peer has posted;
+//   5. with --canvas, RDMA WRITEs of small cells all over two large regions
+//      of the peer (one on 4 KiB pages, one on transparent huge pages, which
+//      also holds the receive buffers), each cell written once per pass;
+//      at the end the peer checks every byte of both regions against the
+//      last write each cell received, so a page whose HCA-written content
+//      a checkpoint or a move lost shows up even if nothing announced it.
 //
 // One TCP connection carries the endpoints (QPNs, GIDs, rkeys, addresses,
 // seeds) and a barrier; every socket is closed before the first RDMA
@@ -37,6 +43,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -52,6 +59,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -69,7 +77,7 @@ using namespace rdmavirt::apps;  // NOLINT: the programs' shared helpers
 // ---------------------------------------------------------------------------
 // Constants.
 
-constexpr uint32_t kWireVersion = 1;
+constexpr uint32_t kWireVersion = 2;
 constexpr uint8_t kIbPort = 1;
 constexpr uint32_t kQkey = 0x11111111;
 constexpr size_t kGrhLen = 40;  // UD receives start with the GRH area
@@ -82,7 +90,9 @@ constexpr size_t kSendSlots = 64;    // data SENDs in flight
 constexpr size_t kRingSlots = 32;    // ring slots written and not yet verified
 constexpr size_t kReadDepth = 8;     // RDMA READs in flight (max_rd_atomic)
 constexpr size_t kStatusSlots = 4;   // status records in flight
-constexpr uint32_t kRcSendWr = kSendSlots + 2 * kRingSlots + kReadDepth + kStatusSlots;
+constexpr size_t kCanvasSlots = 8;   // canvas cells written and not yet completed
+constexpr uint32_t kRcSendWr =
+    kSendSlots + 2 * kRingSlots + kReadDepth + kStatusSlots + kCanvasSlots;
 constexpr int kCqDepth = kRcSendWr + kUdRecvDepth + kRcRecvDepth + kUdRecvDepth;
 
 // Sizes. Lengths vary with seq over these ranges, so messages of one packet,
@@ -91,6 +101,11 @@ constexpr uint32_t kMaxMsg = 4096;     // data SENDs, ring slots, READs
 constexpr uint32_t kMaxUd = 1024;      // a datagram fits the 1024-byte path MTU
 constexpr size_t kReadRegion = 65536;  // the region the peer reads
 constexpr uint32_t kMinFrame = 32;     // header, checksum and some pattern
+// --canvas: cells of the peer's two regions, kCanvasCells per 4 KiB page.
+constexpr uint32_t kCanvasCell = 128;
+constexpr size_t kPage = 4096;
+constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kCanvasCellsPerPage = kPage / kCanvasCell;
 
 // Bytes of SENDs, WRITEs, READs and datagrams in flight from one side. The
 // lab's fabric (QEMU guests on a VDE switch, whose Unix datagram sockets
@@ -119,27 +134,73 @@ void Complain(const char* fmt, ...) {
                complaints == kMaxComplaints ? " (further errors not described)" : "");
 }
 
-// A page-aligned, zeroed buffer registered as one MR.
+// What backs a Buffer: whatever the kernel chooses, 4 KiB pages only, or
+// transparent huge pages (2 MiB aligned, madvise(MADV_HUGEPAGE)).
+enum class Pages { kAny, kSmall, kHuge };
+
+// Zeroed anonymous memory of its own mapping, registered as one MR.
 class Buffer {
  public:
-  Buffer(ibv_pd* pd, size_t size, int access)
-      : mem_(static_cast<uint8_t*>(std::aligned_alloc(4096, (size + 4095) / 4096 * 4096))) {
-    if (!mem_) Die("aligned_alloc(%zu) failed", size);
-    std::memset(mem_.get(), 0, size);
-    mr_.reset(ibv_reg_mr(pd, mem_.get(), size, access));
+  Buffer(ibv_pd* pd, size_t size, int access, Pages pages = Pages::kAny) {
+    const size_t align = pages == Pages::kHuge ? kHugePage : kPage;
+    len_ = (size + align - 1) / align * align;
+    // Over-allocated by `align`, then trimmed to an aligned start.
+    void* m = mmap(nullptr, len_ + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (m == MAP_FAILED) Die("mmap(%zu bytes): %s", len_ + align, std::strerror(errno));
+    const uintptr_t base = reinterpret_cast<uintptr_t>(m);
+    const uintptr_t start = (base + align - 1) / align * align;
+    if (start > base) munmap(m, start - base);
+    if (const size_t tail = base + align - start; tail > 0) {
+      munmap(reinterpret_cast<void*>(start + len_), tail);
+    }
+    mem_ = reinterpret_cast<uint8_t*>(start);
+    if (pages != Pages::kAny &&
+        madvise(mem_, len_, pages == Pages::kHuge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) != 0) {
+      Die("madvise(%s): %s", pages == Pages::kHuge ? "MADV_HUGEPAGE" : "MADV_NOHUGEPAGE",
+          std::strerror(errno));
+    }
+    std::memset(mem_, 0, len_);  // faulted in now, on the pages asked for
+    mr_.reset(ibv_reg_mr(pd, mem_, size, access));
     if (!mr_) Die("ibv_reg_mr(%zu bytes): %s", size, std::strerror(errno));
   }
-  uint8_t* at(size_t off) const { return mem_.get() + off; }
-  uint64_t addr() const { return reinterpret_cast<uintptr_t>(mem_.get()); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() {
+    mr_.reset();  // deregistered before the memory goes
+    munmap(mem_, len_);
+  }
+  uint8_t* at(size_t off) const { return mem_ + off; }
+  uint64_t addr() const { return reinterpret_cast<uintptr_t>(mem_); }
   uint32_t rkey() const { return mr_->rkey; }
   ibv_sge Sge(size_t off, uint32_t len) const {
     return ibv_sge{reinterpret_cast<uintptr_t>(at(off)), len, mr_->lkey};
   }
 
  private:
-  std::unique_ptr<uint8_t, FreeDeleter> mem_;
-  Mr mr_;  // after mem_: deregistered before the memory is freed
+  uint8_t* mem_ = nullptr;
+  size_t len_ = 0;
+  Mr mr_;
 };
+
+// KiB of the mapping that holds `addr` backed by transparent huge pages
+// (AnonHugePages in /proc/self/smaps), or -1 if it cannot be read.
+long AnonHugeKib(const void* addr) {
+  std::ifstream smaps("/proc/self/smaps");
+  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long lo = 0, hi = 0;
+    char dash = 0;
+    if (std::sscanf(line.c_str(), "%lx%c%lx", &lo, &dash, &hi) == 3 && dash == '-') {
+      inside = lo <= a && a < hi;
+    } else if (long kib = 0;
+               inside && std::sscanf(line.c_str(), "AnonHugePages: %ld kB", &kib) == 1) {
+      return kib;
+    }
+  }
+  return -1;
+}
 
 // ---------------------------------------------------------------------------
 // Deterministic content. Every byte either side sends follows from the
@@ -147,12 +208,23 @@ class Buffer {
 // every byte without a copy of what was sent.
 
 // What a work request is: the top byte of its wr_id.
-enum Kind : uint8_t { kSend, kWrite, kWrote, kRead, kUd, kStatus, kRcRecv, kUdRecv, kNumKinds };
+enum Kind : uint8_t {
+  kSend,
+  kWrite,
+  kWrote,
+  kRead,
+  kUd,
+  kStatus,
+  kCanvas,
+  kRcRecv,
+  kUdRecv,
+  kNumKinds
+};
 
 const char* KindName(Kind k) {
-  static constexpr const char* kNames[kNumKinds] = {"SEND",      "RDMA_WRITE", "SEND(wrote)",
-                                                    "RDMA_READ", "UD SEND",    "RDMA_WRITE(status)",
-                                                    "RECV",      "UD RECV"};
+  static constexpr const char* kNames[kNumKinds] = {
+      "SEND",    "RDMA_WRITE",         "SEND(wrote)",        "RDMA_READ", "UD SEND",
+      "RDMA_WRITE(status)", "RDMA_WRITE(canvas)", "RECV", "UD RECV"};
   return k < kNumKinds ? kNames[k] : "unknown";
 }
 
@@ -278,6 +350,7 @@ struct Status {
   uint64_t ud_handled;      // the peer's datagrams received or given up on
   uint64_t ud_sent;         // datagrams this side has sent
   uint64_t errors;          // errors this side has counted
+  uint64_t canvas_written;  // canvas cells this side wrote into the peer (completed)
   uint64_t checksum;
 };
 
@@ -424,8 +497,11 @@ struct Options {
   // checked at the end: a larger image to dump and move, and a check that
   // the process's plain memory came through intact too.
   uint64_t ballast_mib = 0;
-  // Testing the checker: corrupts one byte of the SEND, the ring slot and the
-  // datagram of this seq, and one byte of the region the peer reads.
+  // MiB of each of the two canvas regions the peer writes into (0: none).
+  uint64_t canvas_mib = 0;
+  // Testing the checker: corrupts one byte of the SEND, the ring slot, the
+  // datagram and the canvas cell of this seq, and one byte of the region
+  // the peer reads.
   int64_t inject_corruption = -1;
 };
 
@@ -435,9 +511,10 @@ struct Options {
                "         [--device NAME (rxe0)] [--gid-index N (1)] [--iterations N (1000)]\n"
                "         [--rate ITERATIONS_PER_S (50; 0: unpaced)] [--report FILE]\n"
                "         [--ack-timeout T (20: 4.096 us * 2^T per try)] [--ud-lost-after S (60)]\n"
-               "         [--ballast MIB (0)]\n"
+               "         [--ballast MIB (0)] [--canvas MIB (0)]\n"
                "Each iteration is one SEND, one RDMA WRITE, one RDMA READ and one UD\n"
-               "datagram in each direction.\n");
+               "datagram in each direction, and one canvas cell into a peer that has\n"
+               "--canvas: MIB on 4 KiB pages and MIB on huge pages, checked whole at the end.\n");
   std::exit(2);
 }
 
@@ -471,6 +548,8 @@ Options ParseArgs(int argc, char** argv) {
       o.ud_lost_after_s = std::atof(value());
     } else if (a == "--ballast") {
       o.ballast_mib = std::strtoull(value(), nullptr, 10);
+    } else if (a == "--canvas") {
+      o.canvas_mib = std::strtoull(value(), nullptr, 10);
     } else if (a == "--inject-corruption") {
       o.inject_corruption = std::atoll(value());
     } else {
@@ -480,7 +559,8 @@ Options ParseArgs(int argc, char** argv) {
   // Immediate data carries the seq: 32 bits.
   if (o.server == !o.connect.empty() || o.port <= 0 || o.port > 65535 || o.gid_index < 0 ||
       o.iterations == 0 || o.iterations > UINT32_MAX || o.rate < 0 || o.ack_timeout < 1 ||
-      o.ack_timeout > 31 || o.ud_lost_after_s <= 0 || o.ballast_mib > 65536) {
+      o.ack_timeout > 31 || o.ud_lost_after_s <= 0 || o.ballast_mib > 65536 ||
+      o.canvas_mib > 4096) {
     Usage();
   }
   return o;
@@ -503,7 +583,25 @@ struct WireInfo {
   uint32_t mailbox_rkey;
   uint32_t reserved;
   uint8_t gid[16];
+  uint64_t canvas_bytes;  // of each region; 0: no canvas
+  uint64_t canvas_addr[2];
+  uint32_t canvas_rkey[2];
 };
+
+// Where canvas write `n` lands in a peer whose regions have `region_bytes`
+// each: writes alternate between the regions (0: 4 KiB pages, 1: huge
+// pages); a region's k-th write goes to cell k modulo its cells, taken page
+// after page (slot k / pages of page k % pages), so that consecutive writes
+// dirty different pages and each page is written again every `pages` writes.
+struct CanvasSpot {
+  int region;
+  size_t offset;
+};
+CanvasSpot CanvasSpotOf(uint64_t n, size_t region_bytes) {
+  const size_t pages = region_bytes / kPage;
+  const uint64_t k = (n / 2) % (pages * kCanvasCellsPerPage);
+  return {static_cast<int>(n % 2), (k % pages) * kPage + (k / pages) * kCanvasCell};
+}
 
 // ---------------------------------------------------------------------------
 // The workload.
@@ -515,7 +613,8 @@ constexpr size_t kTxWriteOff = kTxSendOff + kSendSlots * kMaxMsg;
 constexpr size_t kTxWroteOff = kTxWriteOff + kRingSlots * kMaxMsg;
 constexpr size_t kTxUdOff = kTxWroteOff + kRingSlots * sizeof(WroteMsg);
 constexpr size_t kTxStatusOff = kTxUdOff + kUdRecvDepth * kMaxUd;
-constexpr size_t kTxSize = kTxStatusOff + kStatusSlots * sizeof(Status);
+constexpr size_t kTxCanvasOff = kTxStatusOff + kStatusSlots * sizeof(Status);
+constexpr size_t kTxSize = kTxCanvasOff + kCanvasSlots * kCanvasCell;
 constexpr size_t kUdRecvSlot = kGrhLen + kMaxUd;
 constexpr size_t kRxRcOff = 0;
 constexpr size_t kRxUdOff = kRxRcOff + kRcRecvDepth * kMaxMsg;
@@ -561,6 +660,10 @@ class Integrity {
   bool PostReads();
   bool PostUd();
   bool PostStatus();
+  bool PostCanvas();
+  // Checks every byte of both canvas regions against the peer's last write
+  // to each cell (the peer's final record says how many it made).
+  Tally VerifyCanvas();
   void PrintLive(bool force);
 
   // Whether the next seq of `kind`, of `bytes` bytes, may be posted now:
@@ -587,6 +690,8 @@ class Integrity {
   Pd pd_;
   Cq cq_;
   std::unique_ptr<Buffer> tx_, rx_, ring_, read_, mailbox_;
+  std::unique_ptr<Buffer> canvas_[2];  // --canvas: 4 KiB pages, huge pages
+  long canvas_huge_kib_ = 0;           // of canvas_[1], once faulted in
   Qp rc_, ud_;
   Ah ah_;
 
@@ -635,7 +740,8 @@ Integrity::Integrity(const Options& opt)
     : opt_(opt), seed_((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()) {
   const std::pair<Kind, size_t> slots[] = {{kSend, kSendSlots},  {kWrite, kRingSlots},
                                            {kWrote, kRingSlots}, {kRead, kReadDepth},
-                                           {kUd, kUdRecvDepth},  {kStatus, kStatusSlots}};
+                                           {kUd, kUdRecvDepth},  {kStatus, kStatusSlots},
+                                           {kCanvas, kCanvasSlots}};
   for (const auto& [kind, n] : slots) lanes_[kind].slots.resize(n);
   ballast_.resize(opt.ballast_mib << 17);  // 2^20 / 8 words per MiB
   for (uint64_t i = 0; i < ballast_.size(); ++i) ballast_[i] = BallastWord(i);
@@ -668,11 +774,23 @@ void Integrity::Open() {
 
   constexpr int kRemoteWrite = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
   tx_ = std::make_unique<Buffer>(pd_.get(), kTxSize, 0);
-  rx_ = std::make_unique<Buffer>(pd_.get(), kRxSize, IBV_ACCESS_LOCAL_WRITE);
+  // With a canvas, what SENDs, datagrams and READs bring lands on huge pages too.
+  rx_ = std::make_unique<Buffer>(pd_.get(), kRxSize, IBV_ACCESS_LOCAL_WRITE,
+                                 opt_.canvas_mib > 0 ? Pages::kHuge : Pages::kAny);
   ring_ = std::make_unique<Buffer>(pd_.get(), kRingSlots * kMaxMsg, kRemoteWrite);
   read_ = std::make_unique<Buffer>(pd_.get(), kReadRegion, IBV_ACCESS_REMOTE_READ);
   FillPattern(read_->at(0), kReadRegion, Key(seed_, kRead, 0), 0);
   mailbox_ = std::make_unique<Buffer>(pd_.get(), sizeof(Status), kRemoteWrite);
+  if (opt_.canvas_mib > 0) {
+    const size_t bytes = opt_.canvas_mib << 20;
+    for (int r = 0; r < 2; ++r) {
+      canvas_[r] = std::make_unique<Buffer>(pd_.get(), bytes, kRemoteWrite,
+                                            r == 0 ? Pages::kSmall : Pages::kHuge);
+      // Cells nobody writes keep this; a page that comes back zeroed fails.
+      FillPattern(canvas_[r]->at(0), bytes, Key(seed_, kCanvas, kSeqMask - r), 0);
+    }
+    canvas_huge_kib_ = AnonHugeKib(canvas_[1]->at(0));
+  }
 
   ibv_qp_init_attr init{};
   init.send_cq = init.recv_cq = cq_.get();
@@ -725,6 +843,13 @@ void Integrity::Connect() {
   mine.mailbox_addr = mailbox_->addr();
   mine.mailbox_rkey = mailbox_->rkey();
   std::memcpy(mine.gid, gid_.raw, 16);
+  if (opt_.canvas_mib > 0) {
+    mine.canvas_bytes = opt_.canvas_mib << 20;
+    for (int r = 0; r < 2; ++r) {
+      mine.canvas_addr[r] = canvas_[r]->addr();
+      mine.canvas_rkey[r] = canvas_[r]->rkey();
+    }
+  }
   {
     const UniqueFd fd = opt_.server ? AcceptOne(opt_.port) : ConnectTo(opt_.connect, opt_.port);
     SendAll(fd.get(), &mine, sizeof(mine));
@@ -827,7 +952,7 @@ bool Integrity::TxDone() const {
   const uint64_t n = opt_.iterations;
   return lanes_[kSend].done == n && peer_.sends_handled == n && lanes_[kWrite].done == n &&
          peer_.writes_handled == n && lanes_[kRead].done == n && lanes_[kUd].done == n &&
-         peer_.ud_handled == n;
+         peer_.ud_handled == n && lanes_[kCanvas].done == (remote_.canvas_bytes > 0 ? n : 0);
 }
 
 bool Integrity::RxDone() const {
@@ -867,7 +992,8 @@ bool Integrity::Poll() {
 void Integrity::OnSendDone(const ibv_wc& wc) {
   const Kind kind = WrKind(wc.wr_id);
   const uint64_t seq = WrSeq(wc.wr_id);
-  const ibv_wc_opcode want = kind == kWrite || kind == kStatus ? IBV_WC_RDMA_WRITE
+  const ibv_wc_opcode want = kind == kWrite || kind == kStatus || kind == kCanvas
+                                 ? IBV_WC_RDMA_WRITE
                              : kind == kRead                   ? IBV_WC_RDMA_READ
                                                                : IBV_WC_SEND;
   std::vector<Lane::Slot>* slots = kind < kNumKinds ? &lanes_[kind].slots : nullptr;
@@ -1092,6 +1218,63 @@ bool Integrity::PostUd() {
   return posted;
 }
 
+// One cell of the peer's canvas per iteration, wherever CanvasSpotOf says.
+bool Integrity::PostCanvas() {
+  bool posted = false;
+  if (remote_.canvas_bytes == 0) return false;
+  for (;;) {
+    const uint64_t seq = lanes_[kCanvas].next;
+    if (!CanPost(kCanvas, kCanvasCell)) break;
+    const size_t off = kTxCanvasOff + (seq % kCanvasSlots) * kCanvasCell;
+    FillPattern(tx_->at(off), kCanvasCell, Key(seed_, kCanvas, seq), 0);
+    if (static_cast<int64_t>(seq) == opt_.inject_corruption) tx_->at(off)[kCanvasCell / 2] ^= 1;
+    const CanvasSpot spot = CanvasSpotOf(seq, remote_.canvas_bytes);
+    ibv_sge sge = tx_->Sge(off, kCanvasCell);
+    ibv_send_wr wr = MakeWr(kCanvas, seq, IBV_WR_RDMA_WRITE, &sge);
+    wr.wr.rdma = {remote_.canvas_addr[spot.region] + spot.offset,
+                  remote_.canvas_rkey[spot.region]};
+    if (!Post(rc_.get(), &wr, kCanvasCell)) break;
+    posted = true;
+  }
+  return posted;
+}
+
+Tally Integrity::VerifyCanvas() {
+  Tally t;
+  if (opt_.canvas_mib == 0) return t;
+  const size_t bytes = opt_.canvas_mib << 20;
+  const size_t pages = bytes / kPage;
+  const uint64_t cells = pages * kCanvasCellsPerPage;
+  const uint64_t written = peer_.canvas_written;
+  for (int r = 0; r < 2; ++r) {
+    const uint64_t writes = (written + 1 - r) / 2;  // of the peer's, those into region r
+    for (uint64_t k = 0; k < cells; ++k) {
+      const size_t off = (k % pages) * kPage + (k / pages) * kCanvasCell;
+      const uint8_t* cell = canvas_[r]->at(off);
+      // The last of the region's writes that landed on cell k, if any.
+      uint64_t key, seq = 0;
+      size_t start = 0;
+      if (k < writes) {
+        seq = 2 * (k + (writes - 1 - k) / cells * cells) + r;
+        key = Key(remote_.seed, kCanvas, seq);
+      } else {
+        key = Key(seed_, kCanvas, kSeqMask - r);
+        start = off;
+      }
+      if (const size_t bad = FirstMismatch(cell, kCanvasCell, key, start); bad < kCanvasCell) {
+        ++t.corrupted;
+        Complain("canvas region %d (%s pages), page %zu, byte %zu: differs from %s", r,
+                 r == 0 ? "4 KiB" : "huge", off / kPage, off % kPage + bad,
+                 k < writes ? Sprintf("the peer's write %" PRIu64, seq).c_str()
+                            : "its initial pattern (never written)");
+      } else {
+        ++t.ok;
+      }
+    }
+  }
+  return t;
+}
+
 // ---------------------------------------------------------------------------
 // Coordination.
 
@@ -1110,6 +1293,7 @@ bool Integrity::PostStatus() {
            .ud_handled = ud_in_.handled(),
            .ud_sent = lanes_[kUd].done,
            .errors = Errors(),
+           .canvas_written = lanes_[kCanvas].done,
            .checksum = last_sent_.checksum};
   const Lane::Slot& slot = lanes_[kStatus].slots[(s.gen + 1) % kStatusSlots];
   if (std::memcmp(&s, &last_sent_, sizeof(s)) == 0 || slot.seq_plus_1 != 0 ||
@@ -1157,9 +1341,11 @@ void Integrity::PrintLive(bool force) {
   last_live_ = now_;
   NotePlace();
   std::printf("integrity: t=%.0fs sent=%" PRIu64 " recv=%" PRIu64 " writes=%" PRIu64 "/%" PRIu64
-              " reads=%" PRIu64 " ud=%" PRIu64 "/%" PRIu64 " errors=%" PRIu64 "\n",
+              " reads=%" PRIu64 " ud=%" PRIu64 "/%" PRIu64 " canvas=%" PRIu64 "/%" PRIu64
+              " errors=%" PRIu64 "\n",
               now_, lanes_[kSend].done, sends_in_.tally.ok, lanes_[kWrite].done,
-              writes_in_.tally.ok, reads_.ok, lanes_[kUd].done, ud_in_.tally.ok, Errors());
+              writes_in_.tally.ok, reads_.ok, lanes_[kUd].done, ud_in_.tally.ok,
+              lanes_[kCanvas].done, peer_.canvas_written, Errors());
   std::fflush(stdout);
 }
 
@@ -1178,7 +1364,7 @@ void Integrity::Run() {
     DeclareUdLosses();
     if (!finished_ && fatal_.empty()) {
       // Every kind gets its turn (no short-circuit).
-      active |= PostSends() | PostWrites() | PostReads() | PostUd();
+      active |= PostSends() | PostWrites() | PostReads() | PostUd() | PostCanvas();
       active |= PostStatus();
     }
     PrintLive(false);
@@ -1227,15 +1413,18 @@ int Integrity::Report() {
     for (uint64_t i = page; i < page + kPageWords; ++i) intact &= ballast_[i] == BallastWord(i);
     ++(intact ? ballast.ok : ballast.corrupted);
   }
+  Tally canvas = VerifyCanvas();
   Tally sum;
-  for (const Tally* t : {&sends_in_.tally, &writes_in_.tally, &reads_, &ud_in_.tally, &ballast}) {
+  for (const Tally* t :
+       {&sends_in_.tally, &writes_in_.tally, &reads_, &ud_in_.tally, &ballast, &canvas}) {
     sum.lost += t->lost;
     sum.duplicated += t->duplicated;
     sum.corrupted += t->corrupted;
     sum.out_of_order += t->out_of_order;
   }
   const bool peer_finished = peer_.state == kFinished;
-  const bool ok = Errors() == 0 && ballast.corrupted == 0 && peer_finished && peer_.errors == 0;
+  const bool ok = Errors() == 0 && ballast.corrupted == 0 && canvas.corrupted == 0 &&
+                  peer_finished && peer_.errors == 0;
   const auto n = [](uint64_t v) { return std::to_string(v); };
   const std::pair<const char*, std::string> fields[] = {
       {"role", JsonString(opt_.server ? "server" : "client")},
@@ -1252,6 +1441,11 @@ int Integrity::Report() {
       {"ud_received", n(ud_in_.tally.ok)},
       {"ud_reordered", n(ud_in_.reordered)},  // allowed: not an error
       {"ballast_pages_verified", n(ballast.ok)},
+      {"canvas_mib", n(opt_.canvas_mib)},
+      {"canvas_writes", n(lanes_[kCanvas].done)},
+      {"canvas_peer_writes", n(peer_.canvas_written)},
+      {"canvas_bytes_verified", n(canvas.ok * kCanvasCell)},
+      {"canvas_huge_kib", Sprintf("%ld", canvas_huge_kib_)},
       {"lost", n(sum.lost)},
       {"duplicated", n(sum.duplicated)},
       {"corrupted", n(sum.corrupted)},
@@ -1260,7 +1454,8 @@ int Integrity::Report() {
       {"kinds", "{\"send\": " + JsonTally(sends_in_.tally) +
                     ", \"write\": " + JsonTally(writes_in_.tally) +
                     ", \"read\": " + JsonTally(reads_) + ", \"ud\": " + JsonTally(ud_in_.tally) +
-                    ", \"ballast\": " + JsonTally(ballast) + "}"},
+                    ", \"ballast\": " + JsonTally(ballast) +
+                    ", \"canvas\": " + JsonTally(canvas) + "}"},
       {"fatal", fatal_.empty() ? "null" : JsonString(fatal_)},
       {"peer_finished", peer_finished ? "true" : "false"},
       {"peer_errors", n(peer_.errors)},

@@ -121,23 +121,27 @@ def survives_a_pause():
 
 @lab_test
 def detects_injected_corruption():
-    # The client flips one byte of its SEND, ring slot and datagram of seq
-    # 100, and one byte of the region the server reads: the server must see
-    # each, and both sides must fail.
-    server, client = run_pair("corrupt", "--iterations 400",
-                              "--iterations 400 --inject-corruption 100")
+    # The client flips one byte of its SEND, ring slot, datagram and canvas
+    # cell of seq 100, and one byte of the region the server reads: the
+    # server must see each, and both sides must fail.
+    server, client = run_pair("corrupt", "--iterations 400 --canvas 1",
+                              "--iterations 400 --canvas 1 --inject-corruption 100")
     s, c = server.report, client.report
     check(s is not None and c is not None, "a report is missing", server, client)
     check(server.result.rc != 0 and client.result.rc != 0, "a side exited 0", server, client)
     check(not s["ok"] and not c["ok"], "a report says ok", server, client)
     kinds = s["kinds"]
     check(kinds["send"]["corrupted"] == 1 and kinds["write"]["corrupted"] == 1
-          and kinds["ud"]["corrupted"] == 1 and kinds["read"]["corrupted"] >= 1,
-          "the server did not see each corruption", server)
+          and kinds["ud"]["corrupted"] == 1 and kinds["read"]["corrupted"] >= 1
+          and kinds["canvas"]["corrupted"] == 1, "the server did not see each corruption", server)
     check(s["corrupted"] > 0 and s["lost"] == 0 and s["duplicated"] == 0,
           "unexpected counts", server)
-    check(c["corrupted"] == 0 and c["peer_errors"] == s["corrupted"],
+    # The canvas is checked after the run: the client cannot learn of it.
+    check(c["corrupted"] == 0 and c["peer_errors"] == s["corrupted"] - 1,
           "the client did not learn of the server's errors", client)
+    check("canvas region 1 (huge pages), page" in server.result.err or
+          "canvas region 0 (4 KiB pages), page" in server.result.err,
+          "no description of the canvas corruption on stderr", server)
     check("byte" in server.result.err and "differs from the pattern" in server.result.err,
           "no description of the corruption on stderr", server)
 

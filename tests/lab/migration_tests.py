@@ -47,16 +47,19 @@ def pid_of(host, pattern):
     return int(r.out.strip())
 
 
-def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, port=18900):
+def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, port=18900,
+               canvas_mib=0):
     """The workload under the shim: server Q on `server`, client P on
     `client`, their output in files every host sees at the same path (CRIU
     re-opens them on the destination; the migrator stops the source before
     its final dump, so the files it finds are those the dump saw). P carries
-    `ballast_mib` MiB of plain memory that it verifies at the end. `shim`:
+    `ballast_mib` MiB of plain memory that it verifies at the end; with
+    `canvas_mib`, each side has two canvas regions of that size (4 KiB and
+    huge pages) that the other RDMA-WRITEs all the time. `shim`:
     the environment that puts them under the shim (and names the migrators'
     socket); `port`: Q's."""
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
-    args = f"--iterations {iterations} --ud-lost-after 1800 --port {port}"
+    args = f"--iterations {iterations} --ud-lost-after 1800 --port {port} --canvas {canvas_mib}"
     run_ok(server, f"(setsid env {shim}{PROG} --server {args} --report {WORK}/{name}-q.json "
                    f"> {WORK}/{name}-q.out 2>&1 < /dev/null &)")
     wait_listening(server, port)
@@ -67,14 +70,19 @@ def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, p
     return pid_of(server, f"integrity --server.*{name}"), pid_of(client, f"integrity --connect.*{name}")
 
 
-def sent_by_p(name):
-    """P's last progress line (once a second): how many SENDs it posted."""
+def progress(name, side, field):
+    """A count from `side`'s (p or q) last progress line (once a second)."""
     try:
-        with open(os.path.join(LAB.shared, "migration", f"{name}-p.out")) as f:
-            found = re.findall(r"^integrity: t=\d+s sent=(\d+) ", f.read(), re.M)
+        with open(os.path.join(LAB.shared, "migration", f"{name}-{side}.out")) as f:
+            found = re.findall(rf"^integrity: t=\d+s .*\b{field}=(\d+)\b", f.read(), re.M)
     except FileNotFoundError:
         return 0
     return int(found[-1]) if found else 0
+
+
+def sent_by_p(name):
+    """How many SENDs P posted."""
+    return progress(name, "p", "sent")
 
 
 def wait_sent(name, sends, timeout=120):
@@ -165,13 +173,27 @@ def logs_on_failure(name, hosts=(1, 2, 3)):
 @lab_test
 @logs_on_failure("accept")
 def integrity_survives_live_migrations_and_a_checkpoint():
+    """Besides the messages, each side's canvas (2 MiB on 4 KiB pages, 2 MiB
+    on huge pages, and its receive buffers on huge pages) is RDMA-WRITten by
+    the other all along, through the pre-copy rounds too; every byte of it
+    is checked at the end against the last write each cell received. The
+    HCA's writes are invisible to the soft-dirty bits that pre-copy relies
+    on, so this is what shows that none of them stays behind."""
     ensure_daemons()
-    qpid, ppid = start_pair("accept", 6000)
-    # P: host1 -> host2, live, while traffic runs.
+    qpid, ppid = start_pair("accept", 6000, canvas_mib=2)
+    # P: host1 -> host2, live, while traffic runs; Q writes into P's canvas
+    # during the pre-copy rounds.
+    q_canvas = progress("accept", "q", "canvas")
     r, rep = ctl(1, f"migrate {ppid} --to {ip(2)}")
     check(r.rc == 0, "migrate P host1 -> host2", r)
     check_report(rep, "migrate P")
     print("P host1->host2:", json.dumps(rep.get("breakdown")), flush=True)
+    rounds = rep.get("precopy_iterations", rep.get("precopyIterations", 0))
+    check(rounds >= 1, "P's move made no pre-copy round", rep)
+    written = progress("accept", "q", "canvas") - q_canvas
+    print(f"Q wrote {written} canvas cells into P during its move ({rounds} pre-copy rounds)",
+          flush=True)
+    check(written > 0, "Q wrote nothing into P's canvas while P moved", q_canvas)
     check_moved(ppid, 1, 2, "P")
     # Q: host3 -> host1.
     r, rep = ctl(3, f"migrate {qpid} --to {ip(1)}")
@@ -200,6 +222,13 @@ def integrity_survives_live_migrations_and_a_checkpoint():
               rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
               rep["completion_errors"] == 0, f"{side}'s integrity report", rep)
         check(rep["sends"] == rep["iterations"], f"{side} did not finish", rep)
+        # Every byte of both canvas regions, written by the peer once per
+        # iteration, and the huge-page region really on huge pages.
+        check(rep["canvas_peer_writes"] == rep["peer_iterations"] and
+              rep["canvas_bytes_verified"] == 2 * rep["canvas_mib"] << 20 and
+              rep["kinds"]["canvas"]["corrupted"] == 0, f"{side}'s canvas", rep)
+        check(rep["canvas_huge_kib"] >= 2048, f"{side}'s huge-page canvas is not on huge pages",
+              rep)
 
 
 @lab_test

@@ -234,16 +234,18 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
   // toward the endpoint that moves: the others are paused, not re-made.
   //
   // A marker's completion takes a CQ entry the application did not size
-  // its CQ for: the real CQs have CqSlack() more, and each send CQ has one
-  // marker outstanding at a time. What the CQs hold already goes to the
-  // shadow CQs first.
+  // its CQ for (it keeps what it has in flight within its CQ's depth): the
+  // real CQs have `slack` more, and each send CQ has at most slack - 1
+  // markers outstanding at a time (one if it got less), so that many QPs
+  // on one CQ drain in a few rounds, not one after the other. What the CQs
+  // hold already goes to the shadow CQs first.
   uint32_t sends = 0;
   for (Cq* cq : cqs) {
     const int rc = DrainCq(cq, &sends);
     if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ during the drain", -rc));
   }
   std::vector<std::pair<Cq*, std::vector<Qp*>>> to_mark;  // per send CQ, in order
-  std::vector<Qp*> marking;                               // each CQ's current marker's QP
+  std::vector<std::vector<Qp*>> marking;                  // each CQ's markers outstanding
   for (Qp* qp : qps) {
     qp->send_marker_pending = false;
     if (qp->real == nullptr || qp->shadow.qp_base.qp_type == IBV_QPT_UD || qp->drained) continue;
@@ -256,7 +258,7 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
                            [qp](const auto& e) { return e.first == qp->send_cq; });
     if (it == to_mark.end()) {
       to_mark.push_back({qp->send_cq, {}});
-      marking.push_back(nullptr);
+      marking.emplace_back();
       it = to_mark.end() - 1;
     }
     it->second.push_back(qp);
@@ -266,13 +268,21 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
   for (;;) {
     uint64_t in_flight = 0;
     for (size_t i = 0; i < to_mark.size(); ++i) {
-      if (marking[i] != nullptr && !marking[i]->send_marker_pending) marking[i] = nullptr;
+      std::vector<Qp*>& out = marking[i];
+      out.erase(std::remove_if(out.begin(), out.end(),
+                               [](const Qp* qp) { return !qp->send_marker_pending; }),
+                out.end());
       std::vector<Qp*>& waiting = to_mark[i].second;
+      const Cq* cq = to_mark[i].first;
+      const size_t budget = cq != nullptr && cq->slack > 2 ? cq->slack - 1 : 1;
+      size_t posted = 0;
       // A full send queue refuses the marker (ENOMEM): again next round.
-      if (marking[i] == nullptr && !waiting.empty() && PostSendMarker(waiting.front(), &why)) {
-        if (waiting.front()->send_marker_pending) marking[i] = waiting.front();
-        waiting.erase(waiting.begin());
+      while (out.size() < budget && posted < waiting.size() &&
+             PostSendMarker(waiting[posted], &why)) {
+        if (waiting[posted]->send_marker_pending) out.push_back(waiting[posted]);
+        ++posted;
       }
+      waiting.erase(waiting.begin(), waiting.begin() + static_cast<ptrdiff_t>(posted));
       in_flight += waiting.size();
     }
     if (!why.empty()) return Error(Code::kInternal, why);
@@ -358,24 +368,55 @@ void Shim::SettleUnacknowledgedReceives(const std::vector<Qp*>& qps) {
   }
 }
 
+uint32_t Shim::FlushBound(const Qp* qp) {
+  // Flushes of the receives still posted (no more than the queue holds,
+  // nor than were ever posted) and the marker receive; an SRQ's receives
+  // are not flushed with its QPs. Sends were drained before.
+  if (qp->srq != nullptr) return 0;
+  return std::min(qp->init.cap.max_recv_wr, qp->own_recvs.posted()) + 1;
+}
+
 void Shim::FailAndCountRecvs(const std::vector<Qp*>& qps) {
-  // One QP per receive CQ at a time: its flushes and its marker receive
-  // fit a CQ the application sized for that QP's receives, plus CqSlack().
-  // What the CQs hold already goes to the shadow CQs first.
+  // As many QPs of one receive CQ at a time as their flushes fit in it
+  // (emptied first, what it held going to the shadow CQ), beside the
+  // receives of its other QPs, which may still complete meanwhile; a QP
+  // alone always goes, its flushes and marker fitting a CQ the application
+  // sized for that QP's receives, plus CqSlack(). With one CQ for many
+  // QPs, one round of flushes then serves all of them, not one per QP.
   for (Cq* cq : All<Cq>(Kind::kCq)) DrainCq(cq, nullptr);
   SettleUnacknowledgedReceives(qps);
+  std::vector<std::pair<const Cq*, uint64_t>> room;  // entries free, per receive CQ
+  const auto room_of = [](std::vector<std::pair<const Cq*, uint64_t>>* r, const Cq* cq) {
+    for (auto& [c, n] : *r)
+      if (c == cq) return &n;
+    return &r->emplace_back(cq, cq->real != nullptr ? static_cast<uint64_t>(cq->real->cqe) : 0)
+                .second;
+  };
+  for (const Qp* qp : All<Qp>(Kind::kQp)) {
+    if (qp->recv_cq == nullptr || std::find(qps.begin(), qps.end(), qp) != qps.end()) continue;
+    uint64_t* n = room_of(&room, qp->recv_cq);
+    *n -= std::min<uint64_t>(*n, FlushBound(qp));
+  }
+  for (const Qp* qp : qps)
+    if (qp->recv_cq != nullptr) room_of(&room, qp->recv_cq);
   std::vector<Qp*> rest = qps;
   while (!rest.empty()) {
     std::vector<Qp*> batch, later;
+    std::vector<std::pair<const Cq*, uint64_t>> left = room;
     std::vector<const Cq*> used;
     for (Qp* qp : rest) {
-      if (qp->recv_cq != nullptr &&
-          std::find(used.begin(), used.end(), qp->recv_cq) != used.end()) {
-        later.push_back(qp);
-        continue;
+      if (qp->recv_cq != nullptr) {
+        uint64_t* n = room_of(&left, qp->recv_cq);
+        const uint64_t need = FlushBound(qp);
+        const bool first = std::find(used.begin(), used.end(), qp->recv_cq) == used.end();
+        if (!first && *n < need) {
+          later.push_back(qp);
+          continue;
+        }
+        *n -= std::min(*n, need);
+        if (first) used.push_back(qp->recv_cq);
       }
       batch.push_back(qp);
-      if (qp->recv_cq != nullptr) used.push_back(qp->recv_cq);
     }
     FailAndCountRecvsOf(batch);
     rest.swap(later);
@@ -726,17 +767,25 @@ Status Shim::RecreateReal(const std::string& device) {
   }
   for (Cq* cq : All<Cq>(Kind::kCq)) {
     ibv_comp_channel* ch = cq->channel != nullptr ? cq->channel->real : nullptr;
+    // With the slack it had, or less if this device's CQs are shallower.
     if (cq->extended) {
       ibv_cq_init_attr_ex attr{};
-      attr.cqe = static_cast<uint32_t>(cq->cqe + CqSlack());
       attr.channel = ch;
       attr.comp_vector = static_cast<uint32_t>(cq->comp_vector);
       attr.wc_flags = cq->wc_flags;
-      cq->real_ex = backend_->CreateCqEx(cq->ctx->real, &attr);
+      cq->real_ex = WithSlack(
+          cq->cqe, cq->slack,
+          [&](int n) {
+            attr.cqe = static_cast<uint32_t>(n);
+            return backend_->CreateCqEx(cq->ctx->real, &attr);
+          },
+          &cq->slack);
       cq->real = cq->real_ex != nullptr ? ibv_cq_ex_to_cq(cq->real_ex) : nullptr;
     } else {
-      cq->real =
-          backend_->CreateCq(cq->ctx->real, cq->cqe + CqSlack(), nullptr, ch, cq->comp_vector);
+      cq->real = WithSlack(
+          cq->cqe, cq->slack,
+          [&](int n) { return backend_->CreateCq(cq->ctx->real, n, nullptr, ch, cq->comp_vector); },
+          &cq->slack);
     }
     if (cq->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_cq", errno));
     cq->real->cq_context = cq;
@@ -887,10 +936,9 @@ Status Shim::ResumeNow() {
 }
 
 Status Shim::Reconnect(Qp* qp) {
-  // To the error state, its receives still posted counted from their
-  // flushes; then reset and brought up again toward the peer's new
-  // address with the transitions the application made.
-  FailAndCountRecvs({qp});
+  // Reset (its receives still posted were counted from their flushes) and
+  // brought up again toward the peer's new address with the transitions
+  // the application made.
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_RESET;
   int rc = backend_->ModifyQp(qp->real, &attr, IBV_QP_STATE);
@@ -919,12 +967,17 @@ Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
     std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
     if (e == nullptr) return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
     const RemoteEndpoint* r = PublishRemoteLocked(std::move(e));
+    std::vector<Qp*> toward;
     for (Qp* qp : All<Qp>(Kind::kQp)) {
-      if (qp->remote.load() != r) continue;
       const uint32_t type = qp->shadow.qp_base.qp_type;
-      if (type != IBV_QPT_RC && type != IBV_QPT_UC) continue;
-      if (Status st = Reconnect(qp); !st.ok()) return st;
+      if (qp->remote.load() == r && (type == IBV_QPT_RC || type == IBV_QPT_UC))
+        toward.push_back(qp);
     }
+    // To the error state together, their receives still posted counted
+    // from their flushes; then each brought up again.
+    FailAndCountRecvs(toward);
+    for (Qp* qp : toward)
+      if (Status st = Reconnect(qp); !st.ok()) return st;
     for (Ah* ah : All<Ah>(Kind::kAh)) {
       if (const int rc = RouteAhLocked(ah, r); rc != 0)
         return Error(Code::kResourceExhausted,

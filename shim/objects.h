@@ -114,7 +114,8 @@ struct Cq {
   Channel* channel = nullptr;
   int comp_vector = 0;
   uint64_t wc_flags = 0;
-  int cqe = 0;  // as asked at creation
+  int cqe = 0;    // as asked at creation
+  int slack = 0;  // entries the real CQ has beyond `cqe`: the drain's markers
   // Migration (migration.cc): completions found while the CQ was paused,
   // handed out before the real CQ's. Written by the control thread while
   // paused only; `pending_head` is claimed by pollers with a CAS.

@@ -474,7 +474,8 @@ int Shim::DestroyCompChannel(ibv_comp_channel* c) {
 }
 
 ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch,
-                      void* user_context, int comp_vector, uint64_t wc_flags, int cqe) {
+                      void* user_context, int comp_vector, uint64_t wc_flags, int cqe,
+                      int slack) {
   Cq* cq = NewZeroed<Cq>();
   if (cq == nullptr) return nullptr;
   cq->real = real;
@@ -484,6 +485,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   cq->path.Set(mode_.offset ? Path::kTranslated : migratable_ ? Path::kMarked : Path::kDirect);
   cq->marked_base.store(cq->path.get() == Path::kMarked);
   cq->cqe = cqe;
+  cq->slack = slack;
   cq->real_ex = real_ex;
   cq->extended = real_ex != nullptr;
   cq->pause = migratable_ ? &pause_ : nullptr;
@@ -499,7 +501,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   s.handle = real->handle;
   // The application sees the depth it would have had: the slots kept for
   // the drain's markers (CqSlack) are the shim's.
-  s.cqe = real->cqe - CqSlack();
+  s.cqe = real->cqe - slack;
   InitMutexCond(&s.mutex, &s.cond);
   // Completion events carry the real CQ; its user context leads back here.
   real->cq_context = cq;
@@ -520,10 +522,15 @@ ibv_cq* Shim::CreateCq(ibv_context* c, int cqe, void* cq_context, ibv_comp_chann
     errno = EINVAL;
     return nullptr;
   }
-  ibv_cq* real =
-      backend_->CreateCq(ctx->real, cqe + CqSlack(), nullptr, ch ? ch->real : nullptr, comp_vector);
+  int slack = 0;
+  ibv_cq* real = WithSlack(
+      cqe, CqSlack(),
+      [&](int n) {
+        return backend_->CreateCq(ctx->real, n, nullptr, ch ? ch->real : nullptr, comp_vector);
+      },
+      &slack);
   if (real == nullptr) return nullptr;
-  ibv_cq* s = AdoptCq(ctx, real, nullptr, ch, cq_context, comp_vector, 0, cqe);
+  ibv_cq* s = AdoptCq(ctx, real, nullptr, ch, cq_context, comp_vector, 0, cqe, slack);
   if (s == nullptr) {
     backend_->DestroyCq(real);
     errno = ENOMEM;
@@ -546,13 +553,19 @@ ibv_cq_ex* Shim::CreateCqEx(ibv_context* c, ibv_cq_init_attr_ex* attr) {
     return nullptr;
   }
   ibv_cq_init_attr_ex real_attr = *attr;
-  real_attr.cqe += static_cast<uint32_t>(CqSlack());
   real_attr.channel = ch ? ch->real : nullptr;
   real_attr.cq_context = nullptr;
-  ibv_cq_ex* real = backend_->CreateCqEx(ctx->real, &real_attr);
+  int slack = 0;
+  ibv_cq_ex* real = WithSlack(
+      static_cast<int>(attr->cqe), CqSlack(),
+      [&](int n) {
+        real_attr.cqe = static_cast<uint32_t>(n);
+        return backend_->CreateCqEx(ctx->real, &real_attr);
+      },
+      &slack);
   if (real == nullptr) return nullptr;
   ibv_cq* s = AdoptCq(ctx, ibv_cq_ex_to_cq(real), real, ch, attr->cq_context, attr->comp_vector,
-                      attr->wc_flags, static_cast<int>(attr->cqe));
+                      attr->wc_flags, static_cast<int>(attr->cqe), slack);
   if (s == nullptr) {
     backend_->DestroyCq(ibv_cq_ex_to_cq(real));
     errno = ENOMEM;
@@ -565,9 +578,18 @@ int Shim::ResizeCq(ibv_cq* c, int cqe) {
   Cq* cq = FindCq(c);
   ControlScope scope(this, cq != nullptr);
   if (cq == nullptr) return backend_->ResizeCq(c, cqe);
-  const int rc = backend_->ResizeCq(cq->real, cqe + CqSlack());
-  if (rc == 0) {
-    cq->shadow.cqe = cq->real->cqe - CqSlack();
+  int slack = 0, rc = 0;
+  const bool ok = WithSlack(
+      cqe, CqSlack(),
+      [&](int n) -> const Cq* {
+        rc = backend_->ResizeCq(cq->real, n);
+        errno = rc;
+        return rc == 0 ? cq : nullptr;
+      },
+      &slack);
+  if (ok) {
+    cq->slack = slack;
+    cq->shadow.cqe = cq->real->cqe - slack;
     cq->cqe = cqe;  // what a restore re-creates
   }
   return rc;

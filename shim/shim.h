@@ -14,7 +14,9 @@
 
 #include <infiniband/verbs.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -35,6 +37,11 @@ namespace rdmavirt::shim {
 
 class Shim {
  public:
+  // Entries a migratable process's real CQs get beyond the application's:
+  // room for the drain's markers (kMarkerSlack - 1 send markers at a time
+  // per CQ) and a flush marker.
+  static constexpr int kMarkerSlack = 32;
+
   // The process-wide shim over the real libibverbs, configured from the
   // environment (RDMAVIRT_ID_MODE=offset). nullptr if libibverbs is missing.
   static Shim* Process();
@@ -197,8 +204,13 @@ class Shim {
   Channel* FindChannel(ibv_comp_channel* c) const;
 
   ibv_qp* AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr_ex& init);
+  // Calls create(n) with n = cqe + CqSlack(), and with less slack if the
+  // device refuses that depth (EINVAL, ENOMEM): an application that asks
+  // for the deepest CQ still gets it. *slack: what the real CQ got.
+  template <typename Create>
+  static auto WithSlack(int cqe, int want, Create create, int* slack) -> decltype(create(0));
   ibv_cq* AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch, void* user_context,
-                  int comp_vector, uint64_t wc_flags, int cqe);
+                  int comp_vector, uint64_t wc_flags, int cqe, int slack);
   void VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const;
   // Whether a QP/SRQ may post untranslated (data_path.cc's fast path).
   // The data path a QP's posts take (objects.h), and a CQ's polls.
@@ -286,7 +298,7 @@ class Shim {
   // application asked for: room for the drain's markers, one send marker
   // and one receive marker outstanding per CQ at a time (migration.cc), so
   // that they never overflow a CQ the application sized exactly.
-  int CqSlack() const { return migratable_ ? 2 : 0; }
+  int CqSlack() const { return migratable_ ? kMarkerSlack : 0; }
   // Sets or clears every queue's and CQ's `paused` flag (pause.h).
   void SetPaused(bool paused);  // requires mu_
   // Posts a QP's drain marker; false if its send queue is full (or the
@@ -302,7 +314,8 @@ class Shim {
   // UC QPs are polled first until they stay quiet for 50 ms (1 s at most).
   void SettleUnacknowledgedReceives(const std::vector<Qp*>& qps);  // requires mu_
   void FailAndCountRecvs(const std::vector<Qp*>& qps);             // requires mu_, paused
-  void FailAndCountRecvsOf(const std::vector<Qp*>& qps);           // no two on one receive CQ
+  static uint32_t FlushBound(const Qp* qp);  // completions a QP's move to ERR may bring
+  void FailAndCountRecvsOf(const std::vector<Qp*>& qps);           // their flushes fit their CQs
   int ReplayTransitions(Qp* qp);                                   // requires mu_
   int RealQpState(const Qp* qp);                                   // the HCA's, or -1
   // Completion events (shim.cc): what a release must acknowledge.
@@ -377,6 +390,18 @@ class Shim {
   ibv_gid endpoint_virtual_gid_{};
   ibv_gid endpoint_physical_gid_{};
 };
+
+template <typename Create>
+auto Shim::WithSlack(int cqe, int want, Create create, int* slack) -> decltype(create(0)) {
+  const int tries[] = {want, std::min(want, 2), 0};
+  for (size_t i = 0; i < 3; ++i) {
+    if (i > 0 && tries[i] == tries[i - 1]) continue;
+    *slack = tries[i];
+    if (auto* real = create(cqe + tries[i])) return real;
+    if ((errno != EINVAL && errno != ENOMEM) || tries[i] == 0) break;
+  }
+  return nullptr;
+}
 
 }  // namespace rdmavirt::shim
 

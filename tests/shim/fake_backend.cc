@@ -326,6 +326,7 @@ struct FakeBackend::Ops {
   static int PollCq(ibv_cq* c, int n, ibv_wc* wc) {
     FakeBackend* f = Of(c->context);
     std::lock_guard<std::mutex> lock(f->mu_);
+    ++f->poll_cq_calls_;
     f->DeliverDueDatagrams();
     CqObj* cq = f->Lookup(f->cqs_, c);
     if (cq == nullptr || n < 0) return -EINVAL;
@@ -1020,6 +1021,10 @@ std::vector<std::pair<ibv_cq*, unsigned int>> FakeBackend::acked_cq_events() con
 int FakeBackend::post_send_calls() const {
   std::lock_guard<std::mutex> lock(mu_);
   return post_send_calls_;
+}
+int FakeBackend::poll_cq_calls() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return poll_cq_calls_;
 }
 int FakeBackend::create_qp_calls() const {
   std::lock_guard<std::mutex> lock(mu_);

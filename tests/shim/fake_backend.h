@@ -204,6 +204,8 @@ class FakeBackend final : public VerbsBackend {
   int blocked_destroys() const;
   // Calls of ctx->ops.post_send (a chain posted in pieces makes several).
   int post_send_calls() const;
+  // Calls of ctx->ops.poll_cq, on any CQ.
+  int poll_cq_calls() const;
   int create_qp_calls() const;
   // Pointers the fake was given but never made, e.g. a shadow object that
   // the shim forgot to replace with the real one. Zero in a correct shim.
@@ -292,6 +294,7 @@ class FakeBackend final : public VerbsBackend {
   bool blocking_channels_ = false;
   int blocked_destroys_ = 0;
   int post_send_calls_ = 0;
+  int poll_cq_calls_ = 0;
   int create_qp_calls_ = 0;
   mutable int foreign_ = 0;
 };

@@ -657,7 +657,10 @@ TEST_F(DrainTest, AFullReceiveQueueIsPostedAgainWhole) {
 TEST_F(DrainTest, AMarkerFitsACqTheApplicationSizedForOneCompletion) {
   ibv_cq* small = pdev_->Cq(nullptr, nullptr, 1);
   ASSERT_NE(small, nullptr);
-  EXPECT_EQ(small->cqe, 1) << "the application sees the depth it asked for";
+  // The depth the device gave, less the shim's slack: at least what was
+  // asked (the fake, like mlx5, rounds depths up to 2^n - 1; rxe does not).
+  EXPECT_GE(small->cqe, 1);
+  EXPECT_EQ(small->cqe, 63 - Shim::kMarkerSlack) << "the shim's slack is hidden";
   pqp_ = pdev_->Qp(IBV_QPT_RC, 4, nullptr, small, pdev_->cq);
   qqp_ = qdev_->Qp(IBV_QPT_RC);
   ASSERT_EQ(ToRts(p_, pqp_, qqp_->qp_num, qdev_->gid), 0);
@@ -669,6 +672,51 @@ TEST_F(DrainTest, AMarkerFitsACqTheApplicationSizedForOneCompletion) {
   ASSERT_TRUE(st.ok()) << st.message;
   ASSERT_TRUE(p_.Resume().ok());
   EXPECT_EQ(WrIds(Drain(small)), (std::vector<uint64_t>{1}));
+}
+
+// Many QPs on one CQ (qp_holder's 1024, UCX's): the drain's markers and
+// the release's and the reconnect's flushes go out for many QPs at a time,
+// within the CQ's room, not one QP per round (each round a poll and a
+// sleep); every receive still posted is posted again, once.
+TEST_F(DrainTest, ManyQpsOnOneCqDrainAndFlushTogether) {
+  constexpr int kQps = 40;
+  ibv_cq* shared = pdev_->Cq(nullptr, nullptr, 2 * kQps);  // a send and a receive each
+  ASSERT_NE(shared, nullptr);
+  std::vector<ibv_qp*> pq, qq;
+  for (int i = 0; i < kQps; ++i) {
+    pq.push_back(pdev_->Qp(IBV_QPT_RC, 4, nullptr, shared, shared));
+    qq.push_back(qdev_->Qp(IBV_QPT_RC));
+    ASSERT_EQ(ToRts(p_, pq[i], qq[i]->qp_num, qdev_->gid, kIpv4GidIndex, kAllRemoteAccess), 0);
+    ASSERT_EQ(ToRts(q_, qq[i], pq[i]->qp_num, pdev_->gid, kIpv4GidIndex, kAllRemoteAccess), 0);
+    ASSERT_EQ(PostRecvOf(pq[i], 1000 + i, pbuf_ + 16 * i, 16, pmr_), 0);
+    ASSERT_EQ(PostRecvOf(qq[i], 2000 + i, qbuf_ + 16 * i, 16, qmr_), 0);
+  }
+  uint32_t drained = 0;
+  int polls = fake_.poll_cq_calls();
+  ASSERT_TRUE(q_.Quiesce(1000, &drained, &pdev_->gid).ok());
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Release().ok());
+  EXPECT_LT(fake_.poll_cq_calls() - polls, kQps) << "markers and flushes one QP at a time";
+  ASSERT_TRUE(p_.Restore("", {}).ok());
+  polls = fake_.poll_cq_calls();
+  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  EXPECT_LT(fake_.poll_cq_calls() - polls, kQps) << "the peer's flushes one QP at a time";
+  ASSERT_TRUE(p_.Resume().ok());
+  std::vector<uint64_t> at_p, at_q, want_p, want_q;
+  for (int i = 0; i < kQps; ++i) {
+    ASSERT_EQ(Send(qq[i], i, qbuf_ + 2048, qmr_, "to p"), 0);
+    ASSERT_EQ(Send(pq[i], i, pbuf_ + 2048, pmr_, "to q"), 0);
+    want_p.push_back(1000 + i);
+    want_q.push_back(2000 + i);
+  }
+  for (const ibv_wc& wc : Drain(shared))
+    if (wc.opcode & IBV_WC_RECV) at_p.push_back(wc.wr_id);
+  for (const ibv_wc& wc : Drain(qdev_->cq))
+    if (wc.opcode & IBV_WC_RECV) at_q.push_back(wc.wr_id);
+  std::sort(at_p.begin(), at_p.end());
+  std::sort(at_q.begin(), at_q.end());
+  EXPECT_EQ(at_p, want_p) << "P's receives, posted again after its move";
+  EXPECT_EQ(at_q, want_q) << "Q's receives, posted again after the reconnect";
 }
 
 // A snapshot suspends both sides at once: an endpoint quiesced as a peer

@@ -385,16 +385,21 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   for (pid_t p : quiesced) targets[p] = true;
   for (const auto& [pid, suspended] : LocalPeersOf(m.virtual_gid(), {}, false, 0))
     targets[pid] = suspended || quiesced.contains(pid);
-  absl::Status first;
-  for (const auto& [pid, suspended] : targets) {
+  // Each peer at once: each re-points its own QPs (one shim, one thread).
+  const std::vector<std::pair<pid_t, bool>> peers(targets.begin(), targets.end());
+  enum Outcome { kHeld, kDone, kFailed };
+  std::vector<Outcome> outcome(peers.size(), kFailed);
+  std::vector<absl::Status> failure(peers.size());
+  AllAtOnce(peers.size(), [&](size_t i) {
+    const auto [pid, suspended] = peers[i];
     {
       // Released itself: it learns where the endpoint is when it comes back.
       absl::MutexLock lock(&mu_);
       auto held = held_peers_.find(pid);
       if (held != held_peers_.end()) {
         if (!request.resume_only()) held->second[m.virtual_gid()] = m;
-        out.add_held_pids(pid);
-        continue;
+        outcome[i] = kHeld;
+        return;
       }
     }
     v1::MigratorToShim req;
@@ -425,10 +430,16 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
     }
     if (!r.ok()) {
       Log("migration %s: %s", request.migration_id(), r.status().ToString());
-      if (first.ok()) first = r.status();
-      continue;
+      failure[i] = r.status();
+      return;
     }
-    out.add_pids(pid);
+    outcome[i] = kDone;
+  });
+  absl::Status first;
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (outcome[i] == kHeld) out.add_held_pids(peers[i].first);
+    if (outcome[i] == kDone) out.add_pids(peers[i].first);
+    if (outcome[i] == kFailed && first.ok()) first = failure[i];
   }
   std::move(forget).Invoke();
   if (request.resume_endpoint()) {

@@ -5,9 +5,12 @@
 #define RDMAVIRT_MIGRATOR_MIGRATOR_INTERNAL_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -25,6 +28,9 @@ struct Migrator::Move {
   ProgressSink sink;
   absl::Time start;
   absl::Time blackout_start = absl::InfiniteFuture();
+  // Taken by the calls to several peer hosts at once (AllAtOnce) around
+  // what they share: `stubs`, and the record and progress of SetPhase.
+  absl::Mutex peers_mu;
   std::map<std::string, std::unique_ptr<v1::Transfer::StubInterface>> stubs;
   bool prepared = false;       // the destination holds an incoming record
   bool restore_asked = false;  // RestoreIncoming was sent: a copy may run there
@@ -50,6 +56,17 @@ struct Migrator::Incoming {
   std::string dir;                                // STATE/incoming/ID
   uint32_t last_iteration ABSL_GUARDED_BY(mu) = 0;
 };
+
+// Runs call(0) .. call(n - 1) at once, each but the first on a thread of
+// its own, and returns when all have: calls that wait on other hosts (or
+// other processes) take as long as the slowest, not as their sum.
+inline void AllAtOnce(size_t n, const std::function<void(size_t)>& call) {
+  std::vector<std::thread> threads;
+  threads.reserve(n);
+  for (size_t i = 1; i < n; ++i) threads.emplace_back(call, i);
+  if (n > 0) call(0);
+  for (std::thread& t : threads) t.join();
+}
 
 inline uint64_t MicrosSince(absl::Time t) {
   return static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - t));

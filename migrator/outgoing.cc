@@ -148,7 +148,11 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeersOn(
     const std::string& what) {
   const absl::Time start = absl::Now();
   for (int attempt = 1;; ++attempt) {
-    v1::Transfer::StubInterface* stub = Stub(m, target);
+    v1::Transfer::StubInterface* stub;
+    {
+      absl::MutexLock lock(&m->peers_mu);
+      stub = Stub(m, target);
+    }
     absl::StatusOr<v1::ReconnectPeersResponse> r = Rpc<v1::ReconnectPeersResponse>(
         options_.rpc_timeout, what, [&](grpc::ClientContext* c, v1::ReconnectPeersResponse* out) {
           return stub->ReconnectPeers(c, req, out);
@@ -164,12 +168,15 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeersOn(
       if (attempt > 1) Log("%s: answered at attempt %d", what, attempt);
       return r;
     }
-    if (attempt == 1)
-      SetPhase(m, m->rec.phase(),
-               absl::StrCat(what, ": the migrator there does not answer (", r.status().message(),
-                            "); asking again every second for up to ",
-                            absl::FormatDuration(options_.restart_wait)));
-    m->stubs.erase(target);  // a fresh channel: the old one backs off for long
+    {
+      absl::MutexLock lock(&m->peers_mu);
+      if (attempt == 1)
+        SetPhase(m, m->rec.phase(),
+                 absl::StrCat(what, ": the migrator there does not answer (", r.status().message(),
+                              "); asking again every second for up to ",
+                              absl::FormatDuration(options_.restart_wait)));
+      m->stubs.erase(target);  // a fresh channel: the old one backs off for long
+    }
     absl::SleepFor(absl::Seconds(1));
   }
 }
@@ -189,26 +196,39 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
     if (!t->empty()) remote.insert(*t);
   }
   m->blackout_start = absl::Now();
-  uint32_t peers = 0;
-  // Peers on this host: connected ones, and UD ones (found by their QP
-  // type, since a UD QP names no peer).
+  // Every host is in the record before any is asked: a rollback, or a
+  // restarted migrator, resumes the peers of each. Peers on this host
+  // ("" below): connected ones, and UD ones (found by their QP type, since
+  // a UD QP names no peer).
+  std::vector<std::string> targets;
   if (req.virtual_gid().size() == 16) {
     m->rec.set_local_peers(true);
-    Persist(m);
-    absl::StatusOr<v1::QuiescePeersResponse> r = QuiescePeers(req);
-    if (!r.ok()) return r.status();
-    peers += r->pids_size();
+    targets.push_back("");
   }
   for (const std::string& t : remote) {
     m->rec.add_peer_hosts(t);
-    Persist(m);
-    v1::Transfer::StubInterface* stub = Stub(m, t);
-    absl::StatusOr<v1::QuiescePeersResponse> r = Rpc<v1::QuiescePeersResponse>(
+    targets.push_back(t);
+    Stub(m, t);  // made before the calls, which share `stubs`
+  }
+  Persist(m);
+  // All hosts at once: each drains its peers' QPs toward the endpoint.
+  std::vector<absl::StatusOr<v1::QuiescePeersResponse>> results(targets.size(),
+                                                                 absl::UnknownError("not asked"));
+  AllAtOnce(targets.size(), [&](size_t i) {
+    if (targets[i].empty()) {
+      results[i] = QuiescePeers(req);
+      return;
+    }
+    v1::Transfer::StubInterface* stub = m->stubs.at(targets[i]).get();
+    results[i] = Rpc<v1::QuiescePeersResponse>(
         absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout,
-        absl::StrCat("quiescing the peers on ", t),
+        absl::StrCat("quiescing the peers on ", targets[i]),
         [&](grpc::ClientContext* c, v1::QuiescePeersResponse* out) {
           return stub->QuiescePeers(c, req, out);
         });
+  });
+  uint32_t peers = 0;
+  for (const absl::StatusOr<v1::QuiescePeersResponse>& r : results) {
     if (!r.ok()) return r.status();
     peers += r->pids_size();
   }
@@ -312,16 +332,22 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
   req.set_migration_id(m->rec.report().migration_id());
   *req.mutable_mapping() = mapping;
   req.set_resume_only(resume_only);
+  // This host's peers ("") and every peer host's, all at once; the
+  // destination's come last, with the resume.
+  std::vector<std::string> targets;
+  if (m->rec.local_peers()) targets.push_back("");
+  for (const std::string& t : m->rec.peer_hosts())
+    if (t != m->rec.destination() || !m->rec.confirmed()) targets.push_back(t);
+  std::vector<absl::StatusOr<v1::ReconnectPeersResponse>> results(targets.size(),
+                                                                  absl::UnknownError("not asked"));
+  AllAtOnce(targets.size(), [&](size_t i) {
+    results[i] = targets[i].empty() ? ReconnectPeers(req)
+                                    : ReconnectPeersOn(m, targets[i], req,
+                                                       absl::StrCat("reconnecting the peers on ",
+                                                                    targets[i]));
+  });
   std::vector<std::string> errors;
-  if (m->rec.local_peers()) {
-    absl::StatusOr<v1::ReconnectPeersResponse> r = ReconnectPeers(req);
-    if (!r.ok()) errors.push_back(std::string(r.status().message()));
-    if (r.ok() && held != nullptr) *held += r->held_pids_size();
-  }
-  for (const std::string& t : m->rec.peer_hosts()) {
-    if (t == m->rec.destination() && m->rec.confirmed()) continue;  // last, with the resume
-    absl::StatusOr<v1::ReconnectPeersResponse> r =
-        ReconnectPeersOn(m, t, req, absl::StrCat("reconnecting the peers on ", t));
+  for (const absl::StatusOr<v1::ReconnectPeersResponse>& r : results) {
     if (!r.ok()) errors.push_back(std::string(r.status().message()));
     if (r.ok() && held != nullptr) *held += r->held_pids_size();
   }

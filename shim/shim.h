@@ -40,7 +40,7 @@ class Shim {
   // Entries a migratable process's real CQs get beyond the application's:
   // room for the drain's markers (kMarkerSlack - 1 send markers at a time
   // per CQ) and a flush marker.
-  static constexpr int kMarkerSlack = 32;
+  static constexpr int kMarkerSlack = 128;
 
   // The process-wide shim over the real libibverbs, configured from the
   // environment (RDMAVIRT_ID_MODE=offset). nullptr if libibverbs is missing.

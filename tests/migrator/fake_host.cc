@@ -186,7 +186,15 @@ std::vector<ShimInfo> FakeHost::Connected() {
   return out;
 }
 
+void Rendezvous::Arrive() {
+  absl::MutexLock lock(&mu);
+  ++arrived;
+  const auto all_here = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return arrived >= expected; };
+  if (!mu.AwaitWithTimeout(absl::Condition(&all_here), absl::Seconds(5))) all_met = false;
+}
+
 absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl::Duration) {
+  if (req.has_peer_reconnect() && reconnect_rendezvous != nullptr) reconnect_rendezvous->Arrive();
   absl::MutexLock lock(&mu_);
   auto it = eps_.find(pid);
   if (it == eps_.end() || !it->second.alive || !it->second.connected)

@@ -29,6 +29,17 @@ namespace rdmavirt::migrator::testing {
 // A 16-byte IPv4-mapped GID for 10.0.0.N.
 std::string Gid(int n);
 
+// A meeting point of calls on several hosts: each waits, 5 s at most,
+// until `expected` have arrived. Whether they all met says whether their
+// callers asked them at once or one after the other.
+struct Rendezvous {
+  absl::Mutex mu;
+  int expected = 0;
+  int arrived ABSL_GUARDED_BY(mu) = 0;
+  bool all_met ABSL_GUARDED_BY(mu) = true;
+  void Arrive();
+};
+
 struct FakeQp {
   uint32_t virtual_qpn = 0;
   uint32_t type = 2;  // IBV_QPT_RC
@@ -95,6 +106,8 @@ class FakeHost final : public ShimChannel,
   int predumps = 0, dumps = 0, restores = 0;
   // While set, Restore waits (before it counts), as a slow CRIU does.
   std::atomic<bool> stall_restore{false};
+  // Set by a test: each peer_reconnect on this host meets there first.
+  Rendezvous* reconnect_rendezvous = nullptr;
   std::atomic<int> restores_started{0};
   uint64_t predump_bytes = 64 << 10;
   // When set, the size of each pre-dump in turn (the last one repeats).

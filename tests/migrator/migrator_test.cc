@@ -34,6 +34,7 @@ using ::testing::Contains;
 using ::testing::ElementsAre;
 using testing::FakeEndpoint;
 using testing::FakeHost;
+using testing::Rendezvous;
 using testing::FakeQp;
 using testing::Gid;
 using ::testing::HasSubstr;
@@ -295,6 +296,23 @@ MoveRun MigrateWatched(Cluster& c, int pid, const std::string& to,
 // (and comes back) is asked again: its peers are re-pointed, the endpoint
 // resumed; before, the move ended there, the peer or the endpoint left
 // paused for ever.
+
+// Peers on several hosts are re-pointed at once: the re-points of host1's
+// peer and of host3's wait for each other, in vain if one host were asked
+// only after the other had answered (1024 QPs take seconds to re-point).
+TEST(MigratorTest, PeersOnEveryHostAreRepointedAtOnce) {
+  Cluster c("ok");
+  Topology(c);
+  Rendezvous meet;
+  meet.expected = 2;
+  c.host(1).reconnect_rendezvous = &meet;
+  c.host(3).reconnect_rendezvous = &meet;
+  MoveRun run = Migrate(c, 100, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  absl::MutexLock lock(&meet.mu);
+  EXPECT_EQ(meet.arrived, 2);
+  EXPECT_TRUE(meet.all_met) << "one host's peers were re-pointed after the other's";
+}
 TEST(MigratorTest, AHostWhoseMigratorRestartsAfterTheMoveIsAskedAgain) {
   for (int down : {3, 2}) {  // the peer's host; the destination
     SCOPED_TRACE(down);

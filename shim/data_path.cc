@@ -22,7 +22,7 @@ inline Srq* AsSrq(ibv_srq* s) { return reinterpret_cast<Srq*>(s); }
 int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 int PostRecvGated(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
 int PostSrqRecvGated(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad);
-inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc);
+[[gnu::always_inline]] inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc);
 
 // Fields rewritten in the application's work requests for the length of
 // one call into the provider, and put back afterwards. On the stack: a
@@ -509,6 +509,10 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return PostSrqRecvGated(srq, wr, bad);
 }
 
+// VirtualizeWc beyond the QPN, out of line: what the drain and a release
+// count, an invalidated rkey, a UD sender and its GRH.
+[[gnu::noinline]] Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc);
+
 // A completion's qp_num is the local QP's physical number; src_qp (UD) is
 // the sender's; a UD receive's GRH holds physical addresses.
 inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
@@ -516,6 +520,12 @@ inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
   if (qp == nullptr) [[unlikely]]
     return nullptr;
   wc->qp_num = qp->shadow.qp_base.qp_num;
+  if (qp->plain_completions && !(wc->wc_flags & IBV_WC_WITH_INV)) [[likely]]
+    return qp;
+  return VirtualizeWcRest(qp, wc);
+}
+
+Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc) {
   if (wc->status != IBV_WC_SUCCESS) return qp;
   // What a drain and a release count on (migration.cc): an SRQ's
   // receives, a UD QP's sends.
@@ -568,24 +578,41 @@ void BackToMarked(Cq* cq) {
     cq->path.Set(Path::kTranslated);
 }
 
-// Polls the real CQ after the held completions, translating. A drain's
-// marker that completed after the drain gave up is the shim's, not shown.
-inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
+// Translates wc[from, end) and takes out a drain's markers that completed
+// after the drain gave up (Cq::markers_late): they are the shim's. The
+// count kept.
+[[gnu::noinline]] int VirtualizeDroppingMarkers(const QpIndex* qps, ibv_wc* wc, int from, int end) {
+  int kept = from;
+  for (int i = from; i < end; ++i) {
+    const Qp* qp = VirtualizeWc(qps, &wc[i]);
+    if (qp != nullptr && IsMarker(qp, wc[i].wr_id)) continue;
+    if (kept != i) wc[kept] = wc[i];
+    ++kept;
+  }
+  return kept;
+}
+
+// Polls the real CQ after the held completions, translating; a CQ that
+// holds completions from a pause, has markers to drop, or may go back to
+// the marked path takes the long way.
+[[gnu::noinline]] int PollTranslatedSlow(Cq* cq, int n, ibv_wc* wc) {
   int got = TakePending(cq, n, wc);
   if (got < n) {
     const int more = cq->real_poll_cq(cq->real, n - got, wc + got);
     if (more < 0) return got > 0 ? got : more;
-    int kept = got;
-    for (int i = got; i < got + more; ++i) {
-      const Qp* qp = VirtualizeWc(cq->qps, &wc[i]);
-      if (qp != nullptr && IsMarker(qp, wc[i].wr_id)) [[unlikely]]
-        continue;
-      if (kept != i) wc[kept] = wc[i];
-      ++kept;
-    }
-    got = kept;
+    got = VirtualizeDroppingMarkers(cq->qps, wc, got, got + more);
   }
   if (cq->marked_base.load(std::memory_order_relaxed)) BackToMarked(cq);
+  return got;
+}
+
+[[gnu::always_inline]] inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
+  if (cq->pending_head.load(std::memory_order_acquire) < cq->pending_count ||
+      cq->markers_late || cq->marked_base.load(std::memory_order_relaxed)) [[unlikely]]
+    return PollTranslatedSlow(cq, n, wc);
+  const QpIndex* qps = cq->qps;
+  const int got = cq->real_poll_cq(cq->real, n, wc);
+  for (int i = 0; i < got; ++i) VirtualizeWc(qps, &wc[i]);
   return got;
 }
 

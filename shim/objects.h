@@ -181,6 +181,9 @@ struct Qp {
   Cq* send_cq = nullptr;
   Cq* recv_cq = nullptr;
   Srq* srq = nullptr;
+  // Not UD and without an SRQ: a completion's QPN is all there is to
+  // translate (and an invalidated rkey), nothing is counted for the drain.
+  bool plain_completions = false;
   uint32_t physical_qpn = 0;
   // The moved peer this QP is connected to, once one has published its
   // mapping (RC/UC; set under the shim's mutex, read on the translating path).

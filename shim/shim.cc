@@ -809,6 +809,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   qp->send_cq = FindCq(init.send_cq);
   qp->recv_cq = FindCq(init.recv_cq);
   qp->srq = FindSrq(init.srq);
+  qp->plain_completions = qp->srq == nullptr && init.qp_type != IBV_QPT_UD;
   qp->physical_qpn = real->qp_num;
   qp->init = init;
   if (qp->srq != nullptr) {

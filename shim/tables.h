@@ -79,7 +79,7 @@ class QpIndex {
 
  private:
   static constexpr uint32_t kMask = (1u << kBits) - 1;
-  Qp* FindOverflow(uint32_t pqpn) const {
+  [[gnu::noinline]] Qp* FindOverflow(uint32_t pqpn) const {
     for (const auto& e : overflow_) {
       Qp* qp = e.load(std::memory_order_acquire);
       if (qp != nullptr && qp->physical_qpn == pqpn) return qp;

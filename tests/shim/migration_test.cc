@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "shim/data_path.h"
 #include "tests/shim/verbs_test_util.h"
 
 namespace rdmavirt::shim::testing {
@@ -719,6 +720,39 @@ TEST_F(DrainTest, ManyQpsOnOneCqDrainAndFlushTogether) {
   std::sort(at_q.begin(), at_q.end());
   EXPECT_EQ(at_p, want_p) << "P's receives, posted again after its move";
   EXPECT_EQ(at_q, want_q) << "Q's receives, posted again after the reconnect";
+}
+
+// A drain that gave up leaves its markers to complete later: the
+// translating path takes them out (Cq::markers_late), one at a time and
+// in batches, and hands out what came around them in order.
+TEST_F(DrainTest, AMarkerThatCompletesAfterTheDrainGaveUpIsNotShown) {
+  Connect(kAllRemoteAccess);
+  Qp* qp = const_cast<Qp*>(ShimQp(pqp_));
+  Cq* cq = qp->send_cq;
+  for (int batch : {1, 16}) {
+    ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "one"), 0);
+    ibv_send_wr marker{};  // as the drain posts it
+    marker.wr_id = SendMarkerId(qp);
+    marker.opcode = IBV_WR_RDMA_WRITE;
+    marker.send_flags = IBV_SEND_SIGNALED;
+    ibv_send_wr* bad = nullptr;
+    ASSERT_EQ(qp->real_post_send(qp->real, &marker, &bad), 0);
+    ASSERT_EQ(Send(pqp_, 2, pbuf_ + 2048, pmr_, "two"), 0);
+    cq->markers_late = true;  // what the drain sets when it gives up
+    cq->marked_base.store(false);
+    cq->path.Set(Path::kTranslated);
+    std::vector<uint64_t> got;
+    ibv_wc wc[16];
+    // A poll that found only the marker finds nothing: the next one goes on.
+    for (int polls = 0; polls < 8 && got.size() < 2; ++polls) {
+      const int n = ibv_poll_cq(pdev_->cq, batch, wc);
+      ASSERT_GE(n, 0);
+      for (int i = 0; i < n; ++i) got.push_back(wc[i].wr_id);
+    }
+    EXPECT_EQ(ibv_poll_cq(pdev_->cq, batch, wc), 0);
+    EXPECT_EQ(got, (std::vector<uint64_t>{1, 2})) << "polled " << batch << " at a time";
+    Drain(qdev_->cq);
+  }
 }
 
 // A snapshot suspends both sides at once: an endpoint quiesced as a peer

@@ -3,6 +3,8 @@
 #include <errno.h>
 #include <unistd.h>
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 
 #include "shim/grh.h"
@@ -117,22 +119,41 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   return true;
 }
 
-// The common case of the translating path: one RC/UC WR with at most two
-// SGEs, translated from locals (no patch list).
-inline int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+// Where the peer's rkey sits in a send WR, by opcode (0: it has none).
+constexpr std::array<uint8_t, 32> kRkeyOffset = [] {
+  std::array<uint8_t, 32> a{};
+  for (const int op : {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_RDMA_READ})
+    a[op] = offsetof(ibv_send_wr, wr.rdma.rkey);
+  for (const int op : {IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD})
+    a[op] = offsetof(ibv_send_wr, wr.atomic.rkey);
+  a[IBV_WR_SEND_WITH_INV] = offsetof(ibv_send_wr, invalidate_rkey);
+  return a;
+}();
+
+// The common cases of the translating path: one RC/UC WR with one SGE,
+// translated from locals (no patch list), the application's values put
+// back after the call. Each is a function of its own, so that each saves
+// only the registers it needs.
+[[gnu::noinline]] int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   ibv_sge* sg = wr->sg_list;
-  const int n = wr->num_sge;
-  const uint32_t l0 = n > 0 ? sg[0].lkey : 0;
-  const uint32_t l1 = n > 1 ? sg[1].lkey : 0;
-  if (n > 0) sg[0].lkey = qp->mrs->ToPhysical(l0);
-  if (n > 1) sg[1].lkey = qp->mrs->ToPhysical(l1);
-  uint32_t* rkey = RkeyField(wr);
-  const uint32_t r = rkey != nullptr ? *rkey : 0;
-  if (rkey != nullptr) *rkey = PeerRkey(qp, r);
+  const uint32_t lkey = sg->lkey;
+  sg->lkey = qp->mrs->ToPhysical(lkey);
   const int rc = qp->real_post_send(qp->real, wr, bad);
-  if (rkey != nullptr) *rkey = r;
-  if (n > 1) sg[1].lkey = l1;
-  if (n > 0) sg[0].lkey = l0;
+  sg->lkey = lkey;
+  return rc;
+}
+// ... and with the peer's rkey at `off` in the WR.
+[[gnu::noinline]] int PostOneTranslatedRkey(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad,
+                                            unsigned off) {
+  ibv_sge* sg = wr->sg_list;
+  const uint32_t lkey = sg->lkey;
+  sg->lkey = qp->mrs->ToPhysical(lkey);
+  uint32_t* rkey = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(wr) + off);
+  const uint32_t r = *rkey;
+  *rkey = PeerRkey(qp, r);
+  const int rc = qp->real_post_send(qp->real, wr, bad);
+  *rkey = r;
+  sg->lkey = lkey;
   return rc;
 }
 
@@ -159,9 +180,12 @@ inline int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
 }
 
 inline int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  if (wr != nullptr && wr->next == nullptr && static_cast<uint32_t>(wr->num_sge) <= 2 &&
-      qp->shadow.qp_base.qp_type != IBV_QPT_UD) [[likely]]
-    return PostOneTranslated(qp, wr, bad);
+  if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1 &&
+      qp->shadow.qp_base.qp_type != IBV_QPT_UD) [[likely]] {
+    const uint32_t op = static_cast<uint32_t>(wr->opcode);
+    const unsigned off = op < kRkeyOffset.size() ? kRkeyOffset[op] : 0;
+    return off == 0 ? PostOneTranslated(qp, wr, bad) : PostOneTranslatedRkey(qp, wr, bad, off);
+  }
   return PostChainTranslated(qp, wr, bad);
 }
 

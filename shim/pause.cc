@@ -37,6 +37,7 @@ void Unregister(void* p) {
   std::lock_guard<std::mutex> lock(r.mu);
   r.marks.erase(std::remove(r.marks.begin(), r.marks.end(), m), r.marks.end());
   m->registered = false;
+  m->marked_word = ThreadMark::kUnregistered;
 }
 
 long Membarrier(int cmd) { return syscall(SYS_membarrier, cmd, 0, 0); }
@@ -79,6 +80,7 @@ void RegisterThreadMark() {
   std::lock_guard<std::mutex> lock(r.mu);
   r.marks.push_back(m);
   m->registered = true;
+  m->marked_word = static_cast<uint16_t>(Path::kMarked);
 }
 
 bool AsymmetricFenceAvailable() {

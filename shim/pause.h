@@ -27,9 +27,15 @@ namespace rdmavirt::shim {
 // One thread's in-call mark. Written only by its thread; read by the
 // control thread while the thread is registered.
 struct ThreadMark {
+  static constexpr uint16_t kUnregistered = 0xffff;  // no PathState's word
+
   std::atomic<uint32_t> depth{0};    // inside a post, poll or notify: 0 or 1
   std::atomic<uint32_t> batches{0};  // open ibv_wr_start / ibv_start_poll batches
   bool registered = false;           // the control thread knows this mark
+  // The PathState word of an object on the marked path and not paused
+  // once registered, else a word no object has: the fast entry checks
+  // the object and the registration with one compare.
+  uint16_t marked_word = kUnregistered;
 };
 
 // The calling thread's mark. Initial-exec TLS: the shim is preloaded, so
@@ -68,6 +74,8 @@ class PathState {
   bool Is(Path p) const {
     return bits_.load(std::memory_order_relaxed) == static_cast<uint16_t>(p);
   }
+  // The whole word is `word` (EnterMarked).
+  bool Equals(uint16_t word) const { return bits_.load(std::memory_order_relaxed) == word; }
   // The path; the pause flag is kept.
   void Set(Path p) {
     uint16_t old = bits_.load();
@@ -101,7 +109,7 @@ inline bool EnterMarked(const PathState& s) {
   m.depth.store(1, std::memory_order_relaxed);
   // Ordered against the loads below by the control thread's membarrier.
   std::atomic_signal_fence(std::memory_order_seq_cst);
-  if (m.registered && s.Is(Path::kMarked)) [[likely]]
+  if (s.Equals(m.marked_word)) [[likely]]  // registered, marked, not paused
     return true;
   m.depth.store(0, std::memory_order_relaxed);
   return false;

@@ -67,7 +67,7 @@ std::string Errno(const char* what, int err) {
 
 // Receives posted to a queue and not yet completed: the last ones logged.
 uint32_t Outstanding(const RecvLog& log, const std::atomic<uint64_t>& done) {
-  return log.posted() - static_cast<uint32_t>(done.load(std::memory_order_relaxed));
+  return static_cast<uint32_t>(log.posted() - done.load(std::memory_order_relaxed));
 }
 
 std::vector<QueuedRecv> Copy(const std::vector<const RecvLog::Entry*>& entries) {
@@ -373,7 +373,9 @@ uint32_t Shim::FlushBound(const Qp* qp) {
   // nor than were ever posted) and the marker receive; an SRQ's receives
   // are not flushed with its QPs. Sends were drained before.
   if (qp->srq != nullptr) return 0;
-  return std::min(qp->init.cap.max_recv_wr, qp->own_recvs.posted()) + 1;
+  return static_cast<uint32_t>(
+             std::min<uint64_t>(qp->init.cap.max_recv_wr, qp->own_recvs.posted())) +
+         1;
 }
 
 void Shim::FailAndCountRecvs(const std::vector<Qp*>& qps) {

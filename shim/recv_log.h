@@ -61,8 +61,8 @@ class RecvLog {
     ++tail_;
     return true;
   }
-  // Receives recorded so far (wraps at 2^32).
-  uint32_t posted() const { return tail_; }
+  // Receives recorded so far (64 bits: 0 means none ever, even after 2^32).
+  uint64_t posted() const { return tail_; }
   // Forgets the last `n` pushes (the provider refused them).
   void Unpush(uint32_t n) { tail_ -= n; }
 
@@ -70,7 +70,7 @@ class RecvLog {
   // with this wr_id (receives complete in posting order), consumed.
   const Entry* Consume(uint64_t wr_id) {
     if (tail_ - consumed_ > mask_ + 1) consumed_ = tail_ - (mask_ + 1);
-    for (uint32_t i = consumed_; i != tail_; ++i) {
+    for (uint64_t i = consumed_; i != tail_; ++i) {
       if (At(i)->wr_id == wr_id) {
         consumed_ = i + 1;
         return At(i);
@@ -89,19 +89,19 @@ class RecvLog {
     if (n > tail_) n = tail_;
     if (n > mask_ + 1) n = mask_ + 1;
     std::vector<const Entry*> out;
-    for (uint32_t i = tail_ - n; i != tail_; ++i) out.push_back(At(i));
+    for (uint64_t i = tail_ - n; i != tail_; ++i) out.push_back(At(i));
     return out;
   }
 
  private:
-  Entry* At(uint32_t i) const { return reinterpret_cast<Entry*>(&buf_[(i & mask_) * stride_]); }
+  Entry* At(uint64_t i) const { return reinterpret_cast<Entry*>(&buf_[(i & mask_) * stride_]); }
 
   std::unique_ptr<uint8_t[]> buf_;
   size_t stride_ = 0;
   uint32_t max_sge_ = 0;
   uint32_t mask_ = 0;
-  uint32_t tail_ = 0;      // posts so far
-  uint32_t consumed_ = 0;  // Consume()'s position
+  uint64_t tail_ = 0;      // posts so far
+  uint64_t consumed_ = 0;  // Consume()'s position
 };
 
 }  // namespace rdmavirt::shim

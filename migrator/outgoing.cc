@@ -213,7 +213,7 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
   Persist(m);
   // All hosts at once: each drains its peers' QPs toward the endpoint.
   std::vector<absl::StatusOr<v1::QuiescePeersResponse>> results(targets.size(),
-                                                                 absl::UnknownError("not asked"));
+                                                                absl::UnknownError("not asked"));
   AllAtOnce(targets.size(), [&](size_t i) {
     if (targets[i].empty()) {
       results[i] = QuiescePeers(req);
@@ -341,10 +341,10 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
   std::vector<absl::StatusOr<v1::ReconnectPeersResponse>> results(targets.size(),
                                                                   absl::UnknownError("not asked"));
   AllAtOnce(targets.size(), [&](size_t i) {
-    results[i] = targets[i].empty() ? ReconnectPeers(req)
-                                    : ReconnectPeersOn(m, targets[i], req,
-                                                       absl::StrCat("reconnecting the peers on ",
-                                                                    targets[i]));
+    results[i] = targets[i].empty()
+                     ? ReconnectPeers(req)
+                     : ReconnectPeersOn(m, targets[i], req,
+                                        absl::StrCat("reconnecting the peers on ", targets[i]));
   });
   std::vector<std::string> errors;
   for (const absl::StatusOr<v1::ReconnectPeersResponse>& r : results) {

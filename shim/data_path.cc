@@ -631,8 +631,8 @@ void BackToMarked(Cq* cq) {
 }
 
 [[gnu::always_inline]] inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
-  if (cq->pending_head.load(std::memory_order_acquire) < cq->pending_count ||
-      cq->markers_late || cq->marked_base.load(std::memory_order_relaxed)) [[unlikely]]
+  if (cq->pending_head.load(std::memory_order_acquire) < cq->pending_count || cq->markers_late ||
+      cq->marked_base.load(std::memory_order_relaxed)) [[unlikely]]
     return PollTranslatedSlow(cq, n, wc);
   const QpIndex* qps = cq->qps;
   const int got = cq->real_poll_cq(cq->real, n, wc);

@@ -474,8 +474,7 @@ int Shim::DestroyCompChannel(ibv_comp_channel* c) {
 }
 
 ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* ch,
-                      void* user_context, int comp_vector, uint64_t wc_flags, int cqe,
-                      int slack) {
+                      void* user_context, int comp_vector, uint64_t wc_flags, int cqe, int slack) {
   Cq* cq = NewZeroed<Cq>();
   if (cq == nullptr) return nullptr;
   cq->real = real;

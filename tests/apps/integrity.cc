@@ -145,8 +145,8 @@ class Buffer {
     const size_t align = pages == Pages::kHuge ? kHugePage : kPage;
     len_ = (size + align - 1) / align * align;
     // Over-allocated by `align`, then trimmed to an aligned start.
-    void* m = mmap(nullptr, len_ + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
+    void* m =
+        mmap(nullptr, len_ + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) Die("mmap(%zu bytes): %s", len_ + align, std::strerror(errno));
     const uintptr_t base = reinterpret_cast<uintptr_t>(m);
     const uintptr_t start = (base + align - 1) / align * align;
@@ -223,8 +223,9 @@ enum Kind : uint8_t {
 
 const char* KindName(Kind k) {
   static constexpr const char* kNames[kNumKinds] = {
-      "SEND",    "RDMA_WRITE",         "SEND(wrote)",        "RDMA_READ", "UD SEND",
-      "RDMA_WRITE(status)", "RDMA_WRITE(canvas)", "RECV", "UD RECV"};
+      "SEND",    "RDMA_WRITE",         "SEND(wrote)",        "RDMA_READ",
+      "UD SEND", "RDMA_WRITE(status)", "RDMA_WRITE(canvas)", "RECV",
+      "UD RECV"};
   return k < kNumKinds ? kNames[k] : "unknown";
 }
 
@@ -738,10 +739,9 @@ class Integrity {
 
 Integrity::Integrity(const Options& opt)
     : opt_(opt), seed_((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()) {
-  const std::pair<Kind, size_t> slots[] = {{kSend, kSendSlots},  {kWrite, kRingSlots},
-                                           {kWrote, kRingSlots}, {kRead, kReadDepth},
-                                           {kUd, kUdRecvDepth},  {kStatus, kStatusSlots},
-                                           {kCanvas, kCanvasSlots}};
+  const std::pair<Kind, size_t> slots[] = {
+      {kSend, kSendSlots}, {kWrite, kRingSlots},    {kWrote, kRingSlots},   {kRead, kReadDepth},
+      {kUd, kUdRecvDepth}, {kStatus, kStatusSlots}, {kCanvas, kCanvasSlots}};
   for (const auto& [kind, n] : slots) lanes_[kind].slots.resize(n);
   ballast_.resize(opt.ballast_mib << 17);  // 2^20 / 8 words per MiB
   for (uint64_t i = 0; i < ballast_.size(); ++i) ballast_[i] = BallastWord(i);
@@ -994,8 +994,8 @@ void Integrity::OnSendDone(const ibv_wc& wc) {
   const uint64_t seq = WrSeq(wc.wr_id);
   const ibv_wc_opcode want = kind == kWrite || kind == kStatus || kind == kCanvas
                                  ? IBV_WC_RDMA_WRITE
-                             : kind == kRead                   ? IBV_WC_RDMA_READ
-                                                               : IBV_WC_SEND;
+                             : kind == kRead ? IBV_WC_RDMA_READ
+                                             : IBV_WC_SEND;
   std::vector<Lane::Slot>* slots = kind < kNumKinds ? &lanes_[kind].slots : nullptr;
   if (slots == nullptr || slots->empty() || (*slots)[seq % slots->size()].seq_plus_1 != seq + 1 ||
       wc.opcode != want) {
@@ -1231,8 +1231,7 @@ bool Integrity::PostCanvas() {
     const CanvasSpot spot = CanvasSpotOf(seq, remote_.canvas_bytes);
     ibv_sge sge = tx_->Sge(off, kCanvasCell);
     ibv_send_wr wr = MakeWr(kCanvas, seq, IBV_WR_RDMA_WRITE, &sge);
-    wr.wr.rdma = {remote_.canvas_addr[spot.region] + spot.offset,
-                  remote_.canvas_rkey[spot.region]};
+    wr.wr.rdma = {remote_.canvas_addr[spot.region] + spot.offset, remote_.canvas_rkey[spot.region]};
     if (!Post(rc_.get(), &wr, kCanvasCell)) break;
     posted = true;
   }
@@ -1451,11 +1450,10 @@ int Integrity::Report() {
       {"corrupted", n(sum.corrupted)},
       {"out_of_order", n(sum.out_of_order)},
       {"completion_errors", n(completion_errors_)},
-      {"kinds", "{\"send\": " + JsonTally(sends_in_.tally) +
-                    ", \"write\": " + JsonTally(writes_in_.tally) +
-                    ", \"read\": " + JsonTally(reads_) + ", \"ud\": " + JsonTally(ud_in_.tally) +
-                    ", \"ballast\": " + JsonTally(ballast) +
-                    ", \"canvas\": " + JsonTally(canvas) + "}"},
+      {"kinds",
+       "{\"send\": " + JsonTally(sends_in_.tally) + ", \"write\": " + JsonTally(writes_in_.tally) +
+           ", \"read\": " + JsonTally(reads_) + ", \"ud\": " + JsonTally(ud_in_.tally) +
+           ", \"ballast\": " + JsonTally(ballast) + ", \"canvas\": " + JsonTally(canvas) + "}"},
       {"fatal", fatal_.empty() ? "null" : JsonString(fatal_)},
       {"peer_finished", peer_finished ? "true" : "false"},
       {"peer_errors", n(peer_.errors)},

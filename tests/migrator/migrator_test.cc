@@ -34,11 +34,11 @@ using ::testing::Contains;
 using ::testing::ElementsAre;
 using testing::FakeEndpoint;
 using testing::FakeHost;
-using testing::Rendezvous;
 using testing::FakeQp;
 using testing::Gid;
 using ::testing::HasSubstr;
 using ::testing::Not;
+using testing::Rendezvous;
 
 std::string VGid(int n) {
   std::string g(16, '\0');

@@ -13,7 +13,10 @@
 // names and format_version 1, and survives a round trip; and VerifyImages,
 // over a directory that holds symlinks (to a file, to a directory, out of
 // it), a fifo and a subdirectory beside the real images, accepts only
-// names of regular files below it, with their real sizes and digests.
+// names of regular files below it, with their real sizes and digests
+// (BLAKE2b-512, or SHA-256 for a manifest of an older migrator: both kinds
+// verify, each against its own).
+#include <openssl/evp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -32,7 +35,8 @@ namespace {
 struct Fixture {
   ScratchDir dir{"image_manifest"};
   std::string images;                          // the checkpoint directory
-  std::map<std::string, v1::ImageFile> files;  // what it really holds
+  std::map<std::string, v1::ImageFile> files;  // what it really holds (BLAKE2b-512)
+  std::map<std::string, std::string> sha256;   // and each file's SHA-256
   std::string manifest_dir;                    // where inputs are written as manifest.pb
 };
 
@@ -44,7 +48,16 @@ Fixture& TheFixture() {
     WriteImageFixture(f->images);
     absl::StatusOr<std::vector<v1::ImageFile>> scan = migrator::ScanImages(f->images);
     Check(scan.ok(), "ScanImages of the fixture");
-    for (const v1::ImageFile& x : *scan) f->files[x.name()] = x;
+    for (const v1::ImageFile& x : *scan) {
+      f->files[x.name()] = x;
+      std::ifstream in(f->images + "/" + x.name(), std::ios::binary);
+      const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      unsigned char md[EVP_MAX_MD_SIZE];
+      unsigned int len = 0;
+      Check(EVP_Digest(data.data(), data.size(), md, &len, EVP_sha256(), nullptr) == 1,
+            "SHA-256 of a fixture file");
+      f->sha256[x.name()] = std::string(reinterpret_cast<const char*>(md), len);
+    }
     // Traps beside the images: none of them may pass for one.
     const std::string& d = f->images;
     Check(symlink((d + "/inventory.img").c_str(), (d + "/link.img").c_str()) == 0, "symlink");
@@ -79,7 +92,10 @@ void CheckVerify(const v1::Manifest& m) {
   for (const v1::ImageFile& x : m.files()) {
     auto it = f.files.find(x.name());
     Check(it != f.files.end(), "VerifyImages accepted a name that is not a regular image file");
-    Check(it->second.size() == x.size() && it->second.digest() == x.digest(),
+    const std::string& real = x.digest().size() == migrator::kSha256Bytes
+                                  ? f.sha256.at(x.name())
+                                  : it->second.digest();
+    Check(it->second.size() == x.size() && real == x.digest(),
           "VerifyImages accepted a wrong size or digest");
   }
 }

@@ -4,6 +4,8 @@
 #ifndef RDMAVIRT_MIGRATOR_MIGRATOR_INTERNAL_H_
 #define RDMAVIRT_MIGRATOR_MIGRATOR_INTERNAL_H_
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -57,14 +59,21 @@ struct Migrator::Incoming {
   uint32_t last_iteration ABSL_GUARDED_BY(mu) = 0;
 };
 
-// Runs call(0) .. call(n - 1) at once, each but the first on a thread of
-// its own, and returns when all have: calls that wait on other hosts (or
-// other processes) take as long as the slowest, not as their sum.
+// Runs call(0) .. call(n - 1) at once, on up to kMaxAtOnce threads (this
+// one among them), and returns when all have: calls that wait on other
+// hosts (or other processes) take as long as the slowest, not as their
+// sum. A host with a hundred peer ranks gets 32 threads, not a hundred.
+inline constexpr size_t kMaxAtOnce = 32;
 inline void AllAtOnce(size_t n, const std::function<void(size_t)>& call) {
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) call(i);
+  };
   std::vector<std::thread> threads;
-  threads.reserve(n);
-  for (size_t i = 1; i < n; ++i) threads.emplace_back(call, i);
-  if (n > 0) call(0);
+  const size_t helpers = std::min(n, kMaxAtOnce) > 0 ? std::min(n, kMaxAtOnce) - 1 : 0;
+  threads.reserve(helpers);
+  for (size_t i = 0; i < helpers; ++i) threads.emplace_back(work);
+  work();
   for (std::thread& t : threads) t.join();
 }
 

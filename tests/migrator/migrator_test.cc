@@ -22,6 +22,7 @@
 #include "migrator/grpc_service.h"
 #include "migrator/image_dir.h"
 #include "migrator/inventory.h"
+#include "migrator/migrator_internal.h"
 #include "migrator/record_store.h"
 #include "tests/migrator/etcd_process.h"
 #include "tests/migrator/fake_host.h"
@@ -296,6 +297,37 @@ MoveRun MigrateWatched(Cluster& c, int pid, const std::string& to,
 // (and comes back) is asked again: its peers are re-pointed, the endpoint
 // resumed; before, the move ended there, the peer or the endpoint left
 // paused for ever.
+
+// AllAtOnce runs every call once, up to kMaxAtOnce of them at the same
+// time and never more: 32 calls that wait for each other all meet, and a
+// hundred calls never have more than 32 running.
+TEST(AllAtOnceTest, RunsEveryCallOnceAndAtMost32AtATime) {
+  Rendezvous meet;
+  meet.expected = static_cast<int>(kMaxAtOnce);
+  std::vector<int> ran(kMaxAtOnce, 0);
+  AllAtOnce(kMaxAtOnce, [&](size_t i) {
+    meet.Arrive();
+    ++ran[i];
+  });
+  EXPECT_EQ(ran, std::vector<int>(kMaxAtOnce, 1));
+  {
+    absl::MutexLock lock(&meet.mu);
+    EXPECT_TRUE(meet.all_met) << "the calls did not all run at once";
+  }
+  std::atomic<int> running{0}, most{0};
+  std::vector<std::atomic<int>> calls(100);
+  AllAtOnce(calls.size(), [&](size_t i) {
+    const int now = ++running;
+    for (int m = most.load(); now > m && !most.compare_exchange_weak(m, now);) {
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+    ++calls[i];
+    --running;
+  });
+  for (const std::atomic<int>& c : calls) EXPECT_EQ(c.load(), 1);
+  EXPECT_LE(most.load(), static_cast<int>(kMaxAtOnce));
+  EXPECT_GE(most.load(), 2) << "never two at once";
+}
 
 // Peers on several hosts are re-pointed at once: the re-points of host1's
 // peer and of host3's wait for each other, in vain if one host were asked

@@ -81,22 +81,22 @@ inline uint32_t UdPeerQpn(const Qp* qp, const AhRoute* route, uint32_t qpn) {
   return route != nullptr ? route->remote->Qpn(qpn) : qp->mode.PhysicalQpn(qpn);
 }
 
+// Where the peer's rkey sits in a send WR, by opcode (0: it has none).
+constexpr std::array<uint8_t, 32> kRkeyOffset = [] {
+  std::array<uint8_t, 32> a{};
+  for (const int op : {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_RDMA_READ})
+    a[op] = offsetof(ibv_send_wr, wr.rdma.rkey);
+  for (const int op : {IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD})
+    a[op] = offsetof(ibv_send_wr, wr.atomic.rkey);
+  a[IBV_WR_SEND_WITH_INV] = offsetof(ibv_send_wr, invalidate_rkey);
+  return a;
+}();
+
 // The field of a WR that holds the peer's rkey, if its opcode has one.
-// One bit test for the opcodes that have none (SEND, SEND_WITH_IMM).
 inline uint32_t* RkeyField(ibv_send_wr* wr) {
-  constexpr uint32_t kRdma =
-      (1u << IBV_WR_RDMA_WRITE) | (1u << IBV_WR_RDMA_WRITE_WITH_IMM) | (1u << IBV_WR_RDMA_READ);
-  constexpr uint32_t kAtomic =
-      (1u << IBV_WR_ATOMIC_CMP_AND_SWP) | (1u << IBV_WR_ATOMIC_FETCH_AND_ADD);
-  constexpr uint32_t kInv = 1u << IBV_WR_SEND_WITH_INV;
   const uint32_t op = static_cast<uint32_t>(wr->opcode);
-  if (op >= 32) [[unlikely]]
-    return nullptr;
-  const uint32_t bit = 1u << op;
-  if (!(bit & (kRdma | kAtomic | kInv))) return nullptr;
-  if (bit & kRdma) return &wr->wr.rdma.rkey;
-  if (bit & kAtomic) return &wr->wr.atomic.rkey;
-  return &wr->invalidate_rkey;
+  const unsigned off = op < kRkeyOffset.size() ? kRkeyOffset[op] : 0;
+  return off == 0 ? nullptr : reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(wr) + off);
 }
 
 // Rewrites one send WR to physical identities; false if it does not fit.
@@ -118,17 +118,6 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   }
   return true;
 }
-
-// Where the peer's rkey sits in a send WR, by opcode (0: it has none).
-constexpr std::array<uint8_t, 32> kRkeyOffset = [] {
-  std::array<uint8_t, 32> a{};
-  for (const int op : {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_RDMA_READ})
-    a[op] = offsetof(ibv_send_wr, wr.rdma.rkey);
-  for (const int op : {IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD})
-    a[op] = offsetof(ibv_send_wr, wr.atomic.rkey);
-  a[IBV_WR_SEND_WITH_INV] = offsetof(ibv_send_wr, invalidate_rkey);
-  return a;
-}();
 
 // The common cases of the translating path: one RC/UC WR with one SGE,
 // translated from locals (no patch list), the application's values put

@@ -399,8 +399,6 @@ void Shim::FailAndCountRecvs(const std::vector<Qp*>& qps) {
     uint64_t* n = room_of(&room, qp->recv_cq);
     *n -= std::min<uint64_t>(*n, FlushBound(qp));
   }
-  for (const Qp* qp : qps)
-    if (qp->recv_cq != nullptr) room_of(&room, qp->recv_cq);
   std::vector<Qp*> rest = qps;
   while (!rest.empty()) {
     std::vector<Qp*> batch, later;

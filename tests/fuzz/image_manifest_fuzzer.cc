@@ -51,7 +51,8 @@ Fixture& TheFixture() {
     for (const v1::ImageFile& x : *scan) {
       f->files[x.name()] = x;
       std::ifstream in(f->images + "/" + x.name(), std::ios::binary);
-      const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const std::string data((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
       unsigned char md[EVP_MAX_MD_SIZE];
       unsigned int len = 0;
       Check(EVP_Digest(data.data(), data.size(), md, &len, EVP_sha256(), nullptr) == 1,
@@ -92,9 +93,8 @@ void CheckVerify(const v1::Manifest& m) {
   for (const v1::ImageFile& x : m.files()) {
     auto it = f.files.find(x.name());
     Check(it != f.files.end(), "VerifyImages accepted a name that is not a regular image file");
-    const std::string& real = x.digest().size() == migrator::kSha256Bytes
-                                  ? f.sha256.at(x.name())
-                                  : it->second.digest();
+    const std::string& real =
+        x.digest().size() == migrator::kSha256Bytes ? f.sha256.at(x.name()) : it->second.digest();
     Check(it->second.size() == x.size() && real == x.digest(),
           "VerifyImages accepted a wrong size or digest");
   }

@@ -386,8 +386,7 @@ void Shim::SettleUnacknowledgedReceives(const std::vector<Qp*>& qps) {
     for (Qp* qp : marked)
       for (Cq* cq : {qp->recv_cq, qp->send_cq})
         if (cq != nullptr) DrainCq(cq, nullptr);
-    if (std::all_of(marked.begin(), marked.end(),
-                    [](const Qp* q) { return q->settle_marker_seen; }))
+    if (std::all_of(marked.begin(), marked.end(), [](const Qp* q) { return q->settle_marker_seen; }))
       break;
     if (NowUs() - marker_start > kMarkerUs) {
       LogOnce("a UD QP's settle marker did not come back within 3 s (no receive posted?)");
@@ -567,8 +566,7 @@ void Shim::FailAndCountRecvsOf(const std::vector<Qp*>& qps) {
     // settle marker landed in, older than those completed after it.
     if (qp->settling && qp->settle_marker_seen) {
       const uint32_t after = qp->recvs_after_settle_marker;
-      std::vector<const RecvLog::Entry*> recent =
-          qp->own_recvs.Recent(qp->recv_flushes + after + 1);
+      std::vector<const RecvLog::Entry*> recent = qp->own_recvs.Recent(qp->recv_flushes + after + 1);
       if (recent.size() > after)
         recent.erase(recent.begin() + 1, recent.begin() + 1 + static_cast<ptrdiff_t>(after));
       qp->outstanding = Copy(recent);

@@ -221,8 +221,8 @@ struct Qp {
   // its responder takes after everything that reached the QP before it.
   // It lands in the oldest receive still posted then, which stays posted
   // for the count; receives completed after it are counted to skip them.
-  bool settling = false;            // its marker is out
-  bool settle_marker_seen = false;  // and came in
+  bool settling = false;             // its marker is out
+  bool settle_marker_seen = false;   // and came in
   uint32_t recvs_after_settle_marker = 0;
   // Guarded by pause->queue_mu().
   std::vector<QueuedSend> queued_sends;

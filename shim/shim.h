@@ -312,14 +312,10 @@ class Shim {
   // receiver's responder runs a moment later. The error state that counts
   // the receives drops what is still queued, so the receive CQs of UD and
   // UC QPs are polled first until they stay quiet for 50 ms (1 s at most).
-  // A quiet CQ does not prove the responder took everything (under load it
-  // may not run for longer), so then each UD QP with receives sends itself
-  // a zero-byte datagram, which its responder takes after them, and its
-  // arrival is awaited (3 s at most; rxe: under a millisecond).
   void SettleUnacknowledgedReceives(const std::vector<Qp*>& qps);  // requires mu_
   ibv_ah* PostSettleMarker(Qp* qp);  // requires mu_, paused; the marker's AH, or null
-  void FailAndCountRecvs(const std::vector<Qp*>& qps);  // requires mu_, paused
-  static uint32_t FlushBound(const Qp* qp);             // completions a QP's move to ERR may bring
+  void FailAndCountRecvs(const std::vector<Qp*>& qps);             // requires mu_, paused
+  static uint32_t FlushBound(const Qp* qp);  // completions a QP's move to ERR may bring
   void FailAndCountRecvsOf(const std::vector<Qp*>& qps);  // their flushes fit their CQs
   int ReplayTransitions(Qp* qp);                          // requires mu_
   int RealQpState(const Qp* qp);                          // the HCA's, or -1

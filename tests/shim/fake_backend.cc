@@ -248,21 +248,6 @@ struct FakeBackend::Ops {
 
   static int PostSend(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
     FakeBackend* f = Of(q->context);
-    const int rc = PostSendLocked(f, q, wr, bad);
-    std::function<void(const ibv_send_wr&)> then;
-    {
-      std::lock_guard<std::mutex> lock(f->mu_);
-      if (rc == 0 && f->after_post_send_when_ && f->after_post_send_when_(*wr)) {
-        then = std::move(f->after_post_send_then_);
-        f->after_post_send_when_ = nullptr;
-        f->after_post_send_then_ = nullptr;
-      }
-    }
-    if (then) then(*wr);  // outside the lock: it may post itself
-    return rc;
-  }
-
-  static int PostSendLocked(FakeBackend* f, ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
     std::lock_guard<std::mutex> lock(f->mu_);
     ++f->post_send_calls_;
     QpObj* qp = f->Lookup(f->qps_, q);
@@ -1035,13 +1020,6 @@ std::vector<std::pair<ibv_cq*, unsigned int>> FakeBackend::acked_cq_events() con
   std::lock_guard<std::mutex> lock(mu_);
   return acked_cq_events_;
 }
-void FakeBackend::set_after_post_send(std::function<bool(const ibv_send_wr&)> when,
-                                      std::function<void(const ibv_send_wr&)> then) {
-  std::lock_guard<std::mutex> lock(mu_);
-  after_post_send_when_ = std::move(when);
-  after_post_send_then_ = std::move(then);
-}
-
 int FakeBackend::post_send_calls() const {
   std::lock_guard<std::mutex> lock(mu_);
   return post_send_calls_;

@@ -32,7 +32,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -184,10 +183,6 @@ class FakeBackend final : public VerbsBackend {
   // that. One that finds its receiver not ready (error state, no receive
   // posted) is lost, as on rxe. 0 (the default): at once.
   void set_ud_delivery_delay_ms(int ms);
-  // After the next successful post_send whose first WR `when` accepts,
-  // `then` runs once (outside the fake's lock: it may post itself).
-  void set_after_post_send(std::function<bool(const ibv_send_wr&)> when,
-                           std::function<void(const ibv_send_wr&)> then);
   // While set, OpenDevice blocks (a verb stuck in the kernel); clearing it
   // lets the blocked calls go on.
   void set_stall_open_device(bool stall);
@@ -277,9 +272,7 @@ class FakeBackend final : public VerbsBackend {
   std::map<Op, int> faults_;
   int ud_delay_ms_ = 0;
   std::deque<Datagram> held_;  // in order of their due time
-  std::function<bool(const ibv_send_wr&)> after_post_send_when_;
-  std::function<void(const ibv_send_wr&)> after_post_send_then_;
-  std::mutex stall_mu_;  // not mu_: a stalled call must not block the others
+  std::mutex stall_mu_;        // not mu_: a stalled call must not block the others
   std::condition_variable stall_cv_;
   bool stall_open_device_ = false;
   int stalled_opens_ = 0;  // guarded by stall_mu_

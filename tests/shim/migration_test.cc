@@ -385,44 +385,6 @@ TEST_F(MigrationTest, ADatagramTheResponderTakesLongAfterItsSendIsReceived) {
   }
 }
 
-// A datagram that arrives after the settle marker, before the QP goes to
-// the error state (a straggler from another host), is the application's
-// and takes the receive after the marker's: the marker's receive is the
-// one that stays posted, and so does the one after the straggler's.
-TEST_F(MigrationTest, ADatagramReceivedAfterTheSettleMarkerLeavesTheMarkersReceivePosted) {
-  ibv_qp *pud, *qud;
-  UdPair(&pud, &qud);
-  ibv_ah* ah = qdev_->Ah(pdev_->gid);
-  static char rbuf[4096];
-  ibv_mr* rmr = pdev_->Reg(rbuf, sizeof(rbuf));
-  for (int i = 0; i < 3; ++i) ASSERT_EQ(PostRecvOf(pud, 300 + i, rbuf + 512 * i, 512, rmr), 0);
-  bool straggled = false;
-  fake_.set_after_post_send([](const ibv_send_wr& wr) { return wr.opcode == IBV_WR_SEND_WITH_IMM; },
-                            [&](const ibv_send_wr&) {
-                              straggled =
-                                  Send(qud, 7, qbuf_, qmr_, "straggler", ah, pud->qp_num) == 0;
-                            });
-  uint32_t drained = 0;
-  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
-  ASSERT_TRUE(p_.Release().ok());
-  ASSERT_TRUE(straggled) << "the release sent no settle marker";
-  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
-  ASSERT_TRUE(p_.Restore("", {}).ok());
-  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
-  ASSERT_TRUE(p_.Resume().ok());
-  std::vector<ibv_wc> got = Drain(pdev_->cq);
-  ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{301}))
-      << "the straggler, in the receive after the marker's";
-  EXPECT_STREQ(rbuf + 512 + FakeBackend::kGrhBytes, "straggler");
-  ASSERT_EQ(Send(qud, 8, qbuf_, qmr_, "after one", ah, pud->qp_num), 0);
-  ASSERT_EQ(Send(qud, 9, qbuf_, qmr_, "after two", ah, pud->qp_num), 0);
-  got = Drain(pdev_->cq);
-  ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{300, 302}))
-      << "the marker's receive and the last one, in the order they were posted";
-  EXPECT_STREQ(rbuf + FakeBackend::kGrhBytes, "after one");
-  EXPECT_STREQ(rbuf + 1024 + FakeBackend::kGrhBytes, "after two");
-}
-
 TEST_F(MigrationTest, AFailedRestoreLeavesNothingAndCanBeRetried) {
   Connect();
   uint32_t drained = 0;

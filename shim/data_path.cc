@@ -1,6 +1,5 @@
 #include "shim/data_path.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
 #include <unistd.h>
 
@@ -386,27 +385,6 @@ int PostSendReal(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return rc;
 }
 
-namespace {
-
-// A release's settle marker (migration.cc) and its send, taken out before
-// the completion is translated; receives completed after the marker on its
-// QP are counted. Whether `wc` was the shim's.
-bool TakeSettleMarker(const Cq* cq, const ibv_wc& wc) {
-  Qp* qp = cq->qps->Find(wc.qp_num);
-  if (qp == nullptr || !qp->settling) return false;
-  if (wc.wr_id == SettleMarkerId(qp)) return true;
-  if (wc.status != IBV_WC_SUCCESS || !(wc.opcode & IBV_WC_RECV)) return false;
-  if (!qp->settle_marker_seen && wc.src_qp == wc.qp_num && (wc.wc_flags & IBV_WC_WITH_IMM) &&
-      wc.imm_data == htonl(kSettleMarkerImm)) {
-    qp->settle_marker_seen = true;
-    return true;
-  }
-  if (qp->settle_marker_seen) ++qp->recvs_after_settle_marker;
-  return false;
-}
-
-}  // namespace
-
 int DrainCq(Cq* cq, uint32_t* sends) {
   // What pollers took since the last drain goes first.
   const uint32_t head = cq->pending_head.load();
@@ -423,7 +401,6 @@ int DrainCq(Cq* cq, uint32_t* sends) {
     if (n == 0) break;
     for (int i = 0; i < n; ++i) {
       const ibv_wc& wc = batch[i];
-      if (cq->settling && TakeSettleMarker(cq, wc)) continue;
       Qp* qp = VirtualizeWc(cq->qps, &batch[i]);
       if (qp != nullptr) {
         if (wc.wr_id == SendMarkerId(qp)) {

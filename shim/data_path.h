@@ -32,10 +32,6 @@ inline uint64_t SendMarkerId(const Qp* qp) {
 inline uint64_t RecvMarkerId(const Qp* qp) {
   return reinterpret_cast<uintptr_t>(&qp->recv_marker_seen);
 }
-inline uint64_t SettleMarkerId(const Qp* qp) { return reinterpret_cast<uintptr_t>(&qp->settling); }
-// The settle marker's immediate data ("RVSM"): with a UD QP's own QPN as
-// the source, while its marker is out, it is the shim's datagram.
-inline constexpr uint32_t kSettleMarkerImm = 0x5256534d;
 inline bool IsMarker(const Qp* qp, uint64_t wr_id) {
   return wr_id == SendMarkerId(qp) || wr_id == RecvMarkerId(qp);
 }

@@ -5,7 +5,6 @@
 // Every step runs on the control thread with the shim's mutex held, so
 // the application's control verbs wait for it; the application's posts and
 // polls do not take that mutex: they meet the steps at each object's Gate.
-#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
@@ -358,7 +357,6 @@ void Shim::SettleUnacknowledgedReceives(const std::vector<Qp*>& qps) {
     if (std::find(cqs.begin(), cqs.end(), qp->recv_cq) == cqs.end()) cqs.push_back(qp->recv_cq);
   }
   if (cqs.empty()) return;
-  // Datagrams still on the wire: until the receive CQs stay quiet.
   constexpr uint64_t kQuietUs = 50000, kSettleUs = 1000000;
   const uint64_t start = NowUs();
   uint64_t last = start;
@@ -368,78 +366,6 @@ void Shim::SettleUnacknowledgedReceives(const std::vector<Qp*>& qps) {
     if (got > 0) last = NowUs();
     usleep(1000);
   }
-  // Datagrams the device took but its responder has not yet: a quiet CQ
-  // does not say there are none (rxe defers the responder when packets
-  // queue up, and a loaded host may not run it for longer than any quiet
-  // time). Each UD QP sends itself a datagram, which its responder takes
-  // after them.
-  std::vector<ibv_ah*> ahs;
-  std::vector<Qp*> marked;
-  for (Qp* qp : qps)
-    if (ibv_ah* ah = PostSettleMarker(qp)) {
-      ahs.push_back(ah);
-      marked.push_back(qp);
-    }
-  constexpr uint64_t kMarkerUs = 3000000;
-  const uint64_t marker_start = NowUs();
-  for (;;) {
-    for (Qp* qp : marked)
-      for (Cq* cq : {qp->recv_cq, qp->send_cq})
-        if (cq != nullptr) DrainCq(cq, nullptr);
-    if (std::all_of(marked.begin(), marked.end(), [](const Qp* q) { return q->settle_marker_seen; }))
-      break;
-    if (NowUs() - marker_start > kMarkerUs) {
-      LogOnce("a UD QP's settle marker did not come back within 3 s (no receive posted?)");
-      break;
-    }
-    usleep(200);
-  }
-  for (ibv_ah* ah : ahs) backend_->DestroyAh(ah);
-}
-
-ibv_ah* Shim::PostSettleMarker(Qp* qp) {
-  if (qp->real == nullptr || qp->shadow.qp_base.qp_type != IBV_QPT_UD || qp->srq != nullptr ||
-      qp->recv_cq == nullptr || qp->pd == nullptr || !endpoint_gid_known_ ||
-      qp->own_recvs.posted() == 0)
-    return nullptr;
-  ibv_qp_attr attr{};
-  ibv_qp_init_attr init{};
-  if (backend_->QueryQp(qp->real, &attr, IBV_QP_STATE | IBV_QP_QKEY | IBV_QP_PORT, &init) != 0 ||
-      attr.qp_state != IBV_QPS_RTS)
-    return nullptr;
-  // To its own address: the GID the endpoint is known by, on the QP's port.
-  ibv_ah_attr av{};
-  av.is_global = 1;
-  av.grh.sgid_index = static_cast<uint8_t>(endpoint_sgid_index_);
-  av.grh.hop_limit = 1;
-  av.port_num = attr.port_num != 0 ? attr.port_num : endpoint_port_;
-  if (qp->ctx == nullptr ||
-      backend_->QueryGid(qp->ctx->real, av.port_num, endpoint_sgid_index_, &av.grh.dgid) != 0)
-    return nullptr;
-  ibv_ah* ah = backend_->CreateAh(qp->pd->real, &av);
-  if (ah == nullptr) {
-    LogOnce("no address handle for a UD QP's settle marker: its receives settle by time only");
-    return nullptr;
-  }
-  ibv_send_wr wr{};
-  wr.wr_id = SettleMarkerId(qp);
-  wr.opcode = IBV_WR_SEND_WITH_IMM;  // no bytes: no memory region needed
-  wr.imm_data = htonl(kSettleMarkerImm);
-  wr.send_flags = IBV_SEND_SIGNALED;
-  wr.wr.ud.ah = ah;
-  wr.wr.ud.remote_qpn = qp->real->qp_num;
-  wr.wr.ud.remote_qkey = attr.qkey;
-  qp->settle_marker_seen = false;
-  qp->recvs_after_settle_marker = 0;
-  qp->settling = qp->recv_cq->settling = true;
-  if (qp->send_cq != nullptr) qp->send_cq->settling = true;
-  ibv_send_wr* bad = nullptr;
-  if (qp->real_post_send(qp->real, &wr, &bad) != 0) {
-    qp->settling = false;
-    backend_->DestroyAh(ah);
-    return nullptr;
-  }
-  return ah;
 }
 
 uint32_t Shim::FlushBound(const Qp* qp) {
@@ -495,7 +421,6 @@ void Shim::FailAndCountRecvs(const std::vector<Qp*>& qps) {
     FailAndCountRecvsOf(batch);
     rest.swap(later);
   }
-  for (Cq* cq : All<Cq>(Kind::kCq)) cq->settling = false;
 }
 
 void Shim::FailAndCountRecvsOf(const std::vector<Qp*>& qps) {
@@ -562,19 +487,8 @@ void Shim::FailAndCountRecvsOf(const std::vector<Qp*>& qps) {
     qp->flushing = false;
     qp->recv_flushes_expected = 0;
     if (qp->srq != nullptr) continue;
-    // The receives still posted are the last ones logged, and the one a
-    // settle marker landed in, older than those completed after it.
-    if (qp->settling && qp->settle_marker_seen) {
-      const uint32_t after = qp->recvs_after_settle_marker;
-      std::vector<const RecvLog::Entry*> recent = qp->own_recvs.Recent(qp->recv_flushes + after + 1);
-      if (recent.size() > after)
-        recent.erase(recent.begin() + 1, recent.begin() + 1 + static_cast<ptrdiff_t>(after));
-      qp->outstanding = Copy(recent);
-    } else {
-      qp->outstanding = Copy(qp->own_recvs.Recent(qp->recv_flushes));
-    }
-    qp->settling = qp->settle_marker_seen = false;
-    qp->recvs_after_settle_marker = 0;
+    // The receives still posted are the last ones logged.
+    qp->outstanding = Copy(qp->own_recvs.Recent(qp->recv_flushes));
     qp->own_recvs.ConsumeAll();
   }
 }

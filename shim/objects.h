@@ -106,9 +106,6 @@ struct Cq {
   std::atomic<bool> marked_base{false};
   // A drain gave up before its marker came: the translating path drops it.
   bool markers_late = false;
-  // A QP of it has a settle marker out (Qp::settling): the drain looks
-  // for it before a completion is translated. Control thread only.
-  bool settling = false;
   int (*real_poll_cq)(ibv_cq*, int, ibv_wc*) = nullptr;
   ibv_cq_ex* real_ex = nullptr;  // when created with ibv_create_cq_ex
   bool extended = false;         // it was: a restore re-creates it so
@@ -217,13 +214,6 @@ struct Qp {
   bool recv_marker_seen = false;
   uint32_t recv_flushes = 0;           // flushed receives counted since the QP was failed
   uint32_t recv_flushes_expected = 0;  // when no marker receive fit: the queue's size
-  // A release's settle marker (UD): a datagram the QP sends itself, which
-  // its responder takes after everything that reached the QP before it.
-  // It lands in the oldest receive still posted then, which stays posted
-  // for the count; receives completed after it are counted to skip them.
-  bool settling = false;             // its marker is out
-  bool settle_marker_seen = false;   // and came in
-  uint32_t recvs_after_settle_marker = 0;
   // Guarded by pause->queue_mu().
   std::vector<QueuedSend> queued_sends;
   std::vector<QueuedRecv> queued_recvs;

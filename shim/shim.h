@@ -313,7 +313,6 @@ class Shim {
   // the receives drops what is still queued, so the receive CQs of UD and
   // UC QPs are polled first until they stay quiet for 50 ms (1 s at most).
   void SettleUnacknowledgedReceives(const std::vector<Qp*>& qps);  // requires mu_
-  ibv_ah* PostSettleMarker(Qp* qp);  // requires mu_, paused; the marker's AH, or null
   void FailAndCountRecvs(const std::vector<Qp*>& qps);             // requires mu_, paused
   static uint32_t FlushBound(const Qp* qp);  // completions a QP's move to ERR may bring
   void FailAndCountRecvsOf(const std::vector<Qp*>& qps);  // their flushes fit their CQs

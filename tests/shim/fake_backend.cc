@@ -849,11 +849,9 @@ ibv_wc_status FakeBackend::Deliver(QpObj* qp, const Wr& w, const std::string& pa
     g.with_imm = w.opcode == IBV_WR_SEND_WITH_IMM;
     g.imm = w.imm;
     g.solicited = w.flags & IBV_SEND_SOLICITED;
-    if (ud_delay_ms_ > 0 || !held_.empty()) {
-      // Completed at the sender now, received later; behind those held
-      // before it (rxe's responder takes a QP's packets in order).
+    if (ud_delay_ms_ > 0) {
+      // Completed at the sender now, received later.
       g.due = std::chrono::steady_clock::now() + std::chrono::milliseconds(ud_delay_ms_);
-      if (!held_.empty() && g.due < held_.back().due) g.due = held_.back().due;
       held_.push_back(std::move(g));
       return IBV_WC_SUCCESS;
     }

@@ -70,7 +70,7 @@ inline void AllAtOnce(size_t n, const std::function<void(size_t)>& call) {
     for (size_t i; (i = next.fetch_add(1)) < n;) call(i);
   };
   std::vector<std::thread> threads;
-  const size_t helpers = std::min(n, kMaxAtOnce) > 0 ? std::min(n, kMaxAtOnce) - 1 : 0;
+  const size_t helpers = n > 0 ? std::min(n, kMaxAtOnce) - 1 : 0;  // this thread is one
   threads.reserve(helpers);
   for (size_t i = 0; i < helpers; ++i) threads.emplace_back(work);
   work();

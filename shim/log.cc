@@ -37,4 +37,9 @@ void Log(const char* what) {
   (void)ignored;
 }
 
+bool LogMoves() {
+  const char* level = getenv("RDMAVIRT_LOG");
+  return level != nullptr && strcmp(level, "moves") == 0;
+}
+
 }  // namespace rdmavirt::shim

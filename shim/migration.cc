@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cinttypes>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -35,6 +36,19 @@ uint64_t NowUs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<uint64_t>(ts.tv_sec) * 1000000u + static_cast<uint64_t>(ts.tv_nsec) / 1000u;
+}
+
+const char* QpTypeName(uint32_t type) {
+  switch (type) {
+    case IBV_QPT_RC:
+      return "RC";
+    case IBV_QPT_UC:
+      return "UC";
+    case IBV_QPT_UD:
+      return "UD";
+    default:
+      return "other";
+  }
 }
 
 const char* QpStateName(int state) {
@@ -490,6 +504,37 @@ void Shim::FailAndCountRecvsOf(const std::vector<Qp*>& qps) {
     // The receives still posted are the last ones logged.
     qp->outstanding = Copy(qp->own_recvs.Recent(qp->recv_flushes));
     qp->own_recvs.ConsumeAll();
+    if (LogMoves()) {
+      char line[200];
+      snprintf(line, sizeof line, "release: QP 0x%x (%s): %u receives still posted%s",
+               qp->shadow.qp_base.qp_num, QpTypeName(qp->shadow.qp_base.qp_type),
+               qp->recv_flushes, qp->recv_marker_seen ? "" : ", not all flushes came");
+      Log(line);
+    }
+  }
+}
+
+void Shim::LogResume() {
+  // What the application can count on from each QP's receive queue: the
+  // receives posted on the real QP, plus those completed and not yet polled.
+  for (const Qp* qp : All<Qp>(Kind::kQp)) {
+    if (qp->srq != nullptr || qp->own_recvs.posted() == 0 || qp->reposted < 0) continue;
+    uint32_t waiting = 0;
+    for (const Cq* cq : {qp->recv_cq}) {
+      if (cq == nullptr) continue;
+      for (uint32_t i = cq->pending_head.load(); i < cq->pending_count; ++i) {
+        const ibv_wc& wc = cq->pending[i];
+        waiting += wc.qp_num == qp->shadow.qp_base.qp_num && (wc.opcode & IBV_WC_RECV) &&
+                   wc.status == IBV_WC_SUCCESS;
+      }
+    }
+    char line[200];
+    snprintf(line, sizeof line,
+             "resume: QP 0x%x (%s): %" PRId64 " receives re-posted, %zu posted during the pause, "
+             "%u received and not yet polled",
+             qp->shadow.qp_base.qp_num, QpTypeName(qp->shadow.qp_base.qp_type), qp->reposted,
+             qp->queued_recvs.size(), waiting);
+    Log(line);
   }
 }
 
@@ -851,6 +896,7 @@ Status Shim::RecreateReal(const std::string& device) {
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting SRQ receives", rc));
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
+    qp->reposted = static_cast<int64_t>(qp->outstanding.size());
     const int rc = Repost(&qp->outstanding,
                           [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
@@ -898,6 +944,7 @@ Status Shim::ResumeNow() {
   // Under the queues' mutex until the gate opens: a post that found the
   // gate closed is replayed before any later one goes through.
   std::lock_guard<std::mutex> queues(pause_.queue_mu());
+  if (LogMoves()) LogResume();
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
     const int rc = Repost(&srq->queued_recvs, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
       return PostSrqRecvReal(srq, w, b);
@@ -928,7 +975,10 @@ Status Shim::ResumeNow() {
   // The events owed go out once the data path is open: a waiter woken
   // earlier would poll a paused CQ, find nothing, and wait again.
   const std::vector<Cq*> owed = ArmForResume();
-  for (Qp* qp : All<Qp>(Kind::kQp)) qp->drained = false;
+  for (Qp* qp : All<Qp>(Kind::kQp)) {
+    qp->drained = false;
+    qp->reposted = -1;
+  }
   SetPaused(false);
   pause_.Open();
   paused_ = false;
@@ -948,6 +998,7 @@ Status Shim::Reconnect(Qp* qp) {
   if (rc != 0) return Error(Code::kInternal, Errno("resetting a QP", rc));
   rc = ReplayTransitions(qp);
   if (rc != 0) return Error(Code::kInternal, Errno("re-connecting a QP", rc));
+  qp->reposted = static_cast<int64_t>(qp->outstanding.size());
   rc = Repost(&qp->outstanding,
               [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
   if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));

@@ -218,6 +218,7 @@ struct Qp {
   std::vector<QueuedSend> queued_sends;
   std::vector<QueuedRecv> queued_recvs;
   std::vector<QueuedRecv> outstanding;  // at release or re-point: to re-post
+  int64_t reposted = -1;                // of them, re-posted in this pause (-1: not re-made)
   bool flushing = false;                // its flush completions are dropped
   uint64_t builder_signaled = 0;        // ibv_wr_* between wr_start and wr_complete
 };

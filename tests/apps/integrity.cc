@@ -461,9 +461,18 @@ class Stream {
     Advance();
   }
 
+  // The first `limit` seqs neither arrived nor declared lost.
+  std::vector<uint64_t> Missing(size_t limit) const {
+    std::vector<uint64_t> out;
+    for (uint64_t s = next_; s < state_.size() && out.size() < limit; ++s)
+      if (state_[s] == kMissing) out.push_back(s);
+    return out;
+  }
+
   uint64_t total() const { return state_.size(); }
   uint64_t handled() const { return handled_; }     // arrived or declared lost
   uint64_t first_missing() const { return next_; }  // lowest seq not handled
+  const char* name() const { return name_; }
   uint64_t end() const { return end_; }             // 1 + the highest seq arrived
 
   Tally tally;
@@ -1403,8 +1412,12 @@ std::string Integrity::JsonPlaces() const {
 }
 
 int Integrity::Report() {
-  // Whatever never arrived is lost.
-  for (Stream* s : {&sends_in_, &writes_in_, &ud_in_}) s->tally.lost += s->total() - s->handled();
+  // Whatever never arrived is lost: named (the first few), so that the
+  // sender's log places them in time.
+  for (Stream* s : {&sends_in_, &writes_in_, &ud_in_}) {
+    for (const uint64_t seq : s->Missing(16)) Complain("%s seq %" PRIu64 ": never arrived", s->name(), seq);
+    s->tally.lost += s->total() - s->handled();
+  }
   Tally ballast;
   constexpr uint64_t kPageWords = 4096 / sizeof(uint64_t);
   for (uint64_t page = 0; page < ballast_.size(); page += kPageWords) {

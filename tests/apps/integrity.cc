@@ -724,8 +724,17 @@ class Integrity {
     std::string host;
     int pid;
     double since;
+    uint64_t ud_sent_from;  // the first UD seq sent from here
+    uint64_t ud_arrivals_before = 0;  // the peer's datagrams taken before it got here
   };
   std::vector<Place> places_;
+  // Per UD seq of the peer's: 1 + the index of the place where it arrived
+  // (0: never). A datagram missing between two that arrived at one place
+  // was lost while this side stayed there (JsonUdMissing).
+  std::vector<uint32_t> ud_place_;
+  std::vector<uint64_t> ud_ordinal_;  // per seq: how many had arrived before it
+  uint64_t ud_arrivals_ = 0;
+  std::string JsonUdMissing() const;
   void NotePlace();
   std::string JsonPlaces() const;
 
@@ -908,6 +917,8 @@ void Integrity::Connect() {
   sends_in_.Reset(remote_.iterations);
   writes_in_.Reset(remote_.iterations);
   ud_in_.Reset(remote_.iterations);
+  ud_place_.assign(remote_.iterations, 0);
+  ud_ordinal_.assign(remote_.iterations, 0);
 }
 
 void Integrity::PostRecv(ibv_qp* qp, Kind kind, uint64_t slot) {
@@ -1073,6 +1084,7 @@ void Integrity::CheckRingSlot(uint64_t seq) {
 
 void Integrity::OnUdRecv(const ibv_wc& wc) {
   const uint64_t slot = WrSeq(wc.wr_id);
+  NotePlace();
   const uint8_t* p = rx_->at(kRxUdOff + slot * kUdRecvSlot) + kGrhLen;
   FrameHeader h{};
   if (wc.byte_len < kGrhLen + sizeof(h)) {
@@ -1080,6 +1092,11 @@ void Integrity::OnUdRecv(const ibv_wc& wc) {
     Complain("UD receive of %u bytes", wc.byte_len);
   } else {
     std::memcpy(&h, p, sizeof(h));
+    if (h.seq < ud_place_.size()) {
+      ud_place_[h.seq] = static_cast<uint32_t>(places_.size());
+      ud_ordinal_[h.seq] = ud_arrivals_;
+    }
+    ++ud_arrivals_;
     ud_in_.Arrive(h.seq, [&] {
       std::string why = CheckFrame(p, wc.byte_len - kGrhLen, VaryLen(kUd, h.seq, kMaxUd),
                                    remote_.seed, kUd, h.seq, false);
@@ -1208,6 +1225,7 @@ bool Integrity::PostReads() {
 
 bool Integrity::PostUd() {
   bool posted = false;
+  NotePlace();  // which datagrams were sent from where
   // Only into receives the peer has posted: its initial window, every receive
   // it reposted, and those still posted for datagrams it gave up on.
   for (;;) {
@@ -1340,7 +1358,7 @@ void Integrity::NotePlace() {
   if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
   const int pid = static_cast<int>(getpid());
   if (!places_.empty() && places_.back().host == host && places_.back().pid == pid) return;
-  places_.push_back({host, pid, WallSeconds()});
+  places_.push_back({host, pid, WallSeconds(), lanes_[kUd].next, ud_arrivals_});
   std::printf("integrity: running on %s as pid %d\n", host, pid);
 }
 
@@ -1405,8 +1423,41 @@ std::string JsonString(const std::string& s) {
 std::string Integrity::JsonPlaces() const {
   std::string out = "[";
   for (const Place& p : places_) {
-    out += Sprintf("%s{\"host\": %s, \"pid\": %d, \"since_s\": %.3f}", out.size() > 1 ? ", " : "",
-                   JsonString(p.host).c_str(), p.pid, p.since - start_wall_);
+    out += Sprintf("%s{\"host\": %s, \"pid\": %d, \"since_s\": %.3f, \"ud_sent_from\": %" PRIu64
+                   ", \"ud_arrivals_before\": %" PRIu64 "}",
+                   out.size() > 1 ? ", " : "", JsonString(p.host).c_str(), p.pid,
+                   p.since - start_wall_, p.ud_sent_from, p.ud_arrivals_before);
+  }
+  return out + "]";
+}
+
+// The peer's datagrams that never arrived (the first 1000), each with the
+// nearest ones that did on either side and whether this side ran at one
+// place from the one's arrival to the other's. Together with the peer's
+// places (where it sent each seq from) that tells a datagram the fabric
+// dropped while both sides stayed put from one a move may have lost.
+std::string Integrity::JsonUdMissing() const {
+  std::string out = "[";
+  uint64_t prev = ud_place_.size();  // none yet
+  size_t listed = 0;
+  for (uint64_t seq = 0; seq < ud_place_.size() && listed < 1000; ++seq) {
+    if (ud_place_[seq] != 0) {
+      prev = seq;
+      continue;
+    }
+    uint64_t next = seq + 1;
+    while (next < ud_place_.size() && ud_place_[next] == 0) ++next;
+    const bool has_prev = prev < ud_place_.size(), has_next = next < ud_place_.size();
+    // Completions a move held came out first at the new place: a prev
+    // among the first kUdRecvDepth taken there may have arrived before it.
+    const bool stayed = has_prev && has_next && ud_place_[prev] == ud_place_[next] &&
+                        (ud_place_[prev] == 1 ||
+                         ud_ordinal_[prev] >= places_[ud_place_[prev] - 1].ud_arrivals_before +
+                                                  kUdRecvDepth);
+    out += Sprintf("%s{\"seq\": %" PRIu64 ", \"prev\": %s, \"next\": %s, \"receiver_stayed\": %s}",
+                   listed > 0 ? ", " : "", seq, has_prev ? std::to_string(prev).c_str() : "null",
+                   has_next ? std::to_string(next).c_str() : "null", stayed ? "true" : "false");
+    ++listed;
   }
   return out + "]";
 }
@@ -1472,6 +1523,7 @@ int Integrity::Report() {
       {"peer_errors", n(peer_.errors)},
       {"elapsed_s", Sprintf("%.3f", end_wall_ - start_wall_)},
       {"places", JsonPlaces()},
+      {"ud_missing", JsonUdMissing()},
       {"ok", ok ? "true" : "false"},
   };
   std::string json = "{";

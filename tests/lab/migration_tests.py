@@ -48,7 +48,7 @@ def pid_of(host, pattern):
 
 
 def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, port=18900,
-               canvas_mib=0):
+               canvas_mib=0, ud_lost_after=1800):
     """The workload under the shim: server Q on `server`, client P on
     `client`, their output in files every host sees at the same path (CRIU
     re-opens them on the destination; the migrator stops the source before
@@ -57,9 +57,11 @@ def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, p
     `canvas_mib`, each side has two canvas regions of that size (4 KiB and
     huge pages) that the other RDMA-WRITEs all the time. `shim`:
     the environment that puts them under the shim (and names the migrators'
-    socket); `port`: Q's."""
+    socket); `port`: Q's; `ud_lost_after`: seconds after which a datagram
+    known to be sent counts as lost."""
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
-    args = f"--iterations {iterations} --ud-lost-after 1800 --port {port} --canvas {canvas_mib}"
+    args = (f"--iterations {iterations} --ud-lost-after {ud_lost_after} --port {port} "
+            f"--canvas {canvas_mib}")
     run_ok(server, f"(setsid env {shim}{PROG} --server {args} --report {WORK}/{name}-q.json "
                    f"> {WORK}/{name}-q.out 2>&1 < /dev/null &)")
     wait_listening(server, port)

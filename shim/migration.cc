@@ -507,8 +507,8 @@ void Shim::FailAndCountRecvsOf(const std::vector<Qp*>& qps) {
     if (LogMoves()) {
       char line[200];
       snprintf(line, sizeof line, "release: QP 0x%x (%s): %u receives still posted%s",
-               qp->shadow.qp_base.qp_num, QpTypeName(qp->shadow.qp_base.qp_type),
-               qp->recv_flushes, qp->recv_marker_seen ? "" : ", not all flushes came");
+               qp->shadow.qp_base.qp_num, QpTypeName(qp->shadow.qp_base.qp_type), qp->recv_flushes,
+               qp->recv_marker_seen ? "" : ", not all flushes came");
       Log(line);
     }
   }
@@ -520,8 +520,7 @@ void Shim::LogResume() {
   for (const Qp* qp : All<Qp>(Kind::kQp)) {
     if (qp->srq != nullptr || qp->own_recvs.posted() == 0 || qp->reposted < 0) continue;
     uint32_t waiting = 0;
-    for (const Cq* cq : {qp->recv_cq}) {
-      if (cq == nullptr) continue;
+    if (const Cq* cq = qp->recv_cq; cq != nullptr) {
       for (uint32_t i = cq->pending_head.load(); i < cq->pending_count; ++i) {
         const ibv_wc& wc = cq->pending[i];
         waiting += wc.qp_num == qp->shadow.qp_base.qp_num && (wc.opcode & IBV_WC_RECV) &&
@@ -530,7 +529,8 @@ void Shim::LogResume() {
     }
     char line[200];
     snprintf(line, sizeof line,
-             "resume: QP 0x%x (%s): %" PRId64 " receives re-posted, %zu posted during the pause, "
+             "resume: QP 0x%x (%s): %" PRId64
+             " receives re-posted, %zu posted during the pause, "
              "%u received and not yet polled",
              qp->shadow.qp_base.qp_num, QpTypeName(qp->shadow.qp_base.qp_type), qp->reposted,
              qp->queued_recvs.size(), waiting);

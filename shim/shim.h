@@ -316,9 +316,9 @@ class Shim {
   void FailAndCountRecvs(const std::vector<Qp*>& qps);             // requires mu_, paused
   static uint32_t FlushBound(const Qp* qp);  // completions a QP's move to ERR may bring
   void FailAndCountRecvsOf(const std::vector<Qp*>& qps);  // their flushes fit their CQs
-  void LogResume();  // RDMAVIRT_LOG=moves: each QP's receives at the resume
-  int ReplayTransitions(Qp* qp);                          // requires mu_
-  int RealQpState(const Qp* qp);                          // the HCA's, or -1
+  void LogResume();               // RDMAVIRT_LOG=moves: each QP's receives at the resume
+  int ReplayTransitions(Qp* qp);  // requires mu_
+  int RealQpState(const Qp* qp);  // the HCA's, or -1
   // Completion events (shim.cc): what a release must acknowledge.
   void NoteEventDelivered(Cq* cq, ibv_cq* real);
   // Release: acknowledges what the application has not, and marks the

@@ -473,7 +473,7 @@ class Stream {
   uint64_t handled() const { return handled_; }     // arrived or declared lost
   uint64_t first_missing() const { return next_; }  // lowest seq not handled
   const char* name() const { return name_; }
-  uint64_t end() const { return end_; }             // 1 + the highest seq arrived
+  uint64_t end() const { return end_; }  // 1 + the highest seq arrived
 
   Tally tally;
   uint64_t reordered = 0;
@@ -724,7 +724,7 @@ class Integrity {
     std::string host;
     int pid;
     double since;
-    uint64_t ud_sent_from;  // the first UD seq sent from here
+    uint64_t ud_sent_from;            // the first UD seq sent from here
     uint64_t ud_arrivals_before = 0;  // the peer's datagrams taken before it got here
   };
   std::vector<Place> places_;
@@ -1450,10 +1450,10 @@ std::string Integrity::JsonUdMissing() const {
     const bool has_prev = prev < ud_place_.size(), has_next = next < ud_place_.size();
     // Completions a move held came out first at the new place: a prev
     // among the first kUdRecvDepth taken there may have arrived before it.
-    const bool stayed = has_prev && has_next && ud_place_[prev] == ud_place_[next] &&
-                        (ud_place_[prev] == 1 ||
-                         ud_ordinal_[prev] >= places_[ud_place_[prev] - 1].ud_arrivals_before +
-                                                  kUdRecvDepth);
+    const bool stayed =
+        has_prev && has_next && ud_place_[prev] == ud_place_[next] &&
+        (ud_place_[prev] == 1 ||
+         ud_ordinal_[prev] >= places_[ud_place_[prev] - 1].ud_arrivals_before + kUdRecvDepth);
     out += Sprintf("%s{\"seq\": %" PRIu64 ", \"prev\": %s, \"next\": %s, \"receiver_stayed\": %s}",
                    listed > 0 ? ", " : "", seq, has_prev ? std::to_string(prev).c_str() : "null",
                    has_next ? std::to_string(next).c_str() : "null", stayed ? "true" : "false");
@@ -1466,7 +1466,8 @@ int Integrity::Report() {
   // Whatever never arrived is lost: named (the first few), so that the
   // sender's log places them in time.
   for (Stream* s : {&sends_in_, &writes_in_, &ud_in_}) {
-    for (const uint64_t seq : s->Missing(16)) Complain("%s seq %" PRIu64 ": never arrived", s->name(), seq);
+    for (const uint64_t seq : s->Missing(16))
+      Complain("%s seq %" PRIu64 ": never arrived", s->name(), seq);
     s->tally.lost += s->total() - s->handled();
   }
   Tally ballast;

@@ -167,6 +167,7 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
 }
 
 absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_established,
+                                               pid_t endpoint_pid,
                                                const std::function<void(pid_t)>& restored,
                                                const std::vector<v1::Mapping>& peers,
                                                v1::RestoreIncomingResponse* out) {
@@ -183,16 +184,21 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
   }
   out->set_criu_restore_us(MicrosSince(c0));
   const absl::Time r0 = absl::Now();
-  absl::StatusOr<v1::EndpointSummary> e = BringBack(*pid, FirstActiveDeviceName(), peers);
+  const pid_t endpoint = endpoint_pid > 0 ? endpoint_pid : *pid;
+  absl::StatusOr<v1::EndpointSummary> e =
+      endpoint == *pid || procs_->Exists(endpoint)
+          ? BringBack(endpoint, FirstActiveDeviceName(), peers)
+          : absl::NotFoundError(absl::StrCat("process ", endpoint,
+                                             " is not among the processes CRIU restored"));
   if (!e.ok()) {
     // No half-made process stays behind, or the error says it does.
     const absl::Status k = KillCopy(*pid, "restored copy");
     return Annotate(e.status(),
-                    absl::StrCat("bringing back the endpoint of restored process ", *pid,
+                    absl::StrCat("bringing back the endpoint of restored process ", endpoint,
                                  k.ok() ? "" : absl::StrCat(" (", k.message(), ")")));
   }
   out->set_rdma_restore_us(MicrosSince(r0));
-  out->set_pid(*pid);
+  out->set_pid(endpoint);
   *out->mutable_endpoint() = *std::move(e);
   return *pid;
 }
@@ -243,7 +249,7 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
     pid = st;
   else
     pid = RestoreFromDir(
-        final_dir, tcp,
+        final_dir, tcp, rec.report().pid(),
         [&](pid_t p) {
           absl::MutexLock lock(&in->mu);
           if (in->aborted) return;  // the record says aborted; killed below
@@ -282,7 +288,7 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
     // Restored, paused until its source resumes it: not anyone's peer to
     // quiesce yet (QuiescePeers refuses it until then).
     absl::MutexLock arriving(&mu_);
-    arriving_.insert(*pid);
+    arriving_.insert(out.pid());
   }
   *in->rec.mutable_new_mapping() = out.endpoint().mapping();
   v1::Breakdown* b = in->rec.mutable_report()->mutable_breakdown();
@@ -305,10 +311,9 @@ absl::Status Migrator::AbortIncoming(const v1::AbortIncomingRequest& request) {
   absl::MutexLock lock(&in->mu);
   // A restore in flight finds this and kills what it restores from here on.
   in->aborted = true;
-  const pid_t pid = in->rec.restored_pid();
   {
     absl::MutexLock arriving(&mu_);
-    arriving_.erase(pid);
+    arriving_.erase(in->rec.report().pid());
   }
   return DropIncoming(in.get(), "aborted by the source");
 }
@@ -360,7 +365,8 @@ absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {
   pid_t pid = 0;
   if (in != nullptr) {
     absl::MutexLock lock(&in->mu);
-    pid = in->rec.restored_pid();
+    // The restored tree's process under the shim (its pid as on the source).
+    if (in->rec.restored_pid() != 0) pid = in->rec.report().pid();
   }
   if (pid == 0) {
     // A restarted migrator: find the endpoint by its virtual GID.

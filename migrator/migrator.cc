@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <set>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
@@ -196,12 +198,36 @@ absl::StatusOr<v1::EndpointSummary> Migrator::Describe(pid_t pid) {
 // comes along: a terminal cannot follow a process to another host, nor
 // come back to a restore. Said before anything is quiesced.
 absl::Status Migrator::CheckNoTerminal(pid_t pid) {
-  const std::string tty = procs_->Terminal(pid);
-  if (tty.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("process ", pid, " holds the terminal ", tty,
-                   ", which cannot follow it; nothing was quiesced. Start it without one: "
-                   "setsid PROGRAM < /dev/null > LOG 2>&1"));
+  std::vector<pid_t> tree = procs_->Descendants(pid);
+  tree.insert(tree.begin(), pid);
+  for (pid_t p : tree) {
+    const std::string tty = procs_->Terminal(p);
+    if (tty.empty()) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "process ", p, p == pid ? "" : absl::StrCat(" (a descendant of process ", pid, ")"),
+        " holds the terminal ", tty,
+        ", which cannot follow it; nothing was quiesced. Start it without one: "
+        "setsid PROGRAM < /dev/null > LOG 2>&1"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<pid_t> Migrator::EndpointOfTree(pid_t root) {
+  const absl::Status own = CheckShim(root);
+  if (!own.ok() && !absl::IsFailedPrecondition(own)) return own;
+  std::set<pid_t> shimmed;
+  for (const ShimInfo& s : shims_->Connected()) shimmed.insert(s.pid);
+  std::vector<pid_t> found;
+  if (own.ok()) found.push_back(root);
+  for (pid_t d : procs_->Descendants(root))
+    if (shimmed.contains(d)) found.push_back(d);
+  if (found.empty()) return own;
+  if (found.size() > 1)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "process ", root, " and its descendants hold ", found.size(),
+        " processes under the shim (", absl::StrJoin(found, ", "),
+        "); a move takes a tree with one of them: move each by its own pid"));
+  return found.front();
 }
 
 absl::Status Migrator::CheckShim(pid_t pid) {

@@ -166,8 +166,14 @@ class Migrator {
   // NOT_FOUND without such a process; FAILED_PRECONDITION when it is not
   // under the shim.
   absl::Status CheckShim(pid_t pid);
-  // FAILED_PRECONDITION when it holds a terminal (CRIU cannot restore it).
+  // FAILED_PRECONDITION when it or a descendant holds a terminal (CRIU
+  // cannot restore it).
   absl::Status CheckNoTerminal(pid_t pid);
+  // The process under the shim that a move of `root` (with its
+  // descendants, as CRIU dumps it) takes: `root` itself, or the one
+  // descendant under the shim. FAILED_PRECONDITION when none is, or more
+  // than one.
+  absl::StatusOr<pid_t> EndpointOfTree(pid_t root);
   // The endpoint described and its peers quiesced; ABORTED when another
   // move holds it or a peer (outgoing.cc).
   absl::StatusOr<v1::EndpointSummary> QuiesceThePeers(Move* m);
@@ -242,10 +248,14 @@ class Migrator {
   // Writes its record; the first failure also stays in in->record_error.
   void PersistIncoming(Incoming* in);
   absl::Status CheckCanHost();
-  // CRIU-restores `dir`, then brings the endpoint back (paused) on this
-  // host's HCA; `restored` learns the pid as soon as CRIU gives it. A
-  // failure kills whatever was restored.
+  // CRIU-restores `dir`, then brings the endpoint of process
+  // `endpoint_pid` back (paused) on this host's HCA: the process CRIU
+  // restores (the tree's root, returned), or one of its descendants (CRIU
+  // gives every process its pid back). `restored` learns the root's pid as
+  // soon as CRIU gives it; out->pid is the endpoint's. A failure kills
+  // whatever was restored.
   absl::StatusOr<pid_t> RestoreFromDir(const std::string& dir, bool tcp_established,
+                                       pid_t endpoint_pid,
                                        const std::function<void(pid_t)>& restored,
                                        const std::vector<v1::Mapping>& peers,
                                        v1::RestoreIncomingResponse* out);

@@ -77,6 +77,13 @@ inline void AllAtOnce(size_t n, const std::function<void(size_t)>& call) {
   for (std::thread& t : threads) t.join();
 }
 
+// Where a move's process steps (pre-dump, dump, stop, continue, kill)
+// start: the tree's root, which is the endpoint's own process unless a
+// parent of it was named (MigrationRecord.tree_root).
+inline pid_t TreeRoot(const v1::MigrationRecord& r) {
+  return r.tree_root() > 0 ? r.tree_root() : r.report().pid();
+}
+
 inline uint64_t MicrosSince(absl::Time t) {
   return static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - t));
 }

@@ -356,7 +356,8 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
 }
 
 absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
-  const pid_t pid = m->rec.report().pid();
+  // CRIU's steps take the tree from its root; the shim's, the endpoint.
+  const pid_t root = TreeRoot(m->rec);
   const std::string id = m->rec.report().migration_id();
   v1::MigrationReport* r = m->rec.mutable_report();
   v1::Breakdown* b = r->mutable_breakdown();
@@ -372,7 +373,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   int flat_rounds = 0;  // in a row, each more than 9/10 of the one before
   for (uint32_t k = 1; k <= std::min(max_iter, kMaxPreDumpIterations); ++k) {
     const std::string dir = absl::StrCat(m->dir, "/pre-", k);
-    absl::StatusOr<DumpStats> d = criu_->PreDump(pid, dir, parent);
+    absl::StatusOr<DumpStats> d = criu_->PreDump(root, dir, parent);
     if (!d.ok()) {
       // CRIU 3.17 cannot pre-dump a process while the HCA's pages are
       // mapped into it ("Can't handle non-regular mapping"): pre-copy is
@@ -425,7 +426,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   // at restore; stopped, not killed, so that a rollback needs no CRIU
   // restore. CRIU restores a stopped task stopped; the destination resumes
   // it (RestoreFromDir).
-  absl::Status stopped = procs_->Stop(pid);
+  absl::Status stopped = procs_->Stop(root);
   m->rec.set_stopped(stopped.ok());
   Persist(m);
   if (!stopped.ok()) return stopped;
@@ -439,7 +440,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
       return Annotate(st, "removing the service addresses");
   }
   absl::StatusOr<DumpStats> dump =
-      criu_->Dump(pid, final_dir, parent, /*leave_running=*/true, /*tcp_established=*/tcp);
+      criu_->Dump(root, final_dir, parent, /*leave_running=*/true, /*tcp_established=*/tcp);
   if (!dump.ok()) return Annotate(dump.status(), "final dump");
   // Inside the blackout each image is read once, by the stream, which
   // hashes it as it goes: the manifest lists names and sizes, the digests
@@ -548,7 +549,7 @@ absl::Status Migrator::CompleteForward(Move* m) {
   SetPhase(m, "cleanup");
   // A restore elsewhere left no copy here; a move left one, stopped.
   const absl::Status killed =
-      m->rec.stopped() ? KillCopy(r->pid(), "stopped source copy") : absl::OkStatus();
+      m->rec.stopped() ? KillCopy(TreeRoot(m->rec), "stopped source copy") : absl::OkStatus();
   if (r->kind() == "restore") r->set_pid(m->rec.restored_pid());
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))
@@ -626,7 +627,8 @@ void Migrator::RollBack(Move* m, const absl::Status& cause) {
     }
   }
   if (m->rec.stopped()) {
-    if (absl::Status st = procs_->Continue(pid); !st.ok()) problems.push_back(st.ToString());
+    if (absl::Status st = procs_->Continue(TreeRoot(m->rec)); !st.ok())
+      problems.push_back(st.ToString());
   }
   // Released, or maybe not (its answer was lost): a shim still connected
   // and running was not.
@@ -680,20 +682,36 @@ void Migrator::RollBack(Move* m, const absl::Status& cause) {
 }
 
 absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const ProgressSink& sink) {
-  const pid_t pid = request.pid();
-  if (pid <= 0) return absl::InvalidArgumentError(absl::StrCat("invalid pid ", pid));
+  // The process named moves with its descendants (what CRIU dumps); the
+  // one among them under the shim is the endpoint.
+  const pid_t root = request.pid();
+  if (root <= 0) return absl::InvalidArgumentError(absl::StrCat("invalid pid ", root));
   absl::StatusOr<HostPort> dest = ParseHostPort(request.destination(), options_.port);
   if (!dest.ok()) return Annotate(dest.status(), "destination");
   // First: a process in the middle of its move has no shim to ask.
   {
     absl::MutexLock lock(&mu_);
+    if (!moving_.insert(root).second)
+      return absl::FailedPreconditionError(absl::StrCat("process ", root, " is already moving"));
+  }
+  absl::Cleanup unbusy = [&] { DoneMoving(root); };
+  absl::StatusOr<pid_t> endpoint = EndpointOfTree(root);
+  if (!endpoint.ok()) return endpoint.status();
+  const pid_t pid = *endpoint;
+  if (pid != root) {
+    absl::MutexLock lock(&mu_);
     if (!moving_.insert(pid).second)
       return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is already moving"));
   }
-  absl::Cleanup unbusy = [&] { DoneMoving(pid); };
-  if (absl::Status st = CheckShim(pid); !st.ok()) return st;
-  if (absl::Status st = CheckNoTerminal(pid); !st.ok()) return st;
+  absl::Cleanup unbusy_endpoint = [&] {
+    if (pid != root) DoneMoving(pid);
+  };
+  if (absl::Status st = CheckNoTerminal(root); !st.ok()) return st;
   std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
+  if (pid != root) {
+    m->rec.set_tree_root(root);
+    m->rec.mutable_report()->set_tree_root(root);
+  }
   const std::string target = dest->Target();
   m->rec.set_destination(target);
   m->rec.mutable_report()->set_destination(target);
@@ -922,7 +940,7 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   SetPhase(m.get(), "restore", "on this host");
   v1::RestoreIncomingResponse out;
   absl::StatusOr<pid_t> pid = RestoreFromDir(
-      request.dir(), /*tcp_established=*/false,
+      request.dir(), /*tcp_established=*/false, manifest->endpoint().pid(),
       [&](pid_t p) {
         m->rec.set_restored_pid(p);
         m->rec.set_restored_identity(procs_->Identity(p));
@@ -933,7 +951,7 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
     Finish(m.get(), pid.status());
     return pid.status();
   }
-  r->set_pid(*pid);
+  r->set_pid(out.pid());
   b->set_criu_restore_us(out.criu_restore_us());
   b->set_rdma_restore_us(out.rdma_restore_us());
 

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -66,8 +67,37 @@ const std::string& BootId() {
   return *id;
 }
 
+// The children of every thread of `pid` (/proc/PID/task/TID/children).
+std::vector<pid_t> Children(pid_t pid) {
+  std::vector<pid_t> out;
+  const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+  DIR* d = opendir(tasks.c_str());
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream in(absl::StrCat(tasks, "/", e->d_name, "/children"));
+    for (pid_t c; in >> c;) out.push_back(c);
+  }
+  closedir(d);
+  return out;
+}
+
+bool Stopped(pid_t pid) {
+  const char s = State(pid);
+  return s == 'T' || s == 't' || s == 0 || s == 'Z' || s == 'X';
+}
+
 class RealProcessControl final : public ProcessControl {
  public:
+  std::vector<pid_t> Descendants(pid_t pid) override {
+    std::vector<pid_t> out;
+    if (pid <= 0) return out;
+    out = Children(pid);
+    for (size_t i = 0; i < out.size(); ++i)
+      for (pid_t c : Children(out[i])) out.push_back(c);
+    return out;
+  }
+
   bool Exists(pid_t pid) override {
     if (pid <= 0) return false;
     if (kill(pid, 0) != 0 && errno == ESRCH) return false;
@@ -111,35 +141,70 @@ class RealProcessControl final : public ProcessControl {
 
   absl::Status Stop(pid_t pid) override {
     if (kill(pid, SIGSTOP) != 0) return absl::ErrnoToStatus(errno, absl::StrCat("SIGSTOP ", pid));
-    const absl::Time deadline = absl::Now() + absl::Seconds(5);
-    while (State(pid) != 'T' && State(pid) != 't') {
-      if (absl::Now() > deadline)
-        return absl::DeadlineExceededError(absl::StrCat("process ", pid, " did not stop"));
-      absl::SleepFor(absl::Milliseconds(1));
+    if (absl::Status st = WaitStopped(pid); !st.ok()) return st;
+    // A process stopped forks no more; its children may have, until they
+    // stopped too: again until a pass finds none running.
+    for (int pass = 0; pass < 100; ++pass) {
+      bool all = true;
+      for (pid_t c : Descendants(pid)) {
+        if (Stopped(c)) continue;
+        all = false;
+        if (kill(c, SIGSTOP) != 0 && errno != ESRCH)
+          return absl::ErrnoToStatus(errno, absl::StrCat("SIGSTOP ", c, " (a descendant of ", pid,
+                                                         ")"));
+        if (absl::Status st = WaitStopped(c); !st.ok()) return st;
+      }
+      if (all) return absl::OkStatus();
     }
-    return absl::OkStatus();
+    return absl::DeadlineExceededError(
+        absl::StrCat("the descendants of process ", pid, " did not all stop"));
   }
 
   absl::Status Continue(pid_t pid) override {
+    // The descendants first: the root, once running, may wait for them.
+    const std::vector<pid_t> tree = Descendants(pid);
+    for (auto it = tree.rbegin(); it != tree.rend(); ++it) (void)kill(*it, SIGCONT);
     if (kill(pid, SIGCONT) != 0) return absl::ErrnoToStatus(errno, absl::StrCat("SIGCONT ", pid));
     return absl::OkStatus();
   }
 
   absl::Status Kill(pid_t pid) override {
     if (pid <= 0) return absl::InvalidArgumentError(absl::StrCat("no pid ", pid));
-    if (kill(pid, SIGKILL) != 0) {
-      if (errno == ESRCH) return absl::OkStatus();
-      return absl::ErrnoToStatus(errno, absl::StrCat("SIGKILL ", pid));
+    if (!Exists(pid)) {
+      waitpid(pid, nullptr, WNOHANG);
+      return absl::OkStatus();
+    }
+    // Stopped first, so that none of the tree forks a process this kill
+    // would not see; then all of it at once.
+    (void)Stop(pid);
+    std::vector<pid_t> tree = Descendants(pid);
+    tree.insert(tree.begin(), pid);
+    for (pid_t p : tree) {
+      if (kill(p, SIGKILL) != 0 && errno != ESRCH)
+        return absl::ErrnoToStatus(errno, absl::StrCat("SIGKILL ", p));
     }
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (Exists(pid)) {
-      // Our own child (a test's, or a restore that stayed attached).
-      waitpid(pid, nullptr, WNOHANG);
-      if (absl::Now() > deadline)
-        return absl::DeadlineExceededError(absl::StrCat("process ", pid, " did not die"));
-      absl::SleepFor(absl::Milliseconds(2));
+    for (pid_t p : tree) {
+      while (Exists(p)) {
+        // Our own child (a test's, or a restore that stayed attached).
+        waitpid(p, nullptr, WNOHANG);
+        if (absl::Now() > deadline)
+          return absl::DeadlineExceededError(absl::StrCat("process ", p, " did not die"));
+        absl::SleepFor(absl::Milliseconds(2));
+      }
+      waitpid(p, nullptr, WNOHANG);
     }
-    waitpid(pid, nullptr, WNOHANG);
+    return absl::OkStatus();
+  }
+
+ private:
+  static absl::Status WaitStopped(pid_t pid) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (!Stopped(pid)) {
+      if (absl::Now() > deadline)
+        return absl::DeadlineExceededError(absl::StrCat("process ", pid, " did not stop"));
+      absl::SleepFor(absl::Milliseconds(1));
+    }
     return absl::OkStatus();
   }
 };

@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -23,12 +24,17 @@ class ProcessControl {
   // keeps it, so that a migrator that restarts (after a reboot, or long
   // after the move) never signals a stranger that was given the pid.
   virtual std::string Identity(pid_t pid) = 0;
-  // SIGSTOP, and wait until the process is stopped.
+  // Its children, their children and so on (not `pid`), parents before
+  // their children: what CRIU dumps and restores with it.
+  virtual std::vector<pid_t> Descendants(pid_t pid) = 0;
+  // Stop, Continue and Kill act on the process and its descendants, the
+  // tree a dump takes: a child left running on the source would run twice.
+  // SIGSTOP, and wait until every process of the tree is stopped.
   virtual absl::Status Stop(pid_t pid) = 0;
   // SIGCONT.
   virtual absl::Status Continue(pid_t pid) = 0;
-  // SIGKILL, and wait (bounded) until the process is gone. OK if it was
-  // gone already.
+  // SIGKILL, and wait (bounded) until every process of the tree is gone.
+  // OK if it was gone already.
   virtual absl::Status Kill(pid_t pid) = 0;
   // The terminal the process holds ("/dev/pts/3": its controlling
   // terminal, or one of its open files), "" when it holds none.

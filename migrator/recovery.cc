@@ -91,7 +91,7 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
     }
     v1::RestoreIncomingResponse out;
     absl::StatusOr<pid_t> back = RestoreFromDir(
-        m.rec.image_dir(), tcp,
+        m.rec.image_dir(), tcp, pid,
         [&](pid_t p) {
           m.rec.set_restored_pid(p);
           m.rec.set_restored_identity(procs_->Identity(p));
@@ -103,14 +103,15 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
                                 "; restoring the final dump failed: ", back.status().message()));
       Finish(&m, cause);
     } else {
-      r->set_pid(*back);
-      m.rec.set_identity(m.rec.restored_identity());
+      // The endpoint keeps its pid (CRIU gives every pid back).
+      r->set_pid(out.pid());
+      m.rec.set_identity(procs_->Identity(out.pid()));
       m.rec.set_released(false);
       m.rec.set_stopped(false);
       absl::Status peers = ReconnectAll(&m, out.endpoint().mapping(), false);
       v1::MigratorToShim res;
       res.mutable_resume();
-      absl::StatusOr<v1::Reply> rr = Command(*back, res, options_.rpc_timeout, "resume");
+      absl::StatusOr<v1::Reply> rr = Command(out.pid(), res, options_.rpc_timeout, "resume");
       r->set_rolled_back(rr.ok());
       r->set_error(absl::StrCat(cause.message(), addresses_error));
       if (!peers.ok()) r->set_error(absl::StrCat(r->error(), "; ", peers.message()));

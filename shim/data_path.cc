@@ -107,7 +107,7 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   if (!p->Fits(nsge + 2, 2)) return false;
   for (int i = 0; i < nsge; ++i) {
     uint32_t* lkey = &wr->sg_list[i].lkey;
-    p->Key(lkey, qp->mrs->ToPhysical(*lkey));
+    p->Key(lkey, qp->mrs.ToPhysical(*lkey));
   }
   if (uint32_t* rkey = RkeyField(wr)) p->Key(rkey, PeerRkey(qp, *rkey));
   if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
@@ -126,18 +126,18 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
 [[gnu::noinline]] int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   ibv_sge* sg = wr->sg_list;
   const uint32_t lkey = sg->lkey;
-  sg->lkey = qp->mrs->ToPhysical(lkey);
+  sg->lkey = qp->mrs.ToPhysical(lkey);
   const int rc = qp->real_post_send(qp->real, wr, bad);
   sg->lkey = lkey;
   return rc;
 }
-// ... and with the peer's rkey at `off` in the WR.
-[[gnu::noinline]] int PostOneTranslatedRkey(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad,
-                                            unsigned off) {
+// ... and any other opcode: the peer's rkey translated where it has one.
+[[gnu::noinline]] int PostOneTranslatedRkey(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  uint32_t* rkey = RkeyField(wr);
+  if (rkey == nullptr) return PostOneTranslated(qp, wr, bad);
   ibv_sge* sg = wr->sg_list;
   const uint32_t lkey = sg->lkey;
-  sg->lkey = qp->mrs->ToPhysical(lkey);
-  uint32_t* rkey = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(wr) + off);
+  sg->lkey = qp->mrs.ToPhysical(lkey);
   const uint32_t r = *rkey;
   *rkey = PeerRkey(qp, r);
   const int rc = qp->real_post_send(qp->real, wr, bad);
@@ -168,12 +168,13 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   return 0;
 }
 
-inline int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+[[gnu::always_inline]] inline int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1 &&
       qp->shadow.qp_base.qp_type != IBV_QPT_UD) [[likely]] {
-    const uint32_t op = static_cast<uint32_t>(wr->opcode);
-    const unsigned off = op < kRkeyOffset.size() ? kRkeyOffset[op] : 0;
-    return off == 0 ? PostOneTranslated(qp, wr, bad) : PostOneTranslatedRkey(qp, wr, bad, off);
+    // SEND and SEND_WITH_IMM carry no rkey.
+    static_assert(IBV_WR_SEND_WITH_IMM == IBV_WR_SEND + 1);
+    if (static_cast<uint32_t>(wr->opcode) - IBV_WR_SEND <= 1) return PostOneTranslated(qp, wr, bad);
+    return PostOneTranslatedRkey(qp, wr, bad);
   }
   return PostChainTranslated(qp, wr, bad);
 }
@@ -264,11 +265,6 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
   return QueueSends(qp, wr, bad);
 }
 
-// The translating path of a process the migrator cannot move.
-[[gnu::noinline]] int PostSendTranslatedOut(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  return PostSendTranslated(qp, wr, bad);
-}
-
 // The slow path of a migratable process's posts: translating, inside the
 // thread's mark (registered here on its first call).
 [[gnu::noinline]] int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
@@ -284,7 +280,7 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
   if (qp->path.Is(Path::kDirect)) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
-  return PostSendTranslatedOut(qp, wr, bad);
+  return PostSendTranslated(qp, wr, bad);
 }
 
 // A process the migrator may move: the provider's call inside the mark.
@@ -301,7 +297,7 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
 // Receive WRs: only their SGEs' lkeys are identities. Every WR is also
 // recorded in the queue's RecvLog (the journal of recent receives).
 template <typename Post>
-int PostRecvTranslated(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
+int PostRecvTranslated(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
                        Post post) {
   while (wr != nullptr) {
     Patches p;
@@ -312,7 +308,7 @@ int PostRecvTranslated(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_re
     for (; wr != nullptr && p.Fits(wr->num_sge, 1) && log->Push(wr); wr = wr->next) {
       for (int i = 0; i < wr->num_sge; ++i) {
         uint32_t* lkey = &wr->sg_list[i].lkey;
-        p.Key(lkey, mrs->ToPhysical(*lkey));
+        p.Key(lkey, mrs.ToPhysical(*lkey));
       }
       last = wr;
     }
@@ -339,7 +335,7 @@ int PostRecvTranslated(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_re
 // refused. A WR the log refuses sends the chain down the piecewise path,
 // which stops at it.
 template <typename Post>
-inline int PostRecvLogged(const MrTable* mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
+inline int PostRecvLogged(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
                           Post post) {
   uint32_t logged = 0;
   for (ibv_recv_wr* w = wr; w != nullptr; w = w->next) {
@@ -425,7 +421,10 @@ int DrainCq(Cq* cq, uint32_t* sends) {
   }
   cq->pending_count = static_cast<uint32_t>(cq->pending.size());
   // Held completions are handed out by the translating path.
-  if (cq->pending_count > 0) cq->path.Set(Path::kTranslated);
+  if (cq->pending_count > 0) {
+    cq->long_way.store(true, std::memory_order_relaxed);
+    cq->path.Set(Path::kTranslated);
+  }
   return total;
 }
 
@@ -616,12 +615,17 @@ void BackToMarked(Cq* cq) {
     got = VirtualizeDroppingMarkers(cq->qps, wc, got, got + more);
   }
   if (cq->marked_base.load(std::memory_order_relaxed)) BackToMarked(cq);
+  // Nothing left for the long way: no pause can set any of it while this
+  // thread polls (it is inside its mark, or its process is not
+  // migratable and never paused).
+  if (cq->pending_head.load(std::memory_order_acquire) >= cq->pending_count && !cq->markers_late &&
+      !cq->marked_base.load(std::memory_order_relaxed))
+    cq->long_way.store(false, std::memory_order_relaxed);
   return got;
 }
 
 [[gnu::always_inline]] inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
-  if (cq->pending_head.load(std::memory_order_acquire) < cq->pending_count || cq->markers_late ||
-      cq->marked_base.load(std::memory_order_relaxed)) [[unlikely]]
+  if (cq->long_way.load(std::memory_order_relaxed)) [[unlikely]]
     return PollTranslatedSlow(cq, n, wc);
   const QpIndex* qps = cq->qps;
   const int got = cq->real_poll_cq(cq->real, n, wc);
@@ -804,7 +808,7 @@ void WrSetInlineDataList(ibv_qp_ex* q, size_t n, const ibv_data_buf* list) {
 }
 void WrSetSge(ibv_qp_ex* q, uint32_t lkey, uint64_t addr, uint32_t length) {
   Qp* qp = AsQp(q);
-  qp->real_ex->wr_set_sge(qp->real_ex, qp->mrs->ToPhysical(lkey), addr, length);
+  qp->real_ex->wr_set_sge(qp->real_ex, qp->mrs.ToPhysical(lkey), addr, length);
 }
 void WrSetSgeList(ibv_qp_ex* q, size_t n, const ibv_sge* list) {
   Qp* qp = AsQp(q);
@@ -813,7 +817,7 @@ void WrSetSgeList(ibv_qp_ex* q, size_t n, const ibv_sge* list) {
   const size_t m = n < kMax ? n : kMax;
   for (size_t i = 0; i < m; ++i) {
     copy[i] = list[i];
-    copy[i].lkey = qp->mrs->ToPhysical(list[i].lkey);
+    copy[i].lkey = qp->mrs.ToPhysical(list[i].lkey);
   }
   // A longer list than any HCA takes goes through as it is; the provider refuses it.
   qp->real_ex->wr_set_sge_list(qp->real_ex, n, n <= kMax ? copy : list);

@@ -19,6 +19,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -78,6 +79,24 @@ inline uint32_t MakeVirtualLkey(uint32_t slot, uint32_t physical, bool offset) {
   return (offset ? kLkeyOffsetBit : 0) | ((slot + 1) << 8) | (physical & 0xff);
 }
 inline uint32_t LkeySlot(uint32_t vlkey) { return ((vlkey >> 8) - 1) & (kMaxMrs - 1); }
+
+// What the data path reads of the MR table (MrTable): one pointer, kept in
+// each QP and SRQ, to entries indexed by slot + 1 (index 0 and the
+// reserved slot's stay empty), so that a key's index is its bits 8..23
+// with no subtraction. Unknown keys pass through unchanged, so the HCA
+// reports them exactly as it would without the shim.
+class MrLookup {
+ public:
+  MrLookup() = default;
+  explicit MrLookup(const std::atomic<uint64_t>* entries) : entries_(entries) {}
+  uint32_t ToPhysical(uint32_t vlkey) const {
+    const uint64_t e = entries_[(vlkey >> 8) & (kMaxMrs - 1)].load(std::memory_order_relaxed);
+    return static_cast<uint32_t>(e >> 32) == vlkey ? static_cast<uint32_t>(e) : vlkey;
+  }
+
+ private:
+  const std::atomic<uint64_t>* entries_ = nullptr;
+};
 
 }  // namespace rdmavirt::shim
 

@@ -343,6 +343,7 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
       for (const Qp* qp : qps) {
         if (!qp->send_marker_pending || qp->send_cq == nullptr) continue;
         qp->send_cq->markers_late = true;
+        qp->send_cq->long_way.store(true, std::memory_order_relaxed);
         qp->send_cq->marked_base.store(false);
         qp->send_cq->path.Set(Path::kTranslated);
       }

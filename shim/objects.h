@@ -106,6 +106,11 @@ struct Cq {
   std::atomic<bool> marked_base{false};
   // A drain gave up before its marker came: the translating path drops it.
   bool markers_late = false;
+  // Set with any of: completions held (pending), markers_late, marked_base
+  // (each set only before the CQ is published or while the process is
+  // paused); cleared by a poller of the translating path that found none
+  // of them. The translating path tests this one flag.
+  std::atomic<bool> long_way{false};
   int (*real_poll_cq)(ibv_cq*, int, ibv_wc*) = nullptr;
   ibv_cq_ex* real_ex = nullptr;  // when created with ibv_create_cq_ex
   bool extended = false;         // it was: a restore re-creates it so
@@ -146,7 +151,7 @@ struct Srq {
   ibv_srq* real = nullptr;
   PathState path;  // as Qp::path
   int (*real_post_srq_recv)(ibv_srq*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
-  const MrTable* mrs = nullptr;
+  MrLookup mrs;  // the shim's MR table
   Pd* pd = nullptr;
   ibv_srq_init_attr init{};
   RecvLog recvs;
@@ -174,7 +179,7 @@ struct Qp {
   int (*real_post_send)(ibv_qp*, ibv_send_wr*, ibv_send_wr**) = nullptr;
   int (*real_post_recv)(ibv_qp*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
   ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
-  const MrTable* mrs = nullptr;
+  MrLookup mrs;  // the shim's MR table
   IdentityMode mode;
   Context* ctx = nullptr;
   Pd* pd = nullptr;

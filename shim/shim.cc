@@ -483,6 +483,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   // unless the mode marks them.
   cq->path.Set(mode_.offset ? Path::kTranslated : migratable_ ? Path::kMarked : Path::kDirect);
   cq->marked_base.store(cq->path.get() == Path::kMarked);
+  cq->long_way.store(cq->marked_base.load(), std::memory_order_relaxed);
   cq->cqe = cqe;
   cq->slack = slack;
   cq->real_ex = real_ex;
@@ -750,7 +751,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   }
   srq->real = real;
   srq->real_post_srq_recv = real->context->ops.post_srq_recv;
-  srq->mrs = &mrs_;
+  srq->mrs = mrs_.lookup();
   srq->pd = pd;
   srq->init = *attr;
   srq->shadow.context = p->context;
@@ -801,7 +802,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   qp->real = real;
   qp->real_post_send = real->context->ops.post_send;
   qp->real_post_recv = real->context->ops.post_recv;
-  qp->mrs = &mrs_;
+  qp->mrs = mrs_.lookup();
   qp->mode = mode_;
   qp->ctx = ctx;
   qp->pd = pd;

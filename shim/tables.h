@@ -19,20 +19,18 @@ namespace rdmavirt::shim {
 
 class MrTable {
  public:
-  MrTable() : entries_(new std::atomic<uint64_t>[kMaxMrs]()) {}
+  MrTable() : entries_(new std::atomic<uint64_t>[kMaxMrs + 1]()) {}
 
-  // Virtual lkey -> physical lkey. Unknown keys pass through unchanged,
-  // so the HCA reports them exactly as it would without the shim.
-  uint32_t ToPhysical(uint32_t vlkey) const {
-    const uint64_t e = entries_[LkeySlot(vlkey)].load(std::memory_order_relaxed);
-    return static_cast<uint32_t>(e >> 32) == vlkey ? static_cast<uint32_t>(e) : vlkey;
-  }
+  // Virtual lkey -> physical lkey (MrLookup).
+  uint32_t ToPhysical(uint32_t vlkey) const { return lookup().ToPhysical(vlkey); }
+  // What the data path keeps of the table.
+  MrLookup lookup() const { return MrLookup(entries_.get()); }
 
   // Control path, under the shim's mutex. Returns false when full.
   bool Allocate(uint32_t* slot) {
     for (uint32_t i = 0; i < kMaxMrs; ++i) {
       const uint32_t s = (next_ + i) % kMaxMrs;
-      if (entries_[s].load(std::memory_order_relaxed) == 0 && !reserved(s)) {
+      if (entries_[s + 1].load(std::memory_order_relaxed) == 0 && !reserved(s)) {
         next_ = s + 1;
         *slot = s;
         return true;
@@ -42,18 +40,19 @@ class MrTable {
   }
   // Takes a given slot if it is free.
   bool Claim(uint32_t slot) {
-    if (reserved(slot) || entries_[slot].load(std::memory_order_relaxed) != 0) return false;
-    entries_[slot].store(~uint64_t{0}, std::memory_order_relaxed);  // held until Set
+    if (reserved(slot) || entries_[slot + 1].load(std::memory_order_relaxed) != 0) return false;
+    entries_[slot + 1].store(~uint64_t{0}, std::memory_order_relaxed);  // held until Set
     return true;
   }
   void Set(uint32_t slot, uint32_t vlkey, uint32_t plkey) {
-    entries_[slot].store(uint64_t{vlkey} << 32 | plkey, std::memory_order_release);
+    entries_[slot + 1].store(uint64_t{vlkey} << 32 | plkey, std::memory_order_release);
   }
-  void Clear(uint32_t slot) { entries_[slot].store(0, std::memory_order_release); }
+  void Clear(uint32_t slot) { entries_[slot + 1].store(0, std::memory_order_release); }
 
  private:
   // Slot kMaxMrs-1 would make (slot+1) << 8 overflow into the next bits.
   static bool reserved(uint32_t s) { return s == kMaxMrs - 1; }
+  // Slot s at s + 1 (MrLookup); entries 0 and kMaxMrs stay empty.
   std::unique_ptr<std::atomic<uint64_t>[]> entries_;
   uint32_t next_ = 0;
 };

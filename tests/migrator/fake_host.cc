@@ -120,6 +120,26 @@ void FakeHost::AddPlainProcess(pid_t pid) {
   plain_.insert(pid);
 }
 
+void FakeHost::AddChild(pid_t parent, pid_t child) {
+  absl::MutexLock lock(&mu_);
+  children_.emplace(parent, child);
+}
+
+std::vector<pid_t> FakeHost::Descendants(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  return DescendantsLocked(pid);
+}
+
+std::vector<pid_t> FakeHost::DescendantsLocked(pid_t pid) {
+  std::vector<pid_t> out;
+  auto add = [&](pid_t p) {
+    for (auto [it, end] = children_.equal_range(p); it != end; ++it) out.push_back(it->second);
+  };
+  add(pid);
+  for (size_t i = 0; i < out.size(); ++i) add(out[i]);
+  return out;
+}
+
 void FakeHost::ReusePid(pid_t pid) {
   absl::MutexLock lock(&mu_);
   eps_.erase(pid);
@@ -330,14 +350,20 @@ std::string FakeHost::Identity(pid_t pid) {
 
 absl::Status FakeHost::Stop(pid_t pid) {
   absl::MutexLock lock(&mu_);
-  eps_[pid].stopped = true;
+  std::vector<pid_t> tree = DescendantsLocked(pid);
+  tree.push_back(pid);
+  for (pid_t p : tree)
+    if (eps_.contains(p) || !plain_.contains(p)) eps_[p].stopped = true;
   events_.push_back(absl::StrCat("stop ", pid));
   return absl::OkStatus();
 }
 
 absl::Status FakeHost::Continue(pid_t pid) {
   absl::MutexLock lock(&mu_);
-  eps_[pid].stopped = false;
+  std::vector<pid_t> tree = DescendantsLocked(pid);
+  tree.push_back(pid);
+  for (pid_t p : tree)
+    if (eps_.contains(p) || !plain_.contains(p)) eps_[p].stopped = false;
   events_.push_back(absl::StrCat("continue ", pid));
   Tick();
   return absl::OkStatus();
@@ -347,10 +373,15 @@ absl::Status FakeHost::Kill(pid_t pid) {
   absl::MutexLock lock(&mu_);
   events_.push_back(absl::StrCat("kill ", pid));
   if (!kill_error.ok()) return kill_error;
-  auto it = eps_.find(pid);
-  if (it != eps_.end()) {
-    it->second.alive = false;
-    it->second.connected = false;
+  std::vector<pid_t> tree = DescendantsLocked(pid);
+  tree.push_back(pid);
+  for (pid_t p : tree) {
+    plain_.erase(p);
+    auto it = eps_.find(p);
+    if (it != eps_.end()) {
+      it->second.alive = false;
+      it->second.connected = false;
+    }
   }
   return absl::OkStatus();
 }
@@ -362,7 +393,8 @@ absl::StatusOr<DumpStats> FakeHost::PreDump(pid_t pid, const std::string& dir,
   absl::MutexLock lock(&mu_);
   ++predumps;
   if (!predump_error.ok()) return predump_error;
-  if (!eps_.contains(pid) || !eps_[pid].alive) return absl::NotFoundError("no such process");
+  if (!plain_.contains(pid) && (!eps_.contains(pid) || !eps_[pid].alive))
+    return absl::NotFoundError("no such process");
   std::filesystem::create_directories(dir);
   const uint64_t bytes =
       predump_sizes.empty()
@@ -379,7 +411,16 @@ absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
   absl::MutexLock lock(&mu_);
   ++dumps;
   if (!dump_error.ok()) return dump_error;
-  auto it = eps_.find(pid);
+  // The tree's one endpoint: its root, or a descendant (the root plain).
+  pid_t ep = pid;
+  std::string tree;  // "parent child" lines, for the restore
+  if (plain_.contains(pid)) {
+    for (pid_t d : DescendantsLocked(pid))
+      if (eps_.contains(d) && eps_[d].alive) ep = d;
+    for (const auto& [parent, child] : children_)
+      if (parent == pid || ep == child) absl::StrAppend(&tree, parent, " ", child, "\n");
+  }
+  auto it = eps_.find(ep);
   if (it == eps_.end() || !it->second.alive) return absl::NotFoundError("no such process");
   if (it->second.connected)
     return absl::FailedPreconditionError("Can't dump: the control socket is still open");
@@ -389,10 +430,14 @@ absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
         "Connected TCP socket, consider using --tcp-established option");
   std::filesystem::create_directories(dir);
   WriteFile(dir + "/core.img", Summary(it->second).SerializeAsString());
+  if (!tree.empty()) WriteFile(dir + "/tree.img", tree);
   if (!it->second.tcp_address.empty()) WriteFile(dir + "/tcp.img", it->second.tcp_address);
   WriteFile(dir + "/pages-1.img", std::string(4096, 'f'));
   if (!parent.empty()) WriteFile(dir + "/parent.path", Relative(dir, parent) + "\n");
-  if (!leave_running) it->second.alive = false;
+  if (!leave_running) {
+    it->second.alive = false;
+    plain_.erase(pid);
+  }
   return DumpStats{20, 8192};
 }
 
@@ -443,8 +488,16 @@ absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_establi
   e.released = true;
   e.paused = true;
   e.connected = false;
+  // A tree: its plain root (returned) and their links come back too.
+  pid_t root = pid;
+  std::ifstream t(dir + "/tree.img");
+  for (pid_t parent, child; t >> parent >> child;) {
+    if (child == pid) root = parent;
+    if (!eps_.contains(parent)) plain_.insert(parent);
+    children_.emplace(parent, child);
+  }
   Tick();
-  return pid;
+  return root;
 }
 
 }  // namespace rdmavirt::migrator::testing

@@ -82,6 +82,9 @@ class FakeHost final : public ShimChannel,
   void SetTcpAddress(pid_t pid, const std::string& address);
   // A process that is not under the shim.
   void AddPlainProcess(pid_t pid);
+  // `child` (a process added before) is a child of `parent`: a dump of
+  // `parent` takes it, and a restore brings both back.
+  void AddChild(pid_t parent, pid_t child);
   // The process with `pid` is gone and a stranger (not under the shim) was
   // given its pid: Exists is true, Identity differs.
   void ReusePid(pid_t pid);
@@ -124,6 +127,7 @@ class FakeHost final : public ShimChannel,
   // ProcessControl
   bool Exists(pid_t pid) override;
   std::string Identity(pid_t pid) override;
+  std::vector<pid_t> Descendants(pid_t pid) override;
   absl::Status Stop(pid_t pid) override;
   absl::Status Continue(pid_t pid) override;
   absl::Status Kill(pid_t pid) override;
@@ -155,6 +159,8 @@ class FakeHost final : public ShimChannel,
   absl::Mutex mu_;
   std::map<pid_t, FakeEndpoint> eps_ ABSL_GUARDED_BY(mu_);
   std::set<pid_t> plain_ ABSL_GUARDED_BY(mu_);
+  std::multimap<pid_t, pid_t> children_ ABSL_GUARDED_BY(mu_);
+  std::vector<pid_t> DescendantsLocked(pid_t pid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::map<pid_t, int> incarnation_ ABSL_GUARDED_BY(mu_);  // Identity's
 
   std::map<pid_t, std::string> terminals_ ABSL_GUARDED_BY(mu_);

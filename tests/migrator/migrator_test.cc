@@ -725,6 +725,74 @@ TEST(MigratorTest, ARollbackGivesTheServiceAddressBackToTheSource) {
   EXPECT_THAT(c.host(2).Addresses(), ElementsAre("10.0.0.2/24@eth0"));
 }
 
+// A shell (not under the shim) and its child under the shim, moved by the
+// shell's pid: the tree is stopped, dumped, restored and killed from the
+// shell; the child's endpoint is what is quiesced, released and brought
+// back. Before, the shell's pid was refused as not under the shim.
+TEST(MigratorTest, AParentMovesWithItsChildUnderTheShim) {
+  Cluster c("tree");
+  Topology(c);
+  c.host(1).AddPlainProcess(90);
+  c.host(1).AddChild(90, 100);
+  MoveRun run = Migrate(c, 90, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  EXPECT_EQ(run.report.pid(), 100);
+  EXPECT_EQ(run.report.tree_root(), 90);
+  EXPECT_THAT(c.host(1).Events(), ::testing::IsSupersetOf({"stop 90", "dump 90", "kill 90"}));
+  // Both are gone from h1 and run on h2, the child's endpoint resumed.
+  EXPECT_FALSE(c.host(1).Exists(90));
+  EXPECT_FALSE(c.host(1).Exists(100));
+  EXPECT_TRUE(c.host(2).Exists(90));
+  EXPECT_THAT(c.host(2).Descendants(90), ElementsAre(100));
+  FakeEndpoint moved = c.host(2).Get(100);
+  EXPECT_TRUE(moved.alive && moved.connected && !moved.released && !moved.paused);
+  EXPECT_THAT(Commands(moved.log), ElementsAre("restore", "resume"));
+  for (auto [host, pid] : {std::pair{1, 200}, std::pair{3, 300}}) {
+    FakeEndpoint p = c.host(host).Get(pid);
+    ASSERT_EQ(p.reconnected_to.size(), 1u) << pid;
+    EXPECT_EQ(p.reconnected_to[0].physical_gid(), Gid(2));
+  }
+}
+
+TEST(MigratorTest, ATreeRolledBackContinuesFromItsRoot) {
+  Cluster c("treeback");
+  Topology(c);
+  c.host(1).AddPlainProcess(90);
+  c.host(1).AddChild(90, 100);
+  c.host(2).restore_error = absl::InternalError("restore failed");
+  MoveRun run = Migrate(c, 90, "h2");
+  EXPECT_FALSE(run.status.ok());
+  EXPECT_TRUE(run.report.rolled_back()) << run.report.error();
+  EXPECT_THAT(c.host(1).Events(), ::testing::IsSupersetOf({"stop 90", "continue 90"}));
+  FakeEndpoint back = c.host(1).Get(100);
+  EXPECT_TRUE(back.alive && back.connected && !back.released && !back.paused);
+  EXPECT_TRUE(c.host(1).Exists(90));
+}
+
+// Two processes under the shim in one tree: a move takes one endpoint, so
+// it is refused before anything, naming both.
+TEST(MigratorTest, ATreeWithTwoProcessesUnderTheShimIsRefused) {
+  Cluster c("tree2");
+  Topology(c);
+  c.host(1).AddPlainProcess(90);
+  c.host(1).AddChild(90, 100);
+  c.host(1).AddChild(90, 200);
+  MoveRun run = Migrate(c, 90, "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("(100, 200)"));
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_EQ(c.host(1).predumps, 0);
+  // A terminal anywhere in the tree is refused too, naming who holds it.
+  c.host(3).AddPlainProcess(91);
+  c.host(3).AddChild(91, 300);
+  c.host(3).SetTerminal(300, "/dev/pts/4");
+  run = Migrate(c, 91, "h2", {}, 3);
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()),
+              HasSubstr("process 300 (a descendant of process 91) holds the terminal /dev/pts/4"));
+}
+
 TEST(MigratorTest, FinalDumpFailureRollsBack) {
   Cluster c("dumpfail");
   Topology(c);

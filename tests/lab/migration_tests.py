@@ -489,6 +489,44 @@ def a_shell_child_moves_and_leads_a_session_of_its_own_there():
 
 
 @lab_test
+@logs_on_failure("tree")
+def a_shell_and_its_child_move_as_one_and_the_shell_sees_its_exit():
+    # Named by the shell's pid, the shell moves with its child under the
+    # shim: both run on host2 (the shell still the child's parent), none of
+    # the tree stays on host1, and the shell, on host2, sees the program
+    # exit 0 once it finished its iterations there. Before, the shell's pid
+    # was refused as not under the shim, and a child not under the shim
+    # stayed running on the source while its copy ran on the destination.
+    parent = f"{WORK}/tree-parent"
+
+    def launch(server):
+        return (f"rm -f {parent}; (setsid bash -c '{server}; echo rc=$? > {parent}' "
+                f"< /dev/null > /dev/null 2>&1 &)")
+
+    def move(pid):
+        shell = int(run_ok(1, f"ps -o ppid= -p {pid}").out.strip())
+        check(run_ok(1, f"ps -o comm= -p {shell}").out.strip() == "bash",
+              "the server's parent is not the shell", shell)
+        r, rep = ctl(1, f"migrate {shell} --to {ip(2)}")
+        check(r.rc == 0, "migrate the shell and its child host1 -> host2", r)
+        check_report(rep, "migrate the shell and its child")
+        check(rep.get("pid") == pid and rep.get("treeRoot", rep.get("tree_root")) == shell,
+              "the report does not name the server as the endpoint of the shell's tree", rep)
+        check_moved(pid, 1, 2, "the server")
+        check(LAB.run(1, f"kill -0 {shell}").rc != 0, "the shell still runs on host1")
+        there = run_ok(2, f"ps -o ppid= -p {pid}").out.strip()
+        check(there == str(shell), "on host2 the server is not the shell's child", there)
+        check(run_ok(2, f"ps -o comm= -p {shell}").out.strip() == "bash",
+              "the shell does not run on host2")
+
+    pingpong_survives("tree", move, launch=launch)
+    # The shell, on host2, saw its child's exit code.
+    wait_until(2, f"test -s {parent}", 60, "the shell on host2 saw its child end")
+    rc = open(os.path.join(LAB.shared, "migration", "tree-parent")).read().strip()
+    check(rc == "rc=0", "the shell did not see its child exit 0", rc)
+
+
+@lab_test
 @logs_on_failure("terminal")
 def a_program_with_a_terminal_is_refused_before_anything_is_quiesced():
     # Started from a terminal (util-linux `script` gives it a pty): its

@@ -135,8 +135,11 @@ std::string ReportText(const v1::MigrationReport& r) {
   const v1::Breakdown& b = r.breakdown();
   std::string what;
   if (r.kind() == "migrate")
-    what =
-        absl::StrCat("migration of pid ", r.pid(), " from ", r.source(), " to ", r.destination());
+    what = absl::StrCat("migration of pid ",
+                        r.tree_root() ? absl::StrCat(r.tree_root(), " with its descendants (pid ",
+                                                     r.pid(), " under the shim)")
+                                      : absl::StrCat(r.pid()),
+                        " from ", r.source(), " to ", r.destination());
   else if (r.kind() == "checkpoint")
     what = absl::StrCat("checkpoint of pid ", r.pid(), " into ", r.destination());
   else

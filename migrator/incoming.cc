@@ -1,5 +1,6 @@
 // The destination side of a move (Transfer): Prepare, PushImages,
 // RestoreIncoming, AbortIncoming, and the final resume of the endpoint.
+#include <algorithm>
 #include <filesystem>
 
 #include "absl/strings/ascii.h"
@@ -209,8 +210,45 @@ std::shared_ptr<Migrator::Incoming> Migrator::FindIncoming(const std::string& id
   return it == incoming_.end() ? nullptr : it->second;
 }
 
+absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreMember(
+    const v1::RestoreIncomingRequest& request) {
+  const std::string& id = request.migration_id();
+  const pid_t pid = request.endpoint_pid();
+  std::shared_ptr<Incoming> in = FindIncoming(id);
+  if (in == nullptr)
+    return absl::NotFoundError(absl::StrCat("no migration ", id, " was prepared here"));
+  {
+    absl::MutexLock lock(&in->mu);
+    if (in->rec.phase() != "restored")
+      return absl::FailedPreconditionError(
+          absl::StrCat("migration ", id, " is ", in->rec.phase(), ", not restored"));
+    const std::vector<pid_t> tree = procs_->Descendants(in->rec.restored_pid());
+    if (pid <= 0 || std::find(tree.begin(), tree.end(), pid) == tree.end())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "process ", pid, " is not in the tree migration ", id, " restored here"));
+  }
+  // Brought back without `in->mu`: an abort meanwhile kills the tree, and
+  // this fails for it.
+  const absl::Time r0 = absl::Now();
+  std::vector<v1::Mapping> peers(request.peers().begin(), request.peers().end());
+  absl::StatusOr<v1::EndpointSummary> e = BringBack(pid, FirstActiveDeviceName(), peers);
+  if (!e.ok())
+    return Annotate(e.status(), absl::StrCat("bringing back the endpoint of restored process ", pid));
+  {
+    absl::MutexLock arriving(&mu_);
+    arriving_.insert(pid);
+  }
+  v1::RestoreIncomingResponse out;
+  out.set_pid(pid);
+  out.set_rdma_restore_us(MicrosSince(r0));
+  *out.mutable_endpoint() = *std::move(e);
+  Log("incoming %s: process %d of the restored tree back on %s", id, pid, out.endpoint().device());
+  return out;
+}
+
 absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
     const v1::RestoreIncomingRequest& request) {
+  if (request.endpoint_pid() != 0) return RestoreMember(request);
   const std::string& id = request.migration_id();
   std::shared_ptr<Incoming> in = FindIncoming(id);
   if (in == nullptr)
@@ -362,8 +400,8 @@ absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {
       incoming_.erase(it);
     }
   }
-  pid_t pid = 0;
-  if (in != nullptr) {
+  pid_t pid = request.endpoint_pid();
+  if (pid == 0 && in != nullptr) {
     absl::MutexLock lock(&in->mu);
     // The restored tree's process under the shim (its pid as on the source).
     if (in->rec.restored_pid() != 0) pid = in->rec.report().pid();

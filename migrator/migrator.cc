@@ -212,7 +212,7 @@ absl::Status Migrator::CheckNoTerminal(pid_t pid) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<pid_t> Migrator::EndpointOfTree(pid_t root) {
+absl::StatusOr<std::vector<pid_t>> Migrator::EndpointsOfTree(pid_t root) {
   const absl::Status own = CheckShim(root);
   if (!own.ok() && !absl::IsFailedPrecondition(own)) return own;
   std::set<pid_t> shimmed;
@@ -222,12 +222,7 @@ absl::StatusOr<pid_t> Migrator::EndpointOfTree(pid_t root) {
   for (pid_t d : procs_->Descendants(root))
     if (shimmed.contains(d)) found.push_back(d);
   if (found.empty()) return own;
-  if (found.size() > 1)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "process ", root, " and its descendants hold ", found.size(),
-        " processes under the shim (", absl::StrJoin(found, ", "),
-        "); a move takes a tree with one of them: move each by its own pid"));
-  return found.front();
+  return found;
 }
 
 absl::Status Migrator::CheckShim(pid_t pid) {
@@ -407,9 +402,14 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   };
   // Whoever points at the endpoint must be re-pointed, quiesced by us or
   // not (a restarted migrator forgot its set; a peer connected meanwhile).
+  // At the endpoint's QPs only: other processes of its old host share its
+  // virtual GID (a tree's other endpoints, moved a moment ago, whose peers
+  // are running again), and their peers are not this move's.
+  std::set<uint32_t> qpns;
+  for (const v1::IdPair& q : m.qpns()) qpns.insert(q.virtual_id());
   std::map<pid_t, bool> targets;  // pid -> suspended
   for (pid_t p : quiesced) targets[p] = true;
-  for (const auto& [pid, suspended] : LocalPeersOf(m.virtual_gid(), {}, false, 0))
+  for (const auto& [pid, suspended] : LocalPeersOf(m.virtual_gid(), qpns, false, 0))
     targets[pid] = suspended || quiesced.contains(pid);
   // Each peer at once: each re-points its own QPs (one shim, one thread).
   const std::vector<std::pair<pid_t, bool>> peers(targets.begin(), targets.end());

@@ -169,11 +169,11 @@ class Migrator {
   // FAILED_PRECONDITION when it or a descendant holds a terminal (CRIU
   // cannot restore it).
   absl::Status CheckNoTerminal(pid_t pid);
-  // The process under the shim that a move of `root` (with its
-  // descendants, as CRIU dumps it) takes: `root` itself, or the one
-  // descendant under the shim. FAILED_PRECONDITION when none is, or more
-  // than one.
-  absl::StatusOr<pid_t> EndpointOfTree(pid_t root);
+  // The processes under the shim that a move of `root` (with its
+  // descendants, as CRIU dumps it) takes: `root` first if it is one, then
+  // its descendants that are, parents before children.
+  // FAILED_PRECONDITION when none is.
+  absl::StatusOr<std::vector<pid_t>> EndpointsOfTree(pid_t root);
   // The endpoint described and its peers quiesced; ABORTED when another
   // move holds it or a peer (outgoing.cc).
   absl::StatusOr<v1::EndpointSummary> QuiesceThePeers(Move* m);
@@ -223,7 +223,17 @@ class Migrator {
   // `held` (if given) counts the peers that are released themselves.
   absl::Status ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only,
                             uint32_t* held = nullptr);
-  absl::Status RunSource(Move* m, const v1::MigrateRequest& request);
+  // `members`: the tree's further endpoints (tree_lead: m), each quiesced
+  // and released after m's endpoint, brought back on the destination
+  // after m's restore (BringBackMember).
+  absl::Status RunSource(Move* m, const v1::MigrateRequest& request,
+                         const std::vector<Move*>& members);
+  absl::Status BringBackMember(Move* member);
+  // The tree of `root` with several endpoints: the first is `lead`'s, one
+  // move per further endpoint in `members` (refused, nothing touched, when
+  // two of them are connected to each other).
+  absl::Status MakeMembers(Move* lead, const std::vector<pid_t>& endpoints,
+                           std::vector<std::unique_ptr<Move>>* members);
   // The steps a move and a restore elsewhere share. Prepare: the
   // destination's yes before anything is touched (`untouched` says what a
   // refusal left as it was). TransferFinal: `dir`'s images sent (`hashed`:
@@ -260,9 +270,16 @@ class Migrator {
                                        const std::vector<v1::Mapping>& peers,
                                        v1::RestoreIncomingResponse* out);
   absl::Status ResumeMoved(const v1::ReconnectPeersRequest& request);
+  // RestoreIncoming with endpoint_pid: a further endpoint of the tree the
+  // migration restored here, brought back.
+  absl::StatusOr<v1::RestoreIncomingResponse> RestoreMember(
+      const v1::RestoreIncomingRequest& request);
 
   // ---- recovery (recovery.cc)
-  void RecoverSource(const std::string& dir, v1::MigrationRecord record);
+  // `tree_forward`: for a tree's further endpoint, whether the tree's
+  // first move finishes (or finished) on its destination.
+  void RecoverSource(const std::string& dir, v1::MigrationRecord record,
+                     bool tree_forward = false);
   void RecoverDestination(const std::string& dir, v1::MigrationRecord record);
 
   // Service addresses: checked where they are, then moved ("a.b.c.d/len@if"

@@ -35,6 +35,9 @@ struct Migrator::Move {
   absl::Mutex peers_mu;
   std::map<std::string, std::unique_ptr<v1::Transfer::StubInterface>> stubs;
   bool prepared = false;       // the destination holds an incoming record
+  // What went wrong completing the tree's further endpoints (a tree's
+  // first move reports them).
+  std::vector<std::string> member_errors;
   bool restore_asked = false;  // RestoreIncoming was sent: a copy may run there
   // The first failed write of `rec`: crash recovery reads the record, so a
   // move that cannot write it is refused or rolled back while it can be.

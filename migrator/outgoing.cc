@@ -355,7 +355,8 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
   return absl::UnavailableError(absl::StrJoin(errors, "; "));
 }
 
-absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
+absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
+                                 const std::vector<Move*>& members) {
   // CRIU's steps take the tree from its root; the shim's, the endpoint.
   const pid_t root = TreeRoot(m->rec);
   const std::string id = m->rec.report().migration_id();
@@ -416,6 +417,11 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
 
   v1::EndpointSummary released;
   if (absl::Status st = QuiesceAndRelease(m, &released); !st.ok()) return st;
+  for (Move* mm : members) {
+    v1::EndpointSummary member_released;
+    if (absl::Status st = QuiesceAndRelease(mm, &member_released); !st.ok())
+      return Annotate(st, absl::StrCat("process ", mm->rec.report().pid(), " of the tree"));
+  }
 
   SetPhase(m, "dump");
   const absl::Time d0 = absl::Now();
@@ -454,7 +460,79 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request) {
   v1::Manifest hashed;
   if (absl::Status st = TransferFinal(m, final_dir, listed, &hashed); !st.ok()) return st;
   if (absl::Status st = WriteManifest(final_dir, hashed); !st.ok()) return st;
-  return RestoreOnDestination(m);
+  if (absl::Status st = RestoreOnDestination(m); !st.ok()) return st;
+  for (Move* mm : members)
+    if (absl::Status st = BringBackMember(mm); !st.ok()) return st;
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::MakeMembers(Move* lead, const std::vector<pid_t>& endpoints,
+                                   std::vector<std::unique_ptr<Move>>* members) {
+  std::vector<v1::EndpointSummary> all = {lead->rec.endpoint()};
+  for (size_t i = 1; i < endpoints.size(); ++i) {
+    absl::StatusOr<v1::EndpointSummary> e = Describe(endpoints[i]);
+    if (!e.ok()) return e.status();
+    if (absl::Status st = CheckPeersLocatable(*e); !st.ok()) return st;
+    all.push_back(*std::move(e));
+  }
+  // Two endpoints of the tree connected to each other would each be
+  // re-pointed at the other's released QPs.
+  for (size_t i = 0; i < all.size(); ++i)
+    for (size_t j = 0; j < all.size(); ++j) {
+      if (i == j || all[j].mapping().virtual_gid().empty()) continue;
+      std::set<uint32_t> qpns;
+      for (const v1::QpSummary& q : all[j].qps()) qpns.insert(q.virtual_qpn());
+      for (const v1::QpSummary& q : all[i].qps())
+        if (q.remote_virtual_gid() == all[j].mapping().virtual_gid() &&
+            qpns.contains(q.remote_virtual_qpn()))
+          return absl::FailedPreconditionError(absl::StrCat(
+              "processes ", endpoints[i], " and ", endpoints[j],
+              " of the tree are connected to each other; moving both at once is not supported"));
+    }
+  const v1::MigrationReport& lr = lead->rec.report();
+  for (size_t i = 1; i < endpoints.size(); ++i) {
+    std::unique_ptr<Move> mm = NewMove("migrate", endpoints[i], nullptr);
+    mm->rec.set_tree_root(TreeRoot(lead->rec));
+    mm->rec.set_tree_lead(lr.migration_id());
+    mm->rec.set_destination(lead->rec.destination());
+    *mm->rec.mutable_endpoint() = all[i];
+    v1::MigrationReport* r = mm->rec.mutable_report();
+    r->set_tree_root(TreeRoot(lead->rec));
+    r->set_destination(lr.destination());
+    r->set_endpoint_id(all[i].endpoint_id());
+    lead->rec.mutable_report()->add_tree_endpoints(endpoints[i]);
+    Persist(mm.get());
+    members->push_back(std::move(mm));
+  }
+  Persist(lead);
+  return lead->record_error;
+}
+
+// A further endpoint of a tree its first move (tree_lead) restored on the
+// destination: its process is there (CRIU gave it its pid back), released;
+// brought back there, paused, like the first.
+absl::Status Migrator::BringBackMember(Move* member) {
+  SetPhase(member, "restore", member->rec.destination());
+  if (!member->record_error.ok()) return member->record_error;
+  v1::RestoreIncomingRequest rq;
+  rq.set_migration_id(member->rec.tree_lead());
+  rq.set_endpoint_pid(member->rec.report().pid());
+  v1::Transfer::StubInterface* dest = Stub(member, member->rec.destination());
+  const absl::Time r0 = absl::Now();
+  absl::StatusOr<v1::RestoreIncomingResponse> back = Rpc<v1::RestoreIncomingResponse>(
+      options_.hello_timeout + options_.rpc_timeout * 2,
+      absl::StrCat("bringing back process ", member->rec.report().pid(), " on ",
+                   member->rec.destination()),
+      [&](grpc::ClientContext* c, v1::RestoreIncomingResponse* out) {
+        return dest->RestoreIncoming(c, rq, out);
+      });
+  if (!back.ok()) return back.status();
+  member->rec.mutable_report()->mutable_breakdown()->set_rdma_restore_us(MicrosSince(r0));
+  member->rec.set_confirmed(true);
+  member->rec.set_restored_pid(back->pid());
+  *member->rec.mutable_new_mapping() = back->endpoint().mapping();
+  Persist(member);
+  return absl::OkStatus();
 }
 
 absl::Status Migrator::PrepareDestination(Move* m, const v1::PrepareRequest& prep,
@@ -541,6 +619,7 @@ absl::Status Migrator::CompleteForward(Move* m) {
   req.set_migration_id(r->migration_id());
   *req.mutable_mapping() = m->rec.new_mapping();
   req.set_resume_endpoint(true);
+  if (!m->rec.tree_lead().empty()) req.set_endpoint_pid(r->pid());
   absl::StatusOr<v1::ReconnectPeersResponse> resumed =
       ReconnectPeersOn(m, m->rec.destination(), req,
                        absl::StrCat("resuming the endpoint on ", m->rec.destination()));
@@ -557,6 +636,10 @@ absl::Status Migrator::CompleteForward(Move* m) {
   absl::Status st = peers;
   if (!resumed.ok()) st = resumed.status();
   if (!killed.ok()) st = killed;
+  if (!m->member_errors.empty())
+    st = absl::UnavailableError(absl::StrCat(
+        "further endpoints of the tree: ", absl::StrJoin(m->member_errors, "; "),
+        st.ok() ? "" : absl::StrCat("; ", st.message())));
   if (!st.ok()) r->set_error(absl::StrCat("the endpoint moved, but: ", st.message()));
   Finish(m, st);
   return st;
@@ -695,17 +778,22 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
       return absl::FailedPreconditionError(absl::StrCat("process ", root, " is already moving"));
   }
   absl::Cleanup unbusy = [&] { DoneMoving(root); };
-  absl::StatusOr<pid_t> endpoint = EndpointOfTree(root);
-  if (!endpoint.ok()) return endpoint.status();
-  const pid_t pid = *endpoint;
-  if (pid != root) {
-    absl::MutexLock lock(&mu_);
-    if (!moving_.insert(pid).second)
-      return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is already moving"));
-  }
-  absl::Cleanup unbusy_endpoint = [&] {
-    if (pid != root) DoneMoving(pid);
+  absl::StatusOr<std::vector<pid_t>> endpoints = EndpointsOfTree(root);
+  if (!endpoints.ok()) return endpoints.status();
+  const pid_t pid = endpoints->front();
+  std::vector<pid_t> busy;  // the endpoints, besides the root
+  absl::Cleanup unbusy_endpoints = [&] {
+    for (pid_t p : busy) DoneMoving(p);
   };
+  {
+    absl::MutexLock lock(&mu_);
+    for (pid_t e : *endpoints) {
+      if (e == root) continue;
+      if (!moving_.insert(e).second)
+        return absl::FailedPreconditionError(absl::StrCat("process ", e, " is already moving"));
+      busy.push_back(e);
+    }
+  }
   if (absl::Status st = CheckNoTerminal(root); !st.ok()) return st;
   std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
   if (pid != root) {
@@ -733,9 +821,15 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   *m->rec.mutable_endpoint() = *e;
   m->rec.mutable_report()->set_endpoint_id(e->endpoint_id());
   absl::Status known = CheckPeersLocatable(*e);
+  // One move per further endpoint of the tree, around this one.
+  std::vector<std::unique_ptr<Move>> members;
+  std::vector<Move*> member_ptrs;
+  if (known.ok() && endpoints->size() > 1) known = MakeMembers(m.get(), *endpoints, &members);
+  for (const std::unique_ptr<Move>& mm : members) member_ptrs.push_back(mm.get());
   if (known.ok()) known = ClaimMove(m.get());
   if (!known.ok()) {
     known = Annotate(known, "nothing was quiesced");
+    for (Move* mm : member_ptrs) Finish(mm, known);
     Finish(m.get(), known);
     return known;
   }
@@ -747,17 +841,28 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   for (const std::string& a : m->rec.report().addresses()) prep.add_addresses(a);
   if (absl::Status st = PrepareDestination(m.get(), prep, "nothing was quiesced"); !st.ok()) {
     m->rec.mutable_report()->set_rolled_back(false);
+    for (Move* mm : member_ptrs) Finish(mm, st);
     Finish(m.get(), st);
     return st;
   }
 
-  absl::Status st = RunSource(m.get(), request);
+  absl::Status st = RunSource(m.get(), request, member_ptrs);
   if (!st.ok()) {
+    // The tree first (continued on the source, the first endpoint back),
+    // then each further endpoint, which needs its process running.
     RollBack(m.get(), st);
+    for (Move* mm : member_ptrs) RollBack(mm, st);
     return st;
   }
   // Done: what went wrong after the restore (a peer not re-pointed) is in
-  // the report, and the move is not undone for it.
+  // the report, and the move is not undone for it. The further endpoints
+  // are resumed first: the first one's completion ends the destination's
+  // record of the tree.
+  for (Move* mm : member_ptrs) {
+    if (absl::Status done = CompleteForward(mm); !done.ok())
+      m->member_errors.push_back(absl::StrCat("process ", mm->rec.report().pid(), ": ",
+                                              done.message()));
+  }
   (void)CompleteForward(m.get());
   return absl::OkStatus();
 }

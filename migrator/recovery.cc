@@ -10,11 +10,15 @@
 //    delete the images);
 //  - destination, restored: keep the process, wait for the source's
 //    ReconnectPeers to resume it.
+//  - a tree's further endpoints (tree_lead) follow the tree's first move:
+//    brought back on its destination when that move finishes there, put
+//    back here once it has rolled back (the tree running again);
 // A pid of a record is acted on only while it names the same process (its
 // ProcessControl::Identity): after a reboot, or once the process died and
 // its pid was given to another, the record's process is gone, and the
 // stranger is neither signalled nor killed.
 #include <filesystem>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "migrator/log.h"
@@ -28,16 +32,37 @@ namespace {
 // A process that still runs reconnects to the new socket within a second.
 constexpr absl::Duration kReconnectGrace = absl::Seconds(5);
 
+// The move finishes on its destination (RecoverSource's first case).
+bool GoesForward(const v1::MigrationRecord& rec) {
+  const std::string& kind = rec.report().kind();
+  return (kind == "migrate" || kind == "restore") && rec.confirmed() && !rec.destination().empty();
+}
+
 }  // namespace
 
 void Migrator::Recover() {
-  for (auto& [dir, rec] : ListRecords(options_.state_dir + "/migrations"))
-    if (!rec.done()) RecoverSource(dir, std::move(rec));
+  // A tree's further endpoints need its process running here to come
+  // back here, and its first move's record on the destination to come
+  // back there: first moves that go back, then further endpoints, then
+  // first moves that go forward.
+  auto sources = ListRecords(options_.state_dir + "/migrations");
+  std::map<std::string, bool> tree_forward;  // a first move's id -> its tree is on its destination
+  for (const auto& [dir, rec] : sources)
+    tree_forward[rec.report().migration_id()] =
+        rec.done() ? rec.report().ok() && rec.report().kind() == "migrate" : GoesForward(rec);
+  for (auto& [dir, rec] : sources)
+    if (!rec.done() && rec.tree_lead().empty() && !GoesForward(rec)) RecoverSource(dir, rec);
+  for (auto& [dir, rec] : sources)
+    if (!rec.done() && !rec.tree_lead().empty())
+      RecoverSource(dir, rec, tree_forward[rec.tree_lead()]);
+  for (auto& [dir, rec] : sources)
+    if (!rec.done() && rec.tree_lead().empty() && GoesForward(rec)) RecoverSource(dir, rec);
   for (auto& [dir, rec] : ListRecords(options_.state_dir + "/incoming"))
     if (!rec.done()) RecoverDestination(dir, std::move(rec));
 }
 
-void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record) {
+void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record,
+                             bool tree_forward) {
   Move m;
   m.rec = std::move(record);
   m.dir = dir;
@@ -66,8 +91,17 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record)
     m.rec.set_quiesced(false);
   }
 
-  if ((r->kind() == "migrate" || r->kind() == "restore") && m.rec.confirmed() &&
-      !m.rec.destination().empty()) {
+  if (!m.rec.tree_lead().empty() && !m.rec.confirmed() && tree_forward) {
+    // Its tree runs on the destination, its endpoint released there.
+    if (absl::Status st = BringBackMember(&m); !st.ok()) {
+      r->set_error(absl::StrCat(cause.message(), "; its tree moved to ", m.rec.destination(),
+                                ", where it was not brought back: ", st.message()));
+      Finish(&m, cause);
+    } else {
+      (void)CompleteForward(&m);
+    }
+  } else if ((r->kind() == "migrate" || r->kind() == "restore") && m.rec.confirmed() &&
+             !m.rec.destination().empty()) {
     // The endpoint lives on the destination: finish the move.
     (void)CompleteForward(&m);
   } else if (r->kind() == "restore" && !m.rec.destination().empty()) {

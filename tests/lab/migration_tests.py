@@ -490,40 +490,79 @@ def a_shell_child_moves_and_leads_a_session_of_its_own_there():
 
 @lab_test
 @logs_on_failure("tree")
-def a_shell_and_its_child_move_as_one_and_the_shell_sees_its_exit():
-    # Named by the shell's pid, the shell moves with its child under the
-    # shim: both run on host2 (the shell still the child's parent), none of
-    # the tree stays on host1, and the shell, on host2, sees the program
-    # exit 0 once it finished its iterations there. Before, the shell's pid
-    # was refused as not under the shim, and a child not under the shim
-    # stayed running on the source while its copy ran on the destination.
+def a_shell_and_its_two_rdma_children_move_as_one_and_the_shell_sees_their_exits():
+    # A job script: a shell runs two ibv_rc_pingpong servers under the shim,
+    # each with its client on host3, and waits for both. Named by the
+    # shell's pid, the whole tree moves: the shell and both servers run on
+    # host2 (the shell still their parent), none of it stays on host1, each
+    # client finishes every iteration, and the shell, on host2, sees both
+    # servers exit 0. Before, the shell's pid was refused as not under the
+    # shim.
+    ensure_daemons()
+    out = f"{WORK}/tree"
     parent = f"{WORK}/tree-parent"
+    ports = (18515, 18516)
+    run_ok(1, f"mkdir -p {WORK} && rm -f {out}-* {parent}")
+    for h in (1, 2, 3):
+        LAB.run(h, "pkill -x ibv_rc_pingpong")
 
-    def launch(server):
-        return (f"rm -f {parent}; (setsid bash -c '{server}; echo rc=$? > {parent}' "
-                f"< /dev/null > /dev/null 2>&1 &)")
+    def cmd(port):
+        return f"ibv_rc_pingpong -d rxe0 -g 1 -e -p {port} -n {PINGPONG_ITERS}"
 
-    def move(pid):
-        shell = int(run_ok(1, f"ps -o ppid= -p {pid}").out.strip())
+    a, b = (f"env {SHIM}{cmd(p)} > {out}-server{p}.out 2>&1 < /dev/null" for p in ports)
+    script = f"{a} & a=$!; {b} & b=$!; wait $a; ra=$?; wait $b; echo ra=$ra rb=$? > {parent}"
+    run_ok(1, f"(setsid bash -c '{script}' < /dev/null > /dev/null 2>&1 &)")
+    for p in ports:
+        wait_listening(1, p)
+    clients = [LAB.submit(3, f"env {SHIM}{cmd(p)} {ip(1)} > {out}-client{p}.out 2>&1", 900)
+               for p in ports]
+    try:
+        wait_until(1, "test $(rdma resource show qp link rxe0/1 | grep -c 'state RTS') -ge 2", 60,
+                   "both servers' QPs connected")
+        servers = [pid_of(1, f"^ibv_rc_pingpong .* -p {p} ") for p in ports]
+        shells = {int(run_ok(1, f"ps -o ppid= -p {pid}").out.strip()) for pid in servers}
+        check(len(shells) == 1, "the servers have different parents", shells)
+        shell = shells.pop()
         check(run_ok(1, f"ps -o comm= -p {shell}").out.strip() == "bash",
-              "the server's parent is not the shell", shell)
+              "the servers' parent is not the shell", shell)
         r, rep = ctl(1, f"migrate {shell} --to {ip(2)}")
-        check(r.rc == 0, "migrate the shell and its child host1 -> host2", r)
-        check_report(rep, "migrate the shell and its child")
-        check(rep.get("pid") == pid and rep.get("treeRoot", rep.get("tree_root")) == shell,
-              "the report does not name the server as the endpoint of the shell's tree", rep)
-        check_moved(pid, 1, 2, "the server")
+        check(r.rc == 0, "migrate the shell and its two servers host1 -> host2", r)
+        check_report(rep, "migrate the shell and its two servers")
+        print("tree host1->host2:", json.dumps(rep), flush=True)
+        others = [int(x) for x in rep.get("treeEndpoints", rep.get("tree_endpoints", []))]
+        check(rep.get("treeRoot", rep.get("tree_root")) == shell and
+              sorted([rep.get("pid")] + others) == sorted(servers),
+              "the report does not name both servers as the endpoints of the shell's tree", rep)
+        for pid in servers:
+            check_moved(pid, 1, 2, f"server {pid}")
+            there = run_ok(2, f"ps -o ppid= -p {pid}").out.strip()
+            check(there == str(shell), f"on host2 server {pid} is not the shell's child", there)
         check(LAB.run(1, f"kill -0 {shell}").rc != 0, "the shell still runs on host1")
-        there = run_ok(2, f"ps -o ppid= -p {pid}").out.strip()
-        check(there == str(shell), "on host2 the server is not the shell's child", there)
         check(run_ok(2, f"ps -o comm= -p {shell}").out.strip() == "bash",
               "the shell does not run on host2")
-
-    pingpong_survives("tree", move, launch=launch)
-    # The shell, on host2, saw its child's exit code.
-    wait_until(2, f"test -s {parent}", 60, "the shell on host2 saw its child end")
-    rc = open(os.path.join(LAB.shared, "migration", "tree-parent")).read().strip()
-    check(rc == "rc=0", "the shell did not see its child exit 0", rc)
+        for c in clients:
+            check(LAB.wait(3, c, 900).rc == 0, "a client failed", c)
+        for pid in servers:
+            wait_until(2, f"! kill -0 {pid} 2> /dev/null", 120, f"server {pid} finished on host2")
+        for p in ports:
+            for side in ("server", "client"):
+                with open(os.path.join(LAB.shared, "migration", f"tree-{side}{p}.out"),
+                          errors="replace") as f:
+                    text = f.read()
+                print(f"--- {side} {p}\n{text}", flush=True)
+                check(f"{PINGPONG_ITERS} iters in" in text,
+                      f"the {side} on port {p} did not finish its iterations", text)
+                check(not re.search(r"(?i)fail|error|couldn't", text),
+                      f"the {side} on port {p} reported an error", text)
+        # The shell, on host2, saw both of its children exit 0.
+        wait_until(2, f"test -s {parent}", 60, "the shell on host2 saw its children end")
+        rc = open(os.path.join(LAB.shared, "migration", "tree-parent")).read().strip()
+        check(rc == "ra=0 rb=0", "the shell did not see both children exit 0", rc)
+    finally:
+        for c in clients:
+            LAB.kill(3, c)
+        for h in (1, 2, 3):
+            LAB.run(h, "pkill -x ibv_rc_pingpong")
 
 
 @lab_test

@@ -1,7 +1,9 @@
 #include "tests/migrator/fake_host.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -411,19 +413,22 @@ absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
   absl::MutexLock lock(&mu_);
   ++dumps;
   if (!dump_error.ok()) return dump_error;
-  // The tree's one endpoint: its root, or a descendant (the root plain).
-  pid_t ep = pid;
+  // The tree's endpoints: its root first if it is one, then descendants.
+  const std::vector<pid_t> below = DescendantsLocked(pid);
+  std::vector<pid_t> eps;
+  if (!plain_.contains(pid)) eps.push_back(pid);
+  for (pid_t d : below)
+    if (eps_.contains(d) && eps_[d].alive) eps.push_back(d);
   std::string tree;  // "parent child" lines, for the restore
-  if (plain_.contains(pid)) {
-    for (pid_t d : DescendantsLocked(pid))
-      if (eps_.contains(d) && eps_[d].alive) ep = d;
-    for (const auto& [parent, child] : children_)
-      if (parent == pid || ep == child) absl::StrAppend(&tree, parent, " ", child, "\n");
-  }
-  auto it = eps_.find(ep);
+  for (const auto& [parent, child] : children_)
+    if (parent == pid || std::find(below.begin(), below.end(), parent) != below.end())
+      absl::StrAppend(&tree, parent, " ", child, "\n");
+  if (eps.empty()) return absl::NotFoundError("no such process");
+  auto it = eps_.find(eps.front());
   if (it == eps_.end() || !it->second.alive) return absl::NotFoundError("no such process");
-  if (it->second.connected)
-    return absl::FailedPreconditionError("Can't dump: the control socket is still open");
+  for (pid_t e : eps)
+    if (eps_[e].connected)
+      return absl::FailedPreconditionError("Can't dump: the control socket is still open");
   events_.push_back(absl::StrCat("dump ", pid, tcp_established ? " tcp" : ""));
   if (!it->second.tcp_address.empty() && !tcp_established)
     return absl::FailedPreconditionError(
@@ -431,11 +436,13 @@ absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
   std::filesystem::create_directories(dir);
   WriteFile(dir + "/core.img", Summary(it->second).SerializeAsString());
   if (!tree.empty()) WriteFile(dir + "/tree.img", tree);
+  for (size_t i = 1; i < eps.size(); ++i)
+    WriteFile(absl::StrCat(dir, "/core-", eps[i], ".img"), Summary(eps_[eps[i]]).SerializeAsString());
   if (!it->second.tcp_address.empty()) WriteFile(dir + "/tcp.img", it->second.tcp_address);
   WriteFile(dir + "/pages-1.img", std::string(4096, 'f'));
   if (!parent.empty()) WriteFile(dir + "/parent.path", Relative(dir, parent) + "\n");
   if (!leave_running) {
-    it->second.alive = false;
+    for (pid_t e : eps) eps_[e].alive = false;
     plain_.erase(pid);
   }
   return DumpStats{20, 8192};
@@ -472,30 +479,48 @@ absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_establi
       return absl::FailedPreconditionError(
           "Can't bind inet socket: Cannot assign requested address");
   }
-  ++incarnation_[pid];  // a new process, given the old pid
-  FakeEndpoint& e = eps_[pid];
-  auto fail = std::move(e.fail);  // faults set up for the restored process
-  e = FakeEndpoint{};
-  e.fail = std::move(fail);
-  e.pid = pid;
-  e.tcp_address = tcp_address;
-  e.endpoint_id = s.endpoint_id();
-  e.vgid = s.mapping().virtual_gid();
-  for (const v1::QpSummary& q : s.qps())
-    e.qps.push_back({q.virtual_qpn(), q.qp_type(), q.remote_virtual_gid(), q.remote_virtual_qpn(),
-                     q.remote_physical_gid()});
-  e.qpn_base = 100 * static_cast<uint32_t>(n_) + 50;
-  e.released = true;
-  e.paused = true;
-  e.connected = false;
-  // A tree: its plain root (returned) and their links come back too.
-  pid_t root = pid;
+  // Each endpoint of the tree, released and paused, as a restored shim is.
+  auto restore = [&](const v1::EndpointSummary& s, const std::string& tcp_address) {
+    const pid_t p = s.pid();
+    ++incarnation_[p];  // a new process, given the old pid
+    FakeEndpoint& e = eps_[p];
+    auto fail = std::move(e.fail);  // faults set up for the restored process
+    e = FakeEndpoint{};
+    e.fail = std::move(fail);
+    e.pid = p;
+    e.tcp_address = tcp_address;
+    e.endpoint_id = s.endpoint_id();
+    e.vgid = s.mapping().virtual_gid();
+    for (const v1::QpSummary& q : s.qps())
+      e.qps.push_back({q.virtual_qpn(), q.qp_type(), q.remote_virtual_gid(),
+                       q.remote_virtual_qpn(), q.remote_physical_gid()});
+    e.qpn_base = 100 * static_cast<uint32_t>(n_) + 50 + static_cast<uint32_t>(p % 10) * 1000;
+    e.released = true;
+    e.paused = true;
+    e.connected = false;
+  };
+  restore(s, tcp_address);
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    const std::string name = f.path().filename().string();
+    if (name.rfind("core-", 0) != 0) continue;
+    std::ifstream more(f.path(), std::ios::binary);
+    std::stringstream b;
+    b << more.rdbuf();
+    v1::EndpointSummary other;
+    if (!other.ParseFromString(b.str())) return absl::DataLossError(absl::StrCat("bad ", name));
+    restore(other, "");
+  }
+  // A tree: its plain processes and their links come back too; the root
+  // (returned) is the one that is nobody's child.
+  std::map<pid_t, pid_t> parent_of;
   std::ifstream t(dir + "/tree.img");
   for (pid_t parent, child; t >> parent >> child;) {
-    if (child == pid) root = parent;
+    parent_of[child] = parent;
     if (!eps_.contains(parent)) plain_.insert(parent);
     children_.emplace(parent, child);
   }
+  pid_t root = pid;
+  while (parent_of.contains(root)) root = parent_of[root];
   Tick();
   return root;
 }

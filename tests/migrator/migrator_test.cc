@@ -770,18 +770,92 @@ TEST(MigratorTest, ATreeRolledBackContinuesFromItsRoot) {
   EXPECT_TRUE(c.host(1).Exists(90));
 }
 
-// Two processes under the shim in one tree: a move takes one endpoint, so
-// it is refused before anything, naming both.
-TEST(MigratorTest, ATreeWithTwoProcessesUnderTheShimIsRefused) {
+// A job script with two programs under the shim, each with a peer on h3:
+// the tree moves as one; each endpoint has a move of its own around the
+// tree's (quiesced, released, brought back on h2, its peer re-pointed).
+void TwoProgramTree(Cluster& c) {
+  c.host(1).AddPlainProcess(90);
+  c.host(1).Add(100, VGid(1), {FakeQp{11, 2, VGid(3), 31, Gid(3)}});
+  c.host(1).Add(105, VGid(4), {FakeQp{41, 2, VGid(5), 51, Gid(3)}});
+  c.host(1).AddChild(90, 100);
+  c.host(1).AddChild(90, 105);
+  c.host(3).Add(300, VGid(3), {FakeQp{31, 2, VGid(1), 11, Gid(1)}});
+  c.host(3).Add(305, VGid(5), {FakeQp{51, 2, VGid(4), 41, Gid(1)}});
+}
+
+TEST(MigratorTest, ATreeWithTwoProcessesUnderTheShimMovesAsOne) {
   Cluster c("tree2");
-  Topology(c);
+  TwoProgramTree(c);
+  MoveRun run = Migrate(c, 90, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  EXPECT_EQ(run.report.pid(), 100);
+  EXPECT_THAT(run.report.tree_endpoints(), ElementsAre(105));
+  EXPECT_EQ(c.host(1).dumps, 1);
+  for (pid_t p : {90, 100, 105}) {
+    EXPECT_FALSE(c.host(1).Exists(p)) << p;
+    EXPECT_TRUE(c.host(2).Exists(p)) << p;
+  }
+  for (pid_t p : {100, 105}) {
+    FakeEndpoint moved = c.host(2).Get(p);
+    EXPECT_TRUE(moved.alive && moved.connected && !moved.released && !moved.paused) << p;
+    EXPECT_THAT(Commands(moved.log), ElementsAre("restore", "resume")) << p;
+  }
+  // Each peer re-pointed at its own endpoint, now on h2.
+  for (auto [peer, vgid] : {std::pair{300, 1}, std::pair{305, 4}}) {
+    FakeEndpoint p = c.host(3).Get(peer);
+    EXPECT_THAT(Commands(p.log), ElementsAre("peer_quiesce", "peer_reconnect")) << peer;
+    ASSERT_EQ(p.reconnected_to.size(), 1u) << peer;
+    EXPECT_EQ(p.reconnected_to[0].virtual_gid(), VGid(vgid));
+    EXPECT_EQ(p.reconnected_to[0].physical_gid(), Gid(2));
+    EXPECT_FALSE(p.paused);
+  }
+  // Two records on the source, both done, the second naming the first.
+  auto records = ListRecords(c[1].state_dir + "/migrations");
+  ASSERT_EQ(records.size(), 2u);
+  int members = 0;
+  for (const auto& [dir, rec] : records) {
+    EXPECT_TRUE(rec.done() && rec.report().ok()) << rec.report().error();
+    if (!rec.tree_lead().empty()) {
+      ++members;
+      EXPECT_EQ(rec.tree_lead(), run.report.migration_id());
+      EXPECT_EQ(rec.report().pid(), 105);
+    }
+  }
+  EXPECT_EQ(members, 1);
+}
+
+TEST(MigratorTest, ATreeWhoseSecondEndpointCannotComeBackThereRollsBackWhole) {
+  Cluster c("tree2back");
+  TwoProgramTree(c);
+  c.host(2).Fail(105, "restore", absl::StatusCode::kInternal);
+  MoveRun run = Migrate(c, 90, "h2");
+  EXPECT_FALSE(run.status.ok());
+  EXPECT_TRUE(run.report.rolled_back()) << run.report.error();
+  // All of it runs on h1 again, each endpoint back and resumed; nothing on h2.
+  for (pid_t p : {100, 105}) {
+    FakeEndpoint back = c.host(1).Get(p);
+    EXPECT_TRUE(back.alive && back.connected && !back.released && !back.paused) << p;
+    EXPECT_FALSE(c.host(2).Exists(p)) << p;
+  }
+  EXPECT_TRUE(c.host(1).Exists(90));
+  EXPECT_FALSE(c.host(2).Exists(90));
+  for (pid_t peer : {300, 305}) EXPECT_FALSE(c.host(3).Get(peer).paused) << peer;
+}
+
+// Two endpoints of the tree connected to each other: refused before
+// anything, naming both.
+TEST(MigratorTest, ATreeWhoseEndpointsAreConnectedToEachOtherIsRefused) {
+  Cluster c("tree2conn");
+  Topology(c);  // 100 and 200 are connected
   c.host(1).AddPlainProcess(90);
   c.host(1).AddChild(90, 100);
   c.host(1).AddChild(90, 200);
   MoveRun run = Migrate(c, 90, "h2");
   EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
-  EXPECT_THAT(std::string(run.status.message()), HasSubstr("(100, 200)"));
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("connected to each other"));
   EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_TRUE(Commands(c.host(1).Get(200).log).empty());
   EXPECT_EQ(c.host(1).predumps, 0);
   // A terminal anywhere in the tree is refused too, naming who holds it.
   c.host(3).AddPlainProcess(91);

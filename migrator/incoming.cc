@@ -189,8 +189,8 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
   absl::StatusOr<v1::EndpointSummary> e =
       endpoint == *pid || procs_->Exists(endpoint)
           ? BringBack(endpoint, FirstActiveDeviceName(), peers)
-          : absl::NotFoundError(absl::StrCat("process ", endpoint,
-                                             " is not among the processes CRIU restored"));
+          : absl::NotFoundError(
+                absl::StrCat("process ", endpoint, " is not among the processes CRIU restored"));
   if (!e.ok()) {
     // No half-made process stays behind, or the error says it does.
     const absl::Status k = KillCopy(*pid, "restored copy");
@@ -224,8 +224,8 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreMember(
           absl::StrCat("migration ", id, " is ", in->rec.phase(), ", not restored"));
     const std::vector<pid_t> tree = procs_->Descendants(in->rec.restored_pid());
     if (pid <= 0 || std::find(tree.begin(), tree.end(), pid) == tree.end())
-      return absl::FailedPreconditionError(absl::StrCat(
-          "process ", pid, " is not in the tree migration ", id, " restored here"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("process ", pid, " is not in the tree migration ", id, " restored here"));
   }
   // Brought back without `in->mu`: an abort meanwhile kills the tree, and
   // this fails for it.
@@ -233,7 +233,8 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreMember(
   std::vector<v1::Mapping> peers(request.peers().begin(), request.peers().end());
   absl::StatusOr<v1::EndpointSummary> e = BringBack(pid, FirstActiveDeviceName(), peers);
   if (!e.ok())
-    return Annotate(e.status(), absl::StrCat("bringing back the endpoint of restored process ", pid));
+    return Annotate(e.status(),
+                    absl::StrCat("bringing back the endpoint of restored process ", pid));
   {
     absl::MutexLock arriving(&mu_);
     arriving_.insert(pid);

@@ -278,8 +278,7 @@ class Migrator {
   // ---- recovery (recovery.cc)
   // `tree_forward`: for a tree's further endpoint, whether the tree's
   // first move finishes (or finished) on its destination.
-  void RecoverSource(const std::string& dir, v1::MigrationRecord record,
-                     bool tree_forward = false);
+  void RecoverSource(const std::string& dir, v1::MigrationRecord record, bool tree_forward = false);
   void RecoverDestination(const std::string& dir, v1::MigrationRecord record);
 
   // Service addresses: checked where they are, then moved ("a.b.c.d/len@if"

@@ -34,7 +34,7 @@ struct Migrator::Move {
   // what they share: `stubs`, and the record and progress of SetPhase.
   absl::Mutex peers_mu;
   std::map<std::string, std::unique_ptr<v1::Transfer::StubInterface>> stubs;
-  bool prepared = false;       // the destination holds an incoming record
+  bool prepared = false;  // the destination holds an incoming record
   // What went wrong completing the tree's further endpoints (a tree's
   // first move reports them).
   std::vector<std::string> member_errors;

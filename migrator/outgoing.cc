@@ -637,9 +637,9 @@ absl::Status Migrator::CompleteForward(Move* m) {
   if (!resumed.ok()) st = resumed.status();
   if (!killed.ok()) st = killed;
   if (!m->member_errors.empty())
-    st = absl::UnavailableError(absl::StrCat(
-        "further endpoints of the tree: ", absl::StrJoin(m->member_errors, "; "),
-        st.ok() ? "" : absl::StrCat("; ", st.message())));
+    st = absl::UnavailableError(
+        absl::StrCat("further endpoints of the tree: ", absl::StrJoin(m->member_errors, "; "),
+                     st.ok() ? "" : absl::StrCat("; ", st.message())));
   if (!st.ok()) r->set_error(absl::StrCat("the endpoint moved, but: ", st.message()));
   Finish(m, st);
   return st;
@@ -860,8 +860,8 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   // record of the tree.
   for (Move* mm : member_ptrs) {
     if (absl::Status done = CompleteForward(mm); !done.ok())
-      m->member_errors.push_back(absl::StrCat("process ", mm->rec.report().pid(), ": ",
-                                              done.message()));
+      m->member_errors.push_back(
+          absl::StrCat("process ", mm->rec.report().pid(), ": ", done.message()));
   }
   (void)CompleteForward(m.get());
   return absl::OkStatus();

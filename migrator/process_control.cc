@@ -150,8 +150,8 @@ class RealProcessControl final : public ProcessControl {
         if (Stopped(c)) continue;
         all = false;
         if (kill(c, SIGSTOP) != 0 && errno != ESRCH)
-          return absl::ErrnoToStatus(errno, absl::StrCat("SIGSTOP ", c, " (a descendant of ", pid,
-                                                         ")"));
+          return absl::ErrnoToStatus(errno,
+                                     absl::StrCat("SIGSTOP ", c, " (a descendant of ", pid, ")"));
         if (absl::Status st = WaitStopped(c); !st.ok()) return st;
       }
       if (all) return absl::OkStatus();

@@ -297,8 +297,7 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
 // Receive WRs: only their SGEs' lkeys are identities. Every WR is also
 // recorded in the queue's RecvLog (the journal of recent receives).
 template <typename Post>
-int PostRecvTranslated(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
-                       Post post) {
+int PostRecvTranslated(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad, Post post) {
   while (wr != nullptr) {
     Patches p;
     ibv_recv_wr* first = wr;

@@ -179,7 +179,7 @@ struct Qp {
   int (*real_post_send)(ibv_qp*, ibv_send_wr*, ibv_send_wr**) = nullptr;
   int (*real_post_recv)(ibv_qp*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
   ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
-  MrLookup mrs;  // the shim's MR table
+  MrLookup mrs;                  // the shim's MR table
   IdentityMode mode;
   Context* ctx = nullptr;
   Pd* pd = nullptr;

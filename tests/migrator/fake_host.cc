@@ -437,7 +437,8 @@ absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
   WriteFile(dir + "/core.img", Summary(it->second).SerializeAsString());
   if (!tree.empty()) WriteFile(dir + "/tree.img", tree);
   for (size_t i = 1; i < eps.size(); ++i)
-    WriteFile(absl::StrCat(dir, "/core-", eps[i], ".img"), Summary(eps_[eps[i]]).SerializeAsString());
+    WriteFile(absl::StrCat(dir, "/core-", eps[i], ".img"),
+              Summary(eps_[eps[i]]).SerializeAsString());
   if (!it->second.tcp_address.empty()) WriteFile(dir + "/tcp.img", it->second.tcp_address);
   WriteFile(dir + "/pages-1.img", std::string(4096, 'f'));
   if (!parent.empty()) WriteFile(dir + "/parent.path", Relative(dir, parent) + "\n");
@@ -492,8 +493,8 @@ absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_establi
     e.endpoint_id = s.endpoint_id();
     e.vgid = s.mapping().virtual_gid();
     for (const v1::QpSummary& q : s.qps())
-      e.qps.push_back({q.virtual_qpn(), q.qp_type(), q.remote_virtual_gid(),
-                       q.remote_virtual_qpn(), q.remote_physical_gid()});
+      e.qps.push_back({q.virtual_qpn(), q.qp_type(), q.remote_virtual_gid(), q.remote_virtual_qpn(),
+                       q.remote_physical_gid()});
     e.qpn_base = 100 * static_cast<uint32_t>(n_) + 50 + static_cast<uint32_t>(p % 10) * 1000;
     e.released = true;
     e.paused = true;

@@ -1211,6 +1211,59 @@ TEST(MigratorRecoveryTest, SourceRollsBackAReleasedStoppedProcess) {
   EXPECT_THAT(after->report().error(), HasSubstr("restarted"));
 }
 
+// A tree's move cut after both endpoints were released and the tree
+// stopped: the tree's first move goes back first (the tree continued, its
+// endpoint restored here), then the further endpoint, whose process must
+// run to come back. Its record sorts first: in that order the second
+// endpoint's shim, stopped, never says hello.
+TEST(MigratorRecoveryTest, ATreeCutBeforeItsRestoreComesBackWhole) {
+  Cluster c("recover-tree");
+  TwoProgramTree(c);
+  for (auto [peer, vgid] : {std::pair{300, 1}, std::pair{305, 4}}) {
+    v1::MigratorToShim q;
+    q.mutable_peer_quiesce()->set_virtual_gid(VGid(vgid));
+    ASSERT_TRUE(c.host(3).Call(peer, q, absl::Seconds(1)).ok());
+  }
+  for (pid_t p : {100, 105}) {
+    v1::MigratorToShim q, r;
+    q.mutable_quiesce();
+    r.mutable_release();
+    ASSERT_TRUE(c.host(1).Call(p, q, absl::Seconds(1)).ok());
+    ASSERT_TRUE(c.host(1).Call(p, r, absl::Seconds(1)).ok());
+  }
+  ASSERT_TRUE(c.host(1).Stop(90).ok());
+  auto record = [](const std::string& id, pid_t pid, int vgid) {
+    v1::MigrationRecord rec = CrashedRecord("dump");
+    rec.mutable_report()->set_migration_id(id);
+    rec.mutable_report()->set_pid(pid);
+    rec.set_local_peers(false);
+    rec.mutable_endpoint()->mutable_mapping()->set_virtual_gid(VGid(vgid));
+    rec.set_released(true);
+    rec.set_tree_root(90);
+    return rec;
+  };
+  v1::MigrationRecord lead = record("crashed-2", 100, 1);
+  lead.set_stopped(true);
+  v1::MigrationRecord member = record("crashed-1", 105, 4);
+  member.set_tree_lead("crashed-2");
+  const std::string dirs = c[1].state_dir + "/migrations/";
+  ASSERT_TRUE(WriteRecord(dirs + "crashed-2", lead).ok());
+  ASSERT_TRUE(WriteRecord(dirs + "crashed-1", member).ok());
+  c.Stop(1);
+  c.Start(1);
+  c.m(1).Recover();
+  for (pid_t p : {100, 105}) {
+    FakeEndpoint e = c.host(1).Get(p);
+    EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.released && !e.paused) << p;
+  }
+  for (pid_t peer : {300, 305}) EXPECT_FALSE(c.host(3).Get(peer).paused) << peer;
+  for (const char* id : {"crashed-1", "crashed-2"}) {
+    absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dirs + id);
+    ASSERT_TRUE(after.ok());
+    EXPECT_TRUE(after->done() && after->report().rolled_back()) << id << after->report().error();
+  }
+}
+
 TEST(MigratorRecoveryTest, SourceResumesAQuiescedProcess) {
   Cluster c("recover-q");
   Topology(c);

@@ -48,7 +48,7 @@ def pid_of(host, pattern):
 
 
 def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, port=18900,
-               canvas_mib=0, ud_lost_after=1800):
+               canvas_mib=0, ud_lost_after=120):
     """The workload under the shim: server Q on `server`, client P on
     `client`, their output in files every host sees at the same path (CRIU
     re-opens them on the destination; the migrator stops the source before
@@ -58,7 +58,9 @@ def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, p
     huge pages) that the other RDMA-WRITEs all the time. `shim`:
     the environment that puts them under the shim (and names the migrators'
     socket); `port`: Q's; `ud_lost_after`: seconds after which a datagram
-    known to be sent counts as lost."""
+    known to be sent counts as lost (a move holds them for seconds; the
+    fabric drops a few under load, and the workload must go on and say
+    which: verified)."""
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
     args = (f"--iterations {iterations} --ud-lost-after {ud_lost_after} --port {port} "
             f"--canvas {canvas_mib}")
@@ -129,16 +131,74 @@ def wait_reports(name, timeout=900):
     return out
 
 
+# Lost UD datagrams: which the fabric dropped (tools/soak uses the same rule).
+def sent_from(places, seq):
+    """The index of the place a side sent UD datagram `seq` from."""
+    i = 0
+    while i + 1 < len(places) and places[i + 1]["ud_sent_from"] <= seq:
+        i += 1
+    return i
+
+
+def fabric_losses(receiver, sender):
+    """The receiver's lost datagrams that the fabric dropped while neither
+    side was moved, or None if any other was lost. UD promises no delivery,
+    and the lab's switch drops frames under load with no shim and no move
+    at all (docs/migrator.md). A move can lose a datagram in two ways: the
+    receiver's release drops what its QP still had queued, and the sender's
+    pause or move loses what it queued or re-routed. One counts as the
+    fabric's only when the datagrams just before and just after it arrived
+    at one place of the receiver (and not among the first 64 taken
+    there, which a move may have held and handed out late) and were sent
+    from one place of the sender. A sender's release comes after its
+    drain, which waits for every signaled send to complete, and its queue
+    sends in order, so a move of the sender cannot drop one datagram from
+    between two that were sent from the same place and arrived."""
+    missing = receiver.get("ud_missing", [])
+    if len(missing) != receiver["kinds"]["ud"]["lost"]:
+        return None
+    places = sender["places"]
+    out = []
+    for m in missing:
+        if not m["receiver_stayed"] or sent_from(places, m["prev"]) != sent_from(places, m["next"]):
+            return None
+        out.append(m["seq"])
+    return out
+
+
+def report_ok(rep, peer):
+    """Everything verified: nothing lost, duplicated, corrupted or out of
+    order, except datagrams the fabric dropped while both sides stayed put.
+    Returns those (a list), or None. (The workload's own "ok" counts every
+    loss, and its peer's: each side is judged here from its own report.)"""
+    dropped = fabric_losses(rep, peer)
+    if dropped is None:
+        return None
+    clean = (rep["lost"] == len(dropped) and rep["duplicated"] == 0 and rep["corrupted"] == 0 and
+             rep["out_of_order"] == 0 and rep["completion_errors"] == 0 and
+             rep["sends"] == rep["iterations"] and rep["fatal"] is None and rep["peer_finished"])
+    return dropped if clean else None
+
+
+def verified(side, rep, peer):
+    """`side`'s report (`peer`'s is the other side's): every message
+    delivered once, whole and in order, but for UD datagrams the fabric
+    dropped while neither side moved (report_ok), which are printed."""
+    dropped = report_ok(rep, peer)
+    check(dropped is not None and rep.get("peer_errors", 0) == 0,
+          f"{side}'s integrity report", rep)
+    if dropped:
+        print(f"{side}: UD datagrams the fabric dropped while neither side moved: {dropped}",
+              flush=True)
+
+
 def nothing_lost(name, p_hosts, q_hosts):
     """Both sides of pair `name` finished with every message delivered once,
     whole and in order, P having run on `p_hosts` and Q on `q_hosts` (the
     hosts their reports saw, in order)."""
     p, q = wait_reports(name, 900)
-    for side, rep in (("P", p), ("Q", q)):
-        check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and
-              rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
-              rep["completion_errors"] == 0 and rep["sends"] == rep["iterations"],
-              f"{side}'s integrity report", rep)
+    for side, rep, peer in (("P", p, q), ("Q", q, p)):
+        verified(side, rep, peer)
     check(hosts_seen(p) == p_hosts, "P ran elsewhere than expected", p["places"], p_hosts)
     check(hosts_seen(q) == q_hosts, "Q ran elsewhere than expected", q["places"], q_hosts)
 
@@ -219,11 +279,8 @@ def integrity_survives_live_migrations_and_a_checkpoint():
     check(hosts_seen(q) == ["host3", "host1"], "Q's places", q["places"])
     for pid, rep in ((ppid, p), (qpid, q)):
         check({x["pid"] for x in rep["places"]} == {pid}, "a pid changed", rep["places"])
-    for side, rep in (("P", p), ("Q", q)):
-        check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and
-              rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
-              rep["completion_errors"] == 0, f"{side}'s integrity report", rep)
-        check(rep["sends"] == rep["iterations"], f"{side} did not finish", rep)
+    for side, rep, peer in (("P", p, q), ("Q", q, p)):
+        verified(side, rep, peer)
         # Every byte of both canvas regions, written by the peer once per
         # iteration, and the huge-page region really on huge pages.
         check(rep["canvas_peer_writes"] == rep["peer_iterations"] and
@@ -252,11 +309,8 @@ def peers_brought_onto_one_host_and_apart_again_lose_nothing():
     p, q = wait_reports("meet")
     check(hosts_seen(p) == ["host1", "host3"], "P's places", p["places"])
     check(hosts_seen(q) == ["host3", "host2"], "Q's places", q["places"])
-    for side, rep in (("P", p), ("Q", q)):
-        check(rep["ok"] and rep["lost"] == 0 and rep["duplicated"] == 0 and
-              rep["corrupted"] == 0 and rep["out_of_order"] == 0 and
-              rep["completion_errors"] == 0 and rep["peer_errors"] == 0, f"{side}'s report", rep)
-        check(rep["sends"] == rep["iterations"], f"{side} did not finish", rep)
+    for side, rep, peer in (("P", p, q), ("Q", q, p)):
+        verified(side, rep, peer)
 
 
 @lab_test
@@ -293,11 +347,8 @@ def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
         check("sending the final dump" in rep.get("error", ""), "not killed mid-transfer", rep)
         check(LAB.run(1, f"kill -0 {ppid}").rc == 0, "P does not run on host1 any more")
         p, q = wait_reports("dies", 600)
-        for side, rp in (("P", p), ("Q", q)):
-            check(rp["ok"] and rp["lost"] == 0 and rp["duplicated"] == 0 and
-                  rp["corrupted"] == 0 and rp["out_of_order"] == 0 and
-                  rp["completion_errors"] == 0 and rp["sends"] == rp["iterations"],
-                  f"{side}'s integrity report", rp)
+        for side, rp, peer in (("P", p, q), ("Q", q, p)):
+            verified(side, rp, peer)
         check(p["ballast_pages_verified"] == 16 * 256, "P's ballast not verified", p)
         check(hosts_seen(p) == ["host1"] and hosts_seen(q) == ["host3"],
               "a side ran somewhere else than where it started", p["places"], q["places"])

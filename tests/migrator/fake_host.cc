@@ -134,11 +134,11 @@ std::vector<pid_t> FakeHost::Descendants(pid_t pid) {
 
 std::vector<pid_t> FakeHost::DescendantsLocked(pid_t pid) {
   std::vector<pid_t> out;
-  auto add = [&](pid_t p) {
-    for (auto [it, end] = children_.equal_range(p); it != end; ++it) out.push_back(it->second);
-  };
-  add(pid);
-  for (size_t i = 0; i < out.size(); ++i) add(out[i]);
+  for (size_t i = 0;; ++i) {
+    const pid_t parent = i == 0 ? pid : out[i - 1];
+    for (auto [it, end] = children_.equal_range(parent); it != end; ++it) out.push_back(it->second);
+    if (i >= out.size()) break;
+  }
   return out;
 }
 
@@ -449,6 +449,28 @@ absl::StatusOr<DumpStats> FakeHost::Dump(pid_t pid, const std::string& dir,
   return DumpStats{20, 8192};
 }
 
+// One endpoint of a restored tree, released and paused, as a restored
+// shim is.
+void FakeHost::RestoreEndpoint(const v1::EndpointSummary& s, const std::string& tcp_address) {
+  const pid_t p = s.pid();
+  ++incarnation_[p];  // a new process, given the old pid
+  FakeEndpoint& e = eps_[p];
+  auto fail = std::move(e.fail);  // faults set up for the restored process
+  e = FakeEndpoint{};
+  e.fail = std::move(fail);
+  e.pid = p;
+  e.tcp_address = tcp_address;
+  e.endpoint_id = s.endpoint_id();
+  e.vgid = s.mapping().virtual_gid();
+  for (const v1::QpSummary& q : s.qps())
+    e.qps.push_back({q.virtual_qpn(), q.qp_type(), q.remote_virtual_gid(), q.remote_virtual_qpn(),
+                     q.remote_physical_gid()});
+  e.qpn_base = 100 * static_cast<uint32_t>(n_) + 50 + static_cast<uint32_t>(p % 10) * 1000;
+  e.released = true;
+  e.paused = true;
+  e.connected = false;
+}
+
 absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_established) {
   ++restores_started;
   while (stall_restore.load()) absl::SleepFor(absl::Milliseconds(1));
@@ -480,27 +502,7 @@ absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_establi
       return absl::FailedPreconditionError(
           "Can't bind inet socket: Cannot assign requested address");
   }
-  // Each endpoint of the tree, released and paused, as a restored shim is.
-  auto restore = [&](const v1::EndpointSummary& s, const std::string& tcp_address) {
-    const pid_t p = s.pid();
-    ++incarnation_[p];  // a new process, given the old pid
-    FakeEndpoint& e = eps_[p];
-    auto fail = std::move(e.fail);  // faults set up for the restored process
-    e = FakeEndpoint{};
-    e.fail = std::move(fail);
-    e.pid = p;
-    e.tcp_address = tcp_address;
-    e.endpoint_id = s.endpoint_id();
-    e.vgid = s.mapping().virtual_gid();
-    for (const v1::QpSummary& q : s.qps())
-      e.qps.push_back({q.virtual_qpn(), q.qp_type(), q.remote_virtual_gid(), q.remote_virtual_qpn(),
-                       q.remote_physical_gid()});
-    e.qpn_base = 100 * static_cast<uint32_t>(n_) + 50 + static_cast<uint32_t>(p % 10) * 1000;
-    e.released = true;
-    e.paused = true;
-    e.connected = false;
-  };
-  restore(s, tcp_address);
+  RestoreEndpoint(s, tcp_address);
   for (const auto& f : std::filesystem::directory_iterator(dir)) {
     const std::string name = f.path().filename().string();
     if (name.rfind("core-", 0) != 0) continue;
@@ -509,7 +511,7 @@ absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_establi
     b << more.rdbuf();
     v1::EndpointSummary other;
     if (!other.ParseFromString(b.str())) return absl::DataLossError(absl::StrCat("bad ", name));
-    restore(other, "");
+    RestoreEndpoint(other, "");
   }
   // A tree: its plain processes and their links come back too; the root
   // (returned) is the one that is nobody's child.

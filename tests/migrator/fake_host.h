@@ -161,6 +161,8 @@ class FakeHost final : public ShimChannel,
   std::set<pid_t> plain_ ABSL_GUARDED_BY(mu_);
   std::multimap<pid_t, pid_t> children_ ABSL_GUARDED_BY(mu_);
   std::vector<pid_t> DescendantsLocked(pid_t pid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RestoreEndpoint(const v1::EndpointSummary& s, const std::string& tcp_address)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::map<pid_t, int> incarnation_ ABSL_GUARDED_BY(mu_);  // Identity's
 
   std::map<pid_t, std::string> terminals_ ABSL_GUARDED_BY(mu_);

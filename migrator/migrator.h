@@ -227,7 +227,7 @@ class Migrator {
   // and released after m's endpoint, brought back on the destination
   // after m's restore (BringBackMember).
   absl::Status RunSource(Move* m, const v1::MigrateRequest& request,
-                         const std::vector<Move*>& members);
+                         const std::vector<std::unique_ptr<Move>>& members);
   absl::Status BringBackMember(Move* member);
   // The tree of `root` with several endpoints: the first is `lead`'s, one
   // move per further endpoint in `members` (refused, nothing touched, when

@@ -356,7 +356,7 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
 }
 
 absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
-                                 const std::vector<Move*>& members) {
+                                 const std::vector<std::unique_ptr<Move>>& members) {
   // CRIU's steps take the tree from its root; the shim's, the endpoint.
   const pid_t root = TreeRoot(m->rec);
   const std::string id = m->rec.report().migration_id();
@@ -417,9 +417,9 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
 
   v1::EndpointSummary released;
   if (absl::Status st = QuiesceAndRelease(m, &released); !st.ok()) return st;
-  for (Move* mm : members) {
+  for (const std::unique_ptr<Move>& mm : members) {
     v1::EndpointSummary member_released;
-    if (absl::Status st = QuiesceAndRelease(mm, &member_released); !st.ok())
+    if (absl::Status st = QuiesceAndRelease(mm.get(), &member_released); !st.ok())
       return Annotate(st, absl::StrCat("process ", mm->rec.report().pid(), " of the tree"));
   }
 
@@ -461,8 +461,8 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   if (absl::Status st = TransferFinal(m, final_dir, listed, &hashed); !st.ok()) return st;
   if (absl::Status st = WriteManifest(final_dir, hashed); !st.ok()) return st;
   if (absl::Status st = RestoreOnDestination(m); !st.ok()) return st;
-  for (Move* mm : members)
-    if (absl::Status st = BringBackMember(mm); !st.ok()) return st;
+  for (const std::unique_ptr<Move>& mm : members)
+    if (absl::Status st = BringBackMember(mm.get()); !st.ok()) return st;
   return absl::OkStatus();
 }
 
@@ -823,13 +823,11 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   absl::Status known = CheckPeersLocatable(*e);
   // One move per further endpoint of the tree, around this one.
   std::vector<std::unique_ptr<Move>> members;
-  std::vector<Move*> member_ptrs;
   if (known.ok() && endpoints->size() > 1) known = MakeMembers(m.get(), *endpoints, &members);
-  for (const std::unique_ptr<Move>& mm : members) member_ptrs.push_back(mm.get());
   if (known.ok()) known = ClaimMove(m.get());
   if (!known.ok()) {
     known = Annotate(known, "nothing was quiesced");
-    for (Move* mm : member_ptrs) Finish(mm, known);
+    for (const std::unique_ptr<Move>& mm : members) Finish(mm.get(), known);
     Finish(m.get(), known);
     return known;
   }
@@ -841,25 +839,25 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   for (const std::string& a : m->rec.report().addresses()) prep.add_addresses(a);
   if (absl::Status st = PrepareDestination(m.get(), prep, "nothing was quiesced"); !st.ok()) {
     m->rec.mutable_report()->set_rolled_back(false);
-    for (Move* mm : member_ptrs) Finish(mm, st);
+    for (const std::unique_ptr<Move>& mm : members) Finish(mm.get(), st);
     Finish(m.get(), st);
     return st;
   }
 
-  absl::Status st = RunSource(m.get(), request, member_ptrs);
+  absl::Status st = RunSource(m.get(), request, members);
   if (!st.ok()) {
     // The tree first (continued on the source, the first endpoint back),
     // then each further endpoint, which needs its process running.
     RollBack(m.get(), st);
-    for (Move* mm : member_ptrs) RollBack(mm, st);
+    for (const std::unique_ptr<Move>& mm : members) RollBack(mm.get(), st);
     return st;
   }
   // Done: what went wrong after the restore (a peer not re-pointed) is in
   // the report, and the move is not undone for it. The further endpoints
   // are resumed first: the first one's completion ends the destination's
   // record of the tree.
-  for (Move* mm : member_ptrs) {
-    if (absl::Status done = CompleteForward(mm); !done.ok())
+  for (const std::unique_ptr<Move>& mm : members) {
+    if (absl::Status done = CompleteForward(mm.get()); !done.ok())
       m->member_errors.push_back(
           absl::StrCat("process ", mm->rec.report().pid(), ": ", done.message()));
   }

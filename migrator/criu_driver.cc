@@ -220,6 +220,8 @@ std::string FindCriu() {
   return "";
 }
 
+constexpr unsigned kGhostLimit = 1u << 30;
+
 // Options every call shares; what each one adds is in the call. Why each:
 //   shell_job=true        most processes do not lead their session or
 //                         group (a shell's child, a supervisor's, an MPI
@@ -238,6 +240,11 @@ std::string FindCriu() {
 //   manage_cgroups=true   (soft mode) the restored tree goes back to the
 //                         cgroup it was dumped from, created if missing,
 //                         instead of joining the migrator's own cgroup.
+//   ghost_limit=1 GiB     a file the tree holds open or mapped after it was
+//                         deleted is carried in the images, up to this size
+//                         (CRIU's default is 1 MiB): shared-memory segments
+//                         are made so (UCX's posix transport between the
+//                         ranks of one host: 4 MiB each).
 //   log_level=4           the logs are the only way to debug a failed move.
 absl::StatusOr<OptsPtr> NewOpts(const std::string& criu, int work_dir_fd,
                                 const std::string& log_name) {
@@ -255,6 +262,7 @@ absl::StatusOr<OptsPtr> NewOpts(const std::string& criu, int work_dir_fd,
   criu_local_set_ext_unix_sk(opts.get(), false);
   criu_local_set_file_locks(opts.get(), true);
   criu_local_set_manage_cgroups(opts.get(), true);
+  criu_local_set_ghost_limit(opts.get(), kGhostLimit);
   return opts;
 }
 

@@ -196,12 +196,16 @@ absl::StatusOr<v1::EndpointSummary> Migrator::Describe(pid_t pid) {
 
 // CRIU restores a process's terminal only where the terminal's session
 // comes along: a terminal cannot follow a process to another host, nor
-// come back to a restore. Said before anything is quiesced.
+// come back to a restore. Said before anything is quiesced. A
+// pseudo-terminal whose master side the tree holds too (an MPI daemon
+// reads its ranks' output through one) is dumped and restored as a pair.
 absl::Status Migrator::CheckNoTerminal(pid_t pid) {
   std::vector<pid_t> tree = procs_->Descendants(pid);
   tree.insert(tree.begin(), pid);
+  std::set<int> masters;
+  for (pid_t p : tree) masters.merge(procs_->PtyMasters(p));
   for (pid_t p : tree) {
-    const std::string tty = procs_->Terminal(p);
+    const std::string tty = procs_->Terminal(p, masters);
     if (tty.empty()) continue;
     return absl::FailedPreconditionError(absl::StrCat(
         "process ", p, p == pid ? "" : absl::StrCat(" (a descendant of process ", pid, ")"),
@@ -350,9 +354,11 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
   const std::set<uint32_t> qpns(request.virtual_qpns().begin(), request.virtual_qpns().end());
   const uint32_t drain =
       request.drain_timeout_ms() ? request.drain_timeout_ms() : options_.drain_timeout_ms;
+  const std::set<pid_t> tree(request.tree_pids().begin(), request.tree_pids().end());
   v1::QuiescePeersResponse out;
   for (const auto& [pid, suspended] :
        LocalPeersOf(request.virtual_gid(), qpns, /*with_ud=*/true, /*exclude=*/0)) {
+    if (tree.contains(pid)) continue;
     {
       absl::MutexLock lock(&mu_);
       // Being quiesced for its own move: one endpoint's peers at a time.
@@ -380,37 +386,93 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   if (m.virtual_gid().size() != 16 || (!request.resume_only() && m.physical_gid().size() != 16))
     return absl::InvalidArgumentError("a mapping needs its GIDs, 16 bytes each");
   ReachFailpoint(request.resume_endpoint() ? "serve:resume" : "serve:reconnect");
+  for (const v1::Mapping& more : request.more_mappings())
+    if (more.virtual_gid().size() != 16 ||
+        (!request.resume_only() && more.physical_gid().size() != 16))
+      return absl::InvalidArgumentError("a mapping needs its GIDs, 16 bytes each");
+  // A linked tree's endpoints: all their mappings in one step.
+  std::vector<const v1::Mapping*> mappings = {&m};
+  for (const v1::Mapping& more : request.more_mappings()) mappings.push_back(&more);
+  std::vector<std::string> ids = {request.migration_id()};
+  ids.insert(ids.end(), request.more_migration_ids().begin(), request.more_migration_ids().end());
+  const std::set<pid_t> tree(request.tree_pids().begin(), request.tree_pids().end());
   std::set<pid_t> quiesced;
   {
     absl::MutexLock lock(&mu_);
     // Kept until they are re-pointed: a move of one of them is refused
     // until then (MarkQuiescing), or it would carry the old address along.
-    auto it = peer_sets_.find(request.migration_id());
-    if (it != peer_sets_.end()) quiesced = it->second;
+    for (const std::string& id : ids) {
+      auto it = peer_sets_.find(id);
+      if (it != peer_sets_.end()) quiesced.insert(it->second.begin(), it->second.end());
+    }
   }
   v1::ReconnectPeersResponse out;
   // Re-pointed (or resumed), a peer is nobody's paused peer any more: the
   // set of the move that paused it may have another id (a checkpoint's
   // peers are re-pointed by the later restore).
-  absl::Cleanup forget = [this, &request, &out] {
+  absl::Cleanup forget = [this, &ids, &out] {
     absl::MutexLock lock(&mu_);
-    peer_sets_.erase(request.migration_id());
+    for (const std::string& id : ids) peer_sets_.erase(id);
     for (auto it = peer_sets_.begin(); it != peer_sets_.end();) {
       for (pid_t p : out.pids()) it->second.erase(p);
       it = it->second.empty() ? peer_sets_.erase(it) : std::next(it);
     }
   };
+  // A linked tree's endpoints first, at each other (they share their old
+  // host's virtual GID: no lookup below finds them), staying paused.
+  absl::Status first;
+  if (!tree.empty() && !request.resume_only()) {
+    const std::vector<pid_t> pids(tree.begin(), tree.end());
+    std::vector<absl::Status> repointed(pids.size());
+    AllAtOnce(pids.size(), [&](size_t i) {
+      absl::StatusOr<v1::EndpointSummary> e = Describe(pids[i]);
+      if (!e.ok()) {
+        repointed[i] = e.status();
+        return;
+      }
+      if (!e->suspended()) {
+        // Not quiesced yet when its move failed: the shim re-points only a
+        // paused endpoint.
+        v1::MigratorToShim q;
+        q.mutable_peer_quiesce()->set_virtual_gid(m.virtual_gid());
+        q.mutable_peer_quiesce()->set_drain_timeout_ms(options_.drain_timeout_ms);
+        absl::StatusOr<v1::Reply> r = Command(
+            pids[i], q, absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout,
+            "tree endpoint quiesce");
+        if (!r.ok()) {
+          repointed[i] = r.status();
+          return;
+        }
+      }
+      v1::MigratorToShim req;
+      v1::PeerReconnect* pr = req.mutable_peer_reconnect();
+      *pr->mutable_mapping() = m;
+      for (const v1::Mapping& more : request.more_mappings()) *pr->add_more() = more;
+      pr->set_keep_paused(true);
+      repointed[i] =
+          Command(pids[i], req, options_.rpc_timeout, "re-pointing the tree's endpoints").status();
+    });
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (repointed[i].ok()) continue;
+      Log("migration %s: process %d of the tree: %s", request.migration_id(), pids[i],
+          repointed[i].ToString());
+      if (first.ok()) first = repointed[i];
+    }
+  }
   // Whoever points at the endpoint must be re-pointed, quiesced by us or
   // not (a restarted migrator forgot its set; a peer connected meanwhile).
   // At the endpoint's QPs only: other processes of its old host share its
   // virtual GID (a tree's other endpoints, moved a moment ago, whose peers
   // are running again), and their peers are not this move's.
-  std::set<uint32_t> qpns;
-  for (const v1::IdPair& q : m.qpns()) qpns.insert(q.virtual_id());
   std::map<pid_t, bool> targets;  // pid -> suspended
   for (pid_t p : quiesced) targets[p] = true;
-  for (const auto& [pid, suspended] : LocalPeersOf(m.virtual_gid(), qpns, false, 0))
-    targets[pid] = suspended || quiesced.contains(pid);
+  for (const v1::Mapping* each : mappings) {
+    std::set<uint32_t> qpns;
+    for (const v1::IdPair& q : each->qpns()) qpns.insert(q.virtual_id());
+    for (const auto& [pid, suspended] : LocalPeersOf(each->virtual_gid(), qpns, false, 0))
+      targets[pid] = targets[pid] || suspended || quiesced.contains(pid);
+  }
+  for (pid_t p : tree) targets.erase(p);
   // Each peer at once: each re-points its own QPs (one shim, one thread).
   const std::vector<std::pair<pid_t, bool>> peers(targets.begin(), targets.end());
   enum Outcome { kHeld, kDone, kFailed };
@@ -450,6 +512,8 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
           r = Annotate(st, "making the peer's QPs look their routes up again");
         } else {
           *req.mutable_peer_reconnect()->mutable_mapping() = m;
+          for (const v1::Mapping& more : request.more_mappings())
+            *req.mutable_peer_reconnect()->add_more() = more;
           r = Command(pid, req, options_.rpc_timeout, "peer reconnect");
         }
       }
@@ -461,7 +525,6 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
     }
     outcome[i] = kDone;
   });
-  absl::Status first;
   for (size_t i = 0; i < peers.size(); ++i) {
     if (outcome[i] == kHeld) out.add_held_pids(peers[i].first);
     if (outcome[i] == kDone) out.add_pids(peers[i].first);
@@ -469,6 +532,18 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   }
   std::move(forget).Invoke();
   if (request.resume_endpoint()) {
+    // A linked tree's further endpoints; ResumeMoved takes the first.
+    for (size_t i = 1; i < static_cast<size_t>(request.tree_pids_size()); ++i) {
+      v1::MigratorToShim res;
+      res.mutable_resume();
+      absl::StatusOr<v1::Reply> r =
+          Command(request.tree_pids(i), res, options_.rpc_timeout, "resume");
+      {
+        absl::MutexLock arriving(&mu_);
+        arriving_.erase(request.tree_pids(i));
+      }
+      if (!r.ok() && first.ok()) first = r.status();
+    }
     if (absl::Status st = ResumeMoved(request); !st.ok() && first.ok()) first = st;
   }
   if (!first.ok()) return Annotate(first, options_.host_name);

@@ -29,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -219,19 +220,21 @@ class Migrator {
                                                               const std::string& what);
   absl::Status QuiescePeersOf(Move* m, const v1::EndpointSummary& summary);
   absl::Status QuiesceAndRelease(Move* m, v1::EndpointSummary* released);
+  absl::Status QuiesceEndpoint(Move* m);
+  absl::Status ReleaseEndpoint(Move* m, v1::EndpointSummary* released);
   // ReconnectPeers on every host whose peers were quiesced (this one too).
   // `held` (if given) counts the peers that are released themselves.
   absl::Status ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only,
                             uint32_t* held = nullptr);
   // `members`: the tree's further endpoints (tree_lead: m), each quiesced
-  // and released after m's endpoint, brought back on the destination
-  // after m's restore (BringBackMember).
+  // and released after m's endpoint (all quiesced before any is released
+  // when m->linked), brought back on the destination after m's restore
+  // (BringBackMember).
   absl::Status RunSource(Move* m, const v1::MigrateRequest& request,
                          const std::vector<std::unique_ptr<Move>>& members);
   absl::Status BringBackMember(Move* member);
   // The tree of `root` with several endpoints: the first is `lead`'s, one
-  // move per further endpoint in `members` (refused, nothing touched, when
-  // two of them are connected to each other).
+  // move per further endpoint in `members`.
   absl::Status MakeMembers(Move* lead, const std::vector<pid_t>& endpoints,
                            std::vector<std::unique_ptr<Move>>* members);
   // The steps a move and a restore elsewhere share. Prepare: the
@@ -247,8 +250,31 @@ class Migrator {
                              v1::Manifest* hashed = nullptr);
   absl::Status RestoreOnDestination(Move* m);
   absl::Status CompleteForward(Move* m);
+  // The end of CompleteForward, once the peers (`peers`) and the endpoint
+  // (`resumed`) were dealt with from `c0` on: report, cleanup, finish.
+  absl::Status Conclude(Move* m, absl::Time c0, const absl::Status& peers,
+                        const absl::Status& resumed);
+  // CompleteForward of a linked tree (lead->linked): its endpoints' peers
+  // re-pointed at all of them in one step per host, then the endpoints at
+  // each other on the destination, then all resumed.
+  void CompleteLinked(Move* lead, const std::vector<std::unique_ptr<Move>>& members);
+  // The request that re-points a linked tree's peers at where its
+  // endpoints are now (`mappings`, the lead's first).
+  v1::ReconnectPeersRequest TreeRequest(Move* lead,
+                                        const std::vector<std::unique_ptr<Move>>& members,
+                                        const std::vector<v1::Mapping>& mappings);
+  // Every host with a peer of one of the moves ("" for this one), but
+  // `skip`.
+  std::vector<std::string> TreePeerHosts(const std::vector<Move*>& moves, const std::string& skip);
   // Puts the endpoint back on this host after a failure; `cause` is why.
-  void RollBack(Move* m, const absl::Status& cause);
+  // With `paused` (a linked tree's endpoint), it is brought back but stays
+  // paused, its peers are left to RollBackLinked and the move is not
+  // finished: *paused gets the mapping it has now, unset if it is not back.
+  void RollBack(Move* m, const absl::Status& cause, std::optional<v1::Mapping>* paused = nullptr);
+  // RollBack of a linked tree: every endpoint brought back paused, then
+  // re-pointed at each other and at their peers in one step, then resumed.
+  void RollBackLinked(Move* lead, const std::vector<std::unique_ptr<Move>>& members,
+                      const absl::Status& cause);
   absl::Status ValidateCheckpointDir(const std::string& dir);
 
   // ---- destination side (incoming.cc)

@@ -39,6 +39,14 @@ struct Migrator::Move {
   // first move reports them).
   std::vector<std::string> member_errors;
   bool restore_asked = false;  // RestoreIncoming was sent: a copy may run there
+  // A tree's first move: endpoints of the tree are connected to each other
+  // or to themselves (UCX connects a process to itself, and the ranks of
+  // one host to each other). They share their host's virtual GID, so no
+  // lookup of peers finds them: they are quiesced all before any is
+  // released, and re-pointed at each other by the tree's steps.
+  bool linked = false;
+  // The endpoints of its tree (every move of a tree with several).
+  std::vector<pid_t> tree_pids;
   // The first failed write of `rec`: crash recovery reads the record, so a
   // move that cannot write it is refused or rolled back while it can be.
   absl::Status record_error;

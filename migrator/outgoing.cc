@@ -216,7 +216,9 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
                                                                 absl::UnknownError("not asked"));
   AllAtOnce(targets.size(), [&](size_t i) {
     if (targets[i].empty()) {
-      results[i] = QuiescePeers(req);
+      v1::QuiescePeersRequest here = req;
+      for (pid_t p : m->tree_pids) here.add_tree_pids(p);
+      results[i] = QuiescePeers(here);
       return;
     }
     v1::Transfer::StubInterface* stub = m->stubs.at(targets[i]).get();
@@ -285,6 +287,11 @@ absl::Status Migrator::MarkQuiescing(pid_t pid) {
 }
 
 absl::Status Migrator::QuiesceAndRelease(Move* m, v1::EndpointSummary* released) {
+  if (absl::Status st = QuiesceEndpoint(m); !st.ok()) return st;
+  return ReleaseEndpoint(m, released);
+}
+
+absl::Status Migrator::QuiesceEndpoint(Move* m) {
   const pid_t pid = m->rec.report().pid();
   v1::Breakdown* b = m->rec.mutable_report()->mutable_breakdown();
   SetPhase(m, "quiesce");
@@ -304,7 +311,12 @@ absl::Status Migrator::QuiesceAndRelease(Move* m, v1::EndpointSummary* released)
   b->set_quiesce_us(MicrosSince(q0));
   // The summary after quiesce knows the endpoint's own GID for sure.
   *m->rec.mutable_endpoint() = qr->summary();
+  return absl::OkStatus();
+}
 
+absl::Status Migrator::ReleaseEndpoint(Move* m, v1::EndpointSummary* released) {
+  const pid_t pid = m->rec.report().pid();
+  v1::Breakdown* b = m->rec.mutable_report()->mutable_breakdown();
   SetPhase(m, "release");
   const absl::Time r0 = absl::Now();
   v1::MigratorToShim rel;
@@ -416,11 +428,28 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   b->set_precopy_us(MicrosSince(p0));
 
   v1::EndpointSummary released;
-  if (absl::Status st = QuiesceAndRelease(m, &released); !st.ok()) return st;
-  for (const std::unique_ptr<Move>& mm : members) {
-    v1::EndpointSummary member_released;
-    if (absl::Status st = QuiesceAndRelease(mm.get(), &member_released); !st.ok())
-      return Annotate(st, absl::StrCat("process ", mm->rec.report().pid(), " of the tree"));
+  auto of_tree = [](const absl::Status& st, const Move* mm) {
+    return Annotate(st, absl::StrCat("process ", mm->rec.report().pid(), " of the tree"));
+  };
+  if (m->linked) {
+    // A linked tree's endpoint still running sends to the others: their
+    // QPs must be there to take it until its own drain is done.
+    if (absl::Status st = QuiesceEndpoint(m); !st.ok()) return st;
+    for (const std::unique_ptr<Move>& mm : members)
+      if (absl::Status st = QuiesceEndpoint(mm.get()); !st.ok()) return of_tree(st, mm.get());
+    if (absl::Status st = ReleaseEndpoint(m, &released); !st.ok()) return st;
+    for (const std::unique_ptr<Move>& mm : members) {
+      v1::EndpointSummary member_released;
+      if (absl::Status st = ReleaseEndpoint(mm.get(), &member_released); !st.ok())
+        return of_tree(st, mm.get());
+    }
+  } else {
+    if (absl::Status st = QuiesceAndRelease(m, &released); !st.ok()) return st;
+    for (const std::unique_ptr<Move>& mm : members) {
+      v1::EndpointSummary member_released;
+      if (absl::Status st = QuiesceAndRelease(mm.get(), &member_released); !st.ok())
+        return of_tree(st, mm.get());
+    }
   }
 
   SetPhase(m, "dump");
@@ -466,6 +495,26 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   return absl::OkStatus();
 }
 
+namespace {
+
+// Whether a QP of one of `all` is connected to one of them, itself
+// included.
+bool ConnectedAmong(const std::vector<v1::EndpointSummary>& all) {
+  for (const v1::EndpointSummary& to : all) {
+    if (to.mapping().virtual_gid().empty()) continue;
+    std::set<uint32_t> qpns;
+    for (const v1::QpSummary& q : to.qps()) qpns.insert(q.virtual_qpn());
+    for (const v1::EndpointSummary& from : all)
+      for (const v1::QpSummary& q : from.qps())
+        if (q.remote_virtual_gid() == to.mapping().virtual_gid() &&
+            qpns.contains(q.remote_virtual_qpn()))
+          return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 absl::Status Migrator::MakeMembers(Move* lead, const std::vector<pid_t>& endpoints,
                                    std::vector<std::unique_ptr<Move>>* members) {
   std::vector<v1::EndpointSummary> all = {lead->rec.endpoint()};
@@ -475,23 +524,12 @@ absl::Status Migrator::MakeMembers(Move* lead, const std::vector<pid_t>& endpoin
     if (absl::Status st = CheckPeersLocatable(*e); !st.ok()) return st;
     all.push_back(*std::move(e));
   }
-  // Two endpoints of the tree connected to each other would each be
-  // re-pointed at the other's released QPs.
-  for (size_t i = 0; i < all.size(); ++i)
-    for (size_t j = 0; j < all.size(); ++j) {
-      if (i == j || all[j].mapping().virtual_gid().empty()) continue;
-      std::set<uint32_t> qpns;
-      for (const v1::QpSummary& q : all[j].qps()) qpns.insert(q.virtual_qpn());
-      for (const v1::QpSummary& q : all[i].qps())
-        if (q.remote_virtual_gid() == all[j].mapping().virtual_gid() &&
-            qpns.contains(q.remote_virtual_qpn()))
-          return absl::FailedPreconditionError(absl::StrCat(
-              "processes ", endpoints[i], " and ", endpoints[j],
-              " of the tree are connected to each other; moving both at once is not supported"));
-    }
+  lead->linked = ConnectedAmong(all);
+  lead->tree_pids = endpoints;
   const v1::MigrationReport& lr = lead->rec.report();
   for (size_t i = 1; i < endpoints.size(); ++i) {
     std::unique_ptr<Move> mm = NewMove("migrate", endpoints[i], nullptr);
+    mm->tree_pids = endpoints;
     mm->rec.set_tree_root(TreeRoot(lead->rec));
     mm->rec.set_tree_lead(lr.migration_id());
     mm->rec.set_destination(lead->rec.destination());
@@ -623,6 +661,12 @@ absl::Status Migrator::CompleteForward(Move* m) {
   absl::StatusOr<v1::ReconnectPeersResponse> resumed =
       ReconnectPeersOn(m, m->rec.destination(), req,
                        absl::StrCat("resuming the endpoint on ", m->rec.destination()));
+  return Conclude(m, c0, peers, resumed.status());
+}
+
+absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peers,
+                                const absl::Status& resumed) {
+  v1::MigrationReport* r = m->rec.mutable_report();
   r->mutable_breakdown()->set_reconnect_us(MicrosSince(c0));
   r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
   SetPhase(m, "cleanup");
@@ -634,7 +678,7 @@ absl::Status Migrator::CompleteForward(Move* m) {
   for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))
     if (e.is_directory()) std::filesystem::remove_all(e.path(), ec);
   absl::Status st = peers;
-  if (!resumed.ok()) st = resumed.status();
+  if (!resumed.ok()) st = resumed;
   if (!killed.ok()) st = killed;
   if (!m->member_errors.empty())
     st = absl::UnavailableError(
@@ -643,6 +687,134 @@ absl::Status Migrator::CompleteForward(Move* m) {
   if (!st.ok()) r->set_error(absl::StrCat("the endpoint moved, but: ", st.message()));
   Finish(m, st);
   return st;
+}
+
+v1::ReconnectPeersRequest Migrator::TreeRequest(Move* lead,
+                                                const std::vector<std::unique_ptr<Move>>& members,
+                                                const std::vector<v1::Mapping>& mappings) {
+  v1::ReconnectPeersRequest req;
+  req.set_migration_id(lead->rec.report().migration_id());
+  *req.mutable_mapping() = mappings.front();
+  for (size_t i = 1; i < mappings.size(); ++i) *req.add_more_mappings() = mappings[i];
+  for (const std::unique_ptr<Move>& mm : members)
+    req.add_more_migration_ids(mm->rec.report().migration_id());
+  return req;
+}
+
+std::vector<std::string> Migrator::TreePeerHosts(const std::vector<Move*>& moves,
+                                                 const std::string& skip) {
+  std::set<std::string> hosts;
+  bool local = false;
+  for (Move* x : moves) {
+    local = local || x->rec.local_peers();
+    for (const std::string& t : x->rec.peer_hosts())
+      if (t != skip) hosts.insert(t);
+  }
+  std::vector<std::string> out;
+  if (local && !skip.empty()) out.push_back("");
+  out.insert(out.end(), hosts.begin(), hosts.end());
+  return out;
+}
+
+void Migrator::CompleteLinked(Move* lead, const std::vector<std::unique_ptr<Move>>& members) {
+  std::vector<Move*> all = {lead};
+  std::vector<v1::Mapping> mappings = {lead->rec.new_mapping()};
+  for (const std::unique_ptr<Move>& mm : members) {
+    all.push_back(mm.get());
+    mappings.push_back(mm->rec.new_mapping());
+  }
+  for (Move* x : all) SetPhase(x, "reconnect");
+  const absl::Time c0 = absl::Now();
+  const v1::ReconnectPeersRequest req = TreeRequest(lead, members, mappings);
+  // Every peer host at once, each peer re-pointed at all the endpoints in
+  // one step; the destination last: the endpoints at each other, its own
+  // peers, then the endpoints resumed.
+  const std::string dest = lead->rec.destination();
+  const std::vector<std::string> targets = TreePeerHosts(all, dest);
+  std::vector<absl::Status> results(targets.size());
+  AllAtOnce(targets.size(), [&](size_t i) {
+    results[i] = targets[i].empty()
+                     ? ReconnectPeers(req).status()
+                     : ReconnectPeersOn(lead, targets[i], req,
+                                        absl::StrCat("reconnecting the peers on ", targets[i]))
+                           .status();
+  });
+  std::vector<std::string> errors;
+  for (const absl::Status& st : results)
+    if (!st.ok()) errors.push_back(std::string(st.message()));
+  const absl::Status peers =
+      errors.empty() ? absl::OkStatus() : absl::UnavailableError(absl::StrJoin(errors, "; "));
+  v1::ReconnectPeersRequest last = req;
+  last.set_resume_endpoint(true);
+  for (Move* x : all) last.add_tree_pids(x->rec.report().pid());
+  const absl::Status resumed =
+      ReconnectPeersOn(lead, dest, last, absl::StrCat("resuming the tree's endpoints on ", dest))
+          .status();
+  for (const std::unique_ptr<Move>& mm : members) {
+    if (absl::Status done = Conclude(mm.get(), c0, peers, resumed); !done.ok())
+      lead->member_errors.push_back(
+          absl::StrCat("process ", mm->rec.report().pid(), ": ", done.message()));
+  }
+  (void)Conclude(lead, c0, peers, resumed);
+}
+
+void Migrator::RollBackLinked(Move* lead, const std::vector<std::unique_ptr<Move>>& members,
+                              const absl::Status& cause) {
+  std::vector<Move*> all = {lead};
+  for (const std::unique_ptr<Move>& mm : members) all.push_back(mm.get());
+  bool released = false;
+  for (Move* x : all) released = released || x->rec.released();
+  if (!released) {
+    // Every endpoint kept its QPs: each one's rollback resumes it and its
+    // peers as they were.
+    for (Move* x : all) RollBack(x, cause);
+    return;
+  }
+  std::vector<v1::Mapping> mappings;
+  bool back = true;
+  for (Move* x : all) {
+    std::optional<v1::Mapping> now;
+    RollBack(x, cause, &now);
+    if (now.has_value()) {
+      mappings.push_back(*now);
+    } else {
+      back = false;
+    }
+  }
+  std::vector<std::string> problems;
+  if (!back) {
+    // One that is not back: the others and every peer stay paused rather
+    // than post to QPs that are gone (as for one endpoint); said below.
+    problems.push_back("not every endpoint of the tree is back: they and their peers stay paused");
+  } else {
+    const v1::ReconnectPeersRequest req = TreeRequest(lead, members, mappings);
+    const std::vector<std::string> targets = TreePeerHosts(all, "");
+    std::vector<absl::Status> results(targets.size());
+    AllAtOnce(targets.size(), [&](size_t i) {
+      results[i] = ReconnectPeersOn(lead, targets[i], req,
+                                    absl::StrCat("reconnecting the peers on ", targets[i]))
+                       .status();
+    });
+    for (const absl::Status& st : results)
+      if (!st.ok()) problems.push_back(std::string(st.message()));
+    // Here: the endpoints at each other, this host's peers, then the
+    // endpoints resumed.
+    v1::ReconnectPeersRequest here = req;
+    here.set_resume_endpoint(true);
+    here.set_endpoint_pid(lead->rec.report().pid());
+    for (Move* x : all) here.add_tree_pids(x->rec.report().pid());
+    if (absl::StatusOr<v1::ReconnectPeersResponse> r = ReconnectPeers(here); !r.ok())
+      problems.push_back(std::string(r.status().message()));
+  }
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    v1::MigrationReport* r = (*it)->rec.mutable_report();
+    if (!problems.empty()) {
+      r->set_rolled_back(false);
+      r->set_error(
+          absl::StrCat(r->error(), " (rollback of the tree: ", absl::StrJoin(problems, "; "), ")"));
+    }
+    Finish(*it, cause);
+  }
 }
 
 // A copy of a moved process that must not stay: the source's stopped copy
@@ -691,7 +863,7 @@ absl::Status Migrator::AbortOnDestination(Move* m) {
                        : " (what it received stays there until its migrator restarts)"));
 }
 
-void Migrator::RollBack(Move* m, const absl::Status& cause) {
+void Migrator::RollBack(Move* m, const absl::Status& cause, std::optional<v1::Mapping>* paused) {
   v1::MigrationReport* r = m->rec.mutable_report();
   const pid_t pid = r->pid();
   r->set_error(std::string(cause.message()));
@@ -728,14 +900,23 @@ void Migrator::RollBack(Move* m, const absl::Status& cause) {
     } else {
       m->rec.set_released(false);
       Persist(m);
-      if (absl::Status st = ReconnectAll(m, e->mapping(), false); !st.ok())
-        problems.push_back(std::string(st.message()));
       peers_done = true;
-      v1::MigratorToShim res;
-      res.mutable_resume();
-      absl::StatusOr<v1::Reply> rr = Command(pid, res, options_.rpc_timeout, "resume");
-      if (!rr.ok()) problems.push_back(std::string(rr.status().message()));
+      if (paused != nullptr) {
+        *paused = e->mapping();
+      } else {
+        if (absl::Status st = ReconnectAll(m, e->mapping(), false); !st.ok())
+          problems.push_back(std::string(st.message()));
+        v1::MigratorToShim res;
+        res.mutable_resume();
+        absl::StatusOr<v1::Reply> rr = Command(pid, res, options_.rpc_timeout, "resume");
+        if (!rr.ok()) problems.push_back(std::string(rr.status().message()));
+      }
     }
+  } else if (paused != nullptr) {
+    // Its QPs are as they were (quiesced, or not even that): re-pointed
+    // with the tree's all the same.
+    *paused = m->rec.endpoint().mapping();
+    peers_done = true;
   } else if (m->rec.quiesced()) {
     v1::MigratorToShim res;
     res.mutable_resume();
@@ -761,7 +942,7 @@ void Migrator::RollBack(Move* m, const absl::Status& cause) {
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))
     if (e.is_directory()) std::filesystem::remove_all(e.path(), ec);
-  Finish(m, cause);
+  if (paused == nullptr) Finish(m, cause);
 }
 
 absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const ProgressSink& sink) {
@@ -824,6 +1005,7 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   // One move per further endpoint of the tree, around this one.
   std::vector<std::unique_ptr<Move>> members;
   if (known.ok() && endpoints->size() > 1) known = MakeMembers(m.get(), *endpoints, &members);
+  if (known.ok() && members.empty()) m->linked = ConnectedAmong({*e});
   if (known.ok()) known = ClaimMove(m.get());
   if (!known.ok()) {
     known = Annotate(known, "nothing was quiesced");
@@ -848,9 +1030,17 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   if (!st.ok()) {
     // The tree first (continued on the source, the first endpoint back),
     // then each further endpoint, which needs its process running.
+    if (m->linked) {
+      RollBackLinked(m.get(), members, st);
+      return st;
+    }
     RollBack(m.get(), st);
     for (const std::unique_ptr<Move>& mm : members) RollBack(mm.get(), st);
     return st;
+  }
+  if (m->linked) {
+    CompleteLinked(m.get(), members);
+    return absl::OkStatus();
   }
   // Done: what went wrong after the restore (a peer not re-pointed) is in
   // the report, and the move is not undone for it. The further endpoints

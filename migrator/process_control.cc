@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -41,6 +42,17 @@ char State(pid_t pid) {
 bool IsTerminal(dev_t rdev) {
   const unsigned m = major(rdev);
   return m == 4 || m == 5 || (m >= 136 && m <= 143);
+}
+
+// /dev/ptmx: opening it makes a pseudo-terminal pair, whose master side the
+// open file is.
+const dev_t kPtmx = makedev(5, 2);
+
+// N for the slave side /dev/pts/N (majors 136-143), -1 for another device.
+int PtsIndex(dev_t rdev) {
+  const unsigned m = major(rdev);
+  if (m < 136 || m > 143) return -1;
+  return static_cast<int>((m - 136) * 256 + minor(rdev));
 }
 
 // The controlling terminal's device number (/proc/PID/stat's tty_nr), 0
@@ -116,7 +128,35 @@ class RealProcessControl final : public ProcessControl {
     return "";
   }
 
-  std::string Terminal(pid_t pid) override {
+  std::set<int> PtyMasters(pid_t pid) override {
+    std::set<int> out;
+    const std::string fds = absl::StrCat("/proc/", pid, "/fd");
+    DIR* d = opendir(fds.c_str());
+    if (d == nullptr) return out;
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      struct stat st;
+      if (stat((fds + "/" + e->d_name).c_str(), &st) != 0 || !S_ISCHR(st.st_mode) ||
+          st.st_rdev != kPtmx) {
+        continue;
+      }
+      // The kernel names the pair in the master's fdinfo ("tty-index:\t3").
+      std::ifstream info(absl::StrCat("/proc/", pid, "/fdinfo/", e->d_name));
+      for (std::string key; info >> key;) {
+        if (key != "tty-index:") continue;
+        if (int index; info >> index) out.insert(index);
+        break;
+      }
+    }
+    closedir(d);
+    return out;
+  }
+
+  std::string Terminal(pid_t pid, const std::set<int>& masters_in_tree) override {
+    auto movable = [&](dev_t rdev) {
+      const int index = PtsIndex(rdev);
+      return rdev == kPtmx || (index >= 0 && masters_in_tree.contains(index));
+    };
     const std::string fds = absl::StrCat("/proc/", pid, "/fd");
     if (DIR* d = opendir(fds.c_str())) {
       std::string found;
@@ -124,8 +164,10 @@ class RealProcessControl final : public ProcessControl {
         if (e->d_name[0] == '.') continue;
         const std::string link = fds + "/" + e->d_name;
         struct stat st;
-        if (stat(link.c_str(), &st) != 0 || !S_ISCHR(st.st_mode) || !IsTerminal(st.st_rdev))
+        if (stat(link.c_str(), &st) != 0 || !S_ISCHR(st.st_mode) || !IsTerminal(st.st_rdev) ||
+            movable(st.st_rdev)) {
           continue;
+        }
         char target[256];
         const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
         found = n > 0 ? std::string(target, n) : link;
@@ -135,7 +177,7 @@ class RealProcessControl final : public ProcessControl {
       if (!found.empty()) return found;
     }
     const dev_t ctty = ControllingTerminal(pid);
-    if (ctty == 0) return "";
+    if (ctty == 0 || movable(ctty)) return "";
     return absl::StrCat("a controlling terminal (device ", major(ctty), ":", minor(ctty), ")");
   }
 

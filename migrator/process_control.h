@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,9 +37,15 @@ class ProcessControl {
   // SIGKILL, and wait (bounded) until every process of the tree is gone.
   // OK if it was gone already.
   virtual absl::Status Kill(pid_t pid) = 0;
+  // The pseudo-terminals whose master side (an open /dev/ptmx) the
+  // process holds, by index (N of /dev/pts/N).
+  virtual std::set<int> PtyMasters(pid_t pid) = 0;
   // The terminal the process holds ("/dev/pts/3": its controlling
-  // terminal, or one of its open files), "" when it holds none.
-  virtual std::string Terminal(pid_t pid) = 0;
+  // terminal, or one of its open files), "" when it holds none. Not
+  // counted: /dev/ptmx, and /dev/pts/N with N in `masters_in_tree` (a
+  // pseudo-terminal whose both sides move with the tree, as an MPI daemon
+  // and the ranks whose output it reads through one).
+  virtual std::string Terminal(pid_t pid, const std::set<int>& masters_in_tree) = 0;
 };
 
 // kill(2) and /proc.

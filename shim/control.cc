@@ -262,15 +262,19 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
         out->kind = Kind::kPeerReconnect;
         WireReader b(body);
         bool have = false;
+        std::vector<RemoteMapping> more;
         while (b.Next()) {
-          if (b.field() == 1 && b.is_bytes()) {
-            if (have) return *why = "a peer_reconnect request with two mappings", false;
+          if ((b.field() == 1 || b.field() == 2) && b.is_bytes()) {
+            if (b.field() == 1 && have)
+              return *why = "a peer_reconnect request with two first mappings", false;
             RemoteMapping m;
             if (!DecodeMapping(b.bytes(), &m, why)) return false;
-            out->peers.push_back(std::move(m));
-            have = true;
+            (b.field() == 1 ? out->peers : more).push_back(std::move(m));
+            have = have || b.field() == 1;
           }
+          if (b.field() == 3 && b.is_varint()) out->keep_paused = b.varint() != 0;
         }
+        for (RemoteMapping& m : more) out->peers.push_back(std::move(m));
         if (!b.ok() || !have) return *why = "a peer_reconnect request without a mapping", false;
         break;
       }
@@ -309,7 +313,7 @@ std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endp
       st = shim->Resume();
       break;
     case Kind::kPeerReconnect:
-      st = shim->PeerReconnect(req.peers.front());
+      st = shim->PeerReconnect(req.peers, req.keep_paused);
       break;
     case Kind::kDescribe:
     case Kind::kNone:

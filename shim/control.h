@@ -46,7 +46,8 @@ struct ControlRequest {
   bool has_toward = false;
   ibv_gid toward{};
   std::string device;
-  std::vector<RemoteMapping> peers;  // restore's; peer_reconnect's one mapping
+  std::vector<RemoteMapping> peers;  // restore's; peer_reconnect's mappings
+  bool keep_paused = false;          // peer_reconnect
 };
 
 // Codec (control.cc), exposed for tests.

@@ -121,6 +121,22 @@ int Repost(std::vector<QueuedRecv>* recvs, Post post) {
   return rc;
 }
 
+// The file status flags of an fd about to be closed (0 if unknown).
+int StatusFlags(int fd) {
+  const int flags = fd >= 0 ? fcntl(fd, F_GETFL) : -1;
+  return flags < 0 ? 0 : flags;
+}
+
+// Gives a fresh fd the O_NONBLOCK its predecessor had (`flags`): an
+// application that set it polls the fd and expects EAGAIN, never a read
+// that waits. (Flags live with the open file, not with the fd's number.)
+void KeepNonBlocking(int fd, int flags) {
+  if (fd < 0 || (flags & O_NONBLOCK) == 0) return;
+  const int now = fcntl(fd, F_GETFL);
+  if (now >= 0 && fcntl(fd, F_SETFL, now | O_NONBLOCK) != 0)
+    LogOnce("giving a re-created fd the O_NONBLOCK it had failed");
+}
+
 // Gives a new fd the number the application knew, if that number is free.
 int KeepFdNumber(int fresh, int known) {
   if (fresh < 0 || known < 0 || fresh == known) return fresh;
@@ -579,6 +595,7 @@ void Shim::DestroyReal() {
   for (Channel* ch : All<Channel>(Kind::kChannel)) {
     if (ch->real != nullptr) {
       ReleaseChannel(ch);
+      ch->fd_flags = StatusFlags(ch->real->fd);
       backend_->DestroyCompChannel(ch->real);
     }
     ch->real = nullptr;
@@ -586,7 +603,10 @@ void Shim::DestroyReal() {
   for (const auto& [p, k] : shadows_) {
     if (k != Kind::kContext) continue;
     Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
-    if (ctx->real != nullptr) backend_->CloseDevice(ctx->real);
+    if (ctx->real != nullptr) {
+      ctx->async_fd_flags = StatusFlags(ctx->real->async_fd);
+      backend_->CloseDevice(ctx->real);
+    }
     ctx->real = nullptr;
   }
 }
@@ -787,6 +807,7 @@ Status Shim::RecreateReal(const std::string& device) {
     s->cmd_fd = ctx->real->cmd_fd;
     s->async_fd = KeepFdNumber(ctx->real->async_fd, s->async_fd);
     ctx->real->async_fd = s->async_fd;
+    KeepNonBlocking(s->async_fd, ctx->async_fd_flags);
     s->num_comp_vectors = ctx->real->num_comp_vectors;
   }
   backend_->FreeDeviceList(list);
@@ -812,6 +833,7 @@ Status Shim::RecreateReal(const std::string& device) {
       return Error(Code::kResourceExhausted, Errno("ibv_create_comp_channel", errno));
     ch->shadow.fd = KeepFdNumber(ch->real->fd, ch->shadow.fd);
     ch->real->fd = ch->shadow.fd;
+    KeepNonBlocking(ch->shadow.fd, ch->fd_flags);
     ReopenChannel(ch);
   }
   for (Cq* cq : All<Cq>(Kind::kCq)) {
@@ -1006,7 +1028,7 @@ Status Shim::Reconnect(Qp* qp) {
   return {};
 }
 
-Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
+Status Shim::PeerReconnectNow(const std::vector<RemoteMapping>& mappings, bool keep_paused) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
@@ -1019,13 +1041,22 @@ Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
       const int rc = DrainCq(cq, nullptr);
       if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ before a peer reconnect", -rc));
     }
-    std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
-    if (e == nullptr) return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
-    const RemoteEndpoint* r = PublishRemoteLocked(std::move(e));
+    // All published before any QP is brought up: a QP of one connected
+    // to another (or to itself, as UCX makes them) resolves both ends
+    // through where they are now.
+    std::vector<const RemoteEndpoint*> published;
+    for (const RemoteMapping& mapping : mappings) {
+      std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
+      if (e == nullptr)
+        return Error(Code::kResourceExhausted, "out of memory for a peer's mapping");
+      published.push_back(PublishRemoteLocked(std::move(e)));
+    }
     std::vector<Qp*> toward;
     for (Qp* qp : All<Qp>(Kind::kQp)) {
       const uint32_t type = qp->shadow.qp_base.qp_type;
-      if (qp->remote.load() == r && (type == IBV_QPT_RC || type == IBV_QPT_UC))
+      const RemoteEndpoint* at = qp->remote.load();
+      if ((type == IBV_QPT_RC || type == IBV_QPT_UC) &&
+          std::find(published.begin(), published.end(), at) != published.end())
         toward.push_back(qp);
     }
     // To the error state together, their receives still posted counted
@@ -1033,12 +1064,14 @@ Status Shim::PeerReconnectNow(const RemoteMapping& mapping) {
     FailAndCountRecvs(toward);
     for (Qp* qp : toward)
       if (Status st = Reconnect(qp); !st.ok()) return st;
-    for (Ah* ah : All<Ah>(Kind::kAh)) {
-      if (const int rc = RouteAhLocked(ah, r); rc != 0)
-        return Error(Code::kResourceExhausted,
-                     Errno("an address handle toward the moved peer", rc));
-    }
+    for (const RemoteEndpoint* r : published)
+      for (Ah* ah : All<Ah>(Kind::kAh)) {
+        if (const int rc = RouteAhLocked(ah, r); rc != 0)
+          return Error(Code::kResourceExhausted,
+                       Errno("an address handle toward the moved peer", rc));
+      }
   }
+  if (keep_paused) return {};
   return ResumeNow();
 }
 
@@ -1189,8 +1222,11 @@ Status Shim::Restore(const std::string& device, const std::vector<RemoteMapping>
 Status Shim::Resume() {
   return OnAppThread("resume", [this] { return ResumeNow(); });
 }
-Status Shim::PeerReconnect(const RemoteMapping& mapping) {
-  return OnAppThread("peer reconnect", [this, mapping] { return PeerReconnectNow(mapping); });
+Status Shim::PeerReconnect(const std::vector<RemoteMapping>& mappings, bool keep_paused) {
+  if (mappings.empty()) return Error(Code::kInvalidArgument, "peer reconnect without a mapping");
+  return OnAppThread("peer reconnect", [this, mappings, keep_paused] {
+    return PeerReconnectNow(mappings, keep_paused);
+  });
 }
 
 EndpointView Shim::Describe() const {

@@ -54,6 +54,9 @@ struct Context {
   ibv_context* real = nullptr;
   Shim* shim = nullptr;
   IdentityMode mode;
+  // The file status flags the application gave async_fd (O_NONBLOCK, as
+  // UCX sets): kept across a release, given to the re-opened device's fd.
+  int async_fd_flags = 0;
 };
 
 inline Context* AsContext(ibv_context* c) {
@@ -86,7 +89,11 @@ struct Channel {
   ibv_comp_channel* real = nullptr;
   Context* ctx = nullptr;
   int wake_fd = -1;  // eventfd, nonblocking
-  std::mutex mu;     // guards the fields below; never held across a verb
+  // The file status flags the application gave the channel's fd
+  // (O_NONBLOCK, as UCX sets): kept across a release, given to the
+  // re-created channel's fd.
+  int fd_flags = 0;
+  std::mutex mu;  // guards the fields below; never held across a verb
   std::condition_variable cv;
   bool released = false;  // no real channel: between a release and a restore
   int in_use = 0;         // threads in poll(2) or read(2) on the real channel's fd

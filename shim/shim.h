@@ -150,10 +150,14 @@ class Shim {
   Status Restore(const std::string& device, const std::vector<RemoteMapping>& peers);
   // Replays the posts queued during the pause, in order, and lifts it.
   Status Resume();
-  // A peer moved (or was restored in place): QPs connected to it are reset
-  // and re-connected to where it is now, with their outstanding receives
-  // re-posted; AHs toward it re-created; then Resume().
-  Status PeerReconnect(const RemoteMapping& mapping);
+  // Peers moved (or were restored in place): QPs connected to any of them
+  // are reset and re-connected to where they are now, with their
+  // outstanding receives re-posted; AHs toward them re-created; then
+  // Resume(), unless `keep_paused`.
+  Status PeerReconnect(const std::vector<RemoteMapping>& mappings, bool keep_paused = false);
+  Status PeerReconnect(const RemoteMapping& mapping) {
+    return PeerReconnect(std::vector<RemoteMapping>{mapping});
+  }
   EndpointView Describe() const;
   // Data path, while paused: an application thread runs the step the
   // control thread left for it, if any (see OnAppThread in migration.cc).
@@ -244,7 +248,7 @@ class Shim {
   Status ReleaseNow();
   Status RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers);
   Status ResumeNow();
-  Status PeerReconnectNow(const RemoteMapping& mapping);
+  Status PeerReconnectNow(const std::vector<RemoteMapping>& mappings, bool keep_paused);
   // Runs `step` (named `name` in errors) on an application thread once the
   // process was restored, else here. Waits at most app_thread_wait_ms_
   // for a thread to take it up, then `budget_ms` (the step's own

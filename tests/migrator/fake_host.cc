@@ -6,7 +6,9 @@
 #include <map>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 
 namespace rdmavirt::migrator::testing {
@@ -154,10 +156,27 @@ void FakeHost::SetTerminal(pid_t pid, const std::string& tty) {
   terminals_[pid] = tty;
 }
 
-std::string FakeHost::Terminal(pid_t pid) {
+void FakeHost::AddPtyMaster(pid_t pid, int index) {
+  absl::MutexLock lock(&mu_);
+  pty_masters_[pid].insert(index);
+}
+
+std::set<int> FakeHost::PtyMasters(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  auto it = pty_masters_.find(pid);
+  return it == pty_masters_.end() ? std::set<int>{} : it->second;
+}
+
+std::string FakeHost::Terminal(pid_t pid, const std::set<int>& masters_in_tree) {
   absl::MutexLock lock(&mu_);
   auto it = terminals_.find(pid);
-  return it == terminals_.end() ? "" : it->second;
+  if (it == terminals_.end()) return "";
+  int index = -1;
+  if (absl::SimpleAtoi(absl::StripPrefix(it->second, "/dev/pts/"), &index) &&
+      masters_in_tree.contains(index)) {
+    return "";
+  }
+  return it->second;
 }
 
 v1::EndpointSummary FakeHost::Summary(const FakeEndpoint& e) const {
@@ -285,11 +304,14 @@ absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl
     if (!e.paused || e.released)
       r.set_code(9), r.set_message("peer reconnect needs a paused endpoint");
     else {
-      e.reconnected_to.push_back(req.peer_reconnect().mapping());
-      for (FakeQp& q : e.qps)
-        if (q.remote_vgid == req.peer_reconnect().mapping().virtual_gid())
-          q.remote_pgid = req.peer_reconnect().mapping().physical_gid();
-      e.paused = false;
+      std::vector<v1::Mapping> all = {req.peer_reconnect().mapping()};
+      all.insert(all.end(), req.peer_reconnect().more().begin(), req.peer_reconnect().more().end());
+      for (const v1::Mapping& m : all) {
+        e.reconnected_to.push_back(m);
+        for (FakeQp& q : e.qps)
+          if (q.remote_vgid == m.virtual_gid()) q.remote_pgid = m.physical_gid();
+      }
+      if (!req.peer_reconnect().keep_paused()) e.paused = false;
     }
   }
   *r.mutable_summary() = Summary(e);

@@ -90,6 +90,8 @@ class FakeHost final : public ShimChannel,
   void ReusePid(pid_t pid);
   // The process holds this terminal (ProcessControl::Terminal).
   void SetTerminal(pid_t pid, const std::string& tty);
+  // The process holds the master side of /dev/pts/`index`.
+  void AddPtyMaster(pid_t pid, int index);
   const std::string& gid() const { return gid_; }
 
   // Network: `ifname` holds `address` ("a.b.c.d/len").
@@ -131,7 +133,8 @@ class FakeHost final : public ShimChannel,
   absl::Status Stop(pid_t pid) override;
   absl::Status Continue(pid_t pid) override;
   absl::Status Kill(pid_t pid) override;
-  std::string Terminal(pid_t pid) override;
+  std::set<int> PtyMasters(pid_t pid) override;
+  std::string Terminal(pid_t pid, const std::set<int>& masters_in_tree) override;
   // Checkpointer
   absl::Status Check() override;
   absl::StatusOr<DumpStats> PreDump(pid_t pid, const std::string& dir,
@@ -166,6 +169,7 @@ class FakeHost final : public ShimChannel,
   std::map<pid_t, int> incarnation_ ABSL_GUARDED_BY(mu_);  // Identity's
 
   std::map<pid_t, std::string> terminals_ ABSL_GUARDED_BY(mu_);
+  std::map<pid_t, std::set<int>> pty_masters_ ABSL_GUARDED_BY(mu_);
   std::set<pid_t> markers_ ABSL_GUARDED_BY(mu_);
   // address (host order) -> (interface, prefix)
   std::map<uint32_t, std::pair<std::string, int>> addrs_ ABSL_GUARDED_BY(mu_);

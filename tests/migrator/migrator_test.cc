@@ -843,25 +843,79 @@ TEST(MigratorTest, ATreeWhoseSecondEndpointCannotComeBackThereRollsBackWhole) {
   for (pid_t peer : {300, 305}) EXPECT_FALSE(c.host(3).Get(peer).paused) << peer;
 }
 
-// Two endpoints of the tree connected to each other: refused before
-// anything, naming both.
-TEST(MigratorTest, ATreeWhoseEndpointsAreConnectedToEachOtherIsRefused) {
+// Two endpoints of the tree connected to each other (UCX connects the
+// ranks of one host so): both quiesced before either is released, both
+// restored, re-pointed at each other on the destination while paused (no
+// lookup of peers finds them), their peer re-pointed once with both
+// mappings, then all resumed. Before, the move was refused.
+TEST(MigratorTest, ATreeWhoseEndpointsAreConnectedToEachOtherMovesAsOne) {
   Cluster c("tree2conn");
-  Topology(c);  // 100 and 200 are connected
+  Topology(c);  // 100 and 200 are connected; 100 and 300 too
   c.host(1).AddPlainProcess(90);
   c.host(1).AddChild(90, 100);
   c.host(1).AddChild(90, 200);
   MoveRun run = Migrate(c, 90, "h2");
-  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
-  EXPECT_THAT(std::string(run.status.message()), HasSubstr("connected to each other"));
-  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
-  EXPECT_TRUE(Commands(c.host(1).Get(200).log).empty());
-  EXPECT_EQ(c.host(1).predumps, 0);
-  // A terminal anywhere in the tree is refused too, naming who holds it.
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  EXPECT_THAT(run.report.tree_endpoints(), ElementsAre(200));
+  for (pid_t pid : {100, 200}) {
+    EXPECT_FALSE(c.host(1).Exists(pid)) << pid;
+    FakeEndpoint moved = c.host(2).Get(pid);
+    EXPECT_TRUE(moved.alive && moved.connected && !moved.released && !moved.paused) << pid;
+    EXPECT_THAT(Commands(moved.log), ElementsAre("restore", "peer_reconnect", "resume")) << pid;
+    // Each points at where the other is now.
+    for (const FakeQp& q : moved.qps) {
+      if (q.remote_vgid == VGid(1) || q.remote_vgid == VGid(2)) {
+        EXPECT_EQ(q.remote_pgid, Gid(2)) << pid << " qp " << q.virtual_qpn;
+      }
+    }
+  }
+  FakeEndpoint peer = c.host(3).Get(300);
+  EXPECT_TRUE(!peer.paused && !peer.released);
+  ASSERT_EQ(peer.reconnected_to.size(), 2u) << "one step, both mappings";
+  EXPECT_EQ(peer.qps[0].remote_pgid, Gid(2));
+}
+
+// The same tree when its restore fails: both brought back on the source
+// and kept paused, re-pointed at each other and their peer in one step,
+// then resumed.
+TEST(MigratorTest, ATreeWhoseEndpointsAreConnectedToEachOtherRollsBackWhole) {
+  Cluster c("tree2back");
+  Topology(c);
+  c.host(1).AddPlainProcess(90);
+  c.host(1).AddChild(90, 100);
+  c.host(1).AddChild(90, 200);
+  c.host(2).restore_error = absl::InternalError("restore failed");
+  MoveRun run = Migrate(c, 90, "h2");
+  EXPECT_FALSE(run.status.ok());
+  EXPECT_TRUE(run.report.rolled_back()) << run.report.error();
+  for (pid_t pid : {100, 200}) {
+    FakeEndpoint back = c.host(1).Get(pid);
+    EXPECT_TRUE(back.alive && back.connected && !back.released && !back.paused) << pid;
+    EXPECT_THAT(Commands(back.log),
+                ElementsAre("quiesce", "release", "restore", "peer_reconnect", "resume"))
+        << pid;
+  }
+  FakeEndpoint peer = c.host(3).Get(300);
+  EXPECT_TRUE(!peer.paused && !peer.released);
+  EXPECT_EQ(peer.reconnected_to.size(), 2u) << "one step, both mappings";
+}
+
+// A pseudo-terminal whose both sides the tree holds moves with it (an MPI
+// daemon reads its ranks' output through one); a terminal held anywhere
+// else in the tree is refused, naming who holds it.
+TEST(MigratorTest, ATerminalInTheTreeIsRefusedUnlessTheTreeHoldsBothItsSides) {
+  Cluster c("treetty");
+  Topology(c);
   c.host(3).AddPlainProcess(91);
   c.host(3).AddChild(91, 300);
   c.host(3).SetTerminal(300, "/dev/pts/4");
-  run = Migrate(c, 91, "h2", {}, 3);
+  c.host(3).AddPtyMaster(91, 4);
+  MoveRun run = Migrate(c, 91, "h2", {}, 3);
+  EXPECT_TRUE(run.status.ok()) << run.status;
+  c.host(2).SetTerminal(300, "/dev/pts/4");
+  c.host(2).AddPtyMaster(91, 5);
+  run = Migrate(c, 91, "h3", {}, 2);
   EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
   EXPECT_THAT(std::string(run.status.message()),
               HasSubstr("process 300 (a descendant of process 91) holds the terminal /dev/pts/4"));

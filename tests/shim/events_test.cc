@@ -4,6 +4,7 @@
 // ibv_get_cq_event through the whole move gets the event for what the
 // pause held, and completions held for a CQ made with ibv_create_cq_ex
 // are handed out exactly once, through ibv_start_poll or ibv_poll_cq.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -122,6 +123,28 @@ TEST_F(BlockingEventsTest, AThreadBlockedInGetCqEventThroughAMoveGetsTheEventFor
   app.join();
   EXPECT_EQ(got.load(), 1) << "the waiter did not get the held completion after the move";
   EXPECT_EQ(p_.steps_on_app_threads(), 2) << "the restore and the resume ran on the waiter";
+}
+
+// UCX makes its channel's fd (and the device's async fd) non-blocking and
+// asks for an event whenever it has nothing else to do, expecting EAGAIN
+// when none is there. The fds re-created by a restore must be non-blocking
+// too: before, a restored UCX rank waited in ibv_get_cq_event forever.
+TEST_F(BlockingEventsTest, FdsTheApplicationMadeNonBlockingStaySoAcrossAMove) {
+  ibv_comp_channel* ch = pdev_->Channel();
+  ibv_cq* cq = pdev_->Cq(ch);
+  Connect(cq);
+  ibv_context* ctx = ch->context;
+  for (int fd : {ch->fd, ctx->async_fd})
+    ASSERT_EQ(fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK), 0);
+  Quiesce();
+  ReleaseRestoreResume();
+  for (int fd : {ch->fd, ctx->async_fd})
+    EXPECT_NE(fcntl(fd, F_GETFL) & O_NONBLOCK, 0) << "fd " << fd;
+  ibv_cq* ev_cq = nullptr;
+  void* ev_ctx = nullptr;
+  errno = 0;
+  EXPECT_EQ(p_.GetCqEvent(ch, &ev_cq, &ev_ctx), -1) << "no event is there: it must not wait";
+  EXPECT_EQ(errno, EAGAIN);
 }
 
 // ibv_rc_pingpong -e polls once per event and then waits for the next:

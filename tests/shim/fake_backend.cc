@@ -1503,7 +1503,12 @@ int FakeBackend::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_co
     lock.unlock();
     uint64_t v;
     const ssize_t n = read(fd, &v, sizeof v);
+    const int err = errno;
     lock.lock();
+    if (n < 0 && err == EAGAIN) {  // the application made the fd non-blocking
+      errno = EAGAIN;
+      return -1;
+    }
     if (n == sizeof v && !ch->closed && ch->events.empty()) continue;  // taken by another reader
     if (n == sizeof v && !ch->events.empty()) {
       *cq = ch->events.front();

@@ -56,7 +56,7 @@ class GrpcTlsTest : public ::testing::Test {
     auto stub =
         v1::Operator::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), creds));
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     return stub->GetHostInfo(&ctx, v1::HostInfoRequest(), out);
   }
 
@@ -125,7 +125,7 @@ TEST_F(GrpcTlsTest, AnOperatorCertificateDoesNotOpenTheTransferService) {
     auto stub = v1::Transfer::NewStub(
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), Creds(certs_, who)));
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     v1::AbortIncomingRequest req;
     req.set_migration_id("m-1");
     v1::AbortIncomingResponse out;

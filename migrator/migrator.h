@@ -226,6 +226,10 @@ class Migrator {
   // `held` (if given) counts the peers that are released themselves.
   absl::Status ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only,
                             uint32_t* held = nullptr);
+  // `req` on each of `targets` at once ("" for this host), through m's
+  // channels; their errors joined.
+  absl::Status ReconnectOn(Move* m, const std::vector<std::string>& targets,
+                           const v1::ReconnectPeersRequest& req, uint32_t* held = nullptr);
   // `members`: the tree's further endpoints (tree_lead: m), each quiesced
   // and released after m's endpoint (all quiesced before any is released
   // when m->linked), brought back on the destination after m's restore
@@ -258,6 +262,9 @@ class Migrator {
   // re-pointed at all of them in one step per host, then the endpoints at
   // each other on the destination, then all resumed.
   void CompleteLinked(Move* lead, const std::vector<std::unique_ptr<Move>>& members);
+  // A tree's moves, its first one first.
+  static std::vector<Move*> TreeMoves(Move* lead,
+                                      const std::vector<std::unique_ptr<Move>>& members);
   // The request that re-points a linked tree's peers at where its
   // endpoints are now (`mappings`, the lead's first).
   v1::ReconnectPeersRequest TreeRequest(Move* lead,

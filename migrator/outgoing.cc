@@ -339,7 +339,6 @@ absl::Status Migrator::ReleaseEndpoint(Move* m, v1::EndpointSummary* released) {
 
 absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool resume_only,
                                     uint32_t* held) {
-  if (held != nullptr) *held = 0;
   v1::ReconnectPeersRequest req;
   req.set_migration_id(m->rec.report().migration_id());
   *req.mutable_mapping() = mapping;
@@ -350,6 +349,12 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
   if (m->rec.local_peers()) targets.push_back("");
   for (const std::string& t : m->rec.peer_hosts())
     if (t != m->rec.destination() || !m->rec.confirmed()) targets.push_back(t);
+  return ReconnectOn(m, targets, req, held);
+}
+
+absl::Status Migrator::ReconnectOn(Move* m, const std::vector<std::string>& targets,
+                                   const v1::ReconnectPeersRequest& req, uint32_t* held) {
+  if (held != nullptr) *held = 0;
   std::vector<absl::StatusOr<v1::ReconnectPeersResponse>> results(targets.size(),
                                                                   absl::UnknownError("not asked"));
   AllAtOnce(targets.size(), [&](size_t i) {
@@ -427,29 +432,27 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   }
   b->set_precopy_us(MicrosSince(p0));
 
-  v1::EndpointSummary released;
-  auto of_tree = [](const absl::Status& st, const Move* mm) {
-    return Annotate(st, absl::StrCat("process ", mm->rec.report().pid(), " of the tree"));
+  // Each endpoint quiesced and released in turn; a linked tree's all
+  // quiesced first, since one still running sends to the others, whose QPs
+  // must be there to take it until its own drain is done.
+  v1::EndpointSummary released;  // the first endpoint's, for the manifest
+  const std::vector<Move*> all = TreeMoves(m, members);
+  auto of_tree = [m](const absl::Status& st, const Move* x) {
+    return x == m ? st
+                  : Annotate(st, absl::StrCat("process ", x->rec.report().pid(), " of the tree"));
   };
+  auto release = [&](Move* x) {
+    v1::EndpointSummary member_released;
+    return of_tree(ReleaseEndpoint(x, x == m ? &released : &member_released), x);
+  };
+  for (Move* x : all) {
+    if (absl::Status st = of_tree(QuiesceEndpoint(x), x); !st.ok()) return st;
+    if (m->linked) continue;
+    if (absl::Status st = release(x); !st.ok()) return st;
+  }
   if (m->linked) {
-    // A linked tree's endpoint still running sends to the others: their
-    // QPs must be there to take it until its own drain is done.
-    if (absl::Status st = QuiesceEndpoint(m); !st.ok()) return st;
-    for (const std::unique_ptr<Move>& mm : members)
-      if (absl::Status st = QuiesceEndpoint(mm.get()); !st.ok()) return of_tree(st, mm.get());
-    if (absl::Status st = ReleaseEndpoint(m, &released); !st.ok()) return st;
-    for (const std::unique_ptr<Move>& mm : members) {
-      v1::EndpointSummary member_released;
-      if (absl::Status st = ReleaseEndpoint(mm.get(), &member_released); !st.ok())
-        return of_tree(st, mm.get());
-    }
-  } else {
-    if (absl::Status st = QuiesceAndRelease(m, &released); !st.ok()) return st;
-    for (const std::unique_ptr<Move>& mm : members) {
-      v1::EndpointSummary member_released;
-      if (absl::Status st = QuiesceAndRelease(mm.get(), &member_released); !st.ok())
-        return of_tree(st, mm.get());
-    }
+    for (Move* x : all)
+      if (absl::Status st = release(x); !st.ok()) return st;
   }
 
   SetPhase(m, "dump");
@@ -689,6 +692,13 @@ absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peer
   return st;
 }
 
+std::vector<Migrator::Move*> Migrator::TreeMoves(
+    Move* lead, const std::vector<std::unique_ptr<Move>>& members) {
+  std::vector<Move*> all = {lead};
+  for (const std::unique_ptr<Move>& mm : members) all.push_back(mm.get());
+  return all;
+}
+
 v1::ReconnectPeersRequest Migrator::TreeRequest(Move* lead,
                                                 const std::vector<std::unique_ptr<Move>>& members,
                                                 const std::vector<v1::Mapping>& mappings) {
@@ -717,12 +727,9 @@ std::vector<std::string> Migrator::TreePeerHosts(const std::vector<Move*>& moves
 }
 
 void Migrator::CompleteLinked(Move* lead, const std::vector<std::unique_ptr<Move>>& members) {
-  std::vector<Move*> all = {lead};
-  std::vector<v1::Mapping> mappings = {lead->rec.new_mapping()};
-  for (const std::unique_ptr<Move>& mm : members) {
-    all.push_back(mm.get());
-    mappings.push_back(mm->rec.new_mapping());
-  }
+  const std::vector<Move*> all = TreeMoves(lead, members);
+  std::vector<v1::Mapping> mappings;
+  for (Move* x : all) mappings.push_back(x->rec.new_mapping());
   for (Move* x : all) SetPhase(x, "reconnect");
   const absl::Time c0 = absl::Now();
   const v1::ReconnectPeersRequest req = TreeRequest(lead, members, mappings);
@@ -730,20 +737,7 @@ void Migrator::CompleteLinked(Move* lead, const std::vector<std::unique_ptr<Move
   // one step; the destination last: the endpoints at each other, its own
   // peers, then the endpoints resumed.
   const std::string dest = lead->rec.destination();
-  const std::vector<std::string> targets = TreePeerHosts(all, dest);
-  std::vector<absl::Status> results(targets.size());
-  AllAtOnce(targets.size(), [&](size_t i) {
-    results[i] = targets[i].empty()
-                     ? ReconnectPeers(req).status()
-                     : ReconnectPeersOn(lead, targets[i], req,
-                                        absl::StrCat("reconnecting the peers on ", targets[i]))
-                           .status();
-  });
-  std::vector<std::string> errors;
-  for (const absl::Status& st : results)
-    if (!st.ok()) errors.push_back(std::string(st.message()));
-  const absl::Status peers =
-      errors.empty() ? absl::OkStatus() : absl::UnavailableError(absl::StrJoin(errors, "; "));
+  const absl::Status peers = ReconnectOn(lead, TreePeerHosts(all, dest), req);
   v1::ReconnectPeersRequest last = req;
   last.set_resume_endpoint(true);
   for (Move* x : all) last.add_tree_pids(x->rec.report().pid());
@@ -760,8 +754,7 @@ void Migrator::CompleteLinked(Move* lead, const std::vector<std::unique_ptr<Move
 
 void Migrator::RollBackLinked(Move* lead, const std::vector<std::unique_ptr<Move>>& members,
                               const absl::Status& cause) {
-  std::vector<Move*> all = {lead};
-  for (const std::unique_ptr<Move>& mm : members) all.push_back(mm.get());
+  const std::vector<Move*> all = TreeMoves(lead, members);
   bool released = false;
   for (Move* x : all) released = released || x->rec.released();
   if (!released) {
@@ -788,15 +781,8 @@ void Migrator::RollBackLinked(Move* lead, const std::vector<std::unique_ptr<Move
     problems.push_back("not every endpoint of the tree is back: they and their peers stay paused");
   } else {
     const v1::ReconnectPeersRequest req = TreeRequest(lead, members, mappings);
-    const std::vector<std::string> targets = TreePeerHosts(all, "");
-    std::vector<absl::Status> results(targets.size());
-    AllAtOnce(targets.size(), [&](size_t i) {
-      results[i] = ReconnectPeersOn(lead, targets[i], req,
-                                    absl::StrCat("reconnecting the peers on ", targets[i]))
-                       .status();
-    });
-    for (const absl::Status& st : results)
-      if (!st.ok()) problems.push_back(std::string(st.message()));
+    if (absl::Status st = ReconnectOn(lead, TreePeerHosts(all, ""), req); !st.ok())
+      problems.push_back(std::string(st.message()));
     // Here: the endpoints at each other, this host's peers, then the
     // endpoints resumed.
     v1::ReconnectPeersRequest here = req;

@@ -94,6 +94,22 @@ std::vector<pid_t> Children(pid_t pid) {
   return out;
 }
 
+// The character devices the process holds open: fd number and device.
+std::vector<std::pair<std::string, dev_t>> CharDeviceFds(pid_t pid) {
+  std::vector<std::pair<std::string, dev_t>> out;
+  const std::string fds = absl::StrCat("/proc/", pid, "/fd");
+  DIR* d = opendir(fds.c_str());
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    struct stat st;
+    if (stat((fds + "/" + e->d_name).c_str(), &st) == 0 && S_ISCHR(st.st_mode))
+      out.emplace_back(e->d_name, st.st_rdev);
+  }
+  closedir(d);
+  return out;
+}
+
 bool Stopped(pid_t pid) {
   const char s = State(pid);
   return s == 'T' || s == 't' || s == 0 || s == 'Z' || s == 'X';
@@ -130,25 +146,16 @@ class RealProcessControl final : public ProcessControl {
 
   std::set<int> PtyMasters(pid_t pid) override {
     std::set<int> out;
-    const std::string fds = absl::StrCat("/proc/", pid, "/fd");
-    DIR* d = opendir(fds.c_str());
-    if (d == nullptr) return out;
-    while (dirent* e = readdir(d)) {
-      if (e->d_name[0] == '.') continue;
-      struct stat st;
-      if (stat((fds + "/" + e->d_name).c_str(), &st) != 0 || !S_ISCHR(st.st_mode) ||
-          st.st_rdev != kPtmx) {
-        continue;
-      }
+    for (const auto& [fd, rdev] : CharDeviceFds(pid)) {
+      if (rdev != kPtmx) continue;
       // The kernel names the pair in the master's fdinfo ("tty-index:\t3").
-      std::ifstream info(absl::StrCat("/proc/", pid, "/fdinfo/", e->d_name));
+      std::ifstream info(absl::StrCat("/proc/", pid, "/fdinfo/", fd));
       for (std::string key; info >> key;) {
         if (key != "tty-index:") continue;
         if (int index; info >> index) out.insert(index);
         break;
       }
     }
-    closedir(d);
     return out;
   }
 
@@ -157,24 +164,12 @@ class RealProcessControl final : public ProcessControl {
       const int index = PtsIndex(rdev);
       return rdev == kPtmx || (index >= 0 && masters_in_tree.contains(index));
     };
-    const std::string fds = absl::StrCat("/proc/", pid, "/fd");
-    if (DIR* d = opendir(fds.c_str())) {
-      std::string found;
-      while (dirent* e = readdir(d)) {
-        if (e->d_name[0] == '.') continue;
-        const std::string link = fds + "/" + e->d_name;
-        struct stat st;
-        if (stat(link.c_str(), &st) != 0 || !S_ISCHR(st.st_mode) || !IsTerminal(st.st_rdev) ||
-            movable(st.st_rdev)) {
-          continue;
-        }
-        char target[256];
-        const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
-        found = n > 0 ? std::string(target, n) : link;
-        break;
-      }
-      closedir(d);
-      if (!found.empty()) return found;
+    for (const auto& [fd, rdev] : CharDeviceFds(pid)) {
+      if (!IsTerminal(rdev) || movable(rdev)) continue;
+      const std::string link = absl::StrCat("/proc/", pid, "/fd/", fd);
+      char target[256];
+      const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
+      return n > 0 ? std::string(target, n) : link;
     }
     const dev_t ctty = ControllingTerminal(pid);
     if (ctty == 0 || movable(ctty)) return "";

@@ -22,6 +22,7 @@
 #include "shim/data_path.h"
 #include "shim/log.h"
 #include "shim/shim.h"
+#include "shim/write_relay.h"
 
 namespace rdmavirt::shim {
 namespace {
@@ -605,6 +606,7 @@ void Shim::DestroyReal() {
     Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
     if (ctx->real != nullptr) {
       ctx->async_fd_flags = StatusFlags(ctx->real->async_fd);
+      DropRelay(ctx);
       backend_->CloseDevice(ctx->real);
     }
     ctx->real = nullptr;
@@ -809,6 +811,7 @@ Status Shim::RecreateReal(const std::string& device) {
     ctx->real->async_fd = s->async_fd;
     KeepNonBlocking(s->async_fd, ctx->async_fd_flags);
     s->num_comp_vectors = ctx->real->num_comp_vectors;
+    RelayWrites(ctx);
   }
   backend_->FreeDeviceList(list);
   if (!st.ok()) return st;
@@ -1073,6 +1076,27 @@ Status Shim::PeerReconnectNow(const std::vector<RemoteMapping>& mappings, bool k
   }
   if (keep_paused) return {};
   return ResumeNow();
+}
+
+void Shim::RelayWrites(Context* ctx) {
+  if (ctx->real->cmd_fd < 0) return;  // not a kernel device (a test's fake)
+  std::string why;
+  ctx->relay = WriteRelay::Create(ctx->real->cmd_fd, &why);
+  if (ctx->relay == nullptr) {
+    LogOnce(("restore: no write relay (" + why +
+             "); threads other than the one that re-opened the device may not post on "
+             "providers that ring their doorbell with write()")
+                .c_str());
+  } else if (!PublishRelay(ctx->relay.get())) {
+    LogOnce("restore: more devices open than write relays; some threads may not post");
+    ctx->relay.reset();
+  }
+}
+
+void Shim::DropRelay(Context* ctx) {
+  if (ctx->relay == nullptr) return;
+  WithdrawRelay(ctx->relay.get());
+  ctx->relay.reset();
 }
 
 // ib_uverbs refuses write() commands from a thread whose credentials are

@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -28,6 +29,7 @@
 #include "shim/pause.h"
 #include "shim/recv_log.h"
 #include "shim/remote_map.h"
+#include "shim/write_relay.h"
 
 namespace rdmavirt::shim {
 
@@ -57,6 +59,9 @@ struct Context {
   // The file status flags the application gave async_fd (O_NONBLOCK, as
   // UCX sets): kept across a release, given to the re-opened device's fd.
   int async_fd_flags = 0;
+  // From a restore to the next release: relays the doorbell writes of
+  // threads other than the one that re-opened the device (write_relay.h).
+  std::unique_ptr<WriteRelay> relay;
 };
 
 inline Context* AsContext(ibv_context* c) {

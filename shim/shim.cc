@@ -155,6 +155,7 @@ int Shim::CloseDevice(ibv_context* c) {
   Context* ctx = FindContext(c);
   ControlScope scope(this, ctx != nullptr, /*when_released=*/true);
   if (ctx == nullptr) return backend_->CloseDevice(c);
+  if (ctx->real != nullptr) DropRelay(ctx);
   const int rc = ctx->real != nullptr ? backend_->CloseDevice(ctx->real) : 0;
   if (rc != 0) return rc;
   {

@@ -331,6 +331,10 @@ class Shim {
   void CloseEvents(Cq* cq);          // requires mu_
   void ReleaseChannel(Channel* ch);  // requires mu_
   void ReopenChannel(Channel* ch);   // requires mu_
+  // A re-opened device's write relay (write_relay.h), made on the thread
+  // that opened it; dropped before the device closes.
+  void RelayWrites(Context* ctx);
+  void DropRelay(Context* ctx);
   // At resume, while still paused: drains and arms the real CQs the
   // application armed, and returns those that hold completions; once the
   // data path is open, OweEvents wakes their waiters with an event each.

@@ -15,6 +15,12 @@
 // times it was written, the rest holds a pattern; at the end every page is
 // checked (heap_bad_pages in the JSON).
 //
+// --threads T: the client writes from T threads, thread t on QPs t, t+T,
+// ... with a CQ of its own, so that several threads of one process ring the
+// device's doorbell. The heap is dirtied by the first thread only. About
+// once a second of running time the client prints each thread's writes so
+// far ("writes by thread: W0 W1 ..."); so does the JSON.
+//
 // --no-rdma: the client only allocates and fills --mr-mib MiB (and the
 // heap, dirtied the same way) and runs for --seconds: the same memory with
 // no verbs, for a plain baseline. With --open-device it also opens the
@@ -26,19 +32,22 @@
 //   qp_holder --server [--port P] [--qps N] [--seconds S]
 //   qp_holder --connect HOST [--port P] [--qps N] [--mr-mib M] [--seconds S]
 //             [--interval-ms MS] [--device rxe0] [--gid-index 1]
-//             [--heap-mib H] [--dirty-mib-s D] [--no-rdma [--open-device]]
+//             [--heap-mib H] [--dirty-mib-s D] [--threads T]
+//             [--no-rdma [--open-device]]
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -67,6 +76,7 @@ struct Options {
   bool open_device = false;
   uint64_t heap_mib = 0;
   double dirty_mib_s = 0;
+  uint32_t threads = 1;
 };
 
 volatile sig_atomic_t g_stop = 0;
@@ -79,7 +89,7 @@ void OnStop(int) { g_stop = 1; }
                "usage: qp_holder --server|--connect HOST [--port P] [--qps N] [--mr-mib M]\n"
                "                 [--seconds S] [--interval-ms MS] [--device NAME]\n"
                "                 [--gid-index I] [--heap-mib H] [--dirty-mib-s D]\n"
-               "                 [--no-rdma [--open-device]]\n",
+               "                 [--threads T] [--no-rdma [--open-device]]\n",
                why);
   std::exit(status);
 }
@@ -130,6 +140,8 @@ Options ParseArgs(int argc, char** argv) {
       o.heap_mib = static_cast<uint64_t>(number(0, 65536));
     } else if (a == "--dirty-mib-s") {
       o.dirty_mib_s = number(0, 65536);
+    } else if (a == "--threads") {
+      o.threads = static_cast<uint32_t>(number(1, 64));
     } else if (a == "-h" || a == "--help") {
       Usage("a verbs process of a chosen size: N connected RC QPs, M MiB registered", 0);
     } else {
@@ -140,6 +152,8 @@ Options ParseArgs(int argc, char** argv) {
   if (o.server && (o.no_rdma || o.heap_mib)) Usage("--no-rdma and --heap-mib are for the client");
   if (o.open_device && !o.no_rdma) Usage("--open-device goes with --no-rdma");
   if (o.dirty_mib_s > 0 && o.heap_mib == 0) Usage("--dirty-mib-s needs --heap-mib");
+  if (o.threads > o.qps) Usage("--threads may not exceed --qps: each thread writes on its own QPs");
+  if (o.threads > 1 && o.no_rdma) Usage("--threads is for RDMA clients");
   return o;
 }
 
@@ -299,14 +313,17 @@ int Run(const Options& o) {
                    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ));
   if (!mr) Die("ibv_reg_mr of %zu bytes: %s", bytes, std::strerror(errno));
   Heap heap(o.heap_mib, o.dirty_mib_s);
-  Cq cq(ibv_create_cq(ctx.get(), static_cast<int>(o.qps) + 16, nullptr, nullptr, 0));
-  if (!cq) Die("ibv_create_cq: %s", std::strerror(errno));
+  std::vector<Cq> cqs;
+  for (uint32_t t = 0; t < o.threads; ++t) {
+    cqs.emplace_back(ibv_create_cq(ctx.get(), static_cast<int>(o.qps) + 16, nullptr, nullptr, 0));
+    if (!cqs.back()) Die("ibv_create_cq: %s", std::strerror(errno));
+  }
   std::vector<Qp> qps;
   std::vector<uint32_t> mine;
   for (uint32_t i = 0; i < o.qps; ++i) {
     ibv_qp_init_attr ia{};
-    ia.send_cq = cq.get();
-    ia.recv_cq = cq.get();
+    ia.send_cq = cqs[i % o.threads].get();
+    ia.recv_cq = cqs[i % o.threads].get();
     ia.qp_type = IBV_QPT_RC;
     ia.cap.max_send_wr = 4;
     ia.cap.max_recv_wr = 1;
@@ -374,49 +391,78 @@ int Run(const Options& o) {
               o.server ? "server" : "client", static_cast<int>(getpid()), o.qps, bytes, heap.mib());
   std::fflush(stdout);
 
-  RunningClock clock;
   uint64_t writes = 0, errors = 0;
+  std::vector<uint64_t> writes_by_thread(o.threads);
   if (o.server) {
     // The client writes; the server only keeps its QPs (a little longer).
+    RunningClock clock;
     while (clock.Seconds() < o.seconds + 120 && !g_stop)
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
   } else {
-    for (uint32_t i = 0; !g_stop; i = (i + 1) % o.qps) {
-      const double t = clock.Seconds();
-      if (t >= o.seconds) break;
-      heap.DirtyUntil(t);
-      ibv_sge sge{reinterpret_cast<uintptr_t>(buf) + (i * kWriteBytes) % bytes, kWriteBytes,
-                  mr->lkey};
-      ibv_send_wr wr{};
-      wr.wr_id = i;
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
-      wr.opcode = IBV_WR_RDMA_WRITE;
-      wr.send_flags = IBV_SEND_SIGNALED;
-      wr.wr.rdma.remote_addr = peer.addr + uint64_t{i} * kWriteBytes;
-      wr.wr.rdma.rkey = peer.rkey;
-      ibv_send_wr* bad = nullptr;
-      if (const int rc = ibv_post_send(qps[i].get(), &wr, &bad))
-        Die("ibv_post_send on QP %u: %s", i, std::strerror(rc));
-      ibv_wc wc{};
-      int n = 0;
-      while ((n = ibv_poll_cq(cq.get(), 1, &wc)) == 0) std::this_thread::yield();
-      if (n < 0) Die("ibv_poll_cq: %d", n);
-      if (wc.status != IBV_WC_SUCCESS || wc.wr_id != i) {
-        ++errors;
-        std::fprintf(stderr, "qp_holder: QP %u: %s (wr_id %" PRIu64 ")\n", i,
-                     ibv_wc_status_str(wc.status), wc.wr_id);
-        break;  // that QP is in the error state now
+    std::mutex report_mu;
+    std::vector<std::atomic<uint64_t>> so_far(o.threads);
+    double shown = 0;
+    // Thread t writes on QPs t, t+T, ... in turn and polls its own CQ.
+    auto writer = [&](uint32_t t) {
+      RunningClock clock;
+      uint64_t mine_written = 0, mine_failed = 0;
+      for (uint32_t i = t; !g_stop; i = (i + o.threads) % o.qps) {
+        const double now = clock.Seconds();
+        if (now >= o.seconds) break;
+        if (t == 0) {
+          heap.DirtyUntil(now);
+          if (now >= shown + 1) {
+            shown = now;
+            std::string line;
+            for (const auto& w : so_far) line += Sprintf(" %" PRIu64, w.load());
+            std::printf("qp_holder: writes by thread:%s\n", line.c_str());
+          }
+        }
+        ibv_sge sge{reinterpret_cast<uintptr_t>(buf) + (i * kWriteBytes) % bytes, kWriteBytes,
+                    mr->lkey};
+        ibv_send_wr wr{};
+        wr.wr_id = i;
+        wr.sg_list = &sge;
+        wr.num_sge = 1;
+        wr.opcode = IBV_WR_RDMA_WRITE;
+        wr.send_flags = IBV_SEND_SIGNALED;
+        wr.wr.rdma.remote_addr = peer.addr + uint64_t{i} * kWriteBytes;
+        wr.wr.rdma.rkey = peer.rkey;
+        ibv_send_wr* bad = nullptr;
+        if (const int rc = ibv_post_send(qps[i].get(), &wr, &bad))
+          Die("thread %u: ibv_post_send on QP %u: %s", t, i, std::strerror(rc));
+        ibv_wc wc{};
+        int n = 0;
+        while ((n = ibv_poll_cq(cqs[t].get(), 1, &wc)) == 0) std::this_thread::yield();
+        if (n < 0) Die("ibv_poll_cq: %d", n);
+        if (wc.status != IBV_WC_SUCCESS || wc.wr_id != i) {
+          ++mine_failed;
+          std::fprintf(stderr, "qp_holder: thread %u, QP %u: %s (wr_id %" PRIu64 ")\n", t, i,
+                       ibv_wc_status_str(wc.status), wc.wr_id);
+          break;  // that QP is in the error state now
+        }
+        ++mine_written;
+        so_far[t].store(mine_written, std::memory_order_relaxed);
+        if (o.interval_ms) std::this_thread::sleep_for(std::chrono::milliseconds(o.interval_ms));
       }
-      ++writes;
-      if (o.interval_ms) std::this_thread::sleep_for(std::chrono::milliseconds(o.interval_ms));
-    }
+      std::lock_guard<std::mutex> lock(report_mu);
+      writes += mine_written;
+      errors += mine_failed;
+      writes_by_thread[t] = mine_written;
+    };
+    std::vector<std::thread> others;
+    for (uint32_t t = 1; t < o.threads; ++t) others.emplace_back(writer, t);
+    writer(0);
+    for (std::thread& th : others) th.join();
   }
+  std::string by_thread;
+  for (uint64_t w : writes_by_thread)
+    by_thread += Sprintf("%s%" PRIu64, by_thread.empty() ? "" : ", ", w);
   const uint64_t bad = heap.BadPages();
   std::printf("{\"ok\": %s, \"qps\": %u, \"mr_mib\": %" PRIu64 ", \"writes\": %" PRIu64
-              ", \"errors\": %" PRIu64 "%s}\n",
+              ", \"writes_by_thread\": [%s], \"errors\": %" PRIu64 "%s}\n",
               errors == 0 && bad == 0 ? "true" : "false", o.qps, o.server ? 0 : o.mr_mib, writes,
-              errors, HeapJson(heap, bad).c_str());
+              by_thread.c_str(), errors, HeapJson(heap, bad).c_str());
   return errors == 0 && bad == 0 ? 0 : 1;
 }
 

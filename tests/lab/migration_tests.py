@@ -510,6 +510,81 @@ def an_event_driven_program_survives_a_live_move():
     pingpong_survives("ev-live", move)
 
 
+def writes_by_thread(name):
+    """Each thread's writes so far, from qp_holder's last progress line."""
+    try:
+        with open(os.path.join(LAB.shared, "migration", f"{name}-p.out")) as f:
+            found = re.findall(r"^qp_holder: writes by thread:((?: \d+)+)$", f.read(), re.M)
+    except FileNotFoundError:
+        return []
+    return [int(w) for w in found[-1].split()] if found else []
+
+
+@lab_test
+@logs_on_failure("threads")
+def every_thread_of_a_moved_process_keeps_posting():
+    """qp_holder's client writes from 2 threads, each on its own QPs and
+    CQ, under the shim on host1 (its server on host3). CRIU restores each
+    thread with a credential object of its own, and ib_uverbs refuses a
+    write() on the device from a thread whose credentials are not the very
+    ones it was opened with: rxe rings its doorbell with write(), so before
+    the shim relayed such writes, a restored process could post from one
+    thread only. Both threads must keep writing on host2, and the client
+    must end with every write completed; and again after a move back.
+    """
+    ensure_daemons()
+    name, port = "threads", 18953
+    prog = f"{BUILD}/tests/apps/qp_holder"
+    run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
+    for h in (1, 2, 3):
+        LAB.run(h, "pkill -f 'qp_holder '")
+    args = f"--qps 4 --port {port} --seconds 3600"
+    run_ok(3, f"(setsid env {SHIM}{prog} --server {args} > {WORK}/{name}-q.out 2>&1 "
+              f"< /dev/null &)")
+    wait_listening(3, port)
+    run_ok(1, f"(setsid env {SHIM}{prog} --connect {ip(3)} {args} --threads 2 "
+              f"> {WORK}/{name}-p.out 2>&1 < /dev/null &)")
+    try:
+        wait_until(1, f"grep -q 'writes by thread: [1-9][0-9]* [1-9]' {WORK}/{name}-p.out", 120,
+                   "both of the client's threads wrote")
+        pid = pid_of(1, "qp_holder .*--connect")
+        at_move = []
+        # There and back: the relay made at the first restore (an io_uring,
+        # which CRIU cannot dump) must be gone before the second dump.
+        for src, dst in ((1, 2), (2, 1)):
+            r, rep = ctl(src, f"migrate {pid} --to {ip(dst)}")
+            check(r.rc == 0, f"migrate the two-thread client host{src} -> host{dst}", r)
+            check_report(rep, "migrate the two-thread client")
+            check_moved(pid, src, dst, "the client")
+            at_move = writes_by_thread(name)
+            check(len(at_move) == 2, "no progress line from the client", at_move)
+            end = time.monotonic() + 180
+            while True:
+                now = writes_by_thread(name)
+                if all(n >= m + 50 for n, m in zip(now, at_move)):
+                    break
+                check(LAB.run(dst, f"kill -0 {pid}").rc == 0, f"the client died on host{dst}",
+                      now)
+                check(time.monotonic() < end,
+                      f"a thread of the moved client stopped writing on host{dst}", at_move, now)
+                time.sleep(1)
+            tasks = run_ok(dst, f"cat /proc/{pid}/task/*/comm").out.split()
+            print(f"on host{dst}: writes by thread {at_move} when moved, {now} later; "
+                  f"threads {tasks}", flush=True)
+            check(not any(t.startswith("iou-") for t in tasks),
+                  "io_uring worker threads in the moved client", tasks)
+        run_ok(1, f"kill -TERM {pid}")
+        wait_until(1, f"grep -q '^{{' {WORK}/{name}-p.out", 120, "the client reported")
+        verdict = json.loads(run_ok(1, f"grep '^{{' {WORK}/{name}-p.out").out)
+        check(verdict["ok"] and verdict["errors"] == 0, "the client saw errors", verdict)
+        check(len(verdict["writes_by_thread"]) == 2 and
+              all(n >= m + 50 for n, m in zip(verdict["writes_by_thread"], at_move)),
+              "the verdict does not count each thread's writes after the move", verdict)
+    finally:
+        for h in (1, 2, 3):
+            LAB.run(h, "pkill -f 'qp_holder '")
+
+
 @lab_test
 @logs_on_failure("shell-child")
 def a_shell_child_moves_and_leads_a_session_of_its_own_there():

@@ -11,8 +11,7 @@
 // libc's own write, under the name glibc exports beside "write".
 extern "C" ssize_t __write(int fd, const void* buf, size_t n);
 
-extern "C" __attribute__((visibility("default"))) ssize_t write(int fd, const void* buf,
-                                                               size_t n) {
+extern "C" __attribute__((visibility("default"))) ssize_t write(int fd, const void* buf, size_t n) {
   const ssize_t rc = __write(fd, buf, n);
   if (rc >= 0 || errno != EACCES) return rc;
   return rdmavirt::shim::RelayRefusedWrite(fd, buf, n);

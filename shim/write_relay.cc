@@ -97,8 +97,8 @@ struct WriteRelay::Ring {
                   IORING_OFF_SQ_RING);
     if (sq_map == MAP_FAILED) return Fail("mapping io_uring's submission ring", why);
     cq_map = single ? sq_map
-                    : mmap(nullptr, cq_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
-                           fd, IORING_OFF_CQ_RING);
+                    : mmap(nullptr, cq_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                           IORING_OFF_CQ_RING);
     if (cq_map == MAP_FAILED) return Fail("mapping io_uring's completion ring", why);
     sqe_bytes = p.sq_entries * sizeof(io_uring_sqe);
     sqes = static_cast<io_uring_sqe*>(mmap(nullptr, sqe_bytes, PROT_READ | PROT_WRITE,

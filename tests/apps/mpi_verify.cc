@@ -6,20 +6,30 @@
 // JSON verdict:
 //   {"verdict": "ok"|"corrupt", "ranks": N, "rounds": R, "bytes_verified": B,
 //    "errors": E, "first_error": "...", "rma": true|false,
-//    "hosts": ["host1", ...], "pids": [...], "shimmed_ranks": K, "seconds": S}
-// shimmed_ranks: how many ranks have rdmavirt's shim mapped (LD_PRELOAD).
+//    "hosts": ["host1", ...], "pids": [...], "shimmed_ranks": K, "seconds": S,
+//    "longest_round_seconds": [L0, L1, ...]}
+// hosts: where each rank ran at the end (a moved rank names its new host);
+// shimmed_ranks: how many ranks have rdmavirt's shim mapped (LD_PRELOAD);
+// longest_round_seconds: each rank's longest wait between the ends of two
+// rounds (or from the start to the first), which holds any stop it saw;
+// by the wall clock, since a moved rank's monotonic clock is its new
+// host's (the lab's hosts keep their wall clocks in step).
 // Exit status 0 when every byte matched, 1 otherwise, 2 for bad arguments.
 //
-//   mpi_verify [--rounds N] [--seconds S] [--max-bytes B] [--no-rma]
-//              [--progress DIR] [--corrupt-one-byte]
+//   mpi_verify [--rounds N] [--seconds S] [--until-file PATH] [--max-bytes B]
+//              [--no-rma] [--progress DIR] [--corrupt-one-byte]
 // --seconds runs rounds until that much time passed (at least --rounds);
+// --until-file runs rounds (at least --rounds) until rank 0 finds PATH,
+// within --seconds if also given;
 // --progress DIR: each rank rewrites DIR/rank-R with "ROUND HOST PID" after
-// every round, so a test can see where each rank runs and that it advances.
+// every round (HOST: where it runs at that moment), so a test can see where
+// each rank runs and that it advances.
 // --corrupt-one-byte: rank 0 flips one received byte in the first round,
 // to show that the check finds it (the verdict must be "corrupt").
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +49,7 @@ struct Options {
   size_t max_bytes = 1 << 20;
   bool rma = true;
   std::string progress;
+  std::string until_file;
   bool corrupt_one_byte = false;
 };
 
@@ -196,6 +207,12 @@ void OneSided(int round, MPI_Win win, uint8_t* base, size_t bytes, std::vector<u
   Verify(got.data(), bytes, prev, -1, round, "get");
 }
 
+double WallSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_REALTIME, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
 // Whether rdmavirt's shim is mapped into this process.
 bool Shimmed() {
   FILE* f = std::fopen("/proc/self/maps", "r");
@@ -208,8 +225,12 @@ bool Shimmed() {
   return found;
 }
 
-void WriteProgress(const Options& o, int round, const char* host) {
+void WriteProgress(const Options& o, int round) {
   if (o.progress.empty()) return;
+  // Where the rank runs now, not where it started: a moved rank names its
+  // new host from its first round there.
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "unknown");
   const std::string path = o.progress + "/rank-" + std::to_string(rank);
   const std::string tmp = path + ".tmp";
   FILE* f = std::fopen(tmp.c_str(), "w");
@@ -235,6 +256,8 @@ int ParseArgs(int argc, char** argv, Options* o) {
       o->corrupt_one_byte = true;
     } else if (a == "--progress" && has_value) {
       o->progress = argv[++i];
+    } else if (a == "--until-file" && has_value) {
+      o->until_file = argv[++i];
     } else {
       return -1;
     }
@@ -249,8 +272,8 @@ int main(int argc, char** argv) {
   Options o;
   if (ParseArgs(argc, argv, &o) != 0) {
     std::fprintf(stderr,
-                 "usage: mpi_verify [--rounds N>=1] [--seconds S] [--max-bytes 1..64Mi] "
-                 "[--no-rma] [--progress DIR] [--corrupt-one-byte]\n");
+                 "usage: mpi_verify [--rounds N>=1] [--seconds S] [--until-file PATH] "
+                 "[--max-bytes 1..64Mi] [--no-rma] [--progress DIR] [--corrupt-one-byte]\n");
     return 2;
   }
   MPI_Init(&argc, &argv);
@@ -274,10 +297,16 @@ int main(int argc, char** argv) {
   }
 
   const double start = MPI_Wtime();
+  double round_end = WallSeconds();
+  double longest_round = 0;
   int round = 0;
   for (;; ++round) {
-    // Every rank takes the same decision: rank 0's clock decides.
-    int go = round < o.rounds || MPI_Wtime() - start < o.seconds;
+    // Every rank takes the same decision: rank 0's clock (or file) decides.
+    const double elapsed = MPI_Wtime() - start;
+    int go =
+        round < o.rounds || (o.until_file.empty() ? elapsed < o.seconds
+                                                  : (o.seconds == 0 || elapsed < o.seconds) &&
+                                                        access(o.until_file.c_str(), F_OK) != 0);
     Check(MPI_Bcast(&go, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
     if (!go) break;
     Ring(o, round, out, in);
@@ -285,7 +314,10 @@ int main(int argc, char** argv) {
     Allreduce(round);
     Alltoall(round, out, in);
     if (o.rma) OneSided(round, win, win_base, kRmaBytes, in);
-    WriteProgress(o, round + 1, host);
+    WriteProgress(o, round + 1);
+    const double now = WallSeconds();
+    longest_round = std::max(longest_round, now - round_end);
+    round_end = now;
   }
   const double seconds = MPI_Wtime() - start;
   if (o.rma) {
@@ -307,27 +339,36 @@ int main(int argc, char** argv) {
     if (rank == 0)
       MPI_Recv(first, sizeof first, MPI_CHAR, first_rank, 9, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
   }
+  // Where this rank runs now: a moved rank is elsewhere than it started.
+  if (gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "unknown");
   std::vector<char> hosts(static_cast<size_t>(size) * MPI_MAX_PROCESSOR_NAME);
   MPI_Gather(host, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, hosts.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR,
              0, MPI_COMM_WORLD);
   const int pid = static_cast<int>(getpid());
   std::vector<int> pids(static_cast<size_t>(size));
   MPI_Gather(&pid, 1, MPI_INT, pids.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+  std::vector<double> longest(static_cast<size_t>(size));
+  MPI_Gather(&longest_round, 1, MPI_DOUBLE, longest.data(), 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
   const bool ok = all[1] == 0;
   if (rank == 0) {
     std::string list;
     std::string pid_list;
+    std::string longest_list;
     for (int r = 0; r < size; ++r) {
-      if (r > 0) list += ", ", pid_list += ", ";
+      if (r > 0) list += ", ", pid_list += ", ", longest_list += ", ";
       list += "\"" + std::string(&hosts[static_cast<size_t>(r) * MPI_MAX_PROCESSOR_NAME]) + "\"";
       pid_list += std::to_string(pids[r]);
+      char l[32];
+      std::snprintf(l, sizeof l, "%.3f", longest[r]);
+      longest_list += l;
     }
     std::printf("{\"verdict\": \"%s\", \"ranks\": %d, \"rounds\": %d, \"bytes_verified\": %" PRIu64
                 ", \"errors\": %" PRIu64
                 ", \"first_error\": \"%s\", \"rma\": %s, \"hosts\": [%s], "
-                "\"pids\": [%s], \"shimmed_ranks\": %" PRIu64 ", \"seconds\": %.3f}\n",
+                "\"pids\": [%s], \"shimmed_ranks\": %" PRIu64
+                ", \"seconds\": %.3f, \"longest_round_seconds\": [%s]}\n",
                 ok ? "ok" : "corrupt", size, round, all[0], all[1], first, o.rma ? "true" : "false",
-                list.c_str(), pid_list.c_str(), all[2], seconds);
+                list.c_str(), pid_list.c_str(), all[2], seconds, longest_list.c_str());
     std::fflush(stdout);
   }
   int verdict = ok ? 0 : 1;

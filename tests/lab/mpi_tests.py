@@ -3,11 +3,16 @@
 every rank under the shim, in default and offset modes."""
 
 import json
+import os
 import re
+import shutil
 import sys
+import time
 
-from labtest import BUILD, LAB, check, lab_test, main
+from labtest import BUILD, LAB, check, lab_test, main, run_ok
 
+import migration_tests
+import migrator_tests as migrators
 import mpi  # tools/lab, on the path through labtest
 
 HOSTS = [1, 2]
@@ -78,6 +83,108 @@ def netpipe_integrity_check_passes_natively_and_under_the_shim():
         check("fail" not in text.lower(), f"NetPIPE found corrupt data (shim {shim})", r)
         counts[shim] = len(passed)
     check(len(set(counts.values())) == 1, "not every run checked every size", counts)
+
+
+# A move in the middle of a job: host2's orted tree goes to host3.
+MOVING, DEST = 2, 3
+SERVICE = "10.77.0.102"  # the address orted's connection to mpirun uses
+MOVE_DIR = "/lab/mpi-move"  # in the hosts; under LAB.shared here
+
+
+def rank_progress():
+    """{rank: (rounds done, host, pid)} from mpi_verify's progress files."""
+    found = {}
+    directory = os.path.join(LAB.shared, "mpi-move", "progress")
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if not name.startswith("rank-") or name.endswith(".tmp"):
+            continue
+        with open(os.path.join(directory, name)) as f:
+            parts = f.read().split()
+        if len(parts) == 3:
+            found[int(name[5:])] = (int(parts[0]), parts[1], int(parts[2]))
+    return found
+
+
+def wait_progress(condition, timeout, what):
+    """Until condition(progress) holds; the last progress seen."""
+    end = time.monotonic() + timeout
+    while True:
+        seen = rank_progress()
+        if condition(seen):
+            return seen
+        check(time.monotonic() < end, f"{what}: not after {timeout}s", seen)
+        time.sleep(1)
+
+
+def stop_movable_job(hosts):
+    for n in hosts:
+        LAB.run(n, "pkill -x mpirun; pkill -x orted; pkill -x mpi_verify; true")
+    mpi.service_address_down(LAB, hosts, SERVICE)
+
+
+@lab_test
+def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
+    """4 ranks of mpi_verify under the shim on 3 hosts (host1: mpirun and
+    rank 0; host2: orted, ranks 1 and 2; host3: orted, rank 3). While it
+    runs, host2's orted tree is moved to host3 with rdmavirtctl; the ranks
+    must go on there (their progress names host3 and advances), the job
+    must end with every byte verified, and nothing of it may be left on
+    host2. Neither the ranks nor mpirun know of the move."""
+    hosts = [1, 2, 3]
+    migrators.daemons_up()
+    stop_movable_job(hosts)
+    local = os.path.join(LAB.shared, "mpi-move")
+    shutil.rmtree(local, ignore_errors=True)
+    os.makedirs(os.path.join(local, "progress"))
+    mpi.movable_setup(LAB, BUILD, hosts, MOVING, SERVICE)
+    stop = f"{MOVE_DIR}/stop"
+    script = mpi.mpirun_script(
+        hosts, 4, [VERIFY, "--rounds", "3", "--until-file", stop, "--seconds", "1800",
+                   "--max-bytes", "262144", "--progress", f"{MOVE_DIR}/progress"],
+        shim="default", build=BUILD, slots={1: 1, 2: 2, 3: 1}, timeout=2000, movable=True,
+        extra_env={"RDMAVIRT_SOCKET": migrators.SOCK})
+    job = LAB.submit(1, f"cd /tmp && {script}", 2100)
+    try:
+        before = wait_progress(lambda p: len(p) == 4 and min(r for r, _, _ in p.values()) >= 2,
+                               300, "every rank done 2 rounds")
+        moving = {rank: pid for rank, (_, host, pid) in before.items()
+                  if host == f"host{MOVING}"}
+        check(sorted(moving) == [1, 2], "ranks 1 and 2 are not on host2", before)
+        orted = int(run_ok(MOVING, "pgrep -x orted").out.split()[0])
+        r, rep = migration_tests.ctl(
+            MOVING, f"migrate {orted} --to {migration_tests.ip(DEST)} --address {SERVICE}/24",
+            1800)
+        check(r.rc == 0, "migrate host2's orted tree to host3", r)
+        migration_tests.check_report(rep, "migrate host2's orted tree")
+        for what, pid in [("orted", orted)] + [(f"rank {k}", v) for k, v in moving.items()]:
+            check(LAB.run(DEST, f"kill -0 {pid}").rc == 0, f"{what} does not run on host3")
+            check(LAB.run(MOVING, f"kill -0 {pid}").rc != 0, f"{what} still exists on host2")
+        at_move = rank_progress()
+        after = wait_progress(
+            lambda p: all(p[k][0] >= at_move[k][0] + 3 for k in at_move) and
+            all(p[k][1] == f"host{DEST}" for k in moving),
+            600, "every rank done 3 rounds more, ranks 1 and 2 on host3")
+        print("progress when moved:", at_move, "later:", after, flush=True)
+        run_ok(1, f"touch {stop}")
+        result = LAB.wait(1, job, 900)
+        lines = [l for l in result.out.splitlines() if l.startswith("{")]
+        check(result.rc == 0 and len(lines) == 1, "the job failed after the move", result)
+        v = json.loads(lines[0])
+        check(v["verdict"] == "ok" and v["errors"] == 0, "corrupt data after the move", v)
+        check(v["hosts"] == ["host1", "host3", "host3", "host3"],
+              "the ranks did not end where they should", v)
+        check(v["shimmed_ranks"] == 4, "not every rank had the shim", v)
+        check(LAB.run(MOVING, "pgrep -x 'orted|mpi_verify'").rc != 0,
+              "a part of the job is left on host2")
+        b = rep["breakdown"]
+        print(f"moved: blackout {int(b['blackout_us']) / 1e6:.1f} s, reconnect "
+              f"{int(b['reconnect_us']) / 1e6:.1f} s, whole move {int(b['total_us']) / 1e6:.1f} s; "
+              f"job: {v['rounds']} rounds, {v['bytes_verified']} bytes verified, "
+              f"{v['seconds']:.0f} s; longest round per rank {v['longest_round_seconds']} s",
+              flush=True)
+    finally:
+        LAB.kill(1, job)
+        stop_movable_job(hosts)
 
 
 if __name__ == "__main__":

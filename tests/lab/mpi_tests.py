@@ -91,35 +91,15 @@ SERVICE = "10.77.0.102"  # the address orted's connection to mpirun uses
 MOVE_DIR = "/lab/mpi-move"  # in the hosts; under LAB.shared here
 
 
-def rank_progress():
-    """{rank: (rounds done, host, pid)} from mpi_verify's progress files."""
-    found = {}
-    directory = os.path.join(LAB.shared, "mpi-move", "progress")
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        if not name.startswith("rank-") or name.endswith(".tmp"):
-            continue
-        with open(os.path.join(directory, name)) as f:
-            parts = f.read().split()
-        if len(parts) == 3:
-            found[int(name[5:])] = (int(parts[0]), parts[1], int(parts[2]))
-    return found
-
-
 def wait_progress(condition, timeout, what):
     """Until condition(progress) holds; the last progress seen."""
     end = time.monotonic() + timeout
     while True:
-        seen = rank_progress()
+        seen = mpi.rank_progress(LAB, f"{MOVE_DIR}/progress")
         if condition(seen):
             return seen
         check(time.monotonic() < end, f"{what}: not after {timeout}s", seen)
         time.sleep(1)
-
-
-def stop_movable_job(hosts):
-    for n in hosts:
-        LAB.run(n, "pkill -x mpirun; pkill -x orted; pkill -x mpi_verify; true")
-    mpi.service_address_down(LAB, hosts, SERVICE)
 
 
 @lab_test
@@ -132,7 +112,7 @@ def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
     host2. Neither the ranks nor mpirun know of the move."""
     hosts = [1, 2, 3]
     migrators.daemons_up()
-    stop_movable_job(hosts)
+    mpi.stop_movable(LAB, hosts, SERVICE)
     local = os.path.join(LAB.shared, "mpi-move")
     shutil.rmtree(local, ignore_errors=True)
     os.makedirs(os.path.join(local, "progress"))
@@ -159,7 +139,7 @@ def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
         for what, pid in [("orted", orted)] + [(f"rank {k}", v) for k, v in moving.items()]:
             check(LAB.run(DEST, f"kill -0 {pid}").rc == 0, f"{what} does not run on host3")
             check(LAB.run(MOVING, f"kill -0 {pid}").rc != 0, f"{what} still exists on host2")
-        at_move = rank_progress()
+        at_move = mpi.rank_progress(LAB, f"{MOVE_DIR}/progress")
         after = wait_progress(
             lambda p: all(p[k][0] >= at_move[k][0] + 3 for k in at_move) and
             all(p[k][1] == f"host{DEST}" for k in moving),
@@ -184,7 +164,7 @@ def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
               flush=True)
     finally:
         LAB.kill(1, job)
-        stop_movable_job(hosts)
+        mpi.stop_movable(LAB, hosts, SERVICE)
 
 
 if __name__ == "__main__":

@@ -176,3 +176,25 @@ def movable_setup(lab, build, hosts, moving_host, address):
         f.write(agent_script(build))
     os.chmod(path, 0o755)
     service_address_up(lab, moving_host, address)
+
+
+def rank_progress(lab, directory):
+    """{rank: (rounds done, host, pid)} from `mpi_verify --progress
+    DIRECTORY` (the path the hosts see, under /lab)."""
+    local = os.path.join(lab.shared, os.path.relpath(directory, "/lab"))
+    found = {}
+    for name in os.listdir(local) if os.path.isdir(local) else []:
+        if not name.startswith("rank-") or name.endswith(".tmp"):
+            continue
+        with open(os.path.join(local, name)) as f:
+            parts = f.read().split()
+        if len(parts) == 3:
+            found[int(name[5:])] = (int(parts[0]), parts[1], int(parts[2]))
+    return found
+
+
+def stop_movable(lab, hosts, address):
+    """Whatever is left of a movable job, and its service address, gone."""
+    for n in hosts:
+        lab.run(n, "pkill -x mpirun; pkill -x orted; pkill -x mpi_verify; true", timeout=30)
+    service_address_down(lab, hosts, address)

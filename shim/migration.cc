@@ -20,6 +20,7 @@
 #include <string>
 
 #include "shim/data_path.h"
+#include "shim/epoll_regs.h"
 #include "shim/log.h"
 #include "shim/shim.h"
 #include "shim/write_relay.h"
@@ -719,6 +720,7 @@ Status Shim::ReleaseNow() {
     const uintptr_t begin = reinterpret_cast<uintptr_t>(mr->shadow.addr);
     writable.emplace_back(begin, begin + mr->shadow.length);
   }
+  epoll_regs_ = FindEpollRegistrations(EventFds());
   DestroyReal();
   DirtyPages(writable);
   released_ = true;
@@ -839,6 +841,11 @@ Status Shim::RecreateReal(const std::string& device) {
     KeepNonBlocking(ch->shadow.fd, ch->fd_flags);
     ReopenChannel(ch);
   }
+  // The fds are back under their numbers; the application's epoll sets
+  // lost them when the release closed them.
+  if (Reregister(epoll_regs_) != 0)
+    LogOnce("restore: an epoll set the application had registered an event fd in refused it again");
+  epoll_regs_.clear();
   for (Cq* cq : All<Cq>(Kind::kCq)) {
     ibv_comp_channel* ch = cq->channel != nullptr ? cq->channel->real : nullptr;
     // With the slack it had, or less if this device's CQs are shallower.
@@ -1076,6 +1083,15 @@ Status Shim::PeerReconnectNow(const std::vector<RemoteMapping>& mappings, bool k
   }
   if (keep_paused) return {};
   return ResumeNow();
+}
+
+std::vector<int> Shim::EventFds() {
+  std::vector<int> fds;
+  for (const auto& [p, k] : shadows_)
+    if (k == Kind::kContext)
+      fds.push_back(Shadow(AsContext(static_cast<ibv_context*>(const_cast<void*>(p))))->async_fd);
+  for (Channel* ch : All<Channel>(Kind::kChannel)) fds.push_back(ch->shadow.fd);
+  return fds;
 }
 
 void Shim::RelayWrites(Context* ctx) {

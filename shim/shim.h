@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "shim/backend.h"
+#include "shim/epoll_regs.h"
 #include "shim/identity.h"
 #include "shim/migration.h"
 #include "shim/objects.h"
@@ -335,6 +336,9 @@ class Shim {
   // that opened it; dropped before the device closes.
   void RelayWrites(Context* ctx);
   void DropRelay(Context* ctx);
+  // The device's async fds and the channels' fds, as the application knows
+  // them (epoll_regs.h).
+  std::vector<int> EventFds();  // requires mu_
   // At resume, while still paused: drains and arms the real CQs the
   // application armed, and returns those that hold completions; once the
   // data path is open, OweEvents wakes their waiters with an event each.
@@ -392,6 +396,9 @@ class Shim {
   // Migration state, written by the control thread under mu_.
   bool paused_ = false;
   bool released_ = false;
+  // Where the application had registered EventFds() in its epoll sets, from
+  // the release to the restore (epoll_regs.h).
+  std::vector<EpollRegistration> epoll_regs_;
   bool moved_ = false;  // re-created at least once: GIDs differ from the port's
   bool endpoint_gid_known_ = false;
   uint8_t endpoint_port_ = 0;

@@ -6,6 +6,8 @@
 // are handed out exactly once, through ibv_start_poll or ibv_poll_cq.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/epoll.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -14,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "shim/epoll_regs.h"
 #include "tests/shim/verbs_test_util.h"
 
 namespace rdmavirt::shim::testing {
@@ -74,6 +77,47 @@ TEST_F(EventsTest, AnEventNotYetAcknowledgedDoesNotHoldUpAReleaseAndItsAckIsAbso
   const ibv_cq* new_real = ShimCq(cq)->real;
   p_.AckCqEvents(cq, 2);
   EXPECT_EQ(AckedToFake(new_real), 1u) << "only the event the new CQ delivered reaches it";
+}
+
+// An event loop waits on the completion channel's fd and the device's
+// async fd with epoll (UCX's async thread does). The release closes both,
+// which takes them out of every epoll set; the restore must put them back
+// with the events and data the application gave, or the loop is never
+// woken again (and UCX's epoll_ctl(DEL) at teardown fails).
+TEST_F(EventsTest, TheApplicationsEpollSetsHoldTheEventFdsAgainAfterAMove) {
+  ibv_comp_channel* ch = pdev_->Channel();
+  ibv_cq* cq = pdev_->Cq(ch);
+  Connect(cq);
+  const int async_fd = ch->context->async_fd;
+  const int ep = epoll_create1(EPOLL_CLOEXEC);
+  ASSERT_GE(ep, 0);
+  epoll_event on_channel{};
+  on_channel.events = EPOLLIN | EPOLLET;
+  on_channel.data.u64 = 0xc0ffee;
+  ASSERT_EQ(epoll_ctl(ep, EPOLL_CTL_ADD, ch->fd, &on_channel), 0);
+  epoll_event on_async{};
+  on_async.events = EPOLLIN;
+  on_async.data.u64 = 0xa5;
+  ASSERT_EQ(epoll_ctl(ep, EPOLL_CTL_ADD, async_fd, &on_async), 0);
+  Quiesce();
+  ReleaseRestoreResume();
+  const std::vector<EpollRegistration> regs = FindEpollRegistrations({ch->fd, async_fd});
+  ASSERT_EQ(regs.size(), 2u);
+  for (const EpollRegistration& r : regs) {
+    EXPECT_EQ(r.epfd, ep);
+    const epoll_event& given = r.fd == ch->fd ? on_channel : on_async;
+    // The kernel adds EPOLLERR and EPOLLHUP to every registration.
+    EXPECT_EQ(r.events, given.events | EPOLLERR | EPOLLHUP) << "fd " << r.fd;
+    EXPECT_EQ(r.data, given.data.u64) << "fd " << r.fd;
+  }
+  // And the loop is woken by the next completion event.
+  PostRecvP(1);
+  ASSERT_EQ(ibv_req_notify_cq(cq, 0), 0);
+  SendToP(10);
+  epoll_event got{};
+  ASSERT_EQ(epoll_wait(ep, &got, 1, 5000), 1);
+  EXPECT_EQ(got.data.u64, 0xc0ffeeu);
+  close(ep);
 }
 
 class BlockingEventsTest : public EventsTest {

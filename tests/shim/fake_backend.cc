@@ -109,6 +109,7 @@ struct FakeBackend::ChannelObj {
   ibv_comp_channel ch;
   std::deque<ibv_cq*> events;
   bool closed = false;  // destroyed: a blocked reader gets EIO, as from ib_uverbs
+  int readers = 0;      // threads between the lock and read(2) on the fd
   ~ChannelObj() {
     if (ch.fd >= 0) close(ch.fd);
   }
@@ -1364,10 +1365,16 @@ int FakeBackend::DestroyCompChannel(ibv_comp_channel* channel) {
   if (ch == nullptr) return EINVAL;
   if (channel->refcnt != 0) return EBUSY;
   // A reader blocked on it wakes with EIO; the object stays readable by
-  // that reader (its file outlives the fd, as in the kernel).
+  // that reader (its file outlives the fd, as in the kernel). With no
+  // reader the fd is closed now, as the kernel closes it: its number is
+  // free again, and it leaves every epoll set it was in.
   ch->closed = true;
   const uint64_t one = 1;
   if (write(ch->ch.fd, &one, sizeof one) < 0) return errno;
+  if (ch->readers == 0) {
+    close(ch->ch.fd);
+    ch->ch.fd = -1;
+  }
   closed_channels_.push_back(std::move(channels_[channel]));
   channels_.erase(channel);
   return 0;
@@ -1500,11 +1507,13 @@ int FakeBackend::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_co
       return -1;
     }
     // Blocking: one count of the eventfd per event, as one read(2) per event.
+    ++ch->readers;
     lock.unlock();
     uint64_t v;
     const ssize_t n = read(fd, &v, sizeof v);
     const int err = errno;
     lock.lock();
+    --ch->readers;
     if (n < 0 && err == EAGAIN) {  // the application made the fd non-blocking
       errno = EAGAIN;
       return -1;

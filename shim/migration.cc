@@ -842,9 +842,14 @@ Status Shim::RecreateReal(const std::string& device) {
     ReopenChannel(ch);
   }
   // The fds are back under their numbers; the application's epoll sets
-  // lost them when the release closed them.
-  if (Reregister(epoll_regs_) != 0)
-    LogOnce("restore: an epoll set the application had registered an event fd in refused it again");
+  // lost them when the release closed them. A number that could not be
+  // kept (KeepFdNumber) now names another file: not registered.
+  const std::vector<int> now = EventFds();
+  std::vector<EpollRegistration> again;
+  for (const EpollRegistration& r : epoll_regs_)
+    if (std::find(now.begin(), now.end(), r.fd) != now.end()) again.push_back(r);
+  if (again.size() != epoll_regs_.size() || Reregister(again) != 0)
+    LogOnce("restore: an event fd the application had in an epoll set is not in it again");
   epoll_regs_.clear();
   for (Cq* cq : All<Cq>(Kind::kCq)) {
     ibv_comp_channel* ch = cq->channel != nullptr ? cq->channel->real : nullptr;

@@ -148,6 +148,48 @@ int KeepFdNumber(int fresh, int known) {
   return known;
 }
 
+// The fd numbers the application knows, each held by a placeholder (a
+// /dev/null fd) from the start of a re-creation until its fd is re-created
+// under it: otherwise the device's command fd, the write relay's ring or
+// any fd opened on the way could take a number a later fd must get back
+// (UCX keeps the numbers, in its epoll set among other places).
+class HeldFdNumbers {
+ public:
+  explicit HeldFdNumbers(const std::vector<int>& numbers) {
+    const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (null_fd < 0) return;
+    bool null_held = false;
+    for (int n : numbers) {
+      if (n == null_fd) {
+        null_held = true;
+        held_.push_back(n);
+      } else if (n >= 0 && fcntl(n, F_GETFD) == -1 && errno == EBADF &&
+                 dup3(null_fd, n, O_CLOEXEC) == n) {
+        held_.push_back(n);
+      }
+    }
+    if (!null_held) close(null_fd);
+  }
+  ~HeldFdNumbers() {
+    for (int n : held_) close(n);
+  }
+  HeldFdNumbers(const HeldFdNumbers&) = delete;
+  HeldFdNumbers& operator=(const HeldFdNumbers&) = delete;
+
+  // `fresh` under the number `known`: its placeholder's, or a free one.
+  int Keep(int fresh, int known) {
+    const auto it = std::find(held_.begin(), held_.end(), known);
+    if (fresh < 0 || it == held_.end()) return KeepFdNumber(fresh, known);
+    if (dup3(fresh, known, O_CLOEXEC) < 0) return fresh;
+    held_.erase(it);
+    close(fresh);
+    return known;
+  }
+
+ private:
+  std::vector<int> held_;
+};
+
 }  // namespace
 
 template <typename T>
@@ -797,6 +839,7 @@ Status Shim::RecreateReal(const std::string& device) {
     backend_->FreeDeviceList(list);
     return Error(Code::kNotFound, "no RDMA device named " + device);
   }
+  HeldFdNumbers held(EventFds());
   Status st;
   for (const auto& [p, k] : shadows_) {
     if (k != Kind::kContext) continue;
@@ -809,7 +852,7 @@ Status Shim::RecreateReal(const std::string& device) {
     ibv_context* s = Shadow(ctx);
     s->device = ctx->real->device;
     s->cmd_fd = ctx->real->cmd_fd;
-    s->async_fd = KeepFdNumber(ctx->real->async_fd, s->async_fd);
+    s->async_fd = held.Keep(ctx->real->async_fd, s->async_fd);
     ctx->real->async_fd = s->async_fd;
     KeepNonBlocking(s->async_fd, ctx->async_fd_flags);
     s->num_comp_vectors = ctx->real->num_comp_vectors;
@@ -836,7 +879,7 @@ Status Shim::RecreateReal(const std::string& device) {
     ch->real = backend_->CreateCompChannel(ch->ctx->real);
     if (ch->real == nullptr)
       return Error(Code::kResourceExhausted, Errno("ibv_create_comp_channel", errno));
-    ch->shadow.fd = KeepFdNumber(ch->real->fd, ch->shadow.fd);
+    ch->shadow.fd = held.Keep(ch->real->fd, ch->shadow.fd);
     ch->real->fd = ch->shadow.fd;
     KeepNonBlocking(ch->shadow.fd, ch->fd_flags);
     ReopenChannel(ch);

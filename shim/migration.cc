@@ -1145,22 +1145,24 @@ std::vector<int> Shim::EventFds() {
 void Shim::RelayWrites(Context* ctx) {
   if (ctx->real->cmd_fd < 0) return;  // not a kernel device (a test's fake)
   std::string why;
-  ctx->relay = WriteRelay::Create(ctx->real->cmd_fd, &why);
-  if (ctx->relay == nullptr) {
+  std::unique_ptr<WriteRelay> relay = WriteRelay::Create(ctx->real->cmd_fd, &why);
+  if (relay == nullptr) {
     LogOnce(("restore: no write relay (" + why +
              "); threads other than the one that re-opened the device may not post on "
              "providers that ring their doorbell with write()")
                 .c_str());
-  } else if (!PublishRelay(ctx->relay.get())) {
+  } else if (!PublishRelay(relay.get())) {
     LogOnce("restore: more devices open than write relays; some threads may not post");
-    ctx->relay.reset();
+  } else {
+    ctx->relay = relay.release();
   }
 }
 
 void Shim::DropRelay(Context* ctx) {
   if (ctx->relay == nullptr) return;
-  WithdrawRelay(ctx->relay.get());
-  ctx->relay.reset();
+  WithdrawRelay(ctx->relay);
+  delete ctx->relay;
+  ctx->relay = nullptr;
 }
 
 // ib_uverbs refuses write() commands from a thread whose credentials are

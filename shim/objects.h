@@ -61,7 +61,9 @@ struct Context {
   int async_fd_flags = 0;
   // From a restore to the next release: relays the doorbell writes of
   // threads other than the one that re-opened the device (write_relay.h).
-  std::unique_ptr<WriteRelay> relay;
+  // Owned (Shim::RelayWrites, Shim::DropRelay); a plain pointer keeps
+  // Context standard-layout, which AsContext's offsetof needs.
+  WriteRelay* relay = nullptr;
 };
 
 inline Context* AsContext(ibv_context* c) {

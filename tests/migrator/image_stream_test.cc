@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
@@ -16,10 +17,14 @@ namespace {
 class ImageReceiverTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    src_ = absl::StrCat(::testing::TempDir(), "/image_stream_src-", getpid());
-    root_ = absl::StrCat(::testing::TempDir(), "/image_stream_dst-", getpid());
-    std::filesystem::remove_all(src_);
-    std::filesystem::remove_all(root_);
+    // A directory of this test's own, gone afterwards: the receivers below
+    // refuse a destination that exists, and a name made of the pid alone
+    // met one left by an earlier process of the same pid.
+    std::string base = absl::StrCat(::testing::TempDir(), "/image_stream-XXXXXX");
+    ASSERT_NE(mkdtemp(base.data()), nullptr);
+    base_ = base;
+    src_ = base_ + "/src";
+    root_ = base_ + "/dst";
     std::filesystem::create_directories(src_ + "/sub");
     FILE* f = fopen((src_ + "/pages.img").c_str(), "w");
     fputs("0123456789", f);
@@ -52,7 +57,11 @@ class ImageReceiverTest : public ::testing::Test {
     return c;
   }
 
-  std::string src_, root_;
+  void TearDown() override {
+    if (!base_.empty()) std::filesystem::remove_all(base_);
+  }
+
+  std::string base_, src_, root_;
   v1::Manifest manifest_;
   v1::ImageChunk first_;
 };

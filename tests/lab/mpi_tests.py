@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import sys
-import time
 
 from labtest import BUILD, LAB, check, lab_test, main, run_ok
 
@@ -93,13 +92,9 @@ MOVE_DIR = "/lab/mpi-move"  # in the hosts; under LAB.shared here
 
 def wait_progress(condition, timeout, what):
     """Until condition(progress) holds; the last progress seen."""
-    end = time.monotonic() + timeout
-    while True:
-        seen = mpi.rank_progress(LAB, f"{MOVE_DIR}/progress")
-        if condition(seen):
-            return seen
-        check(time.monotonic() < end, f"{what}: not after {timeout}s", seen)
-        time.sleep(1)
+    held, seen = mpi.wait_progress(LAB, f"{MOVE_DIR}/progress", condition, timeout)
+    check(held, f"{what}: not after {timeout}s", seen)
+    return seen
 
 
 @lab_test

@@ -23,6 +23,7 @@ a service address (`service_address_up`).
 import os
 import re
 import shlex
+import time
 
 KEY_DIR = "/lab/mpi"
 UCX_ENV = {
@@ -191,6 +192,20 @@ def rank_progress(lab, directory):
         if len(parts) == 3:
             found[int(name[5:])] = (int(parts[0]), parts[1], int(parts[2]))
     return found
+
+
+def wait_progress(lab, directory, condition, timeout, job=None):
+    """Polls rank_progress until condition(progress) holds; returns
+    (True, progress), or (False, the last progress seen) after `timeout`
+    seconds or once hosts[0]'s `job` has ended."""
+    end = time.monotonic() + timeout
+    while True:
+        seen = rank_progress(lab, directory)
+        if condition(seen):
+            return True, seen
+        if time.monotonic() > end or (job is not None and lab.done(1, job)):
+            return False, seen
+        time.sleep(0.5)
 
 
 def stop_movable(lab, hosts, address):

@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "migrator/migrator.h"
+#include "migrator/precopy_pages.h"
 
 namespace rdmavirt::migrator {
 
@@ -47,6 +48,8 @@ struct Migrator::Move {
   bool linked = false;
   // The endpoints of its tree (every move of a tree with several).
   std::vector<pid_t> tree_pids;
+  // The pages its pre-copy sent, for the release (precopy_pages.h).
+  PrecopyPages precopy_pages;
   // The first failed write of `rec`: crash recovery reads the record, so a
   // move that cannot write it is refused or rolled back while it can be.
   absl::Status record_error;

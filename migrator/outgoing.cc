@@ -1,6 +1,7 @@
 // The source side of a move: Migrate, Checkpoint, Restore (Operator) and
 // their rollback. See migrator.h for the sequence.
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <optional>
@@ -11,6 +12,7 @@
 #include "grpcpp/grpcpp.h"
 #include "migrator/addresses.h"
 #include "migrator/failpoints.h"
+#include "migrator/frame.h"
 #include "migrator/image_dir.h"
 #include "migrator/image_stream.h"
 #include "migrator/log.h"
@@ -320,7 +322,9 @@ absl::Status Migrator::ReleaseEndpoint(Move* m, v1::EndpointSummary* released) {
   SetPhase(m, "release");
   const absl::Time r0 = absl::Now();
   v1::MigratorToShim rel;
-  rel.mutable_release();
+  // Within a frame (16 MiB): 24 bytes a page.
+  m->precopy_pages.Encode(kMaxFrame / 32, rel.mutable_release()->mutable_known_page_addrs(),
+                          rel.mutable_release()->mutable_known_page_digests());
   absl::StatusOr<v1::Reply> rr = Command(pid, rel, options_.rpc_timeout, "release");
   if (!rr.ok()) {
     // Released or not? Only an answer says; the rollback looks.
@@ -331,6 +335,14 @@ absl::Status Migrator::ReleaseEndpoint(Move* m, v1::EndpointSummary* released) {
   m->rec.set_released(true);
   Persist(m);
   *released = rr->summary();
+  v1::MigrationReport* report = m->rec.mutable_report();
+  report->set_registered_pages_marked(report->registered_pages_marked() + rr->pages_marked());
+  report->set_registered_pages_unchanged(report->registered_pages_unchanged() +
+                                         rr->pages_unchanged());
+  Log("migration %s: release of process %d: %d registered pages marked for the final dump, %d "
+      "unchanged since the pre-copy (%d pages known)",
+      m->rec.report().migration_id(), pid, rr->pages_marked(), rr->pages_unchanged(),
+      m->precopy_pages.size());
   // CRIU must not find the socket open.
   if (absl::Status st = shims_->WaitClosed(pid, options_.close_timeout); !st.ok()) return st;
   b->set_release_us(MicrosSince(r0));
@@ -387,6 +399,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   const uint32_t max_iter = request.max_precopy_iterations() ? request.max_precopy_iterations()
                                                              : options_.max_precopy_iterations;
   std::string parent;
+  const std::vector<Move*> all = TreeMoves(m, members);
   uint64_t last_round = 0;
   int flat_rounds = 0;  // in a row, each more than 9/10 of the one before
   for (uint32_t k = 1; k <= std::min(max_iter, kMaxPreDumpIterations); ++k) {
@@ -417,6 +430,17 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
     r->add_precopy_bytes(*sent);
     r->set_precopy_iterations(k);
     parent = dir;
+    // What each endpoint's registered pages were as sent: the release
+    // leaves out of the final dump those that have not changed since.
+    for (Move* x : all) {
+      const pid_t pid = x->rec.report().pid();
+      absl::Status st =
+          x->precopy_pages.AddPreDump(dir, pid, static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
+      if (!st.ok())
+        Log("migration %s: the pages of process %d in pre-dump %d are not known (%s); its "
+            "release marks every registered page for the final dump",
+            id, pid, k, st.ToString());
+    }
     if (d->image_bytes < options_.precopy_small_bytes) break;
     // Not converging: twice in a row the process dirtied about as much as
     // the round before carried (less than a tenth fewer bytes), so another
@@ -436,14 +460,20 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   // quiesced first, since one still running sends to the others, whose QPs
   // must be there to take it until its own drain is done.
   v1::EndpointSummary released;  // the first endpoint's, for the manifest
-  const std::vector<Move*> all = TreeMoves(m, members);
   auto of_tree = [m](const absl::Status& st, const Move* x) {
     return x == m ? st
                   : Annotate(st, absl::StrCat("process ", x->rec.report().pid(), " of the tree"));
   };
   auto release = [&](Move* x) {
     v1::EndpointSummary member_released;
-    return of_tree(ReleaseEndpoint(x, x == m ? &released : &member_released), x);
+    absl::Status st = of_tree(ReleaseEndpoint(x, x == m ? &released : &member_released), x);
+    if (x != m) {  // the tree's counts in its first move's report
+      const v1::MigrationReport& xr = x->rec.report();
+      r->set_registered_pages_marked(r->registered_pages_marked() + xr.registered_pages_marked());
+      r->set_registered_pages_unchanged(r->registered_pages_unchanged() +
+                                        xr.registered_pages_unchanged());
+    }
+    return st;
   };
   for (Move* x : all) {
     if (absl::Status st = of_tree(QuiesceEndpoint(x), x); !st.ok()) return st;

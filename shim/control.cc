@@ -32,7 +32,8 @@ constexpr uint32_t kHello = 2, kReply = 3;
 // Hello
 constexpr uint32_t kVersion = 1, kPid = 2, kEndpointId = 3, kPhase = 4, kProgram = 5;
 // Reply
-constexpr uint32_t kCode = 1, kMessage = 2, kSummary = 3, kElapsedUs = 4, kDrained = 5;
+constexpr uint32_t kCode = 1, kMessage = 2, kSummary = 3, kElapsedUs = 4, kDrained = 5,
+                   kPagesMarked = 6, kPagesUnchanged = 7;
 // EndpointSummary
 constexpr uint32_t kSumEndpointId = 1, kSumPid = 2, kSumPhase = 3, kSumSuspended = 4,
                    kSumCounts = 5, kSumQps = 6, kSumMapping = 7, kSumDevice = 8;
@@ -188,13 +189,15 @@ std::string EncodeHello(int pid, std::string_view endpoint_id, bool released,
 
 std::string EncodeReply(uint64_t id, const Status& status, const EndpointView& view,
                         std::string_view endpoint_id, int pid, uint64_t elapsed_us,
-                        uint32_t drained_sends) {
+                        uint32_t drained_sends, const DirtyCount& pages) {
   WireWriter r;
   r.Int32(f::kCode, static_cast<int32_t>(status.code));
   r.String(f::kMessage, status.message);
   r.Message(f::kSummary, EncodeSummary(view, endpoint_id, pid));
   r.Varint(f::kElapsedUs, elapsed_us);
   r.Varint(f::kDrained, drained_sends);
+  r.Varint(f::kPagesMarked, pages.marked);
+  r.Varint(f::kPagesUnchanged, pages.unchanged);
   WireWriter m;
   m.Varint(f::kRequestId, id);
   m.Message(f::kReply, r);
@@ -223,9 +226,18 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
         if (!DrainTimeout(body, &out->drain_timeout_ms))
           return *why = "a malformed quiesce request", false;
         break;
-      case f::kRelease:
+      case f::kRelease: {
         out->kind = Kind::kRelease;
+        WireReader b(body);
+        std::string_view addrs, digests;
+        while (b.Next()) {
+          if (b.field() == 1 && b.is_bytes()) addrs = b.bytes();
+          if (b.field() == 2 && b.is_bytes()) digests = b.bytes();
+        }
+        if (!b.ok() || !out->known.Decode(addrs, digests))
+          return *why = "a malformed release request (its known pages)", false;
         break;
+      }
       case f::kRestore: {
         out->kind = Kind::kRestore;
         WireReader b(body);
@@ -295,6 +307,7 @@ std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endp
   const uint64_t start = NowUs();
   const uint32_t drain = req.drain_timeout_ms ? req.drain_timeout_ms : kDefaultDrainMs;
   uint32_t drained = 0;
+  DirtyCount pages;
   Status st;
   switch (req.kind) {
     case Kind::kQuiesce:
@@ -304,7 +317,7 @@ std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endp
       st = shim->Quiesce(drain, &drained, req.has_toward ? &req.toward : nullptr);
       break;
     case Kind::kRelease:
-      st = shim->Release();
+      st = shim->Release(req.known, &pages);
       break;
     case Kind::kRestore:
       st = shim->Restore(req.device, req.peers);
@@ -321,7 +334,7 @@ std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endp
   }
   const EndpointView view = shim->Describe();
   *released = view.released;
-  return EncodeReply(req.id, st, view, endpoint_id, pid, NowUs() - start, drained);
+  return EncodeReply(req.id, st, view, endpoint_id, pid, NowUs() - start, drained, pages);
 }
 
 // ---------------------------------------------------------------- thread

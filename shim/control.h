@@ -48,6 +48,7 @@ struct ControlRequest {
   std::string device;
   std::vector<RemoteMapping> peers;  // restore's; peer_reconnect's mappings
   bool keep_paused = false;          // peer_reconnect
+  KnownPages known;                  // release: pages the destination holds
 };
 
 // Codec (control.cc), exposed for tests.
@@ -55,7 +56,7 @@ std::string EncodeHello(int pid, std::string_view endpoint_id, bool released,
                         std::string_view program);
 std::string EncodeReply(uint64_t id, const Status& status, const EndpointView& view,
                         std::string_view endpoint_id, int pid, uint64_t elapsed_us,
-                        uint32_t drained_sends);
+                        uint32_t drained_sends, const DirtyCount& pages = DirtyCount());
 // False, with why, on malformed input or a request without a command.
 bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* why);
 

@@ -737,7 +737,7 @@ void Shim::OweEvents(const std::vector<Cq*>& cqs) {
   }
 }
 
-Status Shim::ReleaseNow() {
+Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!paused_) return Error(Code::kFailedPrecondition, "release needs a quiesced endpoint");
@@ -764,7 +764,7 @@ Status Shim::ReleaseNow() {
   }
   epoll_regs_ = FindEpollRegistrations(EventFds());
   DestroyReal();
-  DirtyPages(writable);
+  DirtyPages(writable, known, count);
   released_ = true;
   // Whatever brings the endpoint back (a CRIU restore, most likely) must
   // reopen the device on an application thread; see OnAppThread.
@@ -772,7 +772,8 @@ Status Shim::ReleaseNow() {
   return {};
 }
 
-void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
+void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges, const KnownPages& known,
+                DirtyCount* count) {
   // The HCA writes registered memory through the kernel's mapping of the
   // pinned pages, which leaves the process's soft-dirty bits alone: a
   // pre-dump's copy of such a page would be taken for current. One write
@@ -796,8 +797,15 @@ void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
       // A byte of the range on each of its pages: the first one's is the
       // range's start, the others' their first.
       const uintptr_t to = std::min<uintptr_t>(end, hi);
-      for (uintptr_t p = std::max<uintptr_t>(begin, lo); p < to; p = (p & ~(page - 1)) + page)
+      for (uintptr_t p = std::max<uintptr_t>(begin, lo); p < to; p = (p & ~(page - 1)) + page) {
+        const uintptr_t whole = p & ~(page - 1);
+        if (!known.empty() && known.Unchanged(whole, reinterpret_cast<const void*>(whole), page)) {
+          if (count != nullptr) ++count->unchanged;
+          continue;
+        }
         __atomic_fetch_or(reinterpret_cast<uint8_t*>(p), uint8_t{0}, __ATOMIC_RELAXED);
+        if (count != nullptr) ++count->marked;
+      }
     }
   }
   fclose(maps);
@@ -1303,8 +1311,15 @@ void Shim::ControlIdle() {
   control_cv_.notify_all();
 }
 
-Status Shim::Release() {
-  return OnAppThread("release", [this] { return ReleaseNow(); });
+Status Shim::Release(const KnownPages& known, DirtyCount* count) {
+  // The step may still run on an application thread after a timeout here:
+  // it owns what it uses.
+  auto pages = std::make_shared<const KnownPages>(known);
+  auto counted = std::make_shared<DirtyCount>();
+  const Status st =
+      OnAppThread("release", [this, pages, counted] { return ReleaseNow(*pages, counted.get()); });
+  if (st.ok() && count != nullptr) *count = *counted;
+  return st;
 }
 Status Shim::Restore(const std::string& device, const std::vector<RemoteMapping>& peers) {
   return OnAppThread("restore", [this, device, peers] { return RestoreNow(device, peers); });

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "shim/page_digest.h"
+
 namespace rdmavirt::shim {
 
 // Codes as absl::StatusCode / grpc::StatusCode, so they cross the wire
@@ -64,10 +66,20 @@ struct EndpointView {
   std::vector<std::pair<uint32_t, uint32_t>> rkeys;  // virtual, physical
 };
 
+// What DirtyPages did: pages marked, and pages left alone because the
+// destination already holds their content.
+struct DirtyCount {
+  uint64_t marked = 0;
+  uint64_t unchanged = 0;
+};
+
 // Writes every page of `ranges` (start, end addresses) once, where the
 // process maps it writable, so that a dump tracking soft-dirty bits copies
-// what the HCA wrote there (migration.cc; called at a release).
-void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges);
+// what the HCA wrote there (migration.cc; called at a release). A page in
+// `known` (from the pre-copy's images, page_digest.h) whose content still
+// has its digest there is left alone.
+void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges,
+                const KnownPages& known = KnownPages(), DirtyCount* count = nullptr);
 
 }  // namespace rdmavirt::shim
 

@@ -142,8 +142,10 @@ class Shim {
                  const ibv_gid* toward = nullptr);
   // After Quiesce: records the receives not yet completed, destroys every
   // physical resource and closes the devices (nothing of the HCA's stays
-  // mapped or open, so CRIU can dump the process).
-  Status Release();
+  // mapped or open, so CRIU can dump the process). Registered pages are
+  // marked for the dump (DirtyPages) but those in `known` whose content
+  // has not changed; `count`, when given, says how many of each.
+  Status Release(const KnownPages& known = KnownPages(), DirtyCount* count = nullptr);
   // After Release: opens `device` ("" = the first), re-creates everything
   // with the same virtual identities, re-posts the outstanding receives and
   // replays each QP's transitions toward its peers (those in `peers` where
@@ -246,7 +248,7 @@ class Shim {
   template <typename T>
   std::vector<T*> All(Kind kind) const;  // requires mu_
   void DestroyReal();                    // requires mu_
-  Status ReleaseNow();
+  Status ReleaseNow(const KnownPages& known, DirtyCount* count);
   Status RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers);
   Status ResumeNow();
   Status PeerReconnectNow(const std::vector<RemoteMapping>& mappings, bool keep_paused);

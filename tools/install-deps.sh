@@ -13,6 +13,8 @@ packages=(
   # protos and RPC
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libssl-dev openssl
+  # page digests (header-only XXH3), migrator and shim
+  libxxhash-dev
   # checkpoint/restore and VMs
   criu libprotobuf-c-dev libvirt-dev libvirt-daemon-system libvirt-clients
   # the VM lab's guests: their agent, copied into their initramfs

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "rdmavirt/v1/control.pb.h"
 #include "shim/wire.h"
@@ -136,6 +137,36 @@ TEST(ControlCodecTest, RequestsFromTheSchemaDecode) {
   e.mutable_release();  // an empty message still selects the command
   ASSERT_TRUE(DecodeRequest(e.SerializeAsString(), &req, &why)) << why;
   EXPECT_EQ(req.kind, ControlRequest::Kind::kRelease);
+  EXPECT_TRUE(req.known.empty());
+}
+
+TEST(ControlCodecTest, AReleaseCarriesThePagesTheDestinationHolds) {
+  const std::vector<char> page_a(4096, 'a'), page_b(4096, 'b');
+  std::string addrs, digests;
+  EncodeKnownPages(
+      {{0x10000, DigestOf(page_a.data(), 4096)}, {0x13000, DigestOf(page_b.data(), 4096)}}, &addrs,
+      &digests);
+  v1::MigratorToShim m;
+  m.set_request_id(21);
+  m.mutable_release()->set_known_page_addrs(addrs);
+  m.mutable_release()->set_known_page_digests(digests);
+  ControlRequest req;
+  std::string why;
+  ASSERT_TRUE(DecodeRequest(m.SerializeAsString(), &req, &why)) << why;
+  ASSERT_EQ(req.known.size(), 2u);
+  EXPECT_TRUE(req.known.Unchanged(0x10000, page_a.data(), 4096));
+  EXPECT_TRUE(req.known.Unchanged(0x13000, page_b.data(), 4096));
+  EXPECT_FALSE(req.known.Unchanged(0x10000, page_b.data(), 4096)) << "changed content";
+  EXPECT_FALSE(req.known.Unchanged(0x11000, page_a.data(), 4096)) << "a page not sent";
+
+  // Digests that do not match the addresses in number, and addresses out of
+  // order, are refused rather than half believed.
+  m.mutable_release()->set_known_page_digests(digests.substr(0, 16));
+  EXPECT_FALSE(DecodeRequest(m.SerializeAsString(), &req, &why));
+  EXPECT_NE(why.find("known pages"), std::string::npos) << why;
+  m.mutable_release()->set_known_page_digests(digests);
+  m.mutable_release()->set_known_page_addrs(addrs.substr(8) + addrs.substr(0, 8));
+  EXPECT_FALSE(DecodeRequest(m.SerializeAsString(), &req, &why));
 }
 
 TEST(ControlCodecTest, MalformedRequestsAreRefusedWithAReason) {

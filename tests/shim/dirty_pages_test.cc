@@ -45,8 +45,8 @@ uint64_t PagemapEntry(const void* p) {
 // `scratch`, a writable page of the test's own); all bits cleared after.
 bool KernelTracksSoftDirty(uint8_t* scratch) {
   if (!ClearSoftDirty() || (PagemapEntry(scratch) & kSoftDirty) != 0) return false;
-  *scratch = static_cast<uint8_t>(*scratch + 1);
-  *scratch = static_cast<uint8_t>(*scratch - 1);
+  volatile uint8_t* v = scratch;  // a write the compiler keeps
+  *v = *v;
   return (PagemapEntry(scratch) & kSoftDirty) != 0 && ClearSoftDirty();
 }
 
@@ -107,13 +107,13 @@ TEST(DirtyPagesTest, PagesTheDestinationHoldsUnchangedAreLeftAlone) {
              known, &count);
   EXPECT_EQ(count.unchanged, 3u) << "pages 0, 2 and 3";
   EXPECT_EQ(count.marked, 3u) << "page 1 (changed), 4 and 5 (never sent)";
-  if (tracks) {
-    for (int i = 0; i < kPages; ++i)
-      EXPECT_EQ((PagemapEntry(mem + i * page) & kSoftDirty) != 0, i == 1 || i >= 4) << "page " << i;
-  }
   EXPECT_EQ(mem[page + 17], 'z');
   EXPECT_EQ(mem[4 * page], 'e');
+  for (int i = 0; tracks && i < kPages; ++i)
+    EXPECT_EQ((PagemapEntry(mem + i * page) & kSoftDirty) != 0, i == 1 || i >= 4) << "page " << i;
   munmap(mem, kPages * page);
+  // The counts were checked; the bits could not be.
+  if (!tracks) GTEST_SKIP() << "this kernel does not track soft-dirty bits";
 }
 
 }  // namespace

@@ -50,6 +50,8 @@ struct Migrator::Move {
   std::vector<pid_t> tree_pids;
   // The pages its pre-copy sent, for the release (precopy_pages.h).
   PrecopyPages precopy_pages;
+  // Its writable registered memory, from the quiesce's reply.
+  std::vector<std::pair<uint64_t, uint64_t>> writable_registered;
   // The first failed write of `rec`: crash recovery reads the record, so a
   // move that cannot write it is refused or rolled back while it can be.
   absl::Status record_error;

@@ -313,6 +313,9 @@ absl::Status Migrator::QuiesceEndpoint(Move* m) {
   b->set_quiesce_us(MicrosSince(q0));
   // The summary after quiesce knows the endpoint's own GID for sure.
   *m->rec.mutable_endpoint() = qr->summary();
+  m->writable_registered.clear();
+  for (const v1::AddressRange& r : qr->writable_registered())
+    m->writable_registered.emplace_back(r.begin(), r.end());
   return absl::OkStatus();
 }
 
@@ -323,7 +326,8 @@ absl::Status Migrator::ReleaseEndpoint(Move* m, v1::EndpointSummary* released) {
   const absl::Time r0 = absl::Now();
   v1::MigratorToShim rel;
   // Within a frame (16 MiB): 24 bytes a page.
-  m->precopy_pages.Encode(kMaxFrame / 32, rel.mutable_release()->mutable_known_page_addrs(),
+  m->precopy_pages.Encode(m->writable_registered, kMaxFrame / 32,
+                          rel.mutable_release()->mutable_known_page_addrs(),
                           rel.mutable_release()->mutable_known_page_digests());
   absl::StatusOr<v1::Reply> rr = Command(pid, rel, options_.rpc_timeout, "release");
   if (!rr.ok()) {

@@ -84,6 +84,9 @@ bool Varints(std::string_view msg, std::initializer_list<std::pair<int, uint64_t
 
 absl::Status PrecopyPages::AddPreDump(const std::string& dir, pid_t pid, uint64_t page_size) {
   if (failed_) return absl::FailedPreconditionError("an earlier pre-dump's pages were unreadable");
+  if (page_size == 0 || (page_size & (page_size - 1)) != 0)
+    return absl::InvalidArgumentError("the page size is not a power of two");
+  page_size_ = page_size;
   absl::Status st = Read(dir, pid, page_size);
   if (!st.ok()) {
     failed_ = true;
@@ -145,14 +148,37 @@ absl::Status PrecopyPages::Read(const std::string& dir, pid_t pid, uint64_t page
   return absl::OkStatus();
 }
 
-void PrecopyPages::Encode(size_t max_pages, std::string* addrs, std::string* digests) const {
+void PrecopyPages::Encode(const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                          size_t max_pages, std::string* addrs, std::string* digests) const {
   addrs->clear();
   digests->clear();
-  if (failed_ || pages_.empty() || pages_.size() > max_pages) return;
+  if (failed_ || pages_.empty()) return;
+  // The ranges sorted and merged (two registrations of one buffer overlap),
+  // then one pass over the pages in address order.
+  std::vector<std::pair<uint64_t, uint64_t>> merged;
+  for (const auto& r : ranges)
+    if (r.first < r.second) merged.push_back(r);
+  std::sort(merged.begin(), merged.end());
+  size_t n = 0;
+  for (const auto& r : merged) {
+    if (n > 0 && r.first <= merged[n - 1].second)
+      merged[n - 1].second = std::max(merged[n - 1].second, r.second);
+    else
+      merged[n++] = r;
+  }
+  merged.resize(n);
   std::vector<std::pair<uint64_t, shim::PageDigest>> sorted(pages_.begin(), pages_.end());
   std::sort(sorted.begin(), sorted.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
-  shim::EncodeKnownPages(sorted, addrs, digests);
+  std::vector<std::pair<uint64_t, shim::PageDigest>> wanted;
+  size_t r = 0;
+  for (const auto& page : sorted) {
+    while (r < merged.size() && merged[r].second <= page.first) ++r;
+    if (r == merged.size()) break;
+    if (merged[r].first < page.first + page_size_) wanted.push_back(page);
+  }
+  if (wanted.size() > max_pages) return;
+  shim::EncodeKnownPages(wanted, addrs, digests);
 }
 
 }  // namespace rdmavirt::migrator

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -29,9 +31,12 @@ class PrecopyPages {
   // later calls record nothing: a release then marks every registered page.
   absl::Status AddPreDump(const std::string& dir, pid_t pid, uint64_t page_size);
 
-  // The wire form for the Release request (ascending addresses); empty when
+  // The wire form for the Release request (ascending addresses) of the
+  // pages that overlap `ranges` ([begin, end) each: the process's writable
+  // registered memory, the only pages a release looks up); empty when
   // nothing is known or more than `max_pages` would go.
-  void Encode(size_t max_pages, std::string* addrs, std::string* digests) const;
+  void Encode(const std::vector<std::pair<uint64_t, uint64_t>>& ranges, size_t max_pages,
+              std::string* addrs, std::string* digests) const;
 
   size_t size() const { return pages_.size(); }
   bool failed() const { return failed_; }
@@ -40,6 +45,7 @@ class PrecopyPages {
   absl::Status Read(const std::string& dir, pid_t pid, uint64_t page_size);
 
   absl::flat_hash_map<uint64_t, shim::PageDigest> pages_;
+  uint64_t page_size_ = 4096;
   bool failed_ = false;
 };
 

@@ -33,7 +33,7 @@ constexpr uint32_t kHello = 2, kReply = 3;
 constexpr uint32_t kVersion = 1, kPid = 2, kEndpointId = 3, kPhase = 4, kProgram = 5;
 // Reply
 constexpr uint32_t kCode = 1, kMessage = 2, kSummary = 3, kElapsedUs = 4, kDrained = 5,
-                   kPagesMarked = 6, kPagesUnchanged = 7;
+                   kPagesMarked = 6, kPagesUnchanged = 7, kWritableRegistered = 8;
 // EndpointSummary
 constexpr uint32_t kSumEndpointId = 1, kSumPid = 2, kSumPhase = 3, kSumSuspended = 4,
                    kSumCounts = 5, kSumQps = 6, kSumMapping = 7, kSumDevice = 8;
@@ -189,7 +189,8 @@ std::string EncodeHello(int pid, std::string_view endpoint_id, bool released,
 
 std::string EncodeReply(uint64_t id, const Status& status, const EndpointView& view,
                         std::string_view endpoint_id, int pid, uint64_t elapsed_us,
-                        uint32_t drained_sends, const DirtyCount& pages) {
+                        uint32_t drained_sends, const DirtyCount& pages,
+                        const std::vector<std::pair<uintptr_t, uintptr_t>>& writable) {
   WireWriter r;
   r.Int32(f::kCode, static_cast<int32_t>(status.code));
   r.String(f::kMessage, status.message);
@@ -198,6 +199,12 @@ std::string EncodeReply(uint64_t id, const Status& status, const EndpointView& v
   r.Varint(f::kDrained, drained_sends);
   r.Varint(f::kPagesMarked, pages.marked);
   r.Varint(f::kPagesUnchanged, pages.unchanged);
+  for (const auto& [begin, end] : writable) {
+    WireWriter range;
+    range.Varint(1, begin);
+    range.Varint(2, end);
+    r.Message(f::kWritableRegistered, range);
+  }
   WireWriter m;
   m.Varint(f::kRequestId, id);
   m.Message(f::kReply, r);
@@ -308,10 +315,12 @@ std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endp
   const uint32_t drain = req.drain_timeout_ms ? req.drain_timeout_ms : kDefaultDrainMs;
   uint32_t drained = 0;
   DirtyCount pages;
+  std::vector<std::pair<uintptr_t, uintptr_t>> writable;
   Status st;
   switch (req.kind) {
     case Kind::kQuiesce:
       st = shim->Quiesce(drain, &drained);
+      if (st.ok()) writable = shim->WritableRegistered();
       break;
     case Kind::kPeerQuiesce:
       st = shim->Quiesce(drain, &drained, req.has_toward ? &req.toward : nullptr);
@@ -334,7 +343,7 @@ std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endp
   }
   const EndpointView view = shim->Describe();
   *released = view.released;
-  return EncodeReply(req.id, st, view, endpoint_id, pid, NowUs() - start, drained, pages);
+  return EncodeReply(req.id, st, view, endpoint_id, pid, NowUs() - start, drained, pages, writable);
 }
 
 // ---------------------------------------------------------------- thread

@@ -56,7 +56,8 @@ std::string EncodeHello(int pid, std::string_view endpoint_id, bool released,
                         std::string_view program);
 std::string EncodeReply(uint64_t id, const Status& status, const EndpointView& view,
                         std::string_view endpoint_id, int pid, uint64_t elapsed_us,
-                        uint32_t drained_sends, const DirtyCount& pages = DirtyCount());
+                        uint32_t drained_sends, const DirtyCount& pages = DirtyCount(),
+                        const std::vector<std::pair<uintptr_t, uintptr_t>>& writable = {});
 // False, with why, on malformed input or a request without a command.
 bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* why);
 

@@ -754,14 +754,7 @@ Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count) {
   for (Srq* srq : All<Srq>(Kind::kSrq))
     srq->outstanding = TakeOutstanding(&srq->recvs, &srq->recvs_done);
   // The pages the HCA may have written, for a dump that tracks memory.
-  std::vector<std::pair<uintptr_t, uintptr_t>> writable;
-  for (const Mr* mr : All<Mr>(Kind::kMr)) {
-    if (!(mr->access &
-          (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)))
-      continue;
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(mr->shadow.addr);
-    writable.emplace_back(begin, begin + mr->shadow.length);
-  }
+  const std::vector<std::pair<uintptr_t, uintptr_t>> writable = WritableRegisteredLocked();
   epoll_regs_ = FindEpollRegistrations(EventFds());
   DestroyReal();
   DirtyPages(writable, known, count);
@@ -770,6 +763,23 @@ Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count) {
   // reopen the device on an application thread; see OnAppThread.
   app_thread_steps_.store(true);
   return {};
+}
+
+std::vector<std::pair<uintptr_t, uintptr_t>> Shim::WritableRegistered() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return WritableRegisteredLocked();
+}
+
+std::vector<std::pair<uintptr_t, uintptr_t>> Shim::WritableRegisteredLocked() {
+  std::vector<std::pair<uintptr_t, uintptr_t>> writable;
+  for (const Mr* mr : All<Mr>(Kind::kMr)) {
+    if (!(mr->access &
+          (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)))
+      continue;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(mr->shadow.addr);
+    writable.emplace_back(begin, begin + mr->shadow.length);
+  }
+  return writable;
 }
 
 void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges, const KnownPages& known,

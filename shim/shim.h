@@ -146,6 +146,9 @@ class Shim {
   // marked for the dump (DirtyPages) but those in `known` whose content
   // has not changed; `count`, when given, says how many of each.
   Status Release(const KnownPages& known = KnownPages(), DirtyCount* count = nullptr);
+  // The registered memory the HCA may write ([begin, end) of each MR with
+  // local or remote write or atomic access): what a release marks.
+  std::vector<std::pair<uintptr_t, uintptr_t>> WritableRegistered();
   // After Release: opens `device` ("" = the first), re-creates everything
   // with the same virtual identities, re-posts the outstanding receives and
   // replays each QP's transitions toward its peers (those in `peers` where
@@ -249,6 +252,7 @@ class Shim {
   std::vector<T*> All(Kind kind) const;  // requires mu_
   void DestroyReal();                    // requires mu_
   Status ReleaseNow(const KnownPages& known, DirtyCount* count);
+  std::vector<std::pair<uintptr_t, uintptr_t>> WritableRegisteredLocked();  // requires mu_
   Status RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers);
   Status ResumeNow();
   Status PeerReconnectNow(const std::vector<RemoteMapping>& mappings, bool keep_paused);

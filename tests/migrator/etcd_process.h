@@ -15,6 +15,7 @@
 
 #include <filesystem>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -87,7 +88,15 @@ class Etcd {
       _exit(127);
     }
   }
-  ~Etcd() { Kill(); }
+  // Its data directory (over 100 MiB) goes with it, kept only when the
+  // test failed (its log is there).
+  ~Etcd() {
+    Kill();
+    if (!::testing::Test::HasFailure()) {
+      std::error_code ec;
+      std::filesystem::remove_all(dir_, ec);
+    }
+  }
   void Kill() {
     if (pid_ <= 0) return;
     kill(pid_, SIGKILL);

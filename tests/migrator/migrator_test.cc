@@ -10,7 +10,9 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <system_error>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -49,10 +51,22 @@ std::string VGid(int n) {
   return g;
 }
 
+// A directory for the test, removed when the test binary exits if every
+// test passed.
 std::string TempDir(const std::string& name) {
+  struct Dirs {
+    std::vector<std::string> all;
+    ~Dirs() {
+      if (!::testing::UnitTest::GetInstance()->Passed()) return;
+      std::error_code ec;
+      for (const std::string& d : all) std::filesystem::remove_all(d, ec);
+    }
+  };
+  static Dirs dirs;
   std::string dir = absl::StrCat(::testing::TempDir(), "/migrator_test-", getpid(), "-", name);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  dirs.all.push_back(dir);
   return dir;
 }
 

@@ -81,7 +81,7 @@ class PrecopyPagesTest : public ::testing::Test {
 
   static shim::KnownPages Known(const PrecopyPages& p) {
     std::string addrs, digests;
-    p.Encode(1000, &addrs, &digests);
+    p.Encode({{0, ~uint64_t{0} >> 1}}, 1000, &addrs, &digests);
     shim::KnownPages k;
     EXPECT_TRUE(k.Decode(addrs, digests));
     return k;
@@ -114,9 +114,17 @@ TEST_F(PrecopyPagesTest, EachPageHasTheDigestOfItsLatestImage) {
   EXPECT_TRUE(k.Unchanged(0x20000, c.data(), kPage));
   EXPECT_FALSE(k.Unchanged(0x12000, a.data(), kPage)) << "never sent";
 
-  // Over the limit: nothing is sent (every registered page is marked).
+  // Only the pages that overlap the registered ranges go (the end of one
+  // range inside 0x11000, and a second registration of the same page).
   std::string addrs, digests;
-  p.Encode(2, &addrs, &digests);
+  p.Encode({{0x10800, 0x11001}, {0x11000, 0x11800}}, 1000, &addrs, &digests);
+  shim::KnownPages two;
+  ASSERT_TRUE(two.Decode(addrs, digests));
+  EXPECT_EQ(two.size(), 2u);
+  EXPECT_TRUE(two.Unchanged(0x10000, a.data(), kPage));
+  EXPECT_FALSE(two.Unchanged(0x20000, c.data(), kPage)) << "outside the ranges";
+  // Over the limit: nothing is sent (every registered page is marked).
+  p.Encode({{0x10000, 0x30000}}, 2, &addrs, &digests);
   EXPECT_TRUE(addrs.empty() && digests.empty());
 }
 
@@ -128,7 +136,7 @@ TEST_F(PrecopyPagesTest, AnUnreadableRoundForgetsEverything) {
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
   EXPECT_TRUE(p.failed());
   std::string addrs, digests;
-  p.Encode(1000, &addrs, &digests);
+  p.Encode({{0x10000, 0x11000}}, 1000, &addrs, &digests);
   EXPECT_TRUE(addrs.empty());
   // And later rounds add nothing.
   EXPECT_FALSE(p.AddPreDump(Write("pre-3", {{0x10000, 1, kPresent}}, Page('a')), 42, kPage).ok());

@@ -258,14 +258,20 @@ TEST_F(ShimServerTest, ReleasedShimComesBackThroughTheResumeMarker) {
 }
 
 TEST(ShimServerStartTest, RefusesASecondServerOnALiveSocket) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/shim_server_twice-", getpid());
+  // A directory of its own: one named after the pid could be left from an
+  // earlier run whose pid this one reuses.
+  std::string dir = absl::StrCat(::testing::TempDir(), "/shim_server_twice-XXXXXX");
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
   ShimServer::Options o;
   o.socket_path = dir + "/s.sock";
-  absl::StatusOr<std::unique_ptr<ShimServer>> a = ShimServer::Start(o);
-  ASSERT_TRUE(a.ok());
-  absl::StatusOr<std::unique_ptr<ShimServer>> b = ShimServer::Start(o);
-  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(b.status().message()), HasSubstr("another migrator"));
+  {
+    absl::StatusOr<std::unique_ptr<ShimServer>> a = ShimServer::Start(o);
+    ASSERT_TRUE(a.ok()) << a.status();
+    absl::StatusOr<std::unique_ptr<ShimServer>> b = ShimServer::Start(o);
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition) << b.status();
+    EXPECT_THAT(std::string(b.status().message()), HasSubstr("another migrator"));
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -205,6 +205,11 @@ TEST(ControlCodecTest, ExecuteRunsTheStepAndReportsTheEndpoint) {
     testing::Device<Shim> dev(shim);
     ibv_qp* qp = dev.Qp(IBV_QPT_RC);
     ASSERT_EQ(testing::ToRts(shim, qp, 0x1d1, dev.gid), 0);
+    // Registered memory: writable by the HCA, and read-only for it.
+    alignas(4096) static char writable[8192];
+    static char read_only[4096];
+    dev.Reg(writable, sizeof writable, IBV_ACCESS_LOCAL_WRITE);
+    dev.Reg(read_only, sizeof read_only, IBV_ACCESS_REMOTE_READ);
     ControlRequest req;
     req.id = 1;
     req.kind = ControlRequest::Kind::kQuiesce;
@@ -213,6 +218,11 @@ TEST(ControlCodecTest, ExecuteRunsTheStepAndReportsTheEndpoint) {
     ASSERT_TRUE(m.ParseFromString(Execute(&shim, req, "ep", 77, &released)));
     EXPECT_FALSE(released);
     EXPECT_EQ(m.reply().code(), 0) << m.reply().message();
+    // The quiesce's reply names the memory a release may mark, and only it.
+    ASSERT_EQ(m.reply().writable_registered_size(), 1);
+    EXPECT_EQ(m.reply().writable_registered(0).begin(), reinterpret_cast<uintptr_t>(writable));
+    EXPECT_EQ(m.reply().writable_registered(0).end(),
+              reinterpret_cast<uintptr_t>(writable) + sizeof writable);
     EXPECT_TRUE(m.reply().summary().suspended());
     EXPECT_EQ(m.reply().summary().counts().qps(), 1u);
     EXPECT_EQ(m.reply().summary().qps(0).remote_virtual_qpn(), 0x1d1u);
@@ -220,6 +230,9 @@ TEST(ControlCodecTest, ExecuteRunsTheStepAndReportsTheEndpoint) {
     req.kind = ControlRequest::Kind::kRelease;
     ASSERT_TRUE(m.ParseFromString(Execute(&shim, req, "ep", 77, &released)));
     EXPECT_TRUE(released);
+    // Nothing known: each page of the writable registration is marked.
+    EXPECT_EQ(m.reply().pages_marked(), 2u);
+    EXPECT_EQ(m.reply().pages_unchanged(), 0u);
     EXPECT_EQ(m.reply().summary().phase(), v1::ENDPOINT_PHASE_RELEASED);
     req.id = 3;
     req.kind = ControlRequest::Kind::kRestore;

@@ -41,6 +41,13 @@ uint64_t PagemapEntry(const void* p) {
   return e;
 }
 
+// `n` private anonymous pages, or null.
+uint8_t* AnonPages(size_t n) {
+  void* p = mmap(nullptr, n * static_cast<size_t>(sysconf(_SC_PAGESIZE)), PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+}
+
 // Whether a cleared soft-dirty bit comes back with a plain write (to
 // `scratch`, a writable page of the test's own); all bits cleared after.
 bool KernelTracksSoftDirty(uint8_t* scratch) {
@@ -53,9 +60,8 @@ bool KernelTracksSoftDirty(uint8_t* scratch) {
 TEST(DirtyPagesTest, EveryWritablePageOfTheRangesIsMarkedAndNothingElse) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   constexpr int kPages = 8;
-  uint8_t* mem = static_cast<uint8_t*>(
-      mmap(nullptr, kPages * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-  ASSERT_NE(mem, MAP_FAILED);
+  uint8_t* mem = AnonPages(kPages);
+  ASSERT_NE(mem, nullptr);
   for (int i = 0; i < kPages; ++i) mem[i * page] = static_cast<uint8_t>(i + 1);
   // Page 6 read-only since: it must be skipped, not written (a fault would
   // kill the application).
@@ -87,9 +93,8 @@ TEST(DirtyPagesTest, EveryWritablePageOfTheRangesIsMarkedAndNothingElse) {
 TEST(DirtyPagesTest, PagesTheDestinationHoldsUnchangedAreLeftAlone) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   constexpr int kPages = 6;
-  uint8_t* mem = static_cast<uint8_t*>(
-      mmap(nullptr, kPages * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-  ASSERT_NE(mem, MAP_FAILED);
+  uint8_t* mem = AnonPages(kPages);
+  ASSERT_NE(mem, nullptr);
   for (int i = 0; i < kPages; ++i) memset(mem + i * page, 'a' + i, page);
   // Sent: pages 0..3, as they are now. Then the HCA (here: this test)
   // writes page 1 behind the pre-copy's back; pages 4 and 5 were never sent.

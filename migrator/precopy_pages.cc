@@ -32,16 +32,28 @@ struct Entry {
   uint32_t flags = 0;
 };
 
+// Up to `n` bytes into `buf`, fewer only at the end of the file.
+absl::StatusOr<size_t> ReadUpTo(int fd, char* buf, size_t n, const std::string& path) {
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = read(fd, buf + got, n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return absl::InternalError(absl::StrCat(path, ": ", strerror(errno)));
+    if (r == 0) break;
+    got += static_cast<size_t>(r);
+  }
+  return got;
+}
+
 absl::Status ReadFile(const std::string& path, std::string* out) {
   ScopedFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return absl::NotFoundError(absl::StrCat(path, ": ", strerror(errno)));
   char buf[1 << 16];
   for (;;) {
-    const ssize_t n = read(fd.get(), buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return absl::InternalError(absl::StrCat(path, ": ", strerror(errno)));
-    if (n == 0) return absl::OkStatus();
-    out->append(buf, static_cast<size_t>(n));
+    absl::StatusOr<size_t> n = ReadUpTo(fd.get(), buf, sizeof buf, path);
+    if (!n.ok()) return n.status();
+    out->append(buf, *n);
+    if (*n < sizeof buf) return absl::OkStatus();
   }
 }
 
@@ -87,7 +99,7 @@ absl::Status PrecopyPages::AddPreDump(const std::string& dir, pid_t pid, uint64_
   if (page_size == 0 || (page_size & (page_size - 1)) != 0)
     return absl::InvalidArgumentError("the page size is not a power of two");
   page_size_ = page_size;
-  absl::Status st = Read(dir, pid, page_size);
+  absl::Status st = Read(dir, pid);
   if (!st.ok()) {
     failed_ = true;
     pages_.clear();
@@ -95,7 +107,8 @@ absl::Status PrecopyPages::AddPreDump(const std::string& dir, pid_t pid, uint64_
   return st;
 }
 
-absl::Status PrecopyPages::Read(const std::string& dir, pid_t pid, uint64_t page_size) {
+absl::Status PrecopyPages::Read(const std::string& dir, pid_t pid) {
+  const uint64_t page_size = page_size_;
   const std::string map_path = absl::StrCat(dir, "/pagemap-", pid, ".img");
   std::string map;
   if (absl::Status st = ReadFile(map_path, &map); !st.ok()) return st;
@@ -131,14 +144,10 @@ absl::Status PrecopyPages::Read(const std::string& dir, pid_t pid, uint64_t page
     if (!(e.flags & kPePresent)) continue;
     for (uint64_t done = 0; done < e.nr_pages;) {
       const uint64_t n = std::min<uint64_t>(e.nr_pages - done, 256);
-      size_t got = 0;
-      while (got < n * page_size) {
-        const ssize_t r = read(fd.get(), buf.data() + got, n * page_size - got);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0)
-          return absl::DataLossError(absl::StrCat(pages_path, ": shorter than its pagemap"));
-        got += static_cast<size_t>(r);
-      }
+      absl::StatusOr<size_t> got = ReadUpTo(fd.get(), buf.data(), n * page_size, pages_path);
+      if (!got.ok()) return got.status();
+      if (*got < n * page_size)
+        return absl::DataLossError(absl::StrCat(pages_path, ": shorter than its pagemap"));
       for (uint64_t i = 0; i < n; ++i)
         pages_[e.vaddr + (done + i) * page_size] =
             shim::DigestOf(buf.data() + i * page_size, page_size);

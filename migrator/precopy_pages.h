@@ -20,6 +20,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "shim/page_digest.h"
 
 namespace rdmavirt::migrator {
@@ -42,7 +43,7 @@ class PrecopyPages {
   bool failed() const { return failed_; }
 
  private:
-  absl::Status Read(const std::string& dir, pid_t pid, uint64_t page_size);
+  absl::Status Read(const std::string& dir, pid_t pid);
 
   absl::flat_hash_map<uint64_t, shim::PageDigest> pages_;
   uint64_t page_size_ = 4096;

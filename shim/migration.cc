@@ -809,7 +809,7 @@ void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges, cons
       const uintptr_t to = std::min<uintptr_t>(end, hi);
       for (uintptr_t p = std::max<uintptr_t>(begin, lo); p < to; p = (p & ~(page - 1)) + page) {
         const uintptr_t whole = p & ~(page - 1);
-        if (!known.empty() && known.Unchanged(whole, reinterpret_cast<const void*>(whole), page)) {
+        if (known.Unchanged(whole, reinterpret_cast<const void*>(whole), page)) {
           if (count != nullptr) ++count->unchanged;
           continue;
         }

@@ -78,12 +78,12 @@ class KnownPages {
 
   size_t size() const { return addrs_.size(); }
   bool empty() const { return addrs_.empty(); }
+
+ private:
   void Clear() {
     addrs_.clear();
     digests_.clear();
   }
-
- private:
   static uint64_t Le64(const char* p) {
     uint64_t v = 0;
     for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(p[i]);

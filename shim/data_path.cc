@@ -67,7 +67,7 @@ class Patches {
 // A peer's rkey: through what it published if it has moved.
 inline uint32_t PeerRkey(const Qp* qp, uint32_t rkey) {
   const RemoteEndpoint* r = qp->remote.load(std::memory_order_acquire);
-  return r != nullptr ? r->Rkey(rkey) : qp->mode.PhysicalRkey(rkey);
+  return r != nullptr ? r->Rkey(rkey) : rkey & qp->physical_rkey_mask;
 }
 // A datagram's way to its peer: the route of the moved endpoint that owns
 // the QPN it is sent to, else the AH's own (the GID's place). No route on
@@ -131,6 +131,19 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   sg->lkey = lkey;
   return rc;
 }
+// ... RDMA WRITE (with or without immediate) and READ: the peer's rkey at
+// wr.rdma.rkey. The SGE is found again through `wr` after the call, so
+// fewer registers are kept across it.
+[[gnu::noinline]] int PostOneTranslatedRdma(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  const uint32_t lkey = wr->sg_list->lkey;
+  const uint32_t rkey = wr->wr.rdma.rkey;
+  wr->sg_list->lkey = qp->mrs.ToPhysical(lkey);
+  wr->wr.rdma.rkey = PeerRkey(qp, rkey);
+  const int rc = qp->real_post_send(qp->real, wr, bad);
+  wr->wr.rdma.rkey = rkey;
+  wr->sg_list->lkey = lkey;
+  return rc;
+}
 // ... and any other opcode: the peer's rkey translated where it has one.
 [[gnu::noinline]] int PostOneTranslatedRkey(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   uint32_t* rkey = RkeyField(wr);
@@ -173,7 +186,11 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
       qp->shadow.qp_base.qp_type != IBV_QPT_UD) [[likely]] {
     // SEND and SEND_WITH_IMM carry no rkey.
     static_assert(IBV_WR_SEND_WITH_IMM == IBV_WR_SEND + 1);
-    if (static_cast<uint32_t>(wr->opcode) - IBV_WR_SEND <= 1) return PostOneTranslated(qp, wr, bad);
+    const uint32_t op = static_cast<uint32_t>(wr->opcode);
+    if (op - IBV_WR_SEND <= 1) return PostOneTranslated(qp, wr, bad);
+    static_assert(IBV_WR_RDMA_WRITE == 0 && IBV_WR_RDMA_WRITE_WITH_IMM == 1);
+    if (op <= IBV_WR_RDMA_WRITE_WITH_IMM || op == IBV_WR_RDMA_READ)
+      return PostOneTranslatedRdma(qp, wr, bad);
     return PostOneTranslatedRkey(qp, wr, bad);
   }
   return PostChainTranslated(qp, wr, bad);
@@ -353,10 +370,31 @@ inline int PostRecvLogged(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_
   return rc;
 }
 
+// One receive WR with one SGE, the common case of the translating path:
+// logged, its lkey translated from a local and put back after the call.
+// False, nothing done, for anything else.
+template <typename Real>
+inline bool PostOneRecvTranslated(MrLookup mrs, RecvLog* log, Real* real,
+                                  int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**), ibv_recv_wr* wr,
+                                  ibv_recv_wr** bad, int* rc) {
+  if (wr == nullptr || wr->next != nullptr || !log->PushOne(wr)) [[unlikely]]
+    return false;
+  const uint32_t lkey = wr->sg_list->lkey;
+  wr->sg_list->lkey = mrs.ToPhysical(lkey);
+  *rc = post(real, wr, bad);
+  wr->sg_list->lkey = lkey;
+  if (*rc != 0) [[unlikely]]
+    log->Unpush(1);
+  return true;
+}
+
 }  // namespace
 
 int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_qp* real = qp->real;
+  int rc;
+  if (PostOneRecvTranslated(qp->mrs, qp->recvs, real, qp->real_post_recv, wr, bad, &rc)) [[likely]]
+    return rc;
   auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return qp->real_post_recv(real, w, b);
   };
@@ -365,6 +403,10 @@ int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 
 int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_srq* real = srq->real;
+  int rc;
+  if (PostOneRecvTranslated(srq->mrs, &srq->recvs, real, srq->real_post_srq_recv, wr, bad, &rc))
+      [[likely]]
+    return rc;
   auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return srq->real_post_srq_recv(real, w, b);
   };
@@ -470,7 +512,7 @@ int PostSrqRecvAny(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 template <typename Real>
 inline bool PostOneRecv(RecvLog* log, Real* real, int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**),
                         ibv_recv_wr* wr, ibv_recv_wr** bad, int* rc) {
-  if (wr == nullptr || wr->next != nullptr || !log->Push(wr)) [[unlikely]]
+  if (wr == nullptr || wr->next != nullptr || !log->PushOne(wr)) [[unlikely]]
     return false;
   *rc = post(real, wr, bad);
   if (*rc != 0) [[unlikely]]
@@ -484,6 +526,8 @@ int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   if (qp->path.Is(Path::kDirect) &&
       PostOneRecv(qp->recvs, qp->real, qp->real_post_recv, wr, bad, &rc)) [[likely]]
     return rc;
+  // Not migratable: never paused, so translated is all there is to it.
+  if (qp->path.Is(Path::kTranslated)) return PostRecvReal(qp, wr, bad);
   return PostRecvGated(qp, wr, bad);
 }
 
@@ -505,6 +549,7 @@ int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   if (srq->path.Is(Path::kDirect) &&
       PostOneRecv(&srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc)) [[likely]]
     return rc;
+  if (srq->path.Is(Path::kTranslated)) return PostSrqRecvReal(srq, wr, bad);
   return PostSrqRecvGated(srq, wr, bad);
 }
 
@@ -623,18 +668,34 @@ void BackToMarked(Cq* cq) {
   return got;
 }
 
-[[gnu::always_inline]] inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
-  if (cq->long_way.load(std::memory_order_relaxed)) [[unlikely]]
-    return PollTranslatedSlow(cq, n, wc);
-  const QpIndex* qps = cq->qps;
-  const int got = cq->real_poll_cq(cq->real, n, wc);
+// A poll that returned several completions: all of them translated.
+[[gnu::noinline]] int VirtualizeAll(const QpIndex* qps, ibv_wc* wc, int got) {
   for (int i = 0; i < got; ++i) VirtualizeWc(qps, &wc[i]);
   return got;
 }
 
-// The translating path of a process the migrator cannot move.
+// Polls the real CQ and translates. One completion, the common case, is
+// translated here: only the index and `wc` are kept across the call.
+[[gnu::always_inline]] inline int PollAndVirtualize(Cq* cq, int n, ibv_wc* wc) {
+  const QpIndex* qps = cq->qps;
+  const int got = cq->real_poll_cq(cq->real, n, wc);
+  if (got == 1) [[likely]] {
+    VirtualizeWc(qps, wc);
+    return 1;
+  }
+  return got > 1 ? VirtualizeAll(qps, wc, got) : got;
+}
+
+[[gnu::always_inline]] inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
+  if (cq->long_way.load(std::memory_order_relaxed)) [[unlikely]]
+    return PollTranslatedSlow(cq, n, wc);
+  return PollAndVirtualize(cq, n, wc);
+}
+
+// The translating path of a process the migrator cannot move (PollCq
+// took the long way already if it had to).
 [[gnu::noinline]] int PollTranslatedOut(Cq* cq, int n, ibv_wc* wc) {
-  return PollTranslated(cq, n, wc);
+  return PollAndVirtualize(cq, n, wc);
 }
 
 // A poll that found its process paused (below).
@@ -664,6 +725,8 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
   if (cq->path.Is(Path::kDirect)) [[likely]]
     return cq->real_poll_cq(cq->real, n, wc);
+  if (cq->long_way.load(std::memory_order_relaxed)) [[unlikely]]
+    return PollTranslatedSlow(cq, n, wc);
   return PollTranslatedOut(cq, n, wc);
 }
 

@@ -50,7 +50,9 @@ struct IdentityMode {
   uint32_t VirtualRkey(uint32_t physical) const {
     return offset ? (physical | kRkeyMarker) : physical;
   }
-  uint32_t PhysicalRkey(uint32_t virt) const { return offset ? (virt & ~kRkeyMarker) : virt; }
+  uint32_t PhysicalRkey(uint32_t virt) const { return virt & PhysicalRkeyMask(); }
+  // PhysicalRkey as one AND: what the translating data path keeps (Qp).
+  uint32_t PhysicalRkeyMask() const { return offset ? ~kRkeyMarker : ~uint32_t{0}; }
   // An empty GID-table entry (all zeros) stays empty: tools such as
   // ibv_devinfo list only the entries that are not.
   ibv_gid VirtualGid(const ibv_gid& physical) const {

@@ -195,6 +195,7 @@ struct Qp {
   ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
   MrLookup mrs;                  // the shim's MR table
   IdentityMode mode;
+  uint32_t physical_rkey_mask = ~uint32_t{0};  // mode.PhysicalRkeyMask()
   Context* ctx = nullptr;
   Pd* pd = nullptr;
   Cq* send_cq = nullptr;

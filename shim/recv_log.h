@@ -61,6 +61,18 @@ class RecvLog {
     ++tail_;
     return true;
   }
+  // The common case of Push: one SGE, which every stride holds. False,
+  // recording nothing, for any other count (Push decides those).
+  bool PushOne(const ibv_recv_wr* wr) {
+    if (wr->num_sge != 1) [[unlikely]]
+      return false;
+    Entry* e = At(tail_);
+    e->wr_id = wr->wr_id;
+    e->num_sge = 1;
+    e->sge[0] = wr->sg_list[0];
+    ++tail_;
+    return true;
+  }
   // Receives recorded so far (64 bits: 0 means none ever, even after 2^32).
   uint64_t posted() const { return tail_; }
   // Forgets the last `n` pushes (the provider refused them).

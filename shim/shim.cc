@@ -805,6 +805,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   qp->real_post_recv = real->context->ops.post_recv;
   qp->mrs = mrs_.lookup();
   qp->mode = mode_;
+  qp->physical_rkey_mask = mode_.PhysicalRkeyMask();
   qp->ctx = ctx;
   qp->pd = pd;
   qp->send_cq = FindCq(init.send_cq);

@@ -496,6 +496,30 @@ TEST_F(DataPathTest, RecvChainsAreTranslatedAndUntouched) {
   }
 }
 
+// One receive with one SGE takes the translating path's short way: the
+// device gets the physical lkey, the application keeps its own, and a
+// receive the device refuses is not journaled.
+TEST_F(DataPathTest, OneReceiveIsTranslatedPutBackAndForgottenWhenRefused) {
+  ibv_qp* qp = dev().Qp(IBV_QPT_RC);  // RESET: the device refuses receives
+  char buf[16];
+  ibv_mr* mr = dev().Reg(buf, sizeof(buf));
+  ibv_sge sge = Sge(buf, sizeof(buf), mr);
+  ibv_recv_wr wr = RecvWr(&sge, 1, 5);
+  ibv_recv_wr* bad = nullptr;
+  EXPECT_EQ(ibv_post_recv(qp, &wr, &bad), EINVAL);
+  EXPECT_EQ(bad, &wr);
+  EXPECT_EQ(sge.lkey, mr->lkey);
+  EXPECT_EQ(ShimQp(qp)->recvs->posted(), 0u);
+
+  ASSERT_EQ(ToRts(shim_, qp, qp->qp_num, dev().gid), 0);
+  ASSERT_NE(mr->lkey, ShimMr(mr)->real->lkey);
+  EXPECT_EQ(ibv_post_recv(qp, &wr, &bad), 0);
+  EXPECT_EQ(sge.lkey, mr->lkey);
+  ASSERT_FALSE(fake_.recvs().empty());
+  EXPECT_EQ(fake_.recvs().back().lkeys, std::vector<uint32_t>{ShimMr(mr)->real->lkey});
+  EXPECT_EQ(ShimQp(qp)->recvs->posted(), 1u);
+}
+
 TEST_F(DataPathTest, RecvBadWrPointsIntoTheApplicationsChain) {
   ibv_qp* qp = dev().Qp(IBV_QPT_RC);
   ASSERT_EQ(ToRts(shim_, qp, qp->qp_num, dev().gid), 0);

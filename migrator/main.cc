@@ -298,8 +298,11 @@ int Run(int argc, char** argv) {
     // A channel of its own (no subchannel shared with an earlier one): a
     // guest's address changes under its connections when its NIC is
     // swapped, and a fresh stub must not inherit a dead connection.
+    // And no retry by gRPC itself: a step of a move is sent once (the
+    // CLI's channel says why).
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
     return v1::Transfer::NewStub(grpc::CreateCustomChannel(target, peer_creds, args));
   };
   Migrator migrator(mo, shims->get(), criu.get(), procs.get());

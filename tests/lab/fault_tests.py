@@ -286,7 +286,9 @@ def a_fabric_cut_during_the_transfer_and_the_reconnect_ends_in_one_copy():
 @mt.logs_on_failure("criufail")
 def criu_failing_on_the_destination_rolls_back():
     mt.ensure_daemons()
-    q, p = mt.start_pair("criufail", 3000)
+    # 50 iterations a second: enough for the failed move and the checks
+    # after it, and no idle wait for the workload's end.
+    q, p = mt.start_pair("criufail", 2500)
     holder = None
     try:
         mt.wait_sent("criufail", 200)
@@ -327,7 +329,7 @@ def a_full_destination_state_directory_rolls_back():
               f"mount -t tmpfs -o size=2m tmpfs {small})")
     migrators.start_daemon(2, state_dir=small)
     mt.ensure_daemons()
-    q, p = mt.start_pair("nospace", 3000)
+    q, p = mt.start_pair("nospace", 2000)  # the move fails within seconds
     try:
         mt.wait_sent("nospace", 200)
         r = LAB.wait(1, migrate_job(1, p, 2), 900)

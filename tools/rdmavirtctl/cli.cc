@@ -83,7 +83,13 @@ int Client::Connect() {
     fprintf(stderr, "rdmavirtctl: %s\n", std::string(own.message()).c_str());
     return kUnreachable;
   }
-  channel_ = grpc::CreateChannel(target_, migrator::MutualTlsChannelCredentials(*tls));
+  // No retry by gRPC itself, not even a "transparent" one: a move's RPC
+  // must reach one migrator once. A Restore whose migrator was killed
+  // mid-move was sent again to the restarted one, which then restored the
+  // process a second time while finishing the first (its pid was taken).
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+  channel_ = grpc::CreateCustomChannel(target_, migrator::MutualTlsChannelCredentials(*tls), args);
   if (!channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
     const std::optional<std::string> tcp = TcpRefusal(target_);
     if (tcp.has_value() && tcp->empty())

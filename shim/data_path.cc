@@ -92,10 +92,14 @@ constexpr std::array<uint8_t, 32> kRkeyOffset = [] {
   return a;
 }();
 
+// Where in a WR the peer's rkey sits (0: its opcode has none).
+inline unsigned RkeyOffset(const ibv_send_wr* wr) {
+  const uint32_t op = static_cast<uint32_t>(wr->opcode);
+  return op < kRkeyOffset.size() ? kRkeyOffset[op] : 0;
+}
 // The field of a WR that holds the peer's rkey, if its opcode has one.
 inline uint32_t* RkeyField(ibv_send_wr* wr) {
-  const uint32_t op = static_cast<uint32_t>(wr->opcode);
-  const unsigned off = op < kRkeyOffset.size() ? kRkeyOffset[op] : 0;
+  const unsigned off = RkeyOffset(wr);
   return off == 0 ? nullptr : reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(wr) + off);
 }
 
@@ -131,32 +135,30 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   sg->lkey = lkey;
   return rc;
 }
-// ... RDMA WRITE (with or without immediate) and READ: the peer's rkey at
-// wr.rdma.rkey. The SGE is found again through `wr` after the call, so
-// fewer registers are kept across it.
-[[gnu::noinline]] int PostOneTranslatedRdma(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+// ... one whose peer's rkey is `off` bytes into the WR. The SGE and the
+// rkey are found again through `wr` after the call, so fewer registers are
+// kept across it.
+[[gnu::always_inline]] inline int PostOneWithRkeyAt(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad,
+                                                    unsigned off) {
+  auto rkey = [wr, off] { return reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(wr) + off); };
   const uint32_t lkey = wr->sg_list->lkey;
-  const uint32_t rkey = wr->wr.rdma.rkey;
+  const uint32_t r = *rkey();
   wr->sg_list->lkey = qp->mrs.ToPhysical(lkey);
-  wr->wr.rdma.rkey = PeerRkey(qp, rkey);
+  *rkey() = PeerRkey(qp, r);
   const int rc = qp->real_post_send(qp->real, wr, bad);
-  wr->wr.rdma.rkey = rkey;
+  *rkey() = r;
   wr->sg_list->lkey = lkey;
   return rc;
 }
-// ... and any other opcode: the peer's rkey translated where it has one.
+// RDMA WRITE (with or without immediate) and READ: the rkey at wr.rdma.rkey.
+[[gnu::noinline]] int PostOneTranslatedRdma(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  return PostOneWithRkeyAt(qp, wr, bad, offsetof(ibv_send_wr, wr.rdma.rkey));
+}
+// Any other opcode: the rkey where the opcode has one.
 [[gnu::noinline]] int PostOneTranslatedRkey(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  uint32_t* rkey = RkeyField(wr);
-  if (rkey == nullptr) return PostOneTranslated(qp, wr, bad);
-  ibv_sge* sg = wr->sg_list;
-  const uint32_t lkey = sg->lkey;
-  sg->lkey = qp->mrs.ToPhysical(lkey);
-  const uint32_t r = *rkey;
-  *rkey = PeerRkey(qp, r);
-  const int rc = qp->real_post_send(qp->real, wr, bad);
-  *rkey = r;
-  sg->lkey = lkey;
-  return rc;
+  const unsigned off = RkeyOffset(wr);
+  if (off == 0) return PostOneTranslated(qp, wr, bad);
+  return PostOneWithRkeyAt(qp, wr, bad, off);
 }
 
 // Posts a chain with every identity translated in place, restoring the
@@ -370,19 +372,22 @@ inline int PostRecvLogged(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_
   return rc;
 }
 
-// One receive WR with one SGE, the common case of the translating path:
-// logged, its lkey translated from a local and put back after the call.
+// One receive WR with one SGE, the common case: logged, then posted; with
+// kTranslate its lkey is made physical for the call and put back after.
 // False, nothing done, for anything else.
-template <typename Real>
-inline bool PostOneRecvTranslated(MrLookup mrs, RecvLog* log, Real* real,
-                                  int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**), ibv_recv_wr* wr,
-                                  ibv_recv_wr** bad, int* rc) {
+template <bool kTranslate, typename Real>
+inline bool PostOneRecv(MrLookup mrs, RecvLog* log, Real* real,
+                        int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**), ibv_recv_wr* wr,
+                        ibv_recv_wr** bad, int* rc) {
   if (wr == nullptr || wr->next != nullptr || !log->PushOne(wr)) [[unlikely]]
     return false;
-  const uint32_t lkey = wr->sg_list->lkey;
-  wr->sg_list->lkey = mrs.ToPhysical(lkey);
+  uint32_t lkey = 0;
+  if constexpr (kTranslate) {
+    lkey = wr->sg_list->lkey;
+    wr->sg_list->lkey = mrs.ToPhysical(lkey);
+  }
   *rc = post(real, wr, bad);
-  wr->sg_list->lkey = lkey;
+  if constexpr (kTranslate) wr->sg_list->lkey = lkey;
   if (*rc != 0) [[unlikely]]
     log->Unpush(1);
   return true;
@@ -393,7 +398,7 @@ inline bool PostOneRecvTranslated(MrLookup mrs, RecvLog* log, Real* real,
 int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_qp* real = qp->real;
   int rc;
-  if (PostOneRecvTranslated(qp->mrs, qp->recvs, real, qp->real_post_recv, wr, bad, &rc)) [[likely]]
+  if (PostOneRecv<true>(qp->mrs, qp->recvs, real, qp->real_post_recv, wr, bad, &rc)) [[likely]]
     return rc;
   auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return qp->real_post_recv(real, w, b);
@@ -404,7 +409,7 @@ int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_srq* real = srq->real;
   int rc;
-  if (PostOneRecvTranslated(srq->mrs, &srq->recvs, real, srq->real_post_srq_recv, wr, bad, &rc))
+  if (PostOneRecv<true>(srq->mrs, &srq->recvs, real, srq->real_post_srq_recv, wr, bad, &rc))
       [[likely]]
     return rc;
   auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
@@ -508,23 +513,11 @@ int PostSrqRecvAny(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return rc;
 }
 
-// One receive WR, the common case: logged, then posted.
-template <typename Real>
-inline bool PostOneRecv(RecvLog* log, Real* real, int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**),
-                        ibv_recv_wr* wr, ibv_recv_wr** bad, int* rc) {
-  if (wr == nullptr || wr->next != nullptr || !log->PushOne(wr)) [[unlikely]]
-    return false;
-  *rc = post(real, wr, bad);
-  if (*rc != 0) [[unlikely]]
-    log->Unpush(1);
-  return true;
-}
-
 int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
   int rc;
   if (qp->path.Is(Path::kDirect) &&
-      PostOneRecv(qp->recvs, qp->real, qp->real_post_recv, wr, bad, &rc)) [[likely]]
+      PostOneRecv<false>(qp->mrs, qp->recvs, qp->real, qp->real_post_recv, wr, bad, &rc)) [[likely]]
     return rc;
   // Not migratable: never paused, so translated is all there is to it.
   if (qp->path.Is(Path::kTranslated)) return PostRecvReal(qp, wr, bad);
@@ -535,7 +528,8 @@ int PostRecvPausable(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
   if (EnterMarked(qp->path)) [[likely]] {
     int rc;
-    const bool done = PostOneRecv(qp->recvs, qp->real, qp->real_post_recv, wr, bad, &rc);
+    const bool done =
+        PostOneRecv<false>(qp->mrs, qp->recvs, qp->real, qp->real_post_recv, wr, bad, &rc);
     LeaveFast();
     if (done) [[likely]]
       return rc;
@@ -547,7 +541,8 @@ int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
   int rc;
   if (srq->path.Is(Path::kDirect) &&
-      PostOneRecv(&srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc)) [[likely]]
+      PostOneRecv<false>(srq->mrs, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc))
+      [[likely]]
     return rc;
   if (srq->path.Is(Path::kTranslated)) return PostSrqRecvReal(srq, wr, bad);
   return PostSrqRecvGated(srq, wr, bad);
@@ -557,7 +552,8 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
   if (EnterMarked(srq->path)) [[likely]] {
     int rc;
-    const bool done = PostOneRecv(&srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc);
+    const bool done =
+        PostOneRecv<false>(srq->mrs, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc);
     LeaveFast();
     if (done) [[likely]]
       return rc;

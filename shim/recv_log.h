@@ -48,21 +48,19 @@ class RecvLog {
   // False, recording nothing, when it has more SGEs than the queue takes:
   // the provider refuses it too.
   bool Push(const ibv_recv_wr* wr) {
+    if (PushOne(wr)) return true;
     if (static_cast<uint32_t>(wr->num_sge) > max_sge_) [[unlikely]]
       return false;
     Entry* e = At(tail_);
     e->wr_id = wr->wr_id;
     const uint32_t n = static_cast<uint32_t>(wr->num_sge);
     e->num_sge = n;
-    if (n == 1) [[likely]]
-      e->sge[0] = wr->sg_list[0];
-    else
-      for (uint32_t i = 0; i < n; ++i) e->sge[i] = wr->sg_list[i];
+    for (uint32_t i = 0; i < n; ++i) e->sge[i] = wr->sg_list[i];
     ++tail_;
     return true;
   }
   // The common case of Push: one SGE, which every stride holds. False,
-  // recording nothing, for any other count (Push decides those).
+  // recording nothing, for any other count.
   bool PushOne(const ibv_recv_wr* wr) {
     if (wr->num_sge != 1) [[unlikely]]
       return false;

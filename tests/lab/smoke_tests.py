@@ -14,6 +14,17 @@ def agent_timeout_is_reported():
 
 
 @lab_test
+def jobs_queued_together_each_run_to_their_end():
+    # Jobs queued back to back each keep their own timeout (the agent reads
+    # each one's .cmd after a doorbell that may have carried several rings).
+    for _ in range(3):
+        jobs = [LAB.submit(1, f"sleep {s}; echo done {s}", 30) for s in (2, 1, 0)]
+        results = [LAB.wait(1, j, 45) for j in jobs]
+        for s, r in zip((2, 1, 0), results):
+            check(r.rc == 0 and r.out == f"done {s}\n", f"job `sleep {s}` did not run to its end", r)
+
+
+@lab_test
 def hosts_have_rxe_on_the_fabric():
     for n in (1, 2):
         r = run_ok(n, "hostname; ip -4 -br addr show eth0; rdma link show")

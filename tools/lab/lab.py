@@ -318,6 +318,7 @@ class Lab:
             f.write(f"{int(timeout)}\n")
         os.rename(tmp, os.path.join(ctl, job + ".cmd"))
         self._submitted[job] = (time.monotonic(), script)
+        self._ring(n)
         return job
 
     def wait(self, n, job, timeout, stale_after=20):
@@ -374,6 +375,22 @@ class Lab:
     def kill(self, n, job):
         with open(os.path.join(self.ctl(n), job + ".kill"), "w"):
             pass
+        self._ring(n)
+
+    def _ring(self, n):
+        """Wakes hostN's agent: a newline on its second serial port (QEMU
+        reads it from the fifo DIR/hostN.bell.in). Best effort: an agent
+        that misses it still looks at the spool once a second."""
+        try:
+            fd = os.open(bell_path(self.dir, n) + ".in", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return
+        try:
+            os.write(fd, b"\n")
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def run(self, n, script, timeout=60):
         """Runs `script` on hostN and returns its Result."""
@@ -482,6 +499,8 @@ def supervise(directory):
             return 1
 
     for n in range(1, cfg["hosts"] + 1):
+        for end in (".in", ".out"):
+            os.mkfifo(bell_path(directory, n) + end)
         cmd = qemu_command(cfg, directory, n)
         with open(os.path.join(directory, f"host{n}.cmdline"), "w") as f:
             f.write(shlex.join(cmd) + "\n")
@@ -525,6 +544,12 @@ def supervise(directory):
     return 0
 
 
+def bell_path(directory, n):
+    """The doorbell of hostN's agent (see Lab._ring): QEMU's pipe chardev
+    opens PATH.in and PATH.out, fifos made before it starts."""
+    return os.path.join(directory, f"host{n}.bell")
+
+
 def qemu_command(cfg, directory, n):
     mac = f"52:54:00:77:00:{n:02x}"
     append = (f"console=ttyS0 panic=-1 rdmavirt.host={n} "
@@ -538,6 +563,7 @@ def qemu_command(cfg, directory, n):
         "-kernel", cfg["kernel"], "-initrd", cfg["initrd"], "-append", append,
         "-display", "none", "-monitor", "none",
         "-serial", f"file:{os.path.join(directory, f'host{n}.console')}",
+        "-serial", f"pipe:{bell_path(directory, n)}",
         "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,"
                    "readonly=on,multidevs=remap",
         "-virtfs", f"local,path={os.path.join(directory, 'shared')},"

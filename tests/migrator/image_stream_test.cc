@@ -241,6 +241,52 @@ TEST_F(SendImagesTest, AFileWhoseDigestIsNotTheListedOneIsDataLoss) {
   EXPECT_FALSE(ReadManifest(root_ + "/final").ok());
 }
 
+// Files of several pieces each: every byte lands where it was, in order,
+// and each file's digest is the one a scan computes.
+TEST_F(SendImagesTest, FilesOfManyPiecesArriveWhole) {
+  std::string big(3 * kChunkBytes + 12345, '\0');
+  uint32_t x = 1;
+  for (char& ch : big) ch = static_cast<char>((x = x * 1103515245 + 12345) >> 24);
+  for (const char* name : {"pages-1.img", "sub/pages-2.img"}) {
+    FILE* f = fopen((src_ + "/" + name).c_str(), "w");
+    ASSERT_EQ(fwrite(big.data(), 1, big.size(), f), big.size());
+    fclose(f);
+    big[7] ^= 1;  // the second file differs
+  }
+  absl::StatusOr<std::vector<v1::ImageFile>> listed = ListImages(src_);
+  ASSERT_TRUE(listed.ok());
+  v1::Manifest m = manifest_;
+  m.clear_files();
+  for (const auto& f : *listed) *m.add_files() = f;
+  absl::StatusOr<uint64_t> sent = Send(m, nullptr);
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  EXPECT_EQ(*sent, 2 * big.size() + 10);
+  ASSERT_TRUE(received_.ok()) << received_;
+  absl::StatusOr<std::vector<v1::ImageFile>> scanned = ScanImages(src_);
+  ASSERT_TRUE(scanned.ok());
+  v1::Manifest want = manifest_;
+  want.clear_files();
+  for (const auto& f : *scanned) *want.add_files() = f;
+  EXPECT_TRUE(VerifyImages(root_ + "/final", want).ok());
+}
+
+// A piece that cannot be written fails the stream, naming the file, and
+// no manifest is stored.
+TEST_F(ImageReceiverTest, APieceThatCannotBeWrittenFailsTheStream) {
+  ImageReceiver rx(root_);
+  ASSERT_TRUE(rx.Begin(first_).ok());
+  // "sub" cannot be made a directory: a file holds its name.
+  FILE* f = fopen((root_ + "/final/sub").c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  fclose(f);
+  absl::Status st = rx.Add(Piece("sub/core.img", 0, ""));
+  if (st.ok()) st = rx.Add(Piece("pages.img", 0, "0123456789"));
+  if (st.ok()) st = rx.Finish();
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  EXPECT_NE(st.message().find("sub/core.img"), std::string::npos) << st;
+  EXPECT_FALSE(std::filesystem::exists(root_ + "/final/manifest.pb"));
+}
+
 TEST_F(ImageReceiverTest, RefusesAStreamWithoutManifest) {
   ImageReceiver rx(root_);
   v1::ImageChunk first;

@@ -108,7 +108,9 @@ TEST_F(EventsTest, TheApplicationsEpollSetsHoldTheEventFdsAgainAfterAMove) {
     const epoll_event& given = r.fd == ch->fd ? on_channel : on_async;
     // The kernel adds EPOLLERR and EPOLLHUP to every registration.
     EXPECT_EQ(r.events, given.events | EPOLLERR | EPOLLHUP) << "fd " << r.fd;
-    EXPECT_EQ(r.data, given.data.u64) << "fd " << r.fd;
+    // A copy: epoll_event is packed, its u64 is not aligned for a reference.
+    const uint64_t data = given.data.u64;
+    EXPECT_EQ(r.data, data) << "fd " << r.fd;
   }
   // And the loop is woken by the next completion event.
   PostRecvP(1);
@@ -116,7 +118,8 @@ TEST_F(EventsTest, TheApplicationsEpollSetsHoldTheEventFdsAgainAfterAMove) {
   SendToP(10);
   epoll_event got{};
   ASSERT_EQ(epoll_wait(ep, &got, 1, 5000), 1);
-  EXPECT_EQ(got.data.u64, 0xc0ffeeu);
+  const uint64_t woken = got.data.u64;
+  EXPECT_EQ(woken, 0xc0ffeeu);
   close(ep);
 }
 

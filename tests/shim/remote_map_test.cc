@@ -274,7 +274,7 @@ TEST_F(RemoteMapTest, OnlyTheQpsOfTheEndpointThatMovedFollowIt) {
 
 TEST_F(RemoteMapTest, ADatagramGoesWhereTheEndpointOfItsQpnIs) {
   auto [sender, b] = UdQps();
-  ibv_qp* a = sender;  // a name the lambda below can capture (clang 14)
+  ibv_qp* a = sender;                     // a name the lambda below can capture (clang 14)
   ibv_ah* ah = dev().Ah(MovedPeerGid());  // made before the move
   ASSERT_NE(ah, nullptr);
   PublishUdPeer(b);

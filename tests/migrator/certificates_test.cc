@@ -20,6 +20,8 @@ class CertificatesTest : public ::testing::Test {
     other_ = new std::string(testing::MakeTestCerts("certificates-b"));
   }
   static void TearDownTestSuite() {
+    testing::RemoveTestCerts(*dir_);
+    testing::RemoveTestCerts(*other_);
     delete dir_;
     delete other_;
   }

@@ -50,7 +50,15 @@ class GrpcTlsTest : public ::testing::Test {
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
   }
-  void TearDown() override { server_->Shutdown(); }
+  void TearDown() override {
+    if (server_ != nullptr) server_->Shutdown();
+    // The migrator's state directory is in certs_.
+    op_.reset();
+    transfer_.reset();
+    migrator_.reset();
+    testing::RemoveTestCerts(certs_);
+    testing::RemoveTestCerts(other_ca_);
+  }
 
   grpc::Status HostInfo(std::shared_ptr<grpc::ChannelCredentials> creds, v1::HostInfo* out) {
     auto stub =

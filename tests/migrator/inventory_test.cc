@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -199,6 +200,7 @@ TEST_F(InventoryTest, AnEtcdThatLostItsDataGetsTheHostAgain) {
 
 TEST_F(InventoryTest, OverMutualTlsOnlyACertificateOfTheCaIsLetIn) {
   const std::string certs = testing::MakeTestCerts("inventory");
+  absl::Cleanup remove_certs = [&] { testing::RemoveTestCerts(certs); };  // after etcd stops
   Etcd etcd(certs);
   absl::StatusOr<TlsFiles> mine = LoadTls(certs, "host1.pem", "host1.key");
   ASSERT_TRUE(mine.ok()) << mine.status();

@@ -1,7 +1,8 @@
 // Certificates for the tests of TLS and of who may act: a CA with host1
 // and cli from tools/rdmavirt-certs (`lab 1`), and the certificates that
 // must be refused from tests/migrator/bad-certs.sh (expired, expiredhost,
-// noeku), in a fresh directory under the test's temporary directory.
+// noeku), in a fresh directory under the test's temporary directory, which
+// the test deletes when it is done (RemoveTestCerts).
 #ifndef RDMAVIRT_TESTS_MIGRATOR_TEST_CERTS_H_
 #define RDMAVIRT_TESTS_MIGRATOR_TEST_CERTS_H_
 
@@ -25,6 +26,14 @@ inline std::string MakeTestCerts(const std::string& name) {
                    RDMAVIRT_SOURCE_DIR, "/tests/migrator/bad-certs.sh ", dir, " > /dev/null 2>&1");
   EXPECT_EQ(system(cmd.c_str()), 0) << cmd;
   return dir;
+}
+
+// Deletes a directory MakeTestCerts made (each test process makes its
+// own: left behind, they pile up in the temporary directory).
+inline void RemoveTestCerts(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  EXPECT_FALSE(ec) << "removing " << dir << ": " << ec.message();
 }
 
 }  // namespace rdmavirt::migrator::testing

@@ -48,6 +48,14 @@ class ImageReceiverTest : public ::testing::Test {
     return c;
   }
 
+  // manifest_ listing `files` instead of its own.
+  v1::Manifest WithFiles(const std::vector<v1::ImageFile>& files) {
+    v1::Manifest m = manifest_;
+    m.clear_files();
+    for (const auto& f : files) *m.add_files() = f;
+    return m;
+  }
+
   // The stream's last message: the manifest with every digest.
   v1::ImageChunk Trailer(const v1::Manifest& m) {
     v1::ImageChunk c;
@@ -210,9 +218,7 @@ class SendImagesTest : public ImageReceiverTest {
 TEST_F(SendImagesTest, DigestsComputedWhileSendingMatchAScan) {
   absl::StatusOr<std::vector<v1::ImageFile>> listed = ListImages(src_);
   ASSERT_TRUE(listed.ok());
-  v1::Manifest m = manifest_;
-  m.clear_files();
-  for (const auto& f : *listed) *m.add_files() = f;
+  const v1::Manifest m = WithFiles(*listed);
   v1::Manifest hashed;
   absl::StatusOr<uint64_t> sent = Send(m, &hashed);
   ASSERT_TRUE(sent.ok()) << sent.status();
@@ -255,19 +261,14 @@ TEST_F(SendImagesTest, FilesOfManyPiecesArriveWhole) {
   }
   absl::StatusOr<std::vector<v1::ImageFile>> listed = ListImages(src_);
   ASSERT_TRUE(listed.ok());
-  v1::Manifest m = manifest_;
-  m.clear_files();
-  for (const auto& f : *listed) *m.add_files() = f;
+  const v1::Manifest m = WithFiles(*listed);
   absl::StatusOr<uint64_t> sent = Send(m, nullptr);
   ASSERT_TRUE(sent.ok()) << sent.status();
   EXPECT_EQ(*sent, 2 * big.size() + 10);
   ASSERT_TRUE(received_.ok()) << received_;
   absl::StatusOr<std::vector<v1::ImageFile>> scanned = ScanImages(src_);
   ASSERT_TRUE(scanned.ok());
-  v1::Manifest want = manifest_;
-  want.clear_files();
-  for (const auto& f : *scanned) *want.add_files() = f;
-  EXPECT_TRUE(VerifyImages(root_ + "/final", want).ok());
+  EXPECT_TRUE(VerifyImages(root_ + "/final", WithFiles(*scanned)).ok());
 }
 
 // A piece that cannot be written fails the stream, naming the file, and

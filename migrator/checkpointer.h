@@ -40,8 +40,12 @@ class Checkpointer {
                                          bool tcp_established) = 0;
   // Restores the dump in `dir` (pre-dump parents reachable through its
   // `parent` link); the restored process is detached from the caller.
-  // `tcp_established` as the dump had it.
-  virtual absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established) = 0;
+  // `tcp_established` as the dump had it. `new_terminal`: the tree held a
+  // pseudo-terminal that stayed behind; its processes get a new one here,
+  // in a session of their own, whose output goes to a log
+  // (CriuDriver::Restore).
+  virtual absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established,
+                                        bool new_terminal) = 0;
 };
 
 // CRIU through CriuDriver; logs go to `log_dir`.

@@ -2,6 +2,7 @@
 // one call at a time and moves of different processes run concurrently.
 #include "migrator/checkpointer.h"
 #include "migrator/criu_driver.h"
+#include "migrator/log.h"
 
 namespace rdmavirt::migrator {
 namespace {
@@ -27,8 +28,14 @@ class CriuCheckpointer final : public Checkpointer {
     return DumpStats{r->elapsed_us, r->image_bytes};
   }
 
-  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established) override {
-    return CriuDriver(log_dir_).Restore(dir, tcp_established);
+  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established,
+                                bool new_terminal) override {
+    std::string terminal_log;
+    absl::StatusOr<pid_t> pid =
+        CriuDriver(log_dir_).Restore(dir, tcp_established, new_terminal, &terminal_log);
+    if (pid.ok() && !terminal_log.empty())
+      Log("process %d: restored with a new terminal; its output goes to %s", *pid, terminal_log);
+    return pid;
   }
 
  private:

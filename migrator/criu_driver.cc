@@ -3,7 +3,10 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -19,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -364,6 +368,67 @@ struct DumpArgs {
   bool tcp_established;
 };
 
+// rdmavirt-terminal: beside this program (a build tree, or an installed
+// migrator), else the installed one; "" if neither.
+std::string TerminalKeeperPath() {
+  char exe[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n > 0) {
+    std::string dir(exe, static_cast<size_t>(n));
+    const std::string beside = dir.substr(0, dir.rfind('/')) + "/rdmavirt-terminal";
+    if (access(beside.c_str(), X_OK) == 0) return beside;
+  }
+  const std::string installed = "/usr/local/lib/rdmavirt/rdmavirt-terminal";
+  return access(installed.c_str(), X_OK) == 0 ? installed : std::string();
+}
+
+// Starts rdmavirt-terminal, which runs `criu swrk` in a session of its own
+// whose controlling terminal is a new pseudo-terminal (terminal_keeper.cc);
+// returns this side of the socket CRIU serves requests on. The keeper's
+// first process exits once its session's process is detached: waited for
+// here, so that no zombie stays.
+absl::StatusOr<ScopedFd> StartTerminalKeeper(const std::string& criu, const std::string& log) {
+  const std::string keeper = TerminalKeeperPath();
+  if (keeper.empty())
+    return absl::FailedPreconditionError(
+        "rdmavirt-terminal is neither beside this program nor in /usr/local/lib/rdmavirt: "
+        "a process that held a terminal cannot be restored without it");
+  int sv[2];
+  if (socketpair(AF_LOCAL, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0)
+    return absl::ErrnoToStatus(errno, "socketpair for criu swrk");
+  ScopedFd ours(sv[0]);
+  ScopedFd theirs(sv[1]);
+  // Its end becomes fd 3 in the keeper (a dup2 clears close-on-exec); its
+  // standard files are /dev/null until it makes its terminal; no signal of
+  // this daemon's mask stays blocked in it.
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  absl::Cleanup fa_done = [&] { posix_spawn_file_actions_destroy(&fa); };
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDWR, 0);
+  posix_spawn_file_actions_adddup2(&fa, 0, 1);
+  posix_spawn_file_actions_adddup2(&fa, 0, 2);
+  posix_spawn_file_actions_adddup2(&fa, theirs.get(), 3);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  absl::Cleanup attr_done = [&] { posix_spawnattr_destroy(&attr); };
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+  const char* argv[] = {keeper.c_str(), "--swrk-fd", "3",         "--criu",
+                        criu.c_str(),   "--log",     log.c_str(), nullptr};
+  pid_t pid = 0;
+  const int err = posix_spawn(&pid, keeper.c_str(), &fa, &attr, const_cast<char**>(argv), environ);
+  if (err != 0) return absl::ErrnoToStatus(err, absl::StrCat("cannot start ", keeper));
+  theirs = ScopedFd();
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    return absl::InternalError(absl::StrCat(keeper, " failed to start (see ", log, ")"));
+  return ours;
+}
+
 absl::StatusOr<CriuResult> RunDump(const std::string& log_dir, const DumpArgs& a);
 
 }  // namespace
@@ -516,7 +581,8 @@ absl::StatusOr<CriuResult> CriuDriver::Dump(pid_t pid, const std::string& dir,
   return RunDump(log_dir_, {false, pid, dir, parent, leave_running, tcp_established});
 }
 
-absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir, bool tcp_established) {
+absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir, bool tcp_established,
+                                          bool new_terminal, std::string* restored_terminal_log) {
   if (dir.empty() || dir[0] != '/') {
     return absl::InvalidArgumentError(
         absl::StrCat("restore: images dir must be an absolute path: \"", dir, "\""));
@@ -548,13 +614,34 @@ absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir, bool tcp_estab
   }
   // criu_local_restore (not _restore_child): CRIU's service always restores
   // detached, under its swrk process, which then exits.
+  ScopedFd swrk;
+  std::string terminal_log;
+  if (new_terminal) {
+    terminal_log = absl::StrCat(log_dir_, "/terminal-", log_name);
+    absl::StatusOr<ScopedFd> sk = StartTerminalKeeper(criu, terminal_log);
+    if (!sk.ok()) return sk.status();
+    swrk = std::move(*sk);
+    criu_local_set_service_fd(opts->get(), swrk.get());
+  }
   errno = 0;
   const int ret = criu_local_restore(opts->get());
   const int cr_errno = errno;
+  swrk = ScopedFd();  // its `criu swrk` exits once this end is closed
   if (ret <= 0) {
-    return CriuFailure(Call::kRestore, ret < 0 ? ret : -EBADE, cr_errno,
-                       absl::StrCat("restore from ", dir, " failed"),
-                       absl::StrCat(log_dir_, "/", log_name));
+    absl::Status st = CriuFailure(Call::kRestore, ret < 0 ? ret : -EBADE, cr_errno,
+                                  absl::StrCat("restore from ", dir, " failed"),
+                                  absl::StrCat(log_dir_, "/", log_name));
+    if (!terminal_log.empty())
+      st = absl::Status(st.code(), absl::StrCat(st.message(), "; the terminal keeper's log (",
+                                                terminal_log, "): ",
+                                                absl::StrJoin(ReadLog(terminal_log).tail, "\n")));
+    return st;
+  }
+  if (!terminal_log.empty()) {
+    // Named after the process from here on: its terminal's output.
+    const std::string named = absl::StrCat(log_dir_, "/terminal-", ret, ".log");
+    if (rename(terminal_log.c_str(), named.c_str()) == 0) terminal_log = named;
+    if (restored_terminal_log != nullptr) *restored_terminal_log = terminal_log;
   }
   return static_cast<pid_t>(ret);
 }

@@ -93,7 +93,17 @@ class CriuDriver {
   // caller exits or is killed.
   // tcp_established restores the connections a dump made with it holds;
   // their local addresses must be on this host.
-  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established = false);
+  // new_terminal: the tree held a pseudo-terminal whose master side stayed
+  // where it was dumped. CRIU then runs under rdmavirt-terminal, in a
+  // session of its own whose controlling terminal is a new pseudo-terminal,
+  // which the restored processes get in place of the old one (their
+  // standard files, their controlling terminal, their foreground group);
+  // the restored root is that session's, and rdmavirt-terminal's child.
+  // What they write to it goes to the file named in
+  // *restored_terminal_log (`LOG-DIR/terminal-PID.log`).
+  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established = false,
+                                bool new_terminal = false,
+                                std::string* restored_terminal_log = nullptr);
 
   const std::string& log_dir() const { return log_dir_; }
 

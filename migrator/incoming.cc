@@ -168,12 +168,12 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
 }
 
 absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_established,
-                                               pid_t endpoint_pid,
+                                               bool new_terminal, pid_t endpoint_pid,
                                                const std::function<void(pid_t)>& restored,
                                                const std::vector<v1::Mapping>& peers,
                                                v1::RestoreIncomingResponse* out) {
   const absl::Time c0 = absl::Now();
-  absl::StatusOr<pid_t> pid = criu_->Restore(dir, tcp_established);
+  absl::StatusOr<pid_t> pid = criu_->Restore(dir, tcp_established, new_terminal);
   if (!pid.ok()) return Annotate(pid.status(), "CRIU restore");
   restored(*pid);
   // A live move dumps its process stopped, and CRIU restores it so; a
@@ -273,6 +273,7 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
           absl::StrCat("not restored: the incoming record cannot be written (",
                        in->record_error.message(), ")"));
     in->rec.set_phase("restoring");
+    in->rec.set_terminal(manifest->terminal());
     in->rec.set_addresses_moved(in->rec.addresses_size() > 0);
     PersistIncoming(in.get());
     rec = in->rec;
@@ -288,7 +289,7 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
     pid = st;
   else
     pid = RestoreFromDir(
-        final_dir, tcp, rec.report().pid(),
+        final_dir, tcp, !rec.terminal().empty(), rec.report().pid(),
         [&](pid_t p) {
           absl::MutexLock lock(&in->mu);
           if (in->aborted) return;  // the record says aborted; killed below

@@ -8,6 +8,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -194,26 +195,38 @@ absl::StatusOr<v1::EndpointSummary> Migrator::Describe(pid_t pid) {
   return r->summary();
 }
 
-// CRIU restores a process's terminal only where the terminal's session
-// comes along: a terminal cannot follow a process to another host, nor
-// come back to a restore. Said before anything is quiesced. A
-// pseudo-terminal whose master side the tree holds too (an MPI daemon
-// reads its ranks' output through one) is dumped and restored as a pair.
-absl::Status Migrator::CheckNoTerminal(pid_t pid) {
+// A terminal cannot follow a process to another host, nor come back to a
+// restore. A pseudo-terminal whose master side stays behind (a shell's,
+// an ssh session's, script's) is replaced: CRIU (shell_job) gives the
+// restored tree a new one in place of it, one only, made by
+// rdmavirt-terminal (CriuDriver::Restore). A pseudo-terminal whose master
+// side the tree holds too (an MPI daemon reads its ranks' output through
+// one) is dumped and restored as a pair. Any other terminal is refused
+// before anything is quiesced: CRIU cannot dump a process holding /dev/tty
+// open, nor give back a console or a serial line.
+absl::StatusOr<std::string> Migrator::TreeTerminal(pid_t pid) {
   std::vector<pid_t> tree = procs_->Descendants(pid);
   tree.insert(tree.begin(), pid);
   std::set<int> masters;
   for (pid_t p : tree) masters.merge(procs_->PtyMasters(p));
+  std::string pty;
   for (pid_t p : tree) {
-    const std::string tty = procs_->Terminal(p, masters);
-    if (tty.empty()) continue;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "process ", p, p == pid ? "" : absl::StrCat(" (a descendant of process ", pid, ")"),
-        " holds the terminal ", tty,
-        ", which cannot follow it; nothing was quiesced. Start it without one: "
-        "setsid PROGRAM < /dev/null > LOG 2>&1"));
+    for (const std::string& tty : procs_->Terminals(p, masters)) {
+      const bool replaceable = absl::StartsWith(tty, "/dev/pts/");
+      if (replaceable && (pty.empty() || pty == tty)) {
+        pty = tty;
+        continue;
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "process ", p, p == pid ? "" : absl::StrCat(" (a descendant of process ", pid, ")"),
+          " holds the terminal ", tty,
+          replaceable ? absl::StrCat(" besides ", pty, ", and a moved tree gets one new terminal")
+                      : ", which cannot follow it (a pseudo-terminal can: it gets a new one)",
+          "; nothing was quiesced. Start it without one: "
+          "setsid PROGRAM < /dev/null > LOG 2>&1"));
+    }
   }
-  return absl::OkStatus();
+  return pty;
 }
 
 absl::StatusOr<std::vector<pid_t>> Migrator::EndpointsOfTree(pid_t root) {

@@ -167,9 +167,12 @@ class Migrator {
   // NOT_FOUND without such a process; FAILED_PRECONDITION when it is not
   // under the shim.
   absl::Status CheckShim(pid_t pid);
-  // FAILED_PRECONDITION when it or a descendant holds a terminal (CRIU
-  // cannot restore it).
-  absl::Status CheckNoTerminal(pid_t pid);
+  // The pseudo-terminal that it or a descendant holds and whose master
+  // side stays behind ("/dev/pts/3"; the tree gets a new one where it is
+  // restored), "" for none. FAILED_PRECONDITION for a terminal CRIU
+  // cannot give back (another kind, /dev/tty held open, or two
+  // pseudo-terminals).
+  absl::StatusOr<std::string> TreeTerminal(pid_t pid);
   // The processes under the shim that a move of `root` (with its
   // descendants, as CRIU dumps it) takes: `root` first if it is one, then
   // its descendants that are, parents before children.
@@ -296,9 +299,10 @@ class Migrator {
   // restores (the tree's root, returned), or one of its descendants (CRIU
   // gives every process its pid back). `restored` learns the root's pid as
   // soon as CRIU gives it; out->pid is the endpoint's. A failure kills
-  // whatever was restored.
+  // whatever was restored. `new_terminal`: the tree held a pseudo-terminal
+  // that stayed behind; it gets a new one (Checkpointer::Restore).
   absl::StatusOr<pid_t> RestoreFromDir(const std::string& dir, bool tcp_established,
-                                       pid_t endpoint_pid,
+                                       bool new_terminal, pid_t endpoint_pid,
                                        const std::function<void(pid_t)>& restored,
                                        const std::vector<v1::Mapping>& peers,
                                        v1::RestoreIncomingResponse* out);

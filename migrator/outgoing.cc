@@ -38,7 +38,8 @@ absl::StatusOr<Response> Rpc(absl::Duration timeout, absl::string_view what,
 }
 
 v1::Manifest MakeManifest(const std::string& id, const v1::EndpointSummary& endpoint,
-                          const std::vector<v1::ImageFile>& files, const std::string& host) {
+                          const std::vector<v1::ImageFile>& files, const std::string& host,
+                          const std::string& terminal) {
   v1::Manifest m;
   m.set_format_version(1);
   m.set_migration_id(id);
@@ -46,6 +47,7 @@ v1::Manifest MakeManifest(const std::string& id, const v1::EndpointSummary& endp
   for (const v1::ImageFile& f : files) *m.add_files() = f;
   m.set_source_host(host);
   m.set_created_at(Rfc3339(absl::Now()));
+  m.set_terminal(terminal);
   return m;
 }
 
@@ -421,7 +423,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
     // Names and sizes: the stream hashes the files as it sends them.
     absl::StatusOr<std::vector<v1::ImageFile>> files = ListImages(dir);
     if (!files.ok()) return files.status();
-    const v1::Manifest manifest = MakeManifest(id, m->rec.endpoint(), *files, options_.host_name);
+    const v1::Manifest manifest = MakeManifest(id, m->rec.endpoint(), *files, options_.host_name, m->rec.terminal());
     SetPhase(m, "precopy", absl::StrCat("iteration ", k, ": ", SumSizes(*files), " bytes"));
     const uint64_t before = r->bytes_moved();
     absl::StatusOr<uint64_t> sent =
@@ -519,7 +521,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   // follow the files (image_stream.h).
   absl::StatusOr<std::vector<v1::ImageFile>> files = ListImages(final_dir);
   if (!files.ok()) return files.status();
-  const v1::Manifest listed = MakeManifest(id, released, *files, options_.host_name);
+  const v1::Manifest listed = MakeManifest(id, released, *files, options_.host_name, m->rec.terminal());
   m->rec.set_dumped(true);
   b->set_final_dump_us(MicrosSince(d0));
 
@@ -995,8 +997,10 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
       busy.push_back(e);
     }
   }
-  if (absl::Status st = CheckNoTerminal(root); !st.ok()) return st;
+  absl::StatusOr<std::string> terminal = TreeTerminal(root);
+  if (!terminal.ok()) return terminal.status();
   std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
+  m->rec.set_terminal(*terminal);
   if (pid != root) {
     m->rec.set_tree_root(root);
     m->rec.mutable_report()->set_tree_root(root);
@@ -1093,7 +1097,8 @@ absl::Status Migrator::ValidateCheckpointDir(const std::string& dir) {
 absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const ProgressSink& sink) {
   const pid_t pid = request.pid();
   if (absl::Status st = CheckShim(pid); !st.ok()) return st;
-  if (absl::Status st = CheckNoTerminal(pid); !st.ok()) return st;
+  absl::StatusOr<std::string> terminal = TreeTerminal(pid);
+  if (!terminal.ok()) return terminal.status();
   if (absl::Status st = ValidateCheckpointDir(request.dir()); !st.ok()) return st;
   {
     absl::MutexLock lock(&mu_);
@@ -1104,6 +1109,7 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
   std::unique_ptr<Move> m = NewMove("checkpoint", pid, sink);
   m->rec.mutable_report()->set_destination(request.dir());
   m->rec.set_image_dir(request.dir());
+  m->rec.set_terminal(*terminal);
   v1::MigrationReport* r = m->rec.mutable_report();
   v1::Breakdown* b = r->mutable_breakdown();
 
@@ -1121,7 +1127,8 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
         st = files.status();
       else {
         st = WriteManifest(request.dir(),
-                           MakeManifest(r->migration_id(), released, *files, options_.host_name));
+                           MakeManifest(r->migration_id(), released, *files,
+                                        options_.host_name, m->rec.terminal()));
         r->set_bytes_moved(SumSizes(*files));
       }
     }
@@ -1253,7 +1260,8 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   SetPhase(m.get(), "restore", "on this host");
   v1::RestoreIncomingResponse out;
   absl::StatusOr<pid_t> pid = RestoreFromDir(
-      request.dir(), /*tcp_established=*/false, manifest->endpoint().pid(),
+      request.dir(), /*tcp_established=*/false, !manifest->terminal().empty(),
+      manifest->endpoint().pid(),
       [&](pid_t p) {
         m->rec.set_restored_pid(p);
         m->rec.set_restored_identity(procs_->Identity(p));

@@ -159,21 +159,26 @@ class RealProcessControl final : public ProcessControl {
     return out;
   }
 
-  std::string Terminal(pid_t pid, const std::set<int>& masters_in_tree) override {
+  std::vector<std::string> Terminals(pid_t pid, const std::set<int>& masters_in_tree) override {
     auto movable = [&](dev_t rdev) {
       const int index = PtsIndex(rdev);
       return rdev == kPtmx || (index >= 0 && masters_in_tree.contains(index));
     };
+    std::vector<std::string> out;
+    std::set<dev_t> seen;
     for (const auto& [fd, rdev] : CharDeviceFds(pid)) {
-      if (!IsTerminal(rdev) || movable(rdev)) continue;
+      if (!IsTerminal(rdev) || movable(rdev) || !seen.insert(rdev).second) continue;
       const std::string link = absl::StrCat("/proc/", pid, "/fd/", fd);
       char target[256];
       const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
-      return n > 0 ? std::string(target, n) : link;
+      out.push_back(n > 0 ? std::string(target, n) : link);
     }
     const dev_t ctty = ControllingTerminal(pid);
-    if (ctty == 0 || movable(ctty)) return "";
-    return absl::StrCat("a controlling terminal (device ", major(ctty), ":", minor(ctty), ")");
+    if (ctty == 0 || movable(ctty) || seen.contains(ctty)) return out;
+    out.push_back(PtsIndex(ctty) >= 0 ? absl::StrCat("/dev/pts/", PtsIndex(ctty))
+                                      : absl::StrCat("a controlling terminal (device ",
+                                                     major(ctty), ":", minor(ctty), ")"));
+    return out;
   }
 
   absl::Status Stop(pid_t pid) override {

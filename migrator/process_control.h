@@ -40,12 +40,14 @@ class ProcessControl {
   // The pseudo-terminals whose master side (an open /dev/ptmx) the
   // process holds, by index (N of /dev/pts/N).
   virtual std::set<int> PtyMasters(pid_t pid) = 0;
-  // The terminal the process holds ("/dev/pts/3": its controlling
-  // terminal, or one of its open files), "" when it holds none. Not
-  // counted: /dev/ptmx, and /dev/pts/N with N in `masters_in_tree` (a
-  // pseudo-terminal whose both sides move with the tree, as an MPI daemon
-  // and the ranks whose output it reads through one).
-  virtual std::string Terminal(pid_t pid, const std::set<int>& masters_in_tree) = 0;
+  // The terminals the process holds, each once: its open files' ("/dev/pts/3",
+  // "/dev/tty", "/dev/ttyS0"), then its controlling terminal if none of them
+  // is it ("/dev/pts/N" for a pseudo-terminal, else "a controlling terminal
+  // (device M:N)"); empty when it holds none. Not counted: /dev/ptmx, and
+  // /dev/pts/N with N in `masters_in_tree` (a pseudo-terminal whose both
+  // sides move with the tree, as an MPI daemon and the ranks whose output
+  // it reads through one).
+  virtual std::vector<std::string> Terminals(pid_t pid, const std::set<int>& masters_in_tree) = 0;
 };
 
 // kill(2) and /proc.

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -465,9 +466,14 @@ void WaitForResume(const ControlThread& c) {
 // of the restorer: the host's migrator. Its own session and group, as a
 // daemon's, keep the migrator's signals and terminal away from it. A
 // process that leads its own group cannot start a session (setsid: EPERM)
-// and needs none: the migrator's group signals do not reach it.
+// and needs none: the migrator's group signals do not reach it. A process
+// that held a terminal was restored in a session made for it, whose
+// controlling terminal is its standard input (rdmavirt-terminal): it stays
+// there, in that terminal's foreground group.
 void LeaveTheRestorersSession() {
   if (getsid(0) == getpid() || getpgrp() == getpid()) return;
+  pid_t terminal_session = 0;
+  if (ioctl(0, TIOCGSID, &terminal_session) == 0 && terminal_session == getsid(0)) return;
   if (setsid() < 0)
     Log(("control: setsid after a restore: " + std::string(strerror(errno))).c_str());
 }

@@ -8,6 +8,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 
@@ -167,16 +168,19 @@ std::set<int> FakeHost::PtyMasters(pid_t pid) {
   return it == pty_masters_.end() ? std::set<int>{} : it->second;
 }
 
-std::string FakeHost::Terminal(pid_t pid, const std::set<int>& masters_in_tree) {
+std::vector<std::string> FakeHost::Terminals(pid_t pid, const std::set<int>& masters_in_tree) {
   absl::MutexLock lock(&mu_);
+  std::vector<std::string> out;
   auto it = terminals_.find(pid);
-  if (it == terminals_.end()) return "";
-  int index = -1;
-  if (absl::SimpleAtoi(absl::StripPrefix(it->second, "/dev/pts/"), &index) &&
-      masters_in_tree.contains(index)) {
-    return "";
+  if (it == terminals_.end()) return out;
+  for (absl::string_view tty : absl::StrSplit(it->second, ',', absl::SkipEmpty())) {
+    int index = -1;
+    if (absl::SimpleAtoi(absl::StripPrefix(tty, "/dev/pts/"), &index) &&
+        masters_in_tree.contains(index))
+      continue;
+    out.emplace_back(tty);
   }
-  return it->second;
+  return out;
 }
 
 v1::EndpointSummary FakeHost::Summary(const FakeEndpoint& e) const {
@@ -493,12 +497,14 @@ void FakeHost::RestoreEndpoint(const v1::EndpointSummary& s, const std::string& 
   e.connected = false;
 }
 
-absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_established) {
+absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_established,
+                                        bool new_terminal) {
   ++restores_started;
   while (stall_restore.load()) absl::SleepFor(absl::Milliseconds(1));
   absl::MutexLock lock(&mu_);
   ++restores;
-  events_.push_back(absl::StrCat("restore", tcp_established ? " tcp" : ""));
+  events_.push_back(
+      absl::StrCat("restore", tcp_established ? " tcp" : "", new_terminal ? " terminal" : ""));
   if (!restore_error.ok()) return restore_error;
   std::ifstream in(dir + "/core.img", std::ios::binary);
   std::stringstream buf;

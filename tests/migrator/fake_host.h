@@ -88,7 +88,8 @@ class FakeHost final : public ShimChannel,
   // The process with `pid` is gone and a stranger (not under the shim) was
   // given its pid: Exists is true, Identity differs.
   void ReusePid(pid_t pid);
-  // The process holds this terminal (ProcessControl::Terminal).
+  // The process holds these terminals, comma-separated
+  // (ProcessControl::Terminals).
   void SetTerminal(pid_t pid, const std::string& tty);
   // The process holds the master side of /dev/pts/`index`.
   void AddPtyMaster(pid_t pid, int index);
@@ -134,14 +135,15 @@ class FakeHost final : public ShimChannel,
   absl::Status Continue(pid_t pid) override;
   absl::Status Kill(pid_t pid) override;
   std::set<int> PtyMasters(pid_t pid) override;
-  std::string Terminal(pid_t pid, const std::set<int>& masters_in_tree) override;
+  std::vector<std::string> Terminals(pid_t pid, const std::set<int>& masters_in_tree) override;
   // Checkpointer
   absl::Status Check() override;
   absl::StatusOr<DumpStats> PreDump(pid_t pid, const std::string& dir,
                                     const std::string& parent) override;
   absl::StatusOr<DumpStats> Dump(pid_t pid, const std::string& dir, const std::string& parent,
                                  bool leave_running, bool tcp_established) override;
-  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established) override;
+  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established,
+                                bool new_terminal) override;
   // AddressControl
   absl::StatusOr<std::string> Holder(ServiceAddress* a) override;
   absl::StatusOr<std::string> Home(const ServiceAddress& a) override;

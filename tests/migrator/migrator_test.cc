@@ -485,22 +485,60 @@ TEST(MigratorTest, RefusesProcessesNotUnderTheShim) {
   EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(MigratorTest, RefusesAProcessHoldingATerminalBeforeQuiescingAnything) {
-  Cluster c("tty");
+// A terminal other than a pseudo-terminal (/dev/tty held open, a serial
+// line), or a second pseudo-terminal, is refused before anything is
+// quiesced; without it the same process moves.
+TEST(MigratorTest, RefusesATerminalCriuCannotGiveBackBeforeQuiescingAnything) {
+  for (const char* held : {"/dev/pts/3,/dev/tty", "/dev/ttyS0", "/dev/pts/3,/dev/pts/5"}) {
+    SCOPED_TRACE(held);
+    Cluster c("tty");
+    Topology(c);
+    c.host(1).SetTerminal(100, held);
+    MoveRun run = Migrate(c, 100, "h2");
+    EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+    EXPECT_THAT(std::string(run.status.message()),
+                HasSubstr(absl::StrCat("process 100 holds the terminal ",
+                                       absl::StrContains(held, ",") ? strchr(held, ',') + 1 : held)));
+    EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
+    EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+    EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+    EXPECT_EQ(c.host(1).predumps, 0);
+    EXPECT_EQ(c.host(1).dumps, 0);
+    c.host(1).SetTerminal(100, "");
+    run = Migrate(c, 100, "h2");
+    EXPECT_TRUE(run.status.ok()) << run.status;
+  }
+}
+
+// A pseudo-terminal whose master side stays behind (a shell's, an ssh
+// session's) is replaced: the destination restores the process with a new
+// one, and so does a restore from a checkpoint of it; a process without
+// one is restored without.
+TEST(MigratorTest, AProcessWithAPseudoTerminalIsRestoredWithANewOne) {
+  Cluster c("newtty");
   Topology(c);
   c.host(1).SetTerminal(100, "/dev/pts/3");
   MoveRun run = Migrate(c, 100, "h2");
-  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
-  EXPECT_THAT(std::string(run.status.message()),
-              HasSubstr("process 100 holds the terminal /dev/pts/3"));
-  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
-  EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
-  EXPECT_EQ(c.host(1).predumps, 0);
-  EXPECT_EQ(c.host(1).dumps, 0);
-  // Without it, the same process moves.
-  c.host(1).SetTerminal(100, "");
-  run = Migrate(c, 100, "h2");
-  EXPECT_TRUE(run.status.ok()) << run.status;
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_THAT(c.host(2).Events(), Contains("restore terminal"));
+  c.host(2).SetTerminal(100, "/dev/pts/0");
+  const std::string dir = TempDir("newtty-dir") + "/cp";
+  v1::CheckpointRequest req;
+  req.set_pid(100);
+  req.set_dir(dir);
+  ASSERT_TRUE(c.m(2).Checkpoint(req, nullptr).ok());
+  absl::StatusOr<v1::Manifest> manifest = ReadManifest(dir);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_EQ(manifest->terminal(), "/dev/pts/0");
+  v1::RestoreRequest rr;
+  rr.set_dir(dir);
+  ASSERT_TRUE(c.m(2).Restore(rr, nullptr).ok());
+  EXPECT_EQ(c.host(2).Events().back(), "continue 100");
+  EXPECT_THAT(c.host(2).Events(), Contains("restore terminal").Times(2));
+  // Without one: a plain restore.
+  run = Migrate(c, 200, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_THAT(c.host(2).Events(), Contains("restore"));
 }
 
 // Two peers moved at once toward each other (P h1 -> h2, Q h3 -> h1): one
@@ -916,8 +954,9 @@ TEST(MigratorTest, ATreeWhoseEndpointsAreConnectedToEachOtherRollsBackWhole) {
 }
 
 // A pseudo-terminal whose both sides the tree holds moves with it (an MPI
-// daemon reads its ranks' output through one); a terminal held anywhere
-// else in the tree is refused, naming who holds it.
+// daemon reads its ranks' output through one); one whose master stays
+// behind is replaced, and a second one held anywhere in the tree is
+// refused, naming who holds it.
 TEST(MigratorTest, ATerminalInTheTreeIsRefusedUnlessTheTreeHoldsBothItsSides) {
   Cluster c("treetty");
   Topology(c);
@@ -929,10 +968,12 @@ TEST(MigratorTest, ATerminalInTheTreeIsRefusedUnlessTheTreeHoldsBothItsSides) {
   EXPECT_TRUE(run.status.ok()) << run.status;
   c.host(2).SetTerminal(300, "/dev/pts/4");
   c.host(2).AddPtyMaster(91, 5);
+  c.host(2).SetTerminal(91, "/dev/pts/7");
   run = Migrate(c, 91, "h3", {}, 2);
   EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
   EXPECT_THAT(std::string(run.status.message()),
-              HasSubstr("process 300 (a descendant of process 91) holds the terminal /dev/pts/4"));
+              HasSubstr("process 300 (a descendant of process 91) holds the terminal /dev/pts/4 "
+                        "besides /dev/pts/7"));
 }
 
 TEST(MigratorTest, FinalDumpFailureRollsBack) {

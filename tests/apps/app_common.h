@@ -87,6 +87,57 @@ using Cq = std::unique_ptr<ibv_cq, Destroyer<&ibv_destroy_cq>>;
 using Qp = std::unique_ptr<ibv_qp, Destroyer<&ibv_destroy_qp>>;
 using Ah = std::unique_ptr<ibv_ah, Destroyer<&ibv_destroy_ah>>;
 
+// Loopback pairs (two RC QPs of one process connected to each other on
+// port 1 of one device: rxe loops them back, no peer host needed).
+
+// The first RoCE v2 GID of an IPv4 address (::ffff:a.b.c.d), or -1.
+inline int Ipv4V2GidIndex(ibv_context* ctx, int table_len) {
+  for (int i = 0; i < table_len; ++i) {
+    ibv_gid_entry e{};
+    if (ibv_query_gid_ex(ctx, 1, i, &e, 0) != 0) continue;
+    static const uint8_t kMapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    if (e.gid_type == IBV_GID_TYPE_ROCE_V2 && memcmp(e.gid.raw, kMapped, 12) == 0) return i;
+  }
+  return -1;
+}
+
+inline void LoopbackToRts(ibv_qp* qp, uint32_t dest_qpn, const ibv_gid& dgid, int sgid_index) {
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.port_num = 1;
+  a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE;
+  if (int rc = ibv_modify_qp(qp, &a,
+                             IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+    Die("INIT: %s", strerror(rc));
+  a = {};
+  a.qp_state = IBV_QPS_RTR;
+  a.path_mtu = IBV_MTU_1024;
+  a.dest_qp_num = dest_qpn;
+  a.rq_psn = 0;
+  a.max_dest_rd_atomic = 1;
+  a.min_rnr_timer = 12;
+  a.ah_attr.is_global = 1;
+  a.ah_attr.grh.dgid = dgid;
+  a.ah_attr.grh.sgid_index = static_cast<uint8_t>(sgid_index);
+  a.ah_attr.grh.hop_limit = 1;
+  a.ah_attr.port_num = 1;
+  if (int rc = ibv_modify_qp(qp, &a,
+                             IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                 IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+    Die("RTR: %s", strerror(rc));
+  a = {};
+  a.qp_state = IBV_QPS_RTS;
+  a.timeout = 14;
+  a.retry_cnt = 7;
+  a.rnr_retry = 7;
+  a.sq_psn = 0;
+  a.max_rd_atomic = 1;
+  if (int rc = ibv_modify_qp(qp, &a,
+                             IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                                 IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+    Die("RTS: %s", strerror(rc));
+}
+
 class UniqueFd {
  public:
   explicit UniqueFd(int fd) : fd_(fd) {}

@@ -70,54 +70,6 @@ struct Pair {
   ibv_qp* b = nullptr;
 };
 
-// The first RoCE v2 GID of an IPv4 address (::ffff:a.b.c.d), or -1.
-int Ipv4V2GidIndex(ibv_context* ctx, int table_len) {
-  for (int i = 0; i < table_len; ++i) {
-    ibv_gid_entry e{};
-    if (ibv_query_gid_ex(ctx, kPort, i, &e, 0) != 0) continue;
-    static const uint8_t kMapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
-    if (e.gid_type == IBV_GID_TYPE_ROCE_V2 && memcmp(e.gid.raw, kMapped, 12) == 0) return i;
-  }
-  return -1;
-}
-
-void ToRts(ibv_qp* qp, uint32_t dest_qpn, const ibv_gid& dgid, int sgid_index) {
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_INIT;
-  a.port_num = kPort;
-  a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_LOCAL_WRITE;
-  if (int rc = ibv_modify_qp(qp, &a,
-                             IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
-    Die("INIT: %s", strerror(rc));
-  a = {};
-  a.qp_state = IBV_QPS_RTR;
-  a.path_mtu = IBV_MTU_1024;
-  a.dest_qp_num = dest_qpn;
-  a.rq_psn = 0;
-  a.max_dest_rd_atomic = 1;
-  a.min_rnr_timer = 12;
-  a.ah_attr.is_global = 1;
-  a.ah_attr.grh.dgid = dgid;
-  a.ah_attr.grh.sgid_index = static_cast<uint8_t>(sgid_index);
-  a.ah_attr.grh.hop_limit = 1;
-  a.ah_attr.port_num = kPort;
-  if (int rc = ibv_modify_qp(qp, &a,
-                             IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                 IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
-    Die("RTR: %s", strerror(rc));
-  a = {};
-  a.qp_state = IBV_QPS_RTS;
-  a.timeout = 14;
-  a.retry_cnt = 7;
-  a.rnr_retry = 7;
-  a.sq_psn = 0;
-  a.max_rd_atomic = 1;
-  if (int rc = ibv_modify_qp(qp, &a,
-                             IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                                 IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
-    Die("RTS: %s", strerror(rc));
-}
-
 Pair Connect(ibv_pd* pd, ibv_cq* cq, ibv_srq* srq_b, const ibv_gid& gid, int sgid_index) {
   ibv_qp_init_attr init{};
   init.send_cq = cq;
@@ -132,8 +84,8 @@ Pair Connect(ibv_pd* pd, ibv_cq* cq, ibv_srq* srq_b, const ibv_gid& gid, int sgi
   init.srq = srq_b;
   p.b = ibv_create_qp(pd, &init);
   if (p.a == nullptr || p.b == nullptr) Die("ibv_create_qp: %s", strerror(errno));
-  ToRts(p.a, p.b->qp_num, gid, sgid_index);
-  ToRts(p.b, p.a->qp_num, gid, sgid_index);
+  rdmavirt::apps::LoopbackToRts(p.a, p.b->qp_num, gid, sgid_index);
+  rdmavirt::apps::LoopbackToRts(p.b, p.a->qp_num, gid, sgid_index);
   return p;
 }
 
@@ -314,7 +266,7 @@ int main(int argc, char** argv) {
         i, GidTypeName(e.gid_type), trc, sysfs_type,
         YesNo(grc == 0 && memcmp(&g, &e.gid, sizeof g) == 0), YesNo(in_table));
   }
-  const int sgid = Ipv4V2GidIndex(ctx, table_len);
+  const int sgid = rdmavirt::apps::Ipv4V2GidIndex(ctx, table_len);
   if (sgid < 0) Die("no RoCE v2 IPv4 GID on port 1");
   ibv_gid gid{};
   if (ibv_query_gid(ctx, kPort, sgid, &gid) != 0) Die("ibv_query_gid");
@@ -457,8 +409,8 @@ int main(int argc, char** argv) {
     ibv_qp* e1 = ibv_create_qp(pd, &init);
     ibv_qp* e2 = ibv_create_qp(pd, &init);
     if (e1 == nullptr || e2 == nullptr) Die("event QPs: %s", strerror(errno));
-    ToRts(e1, e2->qp_num, gid, sgid);
-    ToRts(e2, e1->qp_num, gid, sgid);
+    rdmavirt::apps::LoopbackToRts(e1, e2->qp_num, gid, sgid);
+    rdmavirt::apps::LoopbackToRts(e2, e1->qp_num, gid, sgid);
     if (ibv_req_notify_cq(evcq, 0) != 0) Die("ibv_req_notify_cq");
     PostSend(e1, IBV_WR_RDMA_WRITE, mr, src, 64, 4, reinterpret_cast<uintptr_t>(target_buf),
              target->rkey);

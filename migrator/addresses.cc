@@ -2,13 +2,17 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "migrator/scoped_fd.h"
 
 namespace rdmavirt::migrator {
 namespace {
@@ -101,6 +105,31 @@ bool IsLocalAddress(const std::string& ip) {
   }
   freeifaddrs(list);
   return found;
+}
+
+// The address of this host that a connection to `host` leaves from (no
+// packet is sent: a UDP socket's connect only picks the route).
+absl::StatusOr<std::string> LocalAddressToward(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (const int rc = getaddrinfo(host.c_str(), "9", &hints, &res); rc != 0)
+    return absl::UnavailableError(absl::StrCat("cannot resolve ", host, ": ", gai_strerror(rc)));
+  absl::Cleanup free_res = [&] { freeaddrinfo(res); };
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    ScopedFd fd(socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    if (fd.get() < 0 || connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 ||
+        getsockname(fd.get(), reinterpret_cast<sockaddr*>(&local), &len) != 0)
+      continue;
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* a = local.ss_family == AF_INET
+                        ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                        : &reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr;
+    if (inet_ntop(local.ss_family, a, text, sizeof(text)) != nullptr) return std::string(text);
+  }
+  return absl::UnavailableError(absl::StrCat("no route from this host to ", host));
 }
 
 }  // namespace rdmavirt::migrator

@@ -24,6 +24,10 @@ struct HostPort {
 // [V6] or [V6]:PORT with a port in 1..65535.
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view text, int default_port = kDefaultPort);
 
+// The address of this host that a connection to `host` leaves from, as
+// text; UNAVAILABLE when `host` does not resolve or has no route.
+absl::StatusOr<std::string> LocalAddressToward(const std::string& host);
+
 // "a.b.c.d" for an IPv4-mapped GID (::ffff:a.b.c.d), "" otherwise.
 std::string GidIpv4(absl::string_view gid);
 // The GID's text form ("" for anything but 16 bytes).

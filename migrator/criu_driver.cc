@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <netdb.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -17,8 +18,10 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -489,33 +492,52 @@ absl::Status CriuDriver::Check() {
 
 namespace {
 
-absl::StatusOr<CriuResult> RunDump(const std::string& log_dir, const DumpArgs& a) {
-  const char* call_name = a.pre_dump ? "pre-dump" : "dump";
-  if (a.pid <= 0) return absl::InvalidArgumentError(absl::StrCat(call_name, ": bad pid ", a.pid));
-  if (a.dir.empty() || a.dir[0] != '/') {
+// What every dump checks and makes before CRIU runs: the pid, an absolute
+// dir (created) without a dump in it, the parent's path relative to it
+// ("" for none), the log dir.
+struct DumpPlan {
+  std::string criu;
+  std::string parent_rel;
+  std::map<std::string, uint64_t> before;  // the files dir held
+};
+
+absl::StatusOr<DumpPlan> PlanDump(const char* call_name, const std::string& log_dir, pid_t pid,
+                                  const std::string& dir, const std::string& parent) {
+  if (pid <= 0) return absl::InvalidArgumentError(absl::StrCat(call_name, ": bad pid ", pid));
+  if (dir.empty() || dir[0] != '/') {
     return absl::InvalidArgumentError(
-        absl::StrCat(call_name, ": images dir must be an absolute path: \"", a.dir, "\""));
+        absl::StrCat(call_name, ": images dir must be an absolute path: \"", dir, "\""));
   }
-  if (kill(a.pid, 0) != 0 && errno == ESRCH) {
-    return absl::NotFoundError(absl::StrCat(call_name, ": no process ", a.pid));
+  if (kill(pid, 0) != 0 && errno == ESRCH) {
+    return absl::NotFoundError(absl::StrCat(call_name, ": no process ", pid));
   }
-  const std::string criu = FindCriu();
-  if (criu.empty()) return absl::FailedPreconditionError("criu not found on PATH");
-  if (absl::Status s = MakeDir(a.dir, 0700); !s.ok()) return s;
-  const std::map<std::string, uint64_t> before = RegularFiles(a.dir);
-  for (const auto& [name, size] : before) {
+  DumpPlan plan;
+  plan.criu = FindCriu();
+  if (plan.criu.empty()) return absl::FailedPreconditionError("criu not found on PATH");
+  if (absl::Status s = MakeDir(dir, 0700); !s.ok()) return s;
+  plan.before = RegularFiles(dir);
+  for (const auto& [name, size] : plan.before) {
     if (absl::EndsWith(name, ".img")) {
       return absl::AlreadyExistsError(
-          absl::StrCat(call_name, ": ", a.dir, " already holds a dump (", name, ")"));
+          absl::StrCat(call_name, ": ", dir, " already holds a dump (", name, ")"));
     }
   }
-  std::string parent_rel;
-  if (!a.parent.empty()) {
-    absl::StatusOr<std::string> rel = ParentRelativeTo(a.dir, a.parent);
+  if (!parent.empty()) {
+    absl::StatusOr<std::string> rel = ParentRelativeTo(dir, parent);
     if (!rel.ok()) return rel.status();
-    parent_rel = *std::move(rel);
+    plan.parent_rel = *std::move(rel);
   }
   if (absl::Status s = MakeDir(log_dir, 0700); !s.ok()) return s;
+  return plan;
+}
+
+absl::StatusOr<CriuResult> RunDump(const std::string& log_dir, const DumpArgs& a) {
+  const char* call_name = a.pre_dump ? "pre-dump" : "dump";
+  absl::StatusOr<DumpPlan> plan = PlanDump(call_name, log_dir, a.pid, a.dir, a.parent);
+  if (!plan.ok()) return plan.status();
+  const std::string& criu = plan->criu;
+  const std::string& parent_rel = plan->parent_rel;
+  const std::map<std::string, uint64_t>& before = plan->before;
   ScopedFd log_fd(open(log_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (log_fd.get() < 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("cannot open log dir ", log_dir));
@@ -644,6 +666,210 @@ absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir, bool tcp_estab
     if (restored_terminal_log != nullptr) *restored_terminal_log = terminal_log;
   }
   return static_cast<pid_t>(ret);
+}
+
+}  // namespace rdmavirt::migrator
+
+// ---- post-copy: CRIU's lazy pages, through its command line (libcriu
+// 3.17 has no setter for lazy pages nor for CRIU's TLS).
+namespace rdmavirt::migrator {
+namespace {
+
+// Runs CRIU with `args` (args[0] is its path), /dev/null as its standard
+// files and no signal blocked; its pid.
+absl::StatusOr<pid_t> SpawnCriu(const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  absl::Cleanup fa_done = [&] { posix_spawn_file_actions_destroy(&fa); };
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDWR, 0);
+  posix_spawn_file_actions_adddup2(&fa, 0, 1);
+  posix_spawn_file_actions_adddup2(&fa, 0, 2);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  absl::Cleanup attr_done = [&] { posix_spawnattr_destroy(&attr); };
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+  pid_t pid = 0;
+  const int err = posix_spawn(&pid, args[0].c_str(), &fa, &attr, argv.data(), environ);
+  if (err != 0) return absl::ErrnoToStatus(err, absl::StrCat("cannot start ", args[0]));
+  return pid;
+}
+
+// Whether a TCP socket of this host listens on `port`.
+bool ListeningOn(int port) {
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const size_t colon = local.rfind(':');
+      if (state != "0A" || colon == std::string::npos) continue;  // 0A: LISTEN
+      if (strtol(local.c_str() + colon + 1, nullptr, 16) == port) return true;
+    }
+  }
+  return false;
+}
+
+// CRIU's own TLS, mutual, with this host's certificate. The common name is
+// not checked: the source listens on one of its addresses and the
+// destination's certificate names another host; the chain is (ca.pem).
+std::vector<std::string> TlsArgs(const std::string& tls_dir) {
+  return {"--tls",     "--tls-cacert",         tls_dir + "/ca.pem", "--tls-cert",
+          tls_dir + "/host.pem", "--tls-key", tls_dir + "/host.key", "--tls-no-cn-verify"};
+}
+
+// What NewOpts gives libcriu's calls, on CRIU's command line.
+std::vector<std::string> CommonArgs(const std::string& work_dir, const std::string& log_name) {
+  return {"-W",           work_dir,       "-o",          log_name,     "-v4",
+          "--shell-job",  "--file-locks", "--manage-cgroups=soft", "--ghost-limit", "1G"};
+}
+
+void Append(std::vector<std::string>* to, const std::vector<std::string>& more) {
+  to->insert(to->end(), more.begin(), more.end());
+}
+
+// The exit status of CRIU's process `pid`, -1 if a signal ended it.
+int WaitCriu(pid_t pid) {
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& dir,
+                                                const std::string& parent, bool tcp_established,
+                                                const LazyPages& serve, const std::string& tls_dir,
+                                                const std::function<void()>& written) {
+  absl::StatusOr<DumpPlan> plan = PlanDump("lazy dump", log_dir_, pid, dir, parent);
+  if (!plan.ok()) return plan.status();
+  const std::string log_name = LogName("lazy-dump", pid);
+  const std::string log_path = absl::StrCat(log_dir_, "/", log_name);
+  std::vector<std::string> args = {plan->criu, "dump", "-t", std::to_string(pid), "-D", dir};
+  Append(&args, CommonArgs(log_dir_, log_name));
+  Append(&args, {"--leave-running", "--lazy-pages", "--address", serve.address, "--port",
+                 std::to_string(serve.port)});
+  if (!plan->parent_rel.empty()) Append(&args, {"--track-mem", "--prev-images-dir", plan->parent_rel});
+  if (tcp_established) Append(&args, {"--tcp-established", "--network-lock", "nftables"});
+  Append(&args, TlsArgs(tls_dir));
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<pid_t> criu = SpawnCriu(args);
+  if (!criu.ok()) return criu.status();
+  // CRIU listens for the destination once every other image is written.
+  for (;;) {
+    if (ListeningOn(serve.port)) break;
+    int status = 0;
+    if (waitpid(*criu, &status, WNOHANG) == *criu)
+      return CriuFailure(Call::kDump, -EBADE, 0,
+                         absl::StrCat("lazy dump of pid ", pid, " into ", dir, " failed"), log_path);
+    usleep(20 * 1000);
+  }
+  CriuResult result;
+  result.image_bytes = BytesWritten(plan->before, RegularFiles(dir));
+  if (!plan->parent_rel.empty()) {
+    absl::Status s =
+        WriteSmallFile(absl::StrCat(dir, "/", kParentPathFile), plan->parent_rel + "\n");
+    if (!s.ok()) {
+      CancelLazyDump(serve);
+      WaitCriu(*criu);
+      return s;
+    }
+  }
+  written();
+  const int status = WaitCriu(*criu);
+  result.elapsed_us = ElapsedUs(start);
+  if (status != 0)
+    return CriuFailure(Call::kDump, -EBADE, 0,
+                       absl::StrCat("lazy dump of pid ", pid, ": its pages did not all reach "
+                                    "the destination's lazy-pages daemon"),
+                       log_path);
+  return result;
+}
+
+void CriuDriver::CancelLazyDump(const LazyPages& serve) {
+  // A connection that closes before TLS ends CRIU's page server in error.
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(serve.address.c_str(), std::to_string(serve.port).c_str(), &hints, &res) != 0)
+    return;
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    ScopedFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (fd.get() >= 0 && connect(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0) break;
+  }
+  freeaddrinfo(res);
+}
+
+absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, bool tcp_established,
+                                                     const LazyPages& from,
+                                                     const std::string& tls_dir) {
+  if (dir.empty() || dir[0] != '/')
+    return absl::InvalidArgumentError(
+        absl::StrCat("restore: images dir must be an absolute path: \"", dir, "\""));
+  std::error_code ec;
+  if (!fs::exists(fs::path(dir) / "inventory.img", ec))
+    return absl::NotFoundError(absl::StrCat("restore: ", dir, " holds no dump (no inventory.img)"));
+  if (absl::Status s = RestoreParentLinks(dir); !s.ok()) return s;
+  const std::string criu = FindCriu();
+  if (criu.empty()) return absl::FailedPreconditionError("criu not found on PATH");
+  // The daemon and the restore meet at lazy-pages.socket in their work dir:
+  // one of its own for each restore.
+  std::string work = absl::StrCat(log_dir_, "/", LogName("postcopy", 0));
+  work.resize(work.size() - 4);  // ".log"
+  if (absl::Status s = MakeDir(log_dir_, 0700); !s.ok()) return s;
+  if (absl::Status s = MakeDir(work, 0700); !s.ok()) return s;
+  LazyRestored out;
+  out.daemon_log = work + "/lazy-pages.log";
+  std::vector<std::string> daemon = {criu,   "lazy-pages", "--page-server", "--address",
+                                     from.address, "--port", std::to_string(from.port), "-D",
+                                     dir,    "-W", work, "-o", "lazy-pages.log", "-v4"};
+  Append(&daemon, TlsArgs(tls_dir));
+  absl::StatusOr<pid_t> d = SpawnCriu(daemon);
+  if (!d.ok()) return d.status();
+  out.pages_daemon = *d;
+  absl::Cleanup stop_daemon = [&] {
+    kill(out.pages_daemon, SIGKILL);
+    WaitCriu(out.pages_daemon);
+  };
+  const std::string socket_path = work + "/lazy-pages.socket";
+  for (int i = 0;; ++i) {
+    struct stat st;
+    if (stat(socket_path.c_str(), &st) == 0) break;
+    int status = 0;
+    if (i > 1500 || waitpid(out.pages_daemon, &status, WNOHANG) == out.pages_daemon)
+      return CriuFailure(Call::kRestore, -EBADE, 0,
+                         absl::StrCat("CRIU's lazy-pages daemon for ", dir,
+                                      " did not start (the source's page server at ",
+                                      from.address, ":", from.port, ")"),
+                         out.daemon_log);
+    usleep(20 * 1000);
+  }
+  const std::string pidfile = work + "/root.pid";
+  std::vector<std::string> restore = {criu, "restore", "-D", dir};
+  Append(&restore, CommonArgs(work, "restore.log"));
+  Append(&restore, {"--restore-detached", "--lazy-pages", "--pidfile", pidfile});
+  if (tcp_established) Append(&restore, {"--tcp-established", "--network-lock", "nftables"});
+  absl::StatusOr<pid_t> r = SpawnCriu(restore);
+  if (!r.ok()) return r.status();
+  if (WaitCriu(*r) != 0)
+    return CriuFailure(Call::kRestore, -EBADE, 0,
+                       absl::StrCat("restore from ", dir, " with lazy pages failed"),
+                       work + "/restore.log");
+  std::ifstream in(pidfile);
+  if (!(in >> out.pid) || out.pid <= 0)
+    return absl::InternalError(absl::StrCat("CRIU restored ", dir, " but wrote no pid to ", pidfile));
+  std::move(stop_daemon).Cancel();
+  return out;
 }
 
 }  // namespace rdmavirt::migrator

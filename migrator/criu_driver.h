@@ -31,10 +31,12 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "migrator/checkpointer.h"
 
 namespace rdmavirt::migrator {
 
@@ -44,6 +46,12 @@ inline constexpr char kParentPathFile[] = "parent.path";
 struct CriuResult {
   uint64_t elapsed_us = 0;   // wall time of the CRIU call
   uint64_t image_bytes = 0;  // bytes of the files written in dir
+};
+
+struct LazyRestored {
+  pid_t pid = 0;           // the restored root
+  pid_t pages_daemon = 0;  // `criu lazy-pages`, to be waited for
+  std::string daemon_log;
 };
 
 // Drives CRIU through libcriu. Thread-compatible (one call at a time per object).
@@ -104,6 +112,25 @@ class CriuDriver {
   absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established = false,
                                 bool new_terminal = false,
                                 std::string* restored_terminal_log = nullptr);
+
+  // Post-copy (Checkpointer::LazyDump), through CRIU's command line:
+  // `criu dump --lazy-pages`, its page server at `serve` over CRIU's TLS
+  // with tls_dir's ca.pem, host.pem and host.key. `written` is called once
+  // CRIU listens there, which it does only after writing every image.
+  absl::StatusOr<CriuResult> LazyDump(pid_t pid, const std::string& dir, const std::string& parent,
+                                      bool tcp_established, const LazyPages& serve,
+                                      const std::string& tls_dir,
+                                      const std::function<void()>& written);
+  // Connects to a LazyDump's page server and hangs up: that dump fails.
+  static void CancelLazyDump(const LazyPages& serve);
+  // Restores a LazyDump's images: starts `criu lazy-pages` (the pages
+  // from `from`, over CRIU's TLS) in a work dir of its own under the log
+  // dir, then `criu restore --lazy-pages` beside it. Returns once the
+  // process runs; the daemon goes on until every page is in, and the
+  // caller waits for it (LazyRestored::pages_daemon, a child of the
+  // caller's).
+  absl::StatusOr<LazyRestored> LazyRestore(const std::string& dir, bool tcp_established,
+                                           const LazyPages& from, const std::string& tls_dir);
 
   const std::string& log_dir() const { return log_dir_; }
 

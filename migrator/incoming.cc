@@ -2,10 +2,12 @@
 // RestoreIncoming, AbortIncoming, and the final resume of the endpoint.
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "migrator/addresses.h"
 #include "migrator/image_dir.h"
 #include "migrator/image_stream.h"
 #include "migrator/log.h"
@@ -168,12 +170,13 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
 }
 
 absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_established,
-                                               bool new_terminal, pid_t endpoint_pid,
+                                               bool new_terminal, const LazyPages* lazy_from,
+                                               pid_t endpoint_pid,
                                                const std::function<void(pid_t)>& restored,
                                                const std::vector<v1::Mapping>& peers,
                                                v1::RestoreIncomingResponse* out) {
   const absl::Time c0 = absl::Now();
-  absl::StatusOr<pid_t> pid = criu_->Restore(dir, tcp_established, new_terminal);
+  absl::StatusOr<pid_t> pid = criu_->Restore(dir, tcp_established, new_terminal, lazy_from);
   if (!pid.ok()) return Annotate(pid.status(), "CRIU restore");
   restored(*pid);
   // A live move dumps its process stopped, and CRIU restores it so; a
@@ -283,13 +286,23 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
   absl::Status st = tcp ? AddAddresses(rec) : absl::OkStatus();
   if (!st.ok()) st = Annotate(st, "adding the service addresses");
   std::vector<v1::Mapping> peers(request.peers().begin(), request.peers().end());
+  // Post-copy: the pages the final dump left out, from the source.
+  std::optional<LazyPages> lazy;
+  if (!request.lazy_pages_from().empty() && st.ok()) {
+    absl::StatusOr<HostPort> from = ParseHostPort(request.lazy_pages_from(), 0);
+    if (!from.ok() || from->port <= 0)
+      st = absl::InvalidArgumentError(
+          absl::StrCat("lazy_pages_from: not host:port: \"", request.lazy_pages_from(), "\""));
+    else
+      lazy = LazyPages{from->host, from->port};
+  }
   v1::RestoreIncomingResponse out;
   absl::StatusOr<pid_t> pid = absl::UnknownError("not restored");
   if (!st.ok())
     pid = st;
   else
     pid = RestoreFromDir(
-        final_dir, tcp, !rec.terminal().empty(), rec.report().pid(),
+        final_dir, tcp, !rec.terminal().empty(), lazy ? &*lazy : nullptr, rec.report().pid(),
         [&](pid_t p) {
           absl::MutexLock lock(&in->mu);
           if (in->aborted) return;  // the record says aborted; killed below

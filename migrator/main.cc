@@ -249,7 +249,7 @@ int Run(int argc, char** argv) {
     Log("cannot start: shim socket: %s", shims.status().ToString());
     return 1;
   }
-  std::unique_ptr<Checkpointer> criu = NewCriuCheckpointer(flags.criu_log_dir);
+  std::unique_ptr<Checkpointer> criu = NewCriuCheckpointer(flags.criu_log_dir, flags.tls_dir);
   std::unique_ptr<ProcessControl> procs = NewProcessControl();
 
   // Where other migrators reach this one, for the inventory.

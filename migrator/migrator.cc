@@ -35,6 +35,7 @@ Migrator::Options WithDefaults(Migrator::Options o) {
     o.host_name = name;
   }
   if (!o.list_devices) o.list_devices = ListRdmaDevices;
+  if (!o.address_toward) o.address_toward = LocalAddressToward;
   if (o.max_precopy_iterations == 0) o.max_precopy_iterations = 3;
   if (o.drain_timeout_ms == 0) o.drain_timeout_ms = 10000;
   if (!o.locate_peer && o.inventory != nullptr) {

@@ -83,6 +83,10 @@ class Migrator {
     std::function<absl::StatusOr<std::string>(const std::string& gid)> locate_peer;
     // "host:port" -> a Transfer stub to that migrator. Required.
     std::function<std::unique_ptr<v1::Transfer::StubInterface>(const std::string& target)> connect;
+    // Post-copy: the address of this host that `host` (a destination
+    // migrator's) reaches it at, for CRIU's page server. Default: the
+    // source address of the route toward `host`.
+    std::function<absl::StatusOr<std::string>(const std::string& host)> address_toward;
     // This host's RDMA devices. Default: libibverbs.
     std::function<std::vector<v1::RdmaDevice>()> list_devices;
     // This host's network addresses, for the service addresses that move
@@ -256,6 +260,16 @@ class Migrator {
   absl::Status TransferFinal(Move* m, const std::string& dir, const v1::Manifest& manifest,
                              v1::Manifest* hashed = nullptr);
   absl::Status RestoreOnDestination(Move* m);
+  // Post-copy: the final dump of `root` into `dir`, on a thread of its own
+  // (Move::lazy_dump), serving its pages on an address of this host that
+  // the destination reaches; returns once its images are written, or with
+  // its error.
+  absl::Status StartLazyDump(Move* m, pid_t root, const std::string& dir,
+                             const std::string& parent, bool tcp);
+  // Waits for a post-copy's final dump to end (after `cancel`ling its page
+  // server when its destination will not come) and returns what it
+  // returned; OK without one.
+  absl::Status EndLazyDump(Move* m, bool cancel);
   absl::Status CompleteForward(Move* m);
   // The end of CompleteForward, once the peers (`peers`) and the endpoint
   // (`resumed`) were dealt with from `c0` on: report, cleanup, finish.
@@ -300,9 +314,11 @@ class Migrator {
   // gives every process its pid back). `restored` learns the root's pid as
   // soon as CRIU gives it; out->pid is the endpoint's. A failure kills
   // whatever was restored. `new_terminal`: the tree held a pseudo-terminal
-  // that stayed behind; it gets a new one (Checkpointer::Restore).
+  // that stayed behind; it gets a new one; `lazy_from`: its last pages
+  // come from there (Checkpointer::Restore).
   absl::StatusOr<pid_t> RestoreFromDir(const std::string& dir, bool tcp_established,
-                                       bool new_terminal, pid_t endpoint_pid,
+                                       bool new_terminal, const LazyPages* lazy_from,
+                                       pid_t endpoint_pid,
                                        const std::function<void(pid_t)>& restored,
                                        const std::vector<v1::Mapping>& peers,
                                        v1::RestoreIncomingResponse* out);

@@ -52,6 +52,17 @@ struct Migrator::Move {
   PrecopyPages precopy_pages;
   // Its writable registered memory, from the quiesce's reply.
   std::vector<std::pair<uint64_t, uint64_t>> writable_registered;
+  // Post-copy: the final dump (Checkpointer::LazyDump) runs on this thread
+  // until its pages have all gone; where it serves them; what it returned
+  // and when. Ended by EndLazyDump.
+  std::thread lazy_dump;
+  LazyPages lazy_serve;
+  absl::Mutex lazy_mu;
+  bool lazy_written ABSL_GUARDED_BY(lazy_mu) = false;  // its images are complete
+  bool lazy_ended ABSL_GUARDED_BY(lazy_mu) = false;
+  absl::Status lazy_status ABSL_GUARDED_BY(lazy_mu);
+  absl::Time lazy_done ABSL_GUARDED_BY(lazy_mu);
+  absl::Time lazy_restored = absl::InfiniteFuture();  // the destination's restore returned
   // The first failed write of `rec`: crash recovery reads the record, so a
   // move that cannot write it is refused or rolled back while it can be.
   absl::Status record_error;

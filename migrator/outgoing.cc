@@ -1,5 +1,8 @@
 // The source side of a move: Migrate, Checkpoint, Restore (Operator) and
 // their rollback. See migrator.h for the sequence.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,6 +22,7 @@
 #include "migrator/migrator.h"
 #include "migrator/migrator_internal.h"
 #include "migrator/record_store.h"
+#include "migrator/scoped_fd.h"
 
 namespace rdmavirt::migrator {
 namespace {
@@ -513,9 +517,19 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
     if (absl::Status st = RemoveAddresses(m->rec); !st.ok())
       return Annotate(st, "removing the service addresses");
   }
-  absl::StatusOr<DumpStats> dump =
-      criu_->Dump(root, final_dir, parent, /*leave_running=*/true, /*tcp_established=*/tcp);
-  if (!dump.ok()) return Annotate(dump.status(), "final dump");
+  // A post-copy's final dump goes on serving its pages after this: ended
+  // before any error return (its destination will not come), and after
+  // the move's completion otherwise (Conclude).
+  absl::Cleanup end_lazy_dump = [&] { (void)EndLazyDump(m, /*cancel=*/true); };
+  if (request.postcopy()) {
+    r->set_postcopy(true);
+    if (absl::Status st = StartLazyDump(m, root, final_dir, parent, tcp); !st.ok())
+      return Annotate(st, "final dump (post-copy)");
+  } else {
+    absl::StatusOr<DumpStats> dump =
+        criu_->Dump(root, final_dir, parent, /*leave_running=*/true, /*tcp_established=*/tcp);
+    if (!dump.ok()) return Annotate(dump.status(), "final dump");
+  }
   // Inside the blackout each image is read once, by the stream, which
   // hashes it as it goes: the manifest lists names and sizes, the digests
   // follow the files (image_stream.h).
@@ -531,7 +545,65 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   if (absl::Status st = RestoreOnDestination(m); !st.ok()) return st;
   for (const std::unique_ptr<Move>& mm : members)
     if (absl::Status st = BringBackMember(mm.get()); !st.ok()) return st;
+  std::move(end_lazy_dump).Cancel();
   return absl::OkStatus();
+}
+
+namespace {
+
+// A TCP port free on every address of this host now (the kernel's pick
+// among the ephemeral ones); CRIU binds it a moment later.
+absl::StatusOr<int> FreeTcpPort() {
+  ScopedFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in any{};
+  any.sin_family = AF_INET;
+  socklen_t len = sizeof(any);
+  if (fd.get() < 0 || bind(fd.get(), reinterpret_cast<sockaddr*>(&any), sizeof(any)) != 0 ||
+      getsockname(fd.get(), reinterpret_cast<sockaddr*>(&any), &len) != 0)
+    return absl::ErrnoToStatus(errno, "no free TCP port");
+  return ntohs(any.sin_port);
+}
+
+}  // namespace
+
+absl::Status Migrator::StartLazyDump(Move* m, pid_t root, const std::string& dir,
+                                     const std::string& parent, bool tcp) {
+  absl::StatusOr<HostPort> dest = ParseHostPort(m->rec.destination());
+  if (!dest.ok()) return dest.status();
+  absl::StatusOr<std::string> address = options_.address_toward(dest->host);
+  if (!address.ok()) return address.status();
+  absl::StatusOr<int> port = FreeTcpPort();
+  if (!port.ok()) return port.status();
+  m->lazy_serve = LazyPages{*address, *port};
+  SetPhase(m, "dump", absl::StrCat("post-copy: its last pages served on ", *address, ":", *port));
+  m->lazy_dump = std::thread([this, m, root, dir, parent, tcp] {
+    absl::StatusOr<DumpStats> d = criu_->LazyDump(root, dir, parent, tcp, m->lazy_serve, [m] {
+      absl::MutexLock lock(&m->lazy_mu);
+      m->lazy_written = true;
+    });
+    absl::MutexLock lock(&m->lazy_mu);
+    m->lazy_status = d.status();
+    m->lazy_done = absl::Now();
+    m->lazy_ended = true;
+  });
+  absl::MutexLock lock(&m->lazy_mu);
+  m->lazy_mu.Await(absl::Condition(
+      +[](Move* x) ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->lazy_mu) {
+        return x->lazy_written || x->lazy_ended;
+      },
+      m));
+  return m->lazy_written ? absl::OkStatus() : m->lazy_status;
+}
+
+absl::Status Migrator::EndLazyDump(Move* m, bool cancel) {
+  if (!m->lazy_dump.joinable()) return absl::OkStatus();
+  if (cancel) criu_->CancelLazyDump(m->lazy_serve);
+  m->lazy_dump.join();
+  absl::MutexLock lock(&m->lazy_mu);
+  if (m->lazy_restored != absl::InfiniteFuture())
+    m->rec.mutable_report()->mutable_breakdown()->set_postcopy_us(
+        absl::ToInt64Microseconds(m->lazy_done - m->lazy_restored));
+  return m->lazy_status;
 }
 
 namespace {
@@ -668,6 +740,9 @@ absl::Status Migrator::RestoreOnDestination(Move* m) {
   m->restore_asked = true;
   v1::RestoreIncomingRequest rq;
   rq.set_migration_id(m->rec.report().migration_id());
+  if (m->lazy_dump.joinable())
+    rq.set_lazy_pages_from(
+        HostPort{m->lazy_serve.address, m->lazy_serve.port}.Target());
   v1::Transfer::StubInterface* dest = Stub(m, m->rec.destination());
   absl::StatusOr<v1::RestoreIncomingResponse> restored = Rpc<v1::RestoreIncomingResponse>(
       options_.hello_timeout + options_.rpc_timeout * 4,
@@ -676,6 +751,7 @@ absl::Status Migrator::RestoreOnDestination(Move* m) {
         return dest->RestoreIncoming(c, rq, out);
       });
   if (!restored.ok()) return restored.status();
+  m->lazy_restored = absl::Now();
   b->set_criu_restore_us(restored->criu_restore_us());
   b->set_rdma_restore_us(restored->rdma_restore_us());
   m->rec.set_confirmed(true);
@@ -708,6 +784,18 @@ absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peer
   v1::MigrationReport* r = m->rec.mutable_report();
   r->mutable_breakdown()->set_reconnect_us(MicrosSince(c0));
   r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
+  // Post-copy: the source copy serves the destination's last pages until
+  // they have all gone; past the restore nothing can bring it back.
+  absl::Status pages = absl::OkStatus();
+  if (m->lazy_dump.joinable()) {
+    SetPhase(m, "postcopy", absl::StrCat(m->rec.destination(), " takes the last pages"));
+    pages = EndLazyDump(m, /*cancel=*/false);
+    if (!pages.ok())
+      pages = Annotate(pages, absl::StrCat("post-copy: the process is lost (its copy on ",
+                                           m->rec.destination(),
+                                           " is killed there without its pages; the one here "
+                                           "cannot go on, its peers follow the other)"));
+  }
   SetPhase(m, "cleanup");
   // A restore elsewhere left no copy here; a move left one, stopped.
   const absl::Status killed =
@@ -718,6 +806,7 @@ absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peer
     if (e.is_directory()) std::filesystem::remove_all(e.path(), ec);
   absl::Status st = peers;
   if (!resumed.ok()) st = resumed;
+  if (!pages.ok()) st = pages;
   if (!killed.ok()) st = killed;
   if (!m->member_errors.empty())
     st = absl::UnavailableError(
@@ -1261,7 +1350,7 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   v1::RestoreIncomingResponse out;
   absl::StatusOr<pid_t> pid = RestoreFromDir(
       request.dir(), /*tcp_established=*/false, !manifest->terminal().empty(),
-      manifest->endpoint().pid(),
+      /*lazy_from=*/nullptr, manifest->endpoint().pid(),
       [&](pid_t p) {
         m->rec.set_restored_pid(p);
         m->rec.set_restored_identity(procs_->Identity(p));

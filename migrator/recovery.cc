@@ -125,7 +125,7 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record,
     }
     v1::RestoreIncomingResponse out;
     absl::StatusOr<pid_t> back = RestoreFromDir(
-        m.rec.image_dir(), tcp, !m.rec.terminal().empty(), pid,
+        m.rec.image_dir(), tcp, !m.rec.terminal().empty(), /*lazy_from=*/nullptr, pid,
         [&](pid_t p) {
           m.rec.set_restored_pid(p);
           m.rec.set_restored_identity(procs_->Identity(p));

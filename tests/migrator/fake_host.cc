@@ -497,14 +497,39 @@ void FakeHost::RestoreEndpoint(const v1::EndpointSummary& s, const std::string& 
   e.connected = false;
 }
 
+// The pages are "served" once `written` returns: the destination's fake
+// restore takes none of them.
+absl::StatusOr<DumpStats> FakeHost::LazyDump(pid_t pid, const std::string& dir,
+                                             const std::string& parent, bool tcp_established,
+                                             const LazyPages& serve,
+                                             const std::function<void()>& written) {
+  absl::StatusOr<DumpStats> d = Dump(pid, dir, parent, /*leave_running=*/true, tcp_established);
+  if (!d.ok()) return d;
+  {
+    absl::MutexLock lock(&mu_);
+    events_.push_back(absl::StrCat("serve pages on ", serve.address, ":", serve.port));
+  }
+  written();
+  absl::MutexLock lock(&mu_);
+  if (!lazy_serve_error.ok()) return lazy_serve_error;
+  return d;
+}
+
+void FakeHost::CancelLazyDump(const LazyPages& serve) {
+  absl::MutexLock lock(&mu_);
+  events_.push_back(absl::StrCat("cancel pages on ", serve.address, ":", serve.port));
+}
+
 absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_established,
-                                        bool new_terminal) {
+                                        bool new_terminal, const LazyPages* lazy_from) {
   ++restores_started;
   while (stall_restore.load()) absl::SleepFor(absl::Milliseconds(1));
   absl::MutexLock lock(&mu_);
   ++restores;
-  events_.push_back(
-      absl::StrCat("restore", tcp_established ? " tcp" : "", new_terminal ? " terminal" : ""));
+  events_.push_back(absl::StrCat(
+      "restore", tcp_established ? " tcp" : "", new_terminal ? " terminal" : "",
+      lazy_from != nullptr ? absl::StrCat(" lazy from ", lazy_from->address, ":", lazy_from->port)
+                           : ""));
   if (!restore_error.ok()) return restore_error;
   std::ifstream in(dir + "/core.img", std::ios::binary);
   std::stringstream buf;

@@ -108,6 +108,9 @@ class FakeHost final : public ShimChannel,
 
   // CRIU switches and counters.
   absl::Status check_error, predump_error, dump_error, restore_error;
+  // LazyDump fails so once the destination has restored (its pages did not
+  // all go).
+  absl::Status lazy_serve_error;
   absl::Status kill_error;  // every Kill fails with it (a task stuck in the kernel)
   int predumps = 0, dumps = 0, restores = 0;
   // While set, Restore waits (before it counts), as a slow CRIU does.
@@ -142,8 +145,12 @@ class FakeHost final : public ShimChannel,
                                     const std::string& parent) override;
   absl::StatusOr<DumpStats> Dump(pid_t pid, const std::string& dir, const std::string& parent,
                                  bool leave_running, bool tcp_established) override;
-  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established,
-                                bool new_terminal) override;
+  absl::StatusOr<DumpStats> LazyDump(pid_t pid, const std::string& dir, const std::string& parent,
+                                     bool tcp_established, const LazyPages& serve,
+                                     const std::function<void()>& written) override;
+  void CancelLazyDump(const LazyPages& serve) override;
+  absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established, bool new_terminal,
+                                const LazyPages* lazy_from) override;
   // AddressControl
   absl::StatusOr<std::string> Holder(ServiceAddress* a) override;
   absl::StatusOr<std::string> Home(const ServiceAddress& a) override;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
@@ -137,6 +138,9 @@ class Cluster {
       return v1::Transfer::NewStub(
           grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
     };
+    o.address_toward = [n](const std::string&) -> std::string {
+      return absl::StrCat("10.0.0.", n);
+    };
     o.list_devices = [this, n] {
       std::vector<v1::RdmaDevice> out;
       if (!nodes_[n].rdma) return out;
@@ -214,12 +218,13 @@ struct MoveRun {
 
 MoveRun Migrate(Cluster& c, int pid, const std::string& to,
                 const std::vector<std::string>& addresses = {}, int from = 1,
-                uint32_t max_precopy = 0) {
+                uint32_t max_precopy = 0, bool postcopy = false) {
   MoveRun run;
   v1::MigrateRequest req;
   req.set_pid(pid);
   req.set_destination(to);
   req.set_max_precopy_iterations(max_precopy);
+  req.set_postcopy(postcopy);
   for (const std::string& a : addresses) req.add_addresses(a);
   run.status = c.m(from).Migrate(req, [&](const v1::Progress& p) {
     if (p.has_report())
@@ -483,6 +488,56 @@ TEST(MigratorTest, RefusesProcessesNotUnderTheShim) {
   EXPECT_EQ(run.status.code(), absl::StatusCode::kNotFound);
   run = Migrate(c, 555, "bad host!");
   EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Post-copy: the final dump serves its pages from the source, whose
+// address the destination's restore is given; the move ends once they have
+// all gone, and only then is the source's copy killed.
+TEST(MigratorTest, APostcopyMoveRestoresWithThePagesOfTheSourcesPageServer) {
+  Cluster c("postcopy");
+  Topology(c);
+  MoveRun run = Migrate(c, 100, "h2", {}, 1, 0, /*postcopy=*/true);
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  EXPECT_TRUE(run.report.postcopy());
+  const std::vector<std::string> src = c.host(1).Events();
+  auto serve = std::find_if(src.begin(), src.end(), [](const std::string& e) {
+    return absl::StartsWith(e, "serve pages on 10.0.0.1:");
+  });
+  ASSERT_NE(serve, src.end()) << absl::StrJoin(src, ", ");
+  const std::string port = serve->substr(serve->rfind(':') + 1);
+  EXPECT_THAT(c.host(2).Events(), Contains(absl::StrCat("restore lazy from 10.0.0.1:", port)));
+  EXPECT_EQ(src.back(), "kill 100");
+  EXPECT_THAT(src, Not(Contains(HasSubstr("cancel pages"))));
+  EXPECT_THAT(run.phases, Contains("postcopy"));
+  EXPECT_FALSE(c.host(1).Exists(100));
+  EXPECT_TRUE(c.host(2).Get(100).alive);
+}
+
+// A post-copy move that fails before the destination restored anything
+// ends the source's page server and rolls back as any move; one whose
+// pages do not all reach the destination after the restore says the
+// process is lost.
+TEST(MigratorTest, APostcopyMoveRollsBackBeforeTheRestoreAndSaysSoAfter) {
+  {
+    Cluster c("postcopy-back");
+    Topology(c);
+    c.host(2).restore_error = absl::InternalError("restore failed");
+    MoveRun run = Migrate(c, 100, "h2", {}, 1, 0, /*postcopy=*/true);
+    EXPECT_FALSE(run.status.ok());
+    EXPECT_TRUE(run.report.rolled_back()) << run.report.error();
+    EXPECT_THAT(c.host(1).Events(), Contains(HasSubstr("cancel pages on 10.0.0.1:")));
+    EXPECT_TRUE(c.host(1).Get(100).alive);
+  }
+  Cluster c("postcopy-lost");
+  Topology(c);
+  c.host(1).lazy_serve_error = absl::UnavailableError("page server: connection reset");
+  MoveRun run = Migrate(c, 100, "h2", {}, 1, 0, /*postcopy=*/true);
+  // As any failure past the restore: in the report, not undone.
+  EXPECT_FALSE(run.report.ok());
+  EXPECT_FALSE(run.report.rolled_back());
+  EXPECT_THAT(run.report.error(), HasSubstr("post-copy: the process is lost"));
+  EXPECT_THAT(run.report.error(), HasSubstr("connection reset"));
 }
 
 // A terminal other than a pseudo-terminal (/dev/tty held open, a serial

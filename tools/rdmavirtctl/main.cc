@@ -73,7 +73,7 @@ const std::map<std::string, std::string>& CommandHelp() {
        "REG MEM (registered memory), CQ PENDING (completions held in shadow CQs).\n"},
       {"migrate",
        "usage: rdmavirtctl migrate PID --to HOST[:PORT] [--max-precopy N] [--drain-timeout-ms MS]\n"
-       "                           [--address A.B.C.D/LEN[,...]] [--wait]\n"
+       "                           [--address A.B.C.D/LEN[,...]] [--postcopy] [--wait]\n"
        "Live-migrates process PID of --host to the migrator at --to (port 7700 by\n"
        "default), with its descendants: PID or one of them must be under the shim (a\n"
        "shell, job script or MPI daemon may be PID, its RDMA programs its children;\n"
@@ -84,6 +84,12 @@ const std::map<std::string, std::string>& CommandHelp() {
        "--max-precopy N: at most N rounds of copying memory while the process runs\n"
        "(1..64; default: the migrator's, 3 unless configured); they stop early once\n"
        "a round is small, or twice in a row copies over 9/10 of the one before.\n"
+       "--postcopy: the pages dirtied since the last round are not copied while the\n"
+       "process is stopped: it runs on the destination first, which fetches each page\n"
+       "as the process touches it and the rest meanwhile (CRIU's lazy pages, over\n"
+       "CRIU's own mutual TLS), for a process that dirties memory faster than the\n"
+       "link carries it. Until the last page has gone the process needs both hosts:\n"
+       "if either fails then, the process is lost.\n"
        "--drain-timeout-ms MS: how long the shim may take to complete the sends in\n"
        "flight before the release (default: the migrator's, 10000).\n"
        "--address names IPv4 addresses of --host that belong to the process (its\n"
@@ -190,6 +196,7 @@ struct Args {
   std::vector<std::string> positional;
   std::map<std::string, std::string> options;  // --to, --dir, --on, ...
   bool leave_running = false;
+  bool postcopy = false;
   bool unsafe = false;
   bool dry_run = false;
   bool auto_pick = false;
@@ -224,6 +231,10 @@ int Parse(int argc, char** argv, Args* a) {
     }
     if (arg == "--leave-running") {
       a->leave_running = true;
+      continue;
+    }
+    if (arg == "--postcopy") {
+      a->postcopy = true;
       continue;
     }
     if (arg == "--unsafe") {
@@ -599,6 +610,8 @@ int Main(int argc, char** argv) {
       return UsageError(absl::StrCat(args.command, " does not take ", name), args.command);
   if (args.leave_running && args.command != "checkpoint")
     return UsageError("--leave-running is for checkpoint", args.command);
+  if (args.postcopy && args.command != "migrate")
+    return UsageError("--postcopy is for migrate", args.command);
   if (args.all && args.command != "status") return UsageError("--all is for status", args.command);
 
   absl::StatusOr<migrator::HostPort> host = migrator::ParseHostPort(args.host);
@@ -624,6 +637,7 @@ int Main(int argc, char** argv) {
     if (!to.ok()) return UsageError(absl::StrCat("--to: ", to.status().message()), "migrate");
     migrate.set_pid(pid);
     migrate.set_destination(to->Target());
+    migrate.set_postcopy(args.postcopy);
     if (!opt("--max-precopy").empty()) {
       absl::StatusOr<uint32_t> n = ParseCount("--max-precopy", opt("--max-precopy"), 64);
       if (!n.ok()) return UsageError(std::string(n.status().message()), "migrate");

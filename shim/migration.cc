@@ -34,6 +34,17 @@ namespace {
 thread_local int t_control_depth = 0;
 thread_local bool t_in_step = false;
 
+// A process restored with post-copy (CRIU's lazy pages) gets the pages it
+// has not touched yet through userfaultfd, when it touches them; the
+// kernel's pinning of a memory region (ibv_reg_mr) does not wait for them
+// and fails with EFAULT. Reading each page once brings it in.
+void TouchPages(const void* addr, size_t length) {
+  constexpr uintptr_t kPage = 4096;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(addr) + length;
+  for (uintptr_t p = reinterpret_cast<uintptr_t>(addr) & ~(kPage - 1); p < end; p += kPage)
+    (void)*reinterpret_cast<const volatile char*>(p);
+}
+
 uint64_t NowUs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -888,6 +899,11 @@ Status Shim::RecreateReal(const std::string& device) {
     // Same address, same length: the memory came back where it was.
     mr->real =
         backend_->RegMr(mr->pd->real, mr->shadow.addr, mr->shadow.length, mr->iova, mr->access);
+    if (mr->real == nullptr && errno == EFAULT) {
+      TouchPages(mr->shadow.addr, mr->shadow.length);
+      mr->real =
+          backend_->RegMr(mr->pd->real, mr->shadow.addr, mr->shadow.length, mr->iova, mr->access);
+    }
     if (mr->real == nullptr)
       return Error(Code::kResourceExhausted, Errno("re-registering a memory region", errno));
     mrs_.Set(mr->slot, mr->shadow.lkey, mr->real->lkey);

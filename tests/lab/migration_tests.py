@@ -297,6 +297,41 @@ def integrity_survives_live_migrations_and_a_checkpoint():
 
 
 @lab_test
+@logs_on_failure("postcopy")
+def integrity_survives_a_postcopy_move():
+    """P moves host1 -> host2 with --postcopy: the pages it dirtied since
+    the last pre-copy round, its ballast's and the canvas cells Q wrote into
+    it, are not in its final dump; P runs on host2 first and CRIU's
+    lazy-pages daemon fetches them from host1's page server (CRIU's TLS) as
+    P touches them, and the rest meanwhile (the shim's re-registration of
+    P's memory among them). Every message, every canvas byte and the
+    ballast are checked at the end, and the source copy is gone only once
+    its last page has."""
+    ensure_daemons()
+    qpid, ppid = start_pair("postcopy", 3000, ballast_mib=16, canvas_mib=2)
+    r, rep = ctl(1, f"migrate {ppid} --to {ip(2)} --postcopy")
+    check(r.rc == 0, "migrate P host1 -> host2 with post-copy", r)
+    check_report(rep, "migrate P with post-copy")
+    bd = rep.get("breakdown", {})
+    print("P host1->host2 (post-copy):", json.dumps(bd), flush=True)
+    check(rep.get("postcopy") is True, "the report does not say post-copy", rep)
+    check(int(bd.get("postcopy_us", bd.get("postcopyUs", 0))) > 0,
+          "no post-copy time in the breakdown", bd)
+    check_moved(ppid, 1, 2, "P")
+    lazy = run_ok(2, f"ls -t {STATE}/criu-logs/postcopy-*/lazy-pages.log | head -1").out.strip()
+    text = run_ok(2, f"grep -c uffd_copy {lazy}; tail -2 {lazy}").out
+    print(f"--- host2's lazy-pages daemon ({lazy}):\n{text}", flush=True)
+    check(int(text.split()[0]) > 0, "the lazy-pages daemon copied no page in", text)
+    p, q = wait_reports("postcopy")
+    check(hosts_seen(p) == ["host1", "host2"], "P's places", p["places"])
+    for side, r_, peer in (("P", p, q), ("Q", q, p)):
+        verified(side, r_, peer)
+        check(r_["canvas_peer_writes"] == r_["peer_iterations"] and
+              r_["canvas_bytes_verified"] == 2 * r_["canvas_mib"] << 20 and
+              r_["kinds"]["canvas"]["corrupted"] == 0, f"{side}'s canvas", r_)
+
+
+@lab_test
 @logs_on_failure("meet")
 def peers_brought_onto_one_host_and_apart_again_lose_nothing():
     """P moves onto Q's host (their datagrams then loop back inside rxe,

@@ -335,6 +335,8 @@ absl::Status Migrator::ReleaseEndpoint(Move* m, v1::EndpointSummary* released) {
   m->precopy_pages.Encode(m->writable_registered, kMaxFrame / 32,
                           rel.mutable_release()->mutable_known_page_addrs(),
                           rel.mutable_release()->mutable_known_page_digests());
+  // Post-copy: registered memory must be whole before its re-registration.
+  rel.mutable_release()->set_lock_registered(m->rec.report().postcopy());
   absl::StatusOr<v1::Reply> rr = Command(pid, rel, options_.rpc_timeout, "release");
   if (!rr.ok()) {
     // Released or not? Only an answer says; the rollback looks.
@@ -410,6 +412,7 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
                                                              : options_.max_precopy_iterations;
   std::string parent;
   const std::vector<Move*> all = TreeMoves(m, members);
+  for (Move* x : all) x->rec.mutable_report()->set_postcopy(request.postcopy());
   uint64_t last_round = 0;
   int flat_rounds = 0;  // in a row, each more than 9/10 of the one before
   for (uint32_t k = 1; k <= std::min(max_iter, kMaxPreDumpIterations); ++k) {
@@ -522,7 +525,6 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   // the move's completion otherwise (Conclude).
   absl::Cleanup end_lazy_dump = [&] { (void)EndLazyDump(m, /*cancel=*/true); };
   if (request.postcopy()) {
-    r->set_postcopy(true);
     if (absl::Status st = StartLazyDump(m, root, final_dir, parent, tcp); !st.ok())
       return Annotate(st, "final dump (post-copy)");
   } else {

@@ -241,6 +241,7 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
         while (b.Next()) {
           if (b.field() == 1 && b.is_bytes()) addrs = b.bytes();
           if (b.field() == 2 && b.is_bytes()) digests = b.bytes();
+          if (b.field() == 3 && b.is_varint()) out->lock_registered = b.varint() != 0;
         }
         if (!b.ok() || !out->known.Decode(addrs, digests))
           return *why = "a malformed release request (its known pages)", false;
@@ -327,7 +328,7 @@ std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endp
       st = shim->Quiesce(drain, &drained, req.has_toward ? &req.toward : nullptr);
       break;
     case Kind::kRelease:
-      st = shim->Release(req.known, &pages);
+      st = shim->Release(req.known, &pages, req.lock_registered);
       break;
     case Kind::kRestore:
       st = shim->Restore(req.device, req.peers);

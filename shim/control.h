@@ -49,6 +49,7 @@ struct ControlRequest {
   std::vector<RemoteMapping> peers;  // restore's; peer_reconnect's mappings
   bool keep_paused = false;          // peer_reconnect
   KnownPages known;                  // release: pages the destination holds
+  bool lock_registered = false;      // release: mlock registered memory (post-copy)
 };
 
 // Codec (control.cc), exposed for tests.

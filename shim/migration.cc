@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -748,7 +749,7 @@ void Shim::OweEvents(const std::vector<Cq*>& cqs) {
   }
 }
 
-Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count) {
+Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count, bool lock_registered) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!paused_) return Error(Code::kFailedPrecondition, "release needs a quiesced endpoint");
@@ -769,6 +770,14 @@ Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count) {
   epoll_regs_ = FindEpollRegistrations(EventFds());
   DestroyReal();
   DirtyPages(writable, known, count);
+  if (lock_registered) {
+    std::vector<std::pair<uintptr_t, uintptr_t>> all;
+    for (const Mr* mr : All<Mr>(Kind::kMr)) {
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(mr->shadow.addr);
+      all.emplace_back(begin, begin + mr->shadow.length);
+    }
+    locked_registered_ = LockUnlocked(all);
+  }
   released_ = true;
   // Whatever brings the endpoint back (a CRIU restore, most likely) must
   // reopen the device on an application thread; see OnAppThread.
@@ -791,6 +800,49 @@ std::vector<std::pair<uintptr_t, uintptr_t>> Shim::WritableRegisteredLocked() {
     writable.emplace_back(begin, begin + mr->shadow.length);
   }
   return writable;
+}
+
+std::vector<std::pair<uintptr_t, uintptr_t>> LockUnlocked(
+    const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
+  // The mappings the application locked itself ("lo" in their VmFlags)
+  // stay as they are, and are not unlocked after.
+  std::vector<std::pair<uintptr_t, uintptr_t>> locked;
+  if (ranges.empty()) return locked;
+  FILE* smaps = fopen("/proc/self/smaps", "re");
+  if (smaps == nullptr) {
+    LogOnce("release: /proc/self/smaps unreadable; registered memory is not locked for post-copy");
+    return locked;
+  }
+  constexpr uintptr_t kPage = 4096;
+  std::vector<std::pair<uintptr_t, uintptr_t>> vmas;  // not locked by the application
+  unsigned long lo = 0, hi = 0;
+  char line[512];
+  while (fgets(line, sizeof line, smaps) != nullptr) {
+    unsigned long a = 0, b = 0;
+    if (sscanf(line, "%lx-%lx ", &a, &b) == 2) {  // a mapping's first line
+      lo = a;
+      hi = b;
+      continue;
+    }
+    if (strncmp(line, "VmFlags:", 8) != 0) continue;
+    if (strstr(line, " lo") == nullptr) vmas.emplace_back(lo, hi);
+  }
+  fclose(smaps);
+  for (const auto& [begin, end] : ranges) {
+    for (const auto& [vlo, vhi] : vmas) {
+      const uintptr_t from = std::max<uintptr_t>(begin & ~(kPage - 1), vlo);
+      const uintptr_t to = std::min<uintptr_t>((end + kPage - 1) & ~(kPage - 1), vhi);
+      if (from >= to) continue;
+      if (mlock(reinterpret_cast<void*>(from), to - from) == 0) {
+        locked.emplace_back(from, to);
+      } else {
+        LogOnce(("release: mlock of registered memory: " + std::string(strerror(errno)) +
+                 "; it comes with post-copy's lazy pages, and is re-registered more slowly")
+                    .c_str());
+      }
+    }
+  }
+  return locked;
 }
 
 void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges, const KnownPages& known,
@@ -909,6 +961,11 @@ Status Shim::RecreateReal(const std::string& device) {
     mrs_.Set(mr->slot, mr->shadow.lkey, mr->real->lkey);
     if (mr->real->lkey != mr->shadow.lkey) KeysDiverged();
   }
+  // Registered again: the pages are pinned, the release's lock is no
+  // longer needed.
+  for (const auto& [begin, end] : locked_registered_)
+    munlock(reinterpret_cast<void*>(begin), end - begin);
+  locked_registered_.clear();
   for (Channel* ch : All<Channel>(Kind::kChannel)) {
     ch->real = backend_->CreateCompChannel(ch->ctx->real);
     if (ch->real == nullptr)
@@ -1337,13 +1394,14 @@ void Shim::ControlIdle() {
   control_cv_.notify_all();
 }
 
-Status Shim::Release(const KnownPages& known, DirtyCount* count) {
+Status Shim::Release(const KnownPages& known, DirtyCount* count, bool lock_registered) {
   // The step may still run on an application thread after a timeout here:
   // it owns what it uses.
   auto pages = std::make_shared<const KnownPages>(known);
   auto counted = std::make_shared<DirtyCount>();
-  const Status st =
-      OnAppThread("release", [this, pages, counted] { return ReleaseNow(*pages, counted.get()); });
+  const Status st = OnAppThread("release", [this, pages, counted, lock_registered] {
+    return ReleaseNow(*pages, counted.get(), lock_registered);
+  });
   if (st.ok() && count != nullptr) *count = *counted;
   return st;
 }

@@ -81,6 +81,13 @@ struct DirtyCount {
 void DirtyPages(const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges,
                 const KnownPages& known = KnownPages(), DirtyCount* count = nullptr);
 
+// Locks (mlock) the pages of `ranges` that lie in mappings the process has
+// not locked itself; returns what it locked, page-aligned (migration.cc;
+// a post-copy's release: CRIU dumps locked memory whole rather than as
+// lazy pages). What mlock refuses (RLIMIT_MEMLOCK) stays unlocked, said once.
+std::vector<std::pair<uintptr_t, uintptr_t>> LockUnlocked(
+    const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges);
+
 }  // namespace rdmavirt::shim
 
 #endif  // RDMAVIRT_SHIM_MIGRATION_H_

@@ -145,7 +145,12 @@ class Shim {
   // mapped or open, so CRIU can dump the process). Registered pages are
   // marked for the dump (DirtyPages) but those in `known` whose content
   // has not changed; `count`, when given, says how many of each.
-  Status Release(const KnownPages& known = KnownPages(), DirtyCount* count = nullptr);
+  // `lock_registered` (post-copy): the registered memory is then locked
+  // (mlock) where the application had not locked it, so that CRIU dumps it
+  // whole instead of leaving it to its lazy pages; the restore unlocks it
+  // once re-registered.
+  Status Release(const KnownPages& known = KnownPages(), DirtyCount* count = nullptr,
+                 bool lock_registered = false);
   // The registered memory the HCA may write ([begin, end) of each MR with
   // local or remote write or atomic access): what a release marks.
   std::vector<std::pair<uintptr_t, uintptr_t>> WritableRegistered();
@@ -251,7 +256,7 @@ class Shim {
   template <typename T>
   std::vector<T*> All(Kind kind) const;  // requires mu_
   void DestroyReal();                    // requires mu_
-  Status ReleaseNow(const KnownPages& known, DirtyCount* count);
+  Status ReleaseNow(const KnownPages& known, DirtyCount* count, bool lock_registered);
   std::vector<std::pair<uintptr_t, uintptr_t>> WritableRegisteredLocked();  // requires mu_
   Status RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers);
   Status ResumeNow();
@@ -405,6 +410,8 @@ class Shim {
   // Where the application had registered EventFds() in its epoll sets, from
   // the release to the restore (epoll_regs.h).
   std::vector<EpollRegistration> epoll_regs_;
+  // What a post-copy's release locked, unlocked by the restore ([begin, end)).
+  std::vector<std::pair<uintptr_t, uintptr_t>> locked_registered_;
   bool moved_ = false;  // re-created at least once: GIDs differ from the port's
   bool endpoint_gid_known_ = false;
   uint8_t endpoint_port_ = 0;

@@ -9,11 +9,13 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "shim/migration.h"
 #include "shim/shim.h"
 
 namespace rdmavirt::shim {
@@ -119,6 +121,53 @@ TEST(DirtyPagesTest, PagesTheDestinationHoldsUnchangedAreLeftAlone) {
   munmap(mem, kPages * page);
   // The counts were checked; the bits could not be.
   if (!tracks) GTEST_SKIP() << "this kernel does not track soft-dirty bits";
+}
+
+// Whether /proc/self/smaps says the mapping holding `p` is locked.
+bool Locked(const void* p) {
+  FILE* f = fopen("/proc/self/smaps", "re");
+  if (f == nullptr) return false;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  bool in = false, locked = false;
+  char line[512];
+  while (fgets(line, sizeof line, f) != nullptr) {
+    unsigned long lo = 0, hi = 0;
+    if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2) {
+      in = a >= lo && a < hi;
+      continue;
+    }
+    if (in && strncmp(line, "VmFlags:", 8) == 0) locked = strstr(line, " lo") != nullptr;
+  }
+  fclose(f);
+  return locked;
+}
+
+// A post-copy's release locks registered memory so that CRIU dumps it whole;
+// what the application locked itself is neither locked again nor listed
+// (the restore unlocks only what is listed).
+TEST(LockUnlockedTest, LocksTheRangesButWhatTheApplicationLockedItself) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  uint8_t* mine = AnonPages(4);
+  uint8_t* apps = AnonPages(2);
+  ASSERT_NE(mine, nullptr);
+  ASSERT_NE(apps, nullptr);
+  if (mlock(apps, 2 * page) != 0) GTEST_SKIP() << "mlock refused here (RLIMIT_MEMLOCK)";
+  // Two pages of `mine` from the middle of a page on, and all of `apps`.
+  const uintptr_t from = reinterpret_cast<uintptr_t>(mine) + page + 100;
+  const std::vector<std::pair<uintptr_t, uintptr_t>> locked = LockUnlocked(
+      {{from, from + page}, {reinterpret_cast<uintptr_t>(apps), reinterpret_cast<uintptr_t>(apps) + 2 * page}});
+  ASSERT_EQ(locked.size(), 1u);
+  EXPECT_EQ(locked[0].first, reinterpret_cast<uintptr_t>(mine) + page);
+  EXPECT_EQ(locked[0].second, reinterpret_cast<uintptr_t>(mine) + 3 * page);
+  EXPECT_TRUE(Locked(mine + page));
+  EXPECT_TRUE(Locked(mine + 2 * page));
+  EXPECT_FALSE(Locked(mine));
+  EXPECT_FALSE(Locked(mine + 3 * page));
+  EXPECT_TRUE(Locked(apps));
+  munlock(mine, 4 * page);
+  munlock(apps, 2 * page);
+  munmap(mine, 4 * page);
+  munmap(apps, 2 * page);
 }
 
 }  // namespace

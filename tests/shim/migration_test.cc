@@ -369,6 +369,24 @@ TEST_F(MigrationTest, AFailedRestoreLeavesNothingAndCanBeRetried) {
   ASSERT_TRUE(p_.Resume().ok());
 }
 
+// Post-copy: a memory region whose pages userfaultfd has not filled yet
+// cannot be pinned (EFAULT); the restore brings its pages in and registers
+// it again, and the move goes on (without the retry, the restore fails
+// with "Bad address"). The release of a post-copy locks the registered
+// memory; the restore unlocks it.
+TEST_F(MigrationTest, ARegionWhosePagesAreNotInYetIsRegisteredOnceTheyAre) {
+  Connect();
+  uint32_t drained = 0;
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  ASSERT_TRUE(p_.Release(KnownPages(), nullptr, /*lock_registered=*/true).ok());
+  fake_.FailNext(FakeBackend::Op::kRegMr, EFAULT);
+  ASSERT_TRUE(p_.Restore("", {}).ok());
+  ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+  ASSERT_TRUE(p_.Resume().ok());
+  ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "after"), 0);
+}
+
 TEST_F(MigrationTest, StepsOutOfOrderAreRefused) {
   Connect();
   EXPECT_EQ(p_.Release().code, Code::kFailedPrecondition) << "release before quiesce";

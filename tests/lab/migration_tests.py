@@ -300,13 +300,13 @@ def integrity_survives_live_migrations_and_a_checkpoint():
 @logs_on_failure("postcopy")
 def integrity_survives_a_postcopy_move():
     """P moves host1 -> host2 with --postcopy: the pages it dirtied since
-    the last pre-copy round, its ballast's and the canvas cells Q wrote into
-    it, are not in its final dump; P runs on host2 first and CRIU's
-    lazy-pages daemon fetches them from host1's page server (CRIU's TLS) as
-    P touches them, and the rest meanwhile (the shim's re-registration of
-    P's memory among them). Every message, every canvas byte and the
-    ballast are checked at the end, and the source copy is gone only once
-    its last page has."""
+    the last pre-copy round are not in its final dump; P runs on host2
+    first and CRIU's lazy-pages daemon fetches them from host1's page server
+    (CRIU's TLS) as P touches them, and the rest meanwhile. Its registered
+    memory (the canvas Q RDMA-WRITEs into all along among it) is locked by
+    the release, so CRIU dumps it whole and the shim can register it again
+    at once. Every message, every canvas byte and the ballast are checked at
+    the end, and the source copy is gone only once its last page has."""
     ensure_daemons()
     qpid, ppid = start_pair("postcopy", 3000, ballast_mib=16, canvas_mib=2)
     r, rep = ctl(1, f"migrate {ppid} --to {ip(2)} --postcopy")
@@ -324,6 +324,7 @@ def integrity_survives_a_postcopy_move():
     check(int(text.split()[0]) > 0, "the lazy-pages daemon copied no page in", text)
     p, q = wait_reports("postcopy")
     check(hosts_seen(p) == ["host1", "host2"], "P's places", p["places"])
+    check(p["ballast_pages_verified"] == 16 * 256, "P's ballast not verified", p)
     for side, r_, peer in (("P", p, q), ("Q", q, p)):
         verified(side, r_, peer)
         check(r_["canvas_peer_writes"] == r_["peer_iterations"] and

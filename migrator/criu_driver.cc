@@ -371,6 +371,33 @@ struct DumpArgs {
   bool tcp_established;
 };
 
+// Runs `args` (args[0] is the program's path) with /dev/null as its
+// standard files, `fd_as_3` (if not -1) as its fd 3 (a dup2 clears
+// close-on-exec), and no signal of this daemon's mask blocked; its pid.
+absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& args, int fd_as_3 = -1) {
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  absl::Cleanup fa_done = [&] { posix_spawn_file_actions_destroy(&fa); };
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDWR, 0);
+  posix_spawn_file_actions_adddup2(&fa, 0, 1);
+  posix_spawn_file_actions_adddup2(&fa, 0, 2);
+  if (fd_as_3 >= 0) posix_spawn_file_actions_adddup2(&fa, fd_as_3, 3);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  absl::Cleanup attr_done = [&] { posix_spawnattr_destroy(&attr); };
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+  pid_t pid = 0;
+  const int err = posix_spawn(&pid, args[0].c_str(), &fa, &attr, argv.data(), environ);
+  if (err != 0) return absl::ErrnoToStatus(err, absl::StrCat("cannot start ", args[0]));
+  return pid;
+}
+
 // rdmavirt-terminal: beside this program (a build tree, or an installed
 // migrator), else the installed one; "" if neither.
 std::string TerminalKeeperPath() {
@@ -401,31 +428,13 @@ absl::StatusOr<ScopedFd> StartTerminalKeeper(const std::string& criu, const std:
     return absl::ErrnoToStatus(errno, "socketpair for criu swrk");
   ScopedFd ours(sv[0]);
   ScopedFd theirs(sv[1]);
-  // Its end becomes fd 3 in the keeper (a dup2 clears close-on-exec); its
-  // standard files are /dev/null until it makes its terminal; no signal of
-  // this daemon's mask stays blocked in it.
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  absl::Cleanup fa_done = [&] { posix_spawn_file_actions_destroy(&fa); };
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDWR, 0);
-  posix_spawn_file_actions_adddup2(&fa, 0, 1);
-  posix_spawn_file_actions_adddup2(&fa, 0, 2);
-  posix_spawn_file_actions_adddup2(&fa, theirs.get(), 3);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  absl::Cleanup attr_done = [&] { posix_spawnattr_destroy(&attr); };
-  sigset_t none;
-  sigemptyset(&none);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
-  const char* argv[] = {keeper.c_str(), "--swrk-fd", "3",         "--criu",
-                        criu.c_str(),   "--log",     log.c_str(), nullptr};
-  pid_t pid = 0;
-  const int err = posix_spawn(&pid, keeper.c_str(), &fa, &attr, const_cast<char**>(argv), environ);
-  if (err != 0) return absl::ErrnoToStatus(err, absl::StrCat("cannot start ", keeper));
+  // Its end becomes fd 3 in the keeper.
+  absl::StatusOr<pid_t> pid = Spawn({keeper, "--swrk-fd", "3", "--criu", criu, "--log", log},
+                                    theirs.get());
+  if (!pid.ok()) return pid.status();
   theirs = ScopedFd();
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  while (waitpid(*pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     return absl::InternalError(absl::StrCat(keeper, " failed to start (see ", log, ")"));
@@ -675,31 +684,6 @@ absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir, bool tcp_estab
 namespace rdmavirt::migrator {
 namespace {
 
-// Runs CRIU with `args` (args[0] is its path), /dev/null as its standard
-// files and no signal blocked; its pid.
-absl::StatusOr<pid_t> SpawnCriu(const std::vector<std::string>& args) {
-  std::vector<char*> argv;
-  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  absl::Cleanup fa_done = [&] { posix_spawn_file_actions_destroy(&fa); };
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDWR, 0);
-  posix_spawn_file_actions_adddup2(&fa, 0, 1);
-  posix_spawn_file_actions_adddup2(&fa, 0, 2);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  absl::Cleanup attr_done = [&] { posix_spawnattr_destroy(&attr); };
-  sigset_t none;
-  sigemptyset(&none);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
-  pid_t pid = 0;
-  const int err = posix_spawn(&pid, args[0].c_str(), &fa, &attr, argv.data(), environ);
-  if (err != 0) return absl::ErrnoToStatus(err, absl::StrCat("cannot start ", args[0]));
-  return pid;
-}
-
 // Whether a TCP socket of this host listens on `port`.
 bool ListeningOn(int port) {
   for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
@@ -763,7 +747,7 @@ absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& di
   if (tcp_established) Append(&args, {"--tcp-established", "--network-lock", "nftables"});
   Append(&args, TlsArgs(tls_dir));
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<pid_t> criu = SpawnCriu(args);
+  absl::StatusOr<pid_t> criu = Spawn(args);
   if (!criu.ok()) return criu.status();
   // CRIU listens for the destination once every other image is written.
   for (;;) {
@@ -834,7 +818,7 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
                                      from.address, "--port", std::to_string(from.port), "-D",
                                      dir,    "-W", work, "-o", "lazy-pages.log", "-v4"};
   Append(&daemon, TlsArgs(tls_dir));
-  absl::StatusOr<pid_t> d = SpawnCriu(daemon);
+  absl::StatusOr<pid_t> d = Spawn(daemon);
   if (!d.ok()) return d.status();
   out.pages_daemon = *d;
   absl::Cleanup stop_daemon = [&] {
@@ -859,7 +843,7 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
   Append(&restore, CommonArgs(work, "restore.log"));
   Append(&restore, {"--restore-detached", "--lazy-pages", "--pidfile", pidfile});
   if (tcp_established) Append(&restore, {"--tcp-established", "--network-lock", "nftables"});
-  absl::StatusOr<pid_t> r = SpawnCriu(restore);
+  absl::StatusOr<pid_t> r = Spawn(restore);
   if (!r.ok()) return r.status();
   if (WaitCriu(*r) != 0)
     return CriuFailure(Call::kRestore, -EBADE, 0,

@@ -124,9 +124,10 @@ absl::StatusOr<std::string> LocalAddressToward(const std::string& host) {
         getsockname(fd.get(), reinterpret_cast<sockaddr*>(&local), &len) != 0)
       continue;
     char text[INET6_ADDRSTRLEN] = {};
-    const void* a = local.ss_family == AF_INET
-                        ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-                        : &reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr;
+    const void* a =
+        local.ss_family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+            : &reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr;
     if (inet_ntop(local.ss_family, a, text, sizeof(text)) != nullptr) return std::string(text);
   }
   return absl::UnavailableError(absl::StrCat("no route from this host to ", host));

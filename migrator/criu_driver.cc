@@ -429,8 +429,8 @@ absl::StatusOr<ScopedFd> StartTerminalKeeper(const std::string& criu, const std:
   ScopedFd ours(sv[0]);
   ScopedFd theirs(sv[1]);
   // Its end becomes fd 3 in the keeper.
-  absl::StatusOr<pid_t> pid = Spawn({keeper, "--swrk-fd", "3", "--criu", criu, "--log", log},
-                                    theirs.get());
+  absl::StatusOr<pid_t> pid =
+      Spawn({keeper, "--swrk-fd", "3", "--criu", criu, "--log", log}, theirs.get());
   if (!pid.ok()) return pid.status();
   theirs = ScopedFd();
   int status = 0;
@@ -663,9 +663,9 @@ absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir, bool tcp_estab
                                   absl::StrCat("restore from ", dir, " failed"),
                                   absl::StrCat(log_dir_, "/", log_name));
     if (!terminal_log.empty())
-      st = absl::Status(st.code(), absl::StrCat(st.message(), "; the terminal keeper's log (",
-                                                terminal_log, "): ",
-                                                absl::StrJoin(ReadLog(terminal_log).tail, "\n")));
+      st = absl::Status(st.code(),
+                        absl::StrCat(st.message(), "; the terminal keeper's log (", terminal_log,
+                                     "): ", absl::StrJoin(ReadLog(terminal_log).tail, "\n")));
     return st;
   }
   if (!terminal_log.empty()) {
@@ -706,14 +706,23 @@ bool ListeningOn(int port) {
 // not checked: the source listens on one of its addresses and the
 // destination's certificate names another host; the chain is (ca.pem).
 std::vector<std::string> TlsArgs(const std::string& tls_dir) {
-  return {"--tls",     "--tls-cacert",         tls_dir + "/ca.pem", "--tls-cert",
-          tls_dir + "/host.pem", "--tls-key", tls_dir + "/host.key", "--tls-no-cn-verify"};
+  return {
+      "--tls",     "--tls-cacert",        tls_dir + "/ca.pem", "--tls-cert", tls_dir + "/host.pem",
+      "--tls-key", tls_dir + "/host.key", "--tls-no-cn-verify"};
 }
 
 // What NewOpts gives libcriu's calls, on CRIU's command line.
 std::vector<std::string> CommonArgs(const std::string& work_dir, const std::string& log_name) {
-  return {"-W",           work_dir,       "-o",          log_name,     "-v4",
-          "--shell-job",  "--file-locks", "--manage-cgroups=soft", "--ghost-limit", "1G"};
+  return {"-W",
+          work_dir,
+          "-o",
+          log_name,
+          "-v4",
+          "--shell-job",
+          "--file-locks",
+          "--manage-cgroups=soft",
+          "--ghost-limit",
+          "1G"};
 }
 
 void Append(std::vector<std::string>* to, const std::vector<std::string>& more) {
@@ -743,7 +752,8 @@ absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& di
   Append(&args, CommonArgs(log_dir_, log_name));
   Append(&args, {"--leave-running", "--lazy-pages", "--address", serve.address, "--port",
                  std::to_string(serve.port)});
-  if (!plan->parent_rel.empty()) Append(&args, {"--track-mem", "--prev-images-dir", plan->parent_rel});
+  if (!plan->parent_rel.empty())
+    Append(&args, {"--track-mem", "--prev-images-dir", plan->parent_rel});
   if (tcp_established) Append(&args, {"--tcp-established", "--network-lock", "nftables"});
   Append(&args, TlsArgs(tls_dir));
   const auto start = std::chrono::steady_clock::now();
@@ -755,7 +765,8 @@ absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& di
     int status = 0;
     if (waitpid(*criu, &status, WNOHANG) == *criu)
       return CriuFailure(Call::kDump, -EBADE, 0,
-                         absl::StrCat("lazy dump of pid ", pid, " into ", dir, " failed"), log_path);
+                         absl::StrCat("lazy dump of pid ", pid, " into ", dir, " failed"),
+                         log_path);
     usleep(20 * 1000);
   }
   CriuResult result;
@@ -774,7 +785,8 @@ absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& di
   result.elapsed_us = ElapsedUs(start);
   if (status != 0)
     return CriuFailure(Call::kDump, -EBADE, 0,
-                       absl::StrCat("lazy dump of pid ", pid, ": its pages did not all reach "
+                       absl::StrCat("lazy dump of pid ", pid,
+                                    ": its pages did not all reach "
                                     "the destination's lazy-pages daemon"),
                        log_path);
   return result;
@@ -814,9 +826,20 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
   if (absl::Status s = MakeDir(work, 0700); !s.ok()) return s;
   LazyRestored out;
   out.daemon_log = work + "/lazy-pages.log";
-  std::vector<std::string> daemon = {criu,   "lazy-pages", "--page-server", "--address",
-                                     from.address, "--port", std::to_string(from.port), "-D",
-                                     dir,    "-W", work, "-o", "lazy-pages.log", "-v4"};
+  std::vector<std::string> daemon = {criu,
+                                     "lazy-pages",
+                                     "--page-server",
+                                     "--address",
+                                     from.address,
+                                     "--port",
+                                     std::to_string(from.port),
+                                     "-D",
+                                     dir,
+                                     "-W",
+                                     work,
+                                     "-o",
+                                     "lazy-pages.log",
+                                     "-v4"};
   Append(&daemon, TlsArgs(tls_dir));
   absl::StatusOr<pid_t> d = Spawn(daemon);
   if (!d.ok()) return d.status();
@@ -833,8 +856,8 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
     if (i > 1500 || waitpid(out.pages_daemon, &status, WNOHANG) == out.pages_daemon)
       return CriuFailure(Call::kRestore, -EBADE, 0,
                          absl::StrCat("CRIU's lazy-pages daemon for ", dir,
-                                      " did not start (the source's page server at ",
-                                      from.address, ":", from.port, ")"),
+                                      " did not start (the source's page server at ", from.address,
+                                      ":", from.port, ")"),
                          out.daemon_log);
     usleep(20 * 1000);
   }
@@ -851,7 +874,8 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
                        work + "/restore.log");
   std::ifstream in(pidfile);
   if (!(in >> out.pid) || out.pid <= 0)
-    return absl::InternalError(absl::StrCat("CRIU restored ", dir, " but wrote no pid to ", pidfile));
+    return absl::InternalError(
+        absl::StrCat("CRIU restored ", dir, " but wrote no pid to ", pidfile));
   std::move(stop_daemon).Cancel();
   return out;
 }

@@ -264,8 +264,8 @@ class Migrator {
   // (Move::lazy_dump), serving its pages on an address of this host that
   // the destination reaches; returns once its images are written, or with
   // its error.
-  absl::Status StartLazyDump(Move* m, pid_t root, const std::string& dir,
-                             const std::string& parent, bool tcp);
+  absl::Status StartLazyDump(Move* m, pid_t root, const std::string& dir, const std::string& parent,
+                             bool tcp);
   // Waits for a post-copy's final dump to end (after `cancel`ling its page
   // server when its destination will not come) and returns what it
   // returned; OK without one.

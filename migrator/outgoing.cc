@@ -430,7 +430,8 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
     // Names and sizes: the stream hashes the files as it sends them.
     absl::StatusOr<std::vector<v1::ImageFile>> files = ListImages(dir);
     if (!files.ok()) return files.status();
-    const v1::Manifest manifest = MakeManifest(id, m->rec.endpoint(), *files, options_.host_name, m->rec.terminal());
+    const v1::Manifest manifest =
+        MakeManifest(id, m->rec.endpoint(), *files, options_.host_name, m->rec.terminal());
     SetPhase(m, "precopy", absl::StrCat("iteration ", k, ": ", SumSizes(*files), " bytes"));
     const uint64_t before = r->bytes_moved();
     absl::StatusOr<uint64_t> sent =
@@ -537,7 +538,8 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
   // follow the files (image_stream.h).
   absl::StatusOr<std::vector<v1::ImageFile>> files = ListImages(final_dir);
   if (!files.ok()) return files.status();
-  const v1::Manifest listed = MakeManifest(id, released, *files, options_.host_name, m->rec.terminal());
+  const v1::Manifest listed =
+      MakeManifest(id, released, *files, options_.host_name, m->rec.terminal());
   m->rec.set_dumped(true);
   b->set_final_dump_us(MicrosSince(d0));
 
@@ -590,9 +592,8 @@ absl::Status Migrator::StartLazyDump(Move* m, pid_t root, const std::string& dir
   });
   absl::MutexLock lock(&m->lazy_mu);
   m->lazy_mu.Await(absl::Condition(
-      +[](Move* x) ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->lazy_mu) {
-        return x->lazy_written || x->lazy_ended;
-      },
+      +[](Move* x)
+           ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->lazy_mu) { return x->lazy_written || x->lazy_ended; },
       m));
   return m->lazy_written ? absl::OkStatus() : m->lazy_status;
 }
@@ -743,8 +744,7 @@ absl::Status Migrator::RestoreOnDestination(Move* m) {
   v1::RestoreIncomingRequest rq;
   rq.set_migration_id(m->rec.report().migration_id());
   if (m->lazy_dump.joinable())
-    rq.set_lazy_pages_from(
-        HostPort{m->lazy_serve.address, m->lazy_serve.port}.Target());
+    rq.set_lazy_pages_from(HostPort{m->lazy_serve.address, m->lazy_serve.port}.Target());
   v1::Transfer::StubInterface* dest = Stub(m, m->rec.destination());
   absl::StatusOr<v1::RestoreIncomingResponse> restored = Rpc<v1::RestoreIncomingResponse>(
       options_.hello_timeout + options_.rpc_timeout * 4,
@@ -793,10 +793,10 @@ absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peer
     SetPhase(m, "postcopy", absl::StrCat(m->rec.destination(), " takes the last pages"));
     pages = EndLazyDump(m, /*cancel=*/false);
     if (!pages.ok())
-      pages = Annotate(pages, absl::StrCat("post-copy: the process is lost (its copy on ",
-                                           m->rec.destination(),
-                                           " is killed there without its pages; the one here "
-                                           "cannot go on, its peers follow the other)"));
+      pages = Annotate(
+          pages, absl::StrCat("post-copy: the process is lost (its copy on ", m->rec.destination(),
+                              " is killed there without its pages; the one here "
+                              "cannot go on, its peers follow the other)"));
   }
   SetPhase(m, "cleanup");
   // A restore elsewhere left no copy here; a move left one, stopped.
@@ -1217,9 +1217,8 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
       if (!files.ok())
         st = files.status();
       else {
-        st = WriteManifest(request.dir(),
-                           MakeManifest(r->migration_id(), released, *files,
-                                        options_.host_name, m->rec.terminal()));
+        st = WriteManifest(request.dir(), MakeManifest(r->migration_id(), released, *files,
+                                                       options_.host_name, m->rec.terminal()));
         r->set_bytes_moved(SumSizes(*files));
       }
     }

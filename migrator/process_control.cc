@@ -176,8 +176,8 @@ class RealProcessControl final : public ProcessControl {
     const dev_t ctty = ControllingTerminal(pid);
     if (ctty == 0 || movable(ctty) || seen.contains(ctty)) return out;
     out.push_back(PtsIndex(ctty) >= 0 ? absl::StrCat("/dev/pts/", PtsIndex(ctty))
-                                      : absl::StrCat("a controlling terminal (device ",
-                                                     major(ctty), ":", minor(ctty), ")"));
+                                      : absl::StrCat("a controlling terminal (device ", major(ctty),
+                                                     ":", minor(ctty), ")"));
     return out;
   }
 

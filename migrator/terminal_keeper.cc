@@ -82,8 +82,8 @@ bool Reap(pid_t criu, int log, bool block) {
     const pid_t p = waitpid(-1, &status, block ? 0 : WNOHANG);
     if (p == 0) return true;
     if (p < 0) return errno == EINTR;
-    const std::string who = p == criu ? "criu (" + std::to_string(p) + ")"
-                                      : "process " + std::to_string(p);
+    const std::string who =
+        p == criu ? "criu (" + std::to_string(p) + ")" : "process " + std::to_string(p);
     if (WIFEXITED(status))
       Say(log, who + " exited with status " + std::to_string(WEXITSTATUS(status)));
     else if (WIFSIGNALED(status))

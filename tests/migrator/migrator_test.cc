@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -551,9 +551,10 @@ TEST(MigratorTest, RefusesATerminalCriuCannotGiveBackBeforeQuiescingAnything) {
     c.host(1).SetTerminal(100, held);
     MoveRun run = Migrate(c, 100, "h2");
     EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
-    EXPECT_THAT(std::string(run.status.message()),
-                HasSubstr(absl::StrCat("process 100 holds the terminal ",
-                                       absl::StrContains(held, ",") ? strchr(held, ',') + 1 : held)));
+    EXPECT_THAT(
+        std::string(run.status.message()),
+        HasSubstr(absl::StrCat("process 100 holds the terminal ",
+                               absl::StrContains(held, ",") ? strchr(held, ',') + 1 : held)));
     EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
     EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
     EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());

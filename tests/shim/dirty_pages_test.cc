@@ -155,7 +155,8 @@ TEST(LockUnlockedTest, LocksTheRangesButWhatTheApplicationLockedItself) {
   // Two pages of `mine` from the middle of a page on, and all of `apps`.
   const uintptr_t from = reinterpret_cast<uintptr_t>(mine) + page + 100;
   const std::vector<std::pair<uintptr_t, uintptr_t>> locked = LockUnlocked(
-      {{from, from + page}, {reinterpret_cast<uintptr_t>(apps), reinterpret_cast<uintptr_t>(apps) + 2 * page}});
+      {{from, from + page},
+       {reinterpret_cast<uintptr_t>(apps), reinterpret_cast<uintptr_t>(apps) + 2 * page}});
   ASSERT_EQ(locked.size(), 1u);
   EXPECT_EQ(locked[0].first, reinterpret_cast<uintptr_t>(mine) + page);
   EXPECT_EQ(locked[0].second, reinterpret_cast<uintptr_t>(mine) + 3 * page);

@@ -15,6 +15,7 @@ _loader = importlib.machinery.SourceFileLoader("soak", os.path.join(ROOT, "tools
 _spec = importlib.util.spec_from_loader("soak", _loader)
 soak = importlib.util.module_from_spec(_spec)
 _loader.exec_module(soak)
+import migration_tests  # noqa: E402  (the lab tests' rule for both sides)
 
 
 def tally(lost=0):
@@ -83,6 +84,32 @@ class SoakRules(unittest.TestCase):
             rep = copy.deepcopy(base)
             rep[key] = value
             self.assertIsNone(soak.report_ok(rep, SENDER), key)
+
+
+class BothSides(unittest.TestCase):
+    """The lab tests judge each side by its own report and by what its peer
+    said of it (migration_tests.side_ok): a datagram of P's that the fabric
+    dropped on its way to Q is an error in Q's count, which P's report
+    carries as peer_errors; that one error is no fault of P's. (A lab test
+    failed so: Q's two fabric drops, allowed by report_ok, failed P.)"""
+
+    def test_the_peers_errors_for_our_dropped_datagrams_pass(self):
+        q = report([{"seq": 100, "prev": 99, "next": 101, "receiver_stayed": True}],
+                   [place("host3", 0)])
+        p = copy.deepcopy(SENDER)
+        p["peer_errors"] = 1
+        self.assertEqual(migration_tests.side_ok(p, q), [])
+        self.assertEqual(migration_tests.side_ok(q, p), [100])
+
+    def test_a_peer_error_beyond_the_dropped_datagrams_fails(self):
+        q = report([{"seq": 100, "prev": 99, "next": 101, "receiver_stayed": True}],
+                   [place("host3", 0)])
+        p = copy.deepcopy(SENDER)
+        p["peer_errors"] = 2
+        self.assertIsNone(migration_tests.side_ok(p, q))
+        q = report([], [place("host3", 0)])
+        p["peer_errors"] = 1
+        self.assertIsNone(migration_tests.side_ok(p, q))
 
 
 if __name__ == "__main__":

@@ -833,7 +833,11 @@ std::vector<std::pair<uintptr_t, uintptr_t>> LockUnlocked(
       const uintptr_t from = std::max<uintptr_t>(begin & ~(kPage - 1), vlo);
       const uintptr_t to = std::min<uintptr_t>((end + kPage - 1) & ~(kPage - 1), vhi);
       if (from >= to) continue;
-      if (mlock(reinterpret_cast<void*>(from), to - from) == 0) {
+      // On fault: the pages are there (pinned until the release) and are
+      // not touched. A plain mlock populates a writable range by writing
+      // to it, which sets every page's soft-dirty bit, and CRIU would then
+      // dump what the pre-copy holds unchanged.
+      if (mlock2(reinterpret_cast<void*>(from), to - from, MLOCK_ONFAULT) == 0) {
         locked.emplace_back(from, to);
       } else {
         LogOnce(("release: mlock of registered memory: " + std::string(strerror(errno)) +

@@ -29,6 +29,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "migrator/scoped_fd.h"
 
 extern "C" {
@@ -398,6 +399,15 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& args, int fd_as_3 = 
   return pid;
 }
 
+// The exit status of the child `pid`, -1 if a signal ended it.
+int WaitExit(pid_t pid) {
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 // rdmavirt-terminal: beside this program (a build tree, or an installed
 // migrator), else the installed one; "" if neither.
 std::string TerminalKeeperPath() {
@@ -433,10 +443,7 @@ absl::StatusOr<ScopedFd> StartTerminalKeeper(const std::string& criu, const std:
       Spawn({keeper, "--swrk-fd", "3", "--criu", criu, "--log", log}, theirs.get());
   if (!pid.ok()) return pid.status();
   theirs = ScopedFd();
-  int status = 0;
-  while (waitpid(*pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+  if (WaitExit(*pid) != 0)
     return absl::InternalError(absl::StrCat(keeper, " failed to start (see ", log, ")"));
   return ours;
 }
@@ -729,15 +736,6 @@ void Append(std::vector<std::string>* to, const std::vector<std::string>& more) 
   to->insert(to->end(), more.begin(), more.end());
 }
 
-// The exit status of CRIU's process `pid`, -1 if a signal ended it.
-int WaitCriu(pid_t pid) {
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return -1;
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
 }  // namespace
 
 absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& dir,
@@ -776,12 +774,12 @@ absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& di
         WriteSmallFile(absl::StrCat(dir, "/", kParentPathFile), plan->parent_rel + "\n");
     if (!s.ok()) {
       CancelLazyDump(serve);
-      WaitCriu(*criu);
+      WaitExit(*criu);
       return s;
     }
   }
   written();
-  const int status = WaitCriu(*criu);
+  const int status = WaitExit(*criu);
   result.elapsed_us = ElapsedUs(start);
   if (status != 0)
     return CriuFailure(Call::kDump, -EBADE, 0,
@@ -820,8 +818,8 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
   if (criu.empty()) return absl::FailedPreconditionError("criu not found on PATH");
   // The daemon and the restore meet at lazy-pages.socket in their work dir:
   // one of its own for each restore.
-  std::string work = absl::StrCat(log_dir_, "/", LogName("postcopy", 0));
-  work.resize(work.size() - 4);  // ".log"
+  const std::string work =
+      absl::StrCat(log_dir_, "/", absl::StripSuffix(LogName("postcopy", 0), ".log"));
   if (absl::Status s = MakeDir(log_dir_, 0700); !s.ok()) return s;
   if (absl::Status s = MakeDir(work, 0700); !s.ok()) return s;
   LazyRestored out;
@@ -846,7 +844,7 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
   out.pages_daemon = *d;
   absl::Cleanup stop_daemon = [&] {
     kill(out.pages_daemon, SIGKILL);
-    WaitCriu(out.pages_daemon);
+    WaitExit(out.pages_daemon);
   };
   const std::string socket_path = work + "/lazy-pages.socket";
   for (int i = 0;; ++i) {
@@ -868,7 +866,7 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
   if (tcp_established) Append(&restore, {"--tcp-established", "--network-lock", "nftables"});
   absl::StatusOr<pid_t> r = Spawn(restore);
   if (!r.ok()) return r.status();
-  if (WaitCriu(*r) != 0)
+  if (WaitExit(*r) != 0)
     return CriuFailure(Call::kRestore, -EBADE, 0,
                        absl::StrCat("restore from ", dir, " with lazy pages failed"),
                        work + "/restore.log");

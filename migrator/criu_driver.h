@@ -54,7 +54,8 @@ struct LazyRestored {
   std::string daemon_log;
 };
 
-// Drives CRIU through libcriu. Thread-compatible (one call at a time per object).
+// Drives CRIU through libcriu, and post-copy through CRIU's command line
+// (LazyDump, LazyRestore). Thread-compatible (one call at a time per object).
 //
 // Errors (each message names the call, the pid or directory, the log file
 // and ends with the log's last lines):

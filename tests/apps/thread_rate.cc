@@ -52,10 +52,6 @@ struct Run {
   std::atomic<bool> stop{false};
 };
 
-struct Counts {
-  uint64_t sends = 0;
-};
-
 void PostRecv(ibv_qp* qp, ibv_mr* mr, uint64_t id) {
   ibv_sge sge{reinterpret_cast<uintptr_t>(mr->addr), kMsg, mr->lkey};
   ibv_recv_wr wr{};
@@ -78,7 +74,7 @@ void PostSend(ibv_qp* qp, ibv_mr* mr, uint64_t id) {
   if (int rc = ibv_post_send(qp, &wr, &bad)) Die("ibv_post_send: %s", strerror(rc));
 }
 
-void Worker(Run* run, int index, Counts* out) {
+void Worker(Run* run, int index, uint64_t* sends_out) {
   const Options& o = run->o;
   const int depth = o.window + 1;
   rdmavirt::apps::Cq cq(ibv_create_cq(run->ctx, 2 * depth, nullptr, nullptr, 0));
@@ -132,7 +128,7 @@ void Worker(Run* run, int index, Counts* out) {
       }
     }
   }
-  out->sends = sends;
+  *sends_out = sends;
 }
 
 }  // namespace
@@ -182,7 +178,7 @@ int main(int argc, char** argv) {
   if (run.sgid < 0) Die("no RoCE v2 GID of an IPv4 address on %s", o.device.c_str());
   if (ibv_query_gid(ctx.get(), 1, run.sgid, &run.gid) != 0) Die("ibv_query_gid");
 
-  std::vector<Counts> counts(static_cast<size_t>(o.threads));
+  std::vector<uint64_t> counts(static_cast<size_t>(o.threads));
   std::vector<std::thread> threads;
   for (int i = 0; i < o.threads; ++i) threads.emplace_back(Worker, &run, i, &counts[i]);
   while (run.ready.load() < o.threads) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -194,8 +190,8 @@ int main(int argc, char** argv) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   uint64_t total = 0;
   for (int i = 0; i < o.threads; ++i) {
-    printf("thread %d: %llu sends\n", i, static_cast<unsigned long long>(counts[i].sends));
-    total += counts[i].sends;
+    printf("thread %d: %llu sends\n", i, static_cast<unsigned long long>(counts[i]));
+    total += counts[i];
   }
   printf("total: %llu sends in %.3f s = %.0f sends/s\n", static_cast<unsigned long long>(total), s,
          static_cast<double>(total) / s);

@@ -142,7 +142,8 @@ bool Locked(const void* p) {
   return locked;
 }
 
-// A post-copy's release locks registered memory so that CRIU dumps it whole;
+// A post-copy's release locks registered memory so that CRIU dumps it with
+// the images rather than as lazy pages;
 // what the application locked itself is neither locked again nor listed
 // (the restore unlocks only what is listed).
 TEST(LockUnlockedTest, LocksTheRangesButWhatTheApplicationLockedItself) {

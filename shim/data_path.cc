@@ -67,7 +67,9 @@ class Patches {
 // A peer's rkey: through what it published if it has moved.
 inline uint32_t PeerRkey(const Qp* qp, uint32_t rkey) {
   const RemoteEndpoint* r = qp->remote.load(std::memory_order_acquire);
-  return r != nullptr ? r->Rkey(rkey) : rkey & qp->physical_rkey_mask;
+  if (r != nullptr) [[unlikely]]
+    return r->Rkey(rkey);
+  return rkey & qp->physical_rkey_mask;
 }
 // A datagram's way to its peer: the route of the moved endpoint that owns
 // the QPN it is sent to, else the AH's own (the GID's place). No route on
@@ -84,7 +86,8 @@ inline uint32_t UdPeerQpn(const Qp* qp, const AhRoute* route, uint32_t qpn) {
 // Where the peer's rkey sits in a send WR, by opcode (0: it has none).
 constexpr std::array<uint8_t, 32> kRkeyOffset = [] {
   std::array<uint8_t, 32> a{};
-  for (const int op : {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_RDMA_READ})
+  for (const int op :
+       {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_RDMA_READ, IBV_WR_ATOMIC_WRITE})
     a[op] = offsetof(ibv_send_wr, wr.rdma.rkey);
   for (const int op : {IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD})
     a[op] = offsetof(ibv_send_wr, wr.atomic.rkey);
@@ -111,7 +114,7 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   if (!p->Fits(nsge + 2, 2)) return false;
   for (int i = 0; i < nsge; ++i) {
     uint32_t* lkey = &wr->sg_list[i].lkey;
-    p->Key(lkey, qp->mrs.ToPhysical(*lkey));
+    p->Key(lkey, qp->mrs.ToPhysicalAt(lkey));
   }
   if (uint32_t* rkey = RkeyField(wr)) p->Key(rkey, PeerRkey(qp, *rkey));
   if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
@@ -130,7 +133,7 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
 [[gnu::noinline]] int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   ibv_sge* sg = wr->sg_list;
   const uint32_t lkey = sg->lkey;
-  sg->lkey = qp->mrs.ToPhysical(lkey);
+  sg->lkey = qp->mrs.ToPhysicalAt(&sg->lkey);
   const int rc = qp->real_post_send(qp->real, wr, bad);
   sg->lkey = lkey;
   return rc;
@@ -143,7 +146,7 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   auto rkey = [wr, off] { return reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(wr) + off); };
   const uint32_t lkey = wr->sg_list->lkey;
   const uint32_t r = *rkey();
-  wr->sg_list->lkey = qp->mrs.ToPhysical(lkey);
+  wr->sg_list->lkey = qp->mrs.ToPhysicalAt(&wr->sg_list->lkey);
   *rkey() = PeerRkey(qp, r);
   const int rc = qp->real_post_send(qp->real, wr, bad);
   *rkey() = r;
@@ -183,17 +186,32 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   return 0;
 }
 
+// How one RC or UC work request with one SGE is posted on the translating
+// path, by opcode: the function that translates just what that opcode
+// carries. Opcodes past the table, and every WR of a UD QP, take the
+// chain's path.
+constexpr int kPostOneOps = 16;
+using PostOneFn = int (*)(Qp*, ibv_send_wr*, ibv_send_wr**);
+constexpr std::array<PostOneFn, kPostOneOps> kPostOneConnected = [] {
+  std::array<PostOneFn, kPostOneOps> a{};
+  for (int op = 0; op < kPostOneOps; ++op)
+    a[op] = kRkeyOffset[op] == 0 ? PostOneTranslated : PostOneTranslatedRkey;
+  for (const int op :
+       {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_RDMA_READ, IBV_WR_ATOMIC_WRITE})
+    a[op] = PostOneTranslatedRdma;
+  return a;
+}();
+constexpr std::array<PostOneFn, kPostOneOps> kPostOneDatagram = [] {
+  std::array<PostOneFn, kPostOneOps> a{};
+  a.fill(PostChainTranslated);
+  return a;
+}();
+
 [[gnu::always_inline]] inline int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1 &&
-      qp->shadow.qp_base.qp_type != IBV_QPT_UD) [[likely]] {
-    // SEND and SEND_WITH_IMM carry no rkey.
-    static_assert(IBV_WR_SEND_WITH_IMM == IBV_WR_SEND + 1);
+  if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]] {
     const uint32_t op = static_cast<uint32_t>(wr->opcode);
-    if (op - IBV_WR_SEND <= 1) return PostOneTranslated(qp, wr, bad);
-    static_assert(IBV_WR_RDMA_WRITE == 0 && IBV_WR_RDMA_WRITE_WITH_IMM == 1);
-    if (op <= IBV_WR_RDMA_WRITE_WITH_IMM || op == IBV_WR_RDMA_READ)
-      return PostOneTranslatedRdma(qp, wr, bad);
-    return PostOneTranslatedRkey(qp, wr, bad);
+    if (op < kPostOneOps) [[likely]]
+      return qp->post_one[op](qp, wr, bad);
   }
   return PostChainTranslated(qp, wr, bad);
 }
@@ -326,7 +344,7 @@ int PostRecvTranslated(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr*
     for (; wr != nullptr && p.Fits(wr->num_sge, 1) && log->Push(wr); wr = wr->next) {
       for (int i = 0; i < wr->num_sge; ++i) {
         uint32_t* lkey = &wr->sg_list[i].lkey;
-        p.Key(lkey, mrs.ToPhysical(*lkey));
+        p.Key(lkey, mrs.ToPhysicalAt(lkey));
       }
       last = wr;
     }
@@ -384,7 +402,7 @@ inline bool PostOneRecv(MrLookup mrs, RecvLog* log, Real* real,
   uint32_t lkey = 0;
   if constexpr (kTranslate) {
     lkey = wr->sg_list->lkey;
-    wr->sg_list->lkey = mrs.ToPhysical(lkey);
+    wr->sg_list->lkey = mrs.ToPhysicalAt(&wr->sg_list->lkey);
   }
   *rc = post(real, wr, bad);
   if constexpr (kTranslate) wr->sg_list->lkey = lkey;
@@ -565,16 +583,26 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 // count, an invalidated rkey, a UD sender and its GRH.
 [[gnu::noinline]] Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc);
 
-// A completion's qp_num is the local QP's physical number; src_qp (UD) is
-// the sender's; a UD receive's GRH holds physical addresses.
-inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
+// VirtualizeWc for any completion but the plain one.
+[[gnu::noinline]] Qp* VirtualizeWcSlow(const QpIndex* qps, ibv_wc* wc) {
   Qp* qp = qps->Find(wc->qp_num);
-  if (qp == nullptr) [[unlikely]]
-    return nullptr;
+  if (qp == nullptr) return nullptr;
   wc->qp_num = qp->shadow.qp_base.qp_num;
-  if (qp->plain_completions && !(wc->wc_flags & IBV_WC_WITH_INV)) [[likely]]
-    return qp;
+  if (qp->plain_completions && !(wc->wc_flags & IBV_WC_WITH_INV)) return qp;
   return VirtualizeWcRest(qp, wc);
+}
+
+// A completion's qp_num is the local QP's physical number; src_qp (UD) is
+// the sender's; a UD receive's GRH holds physical addresses. The common
+// case, a QP in its home slot whose completions carry nothing else to
+// translate, is one compare.
+inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
+  Qp* qp = qps->Home(wc->qp_num);
+  if (qp->plain_qpn == wc->qp_num && !(wc->wc_flags & IBV_WC_WITH_INV)) [[likely]] {
+    wc->qp_num = qp->shadow.qp_base.qp_num;
+    return qp;
+  }
+  return VirtualizeWcSlow(qps, wc);
 }
 
 Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc) {
@@ -1058,6 +1086,11 @@ void InstallContextOps(Context* ctx, bool pausable) {
   v.open_xrcd = OpenXrcdUnsupported;
   v.close_xrcd = CloseXrcdUnsupported;
   v.open_qp = OpenQpUnsupported;
+}
+
+void InstallSendPath(Qp* qp) {
+  qp->post_one =
+      qp->shadow.qp_base.qp_type == IBV_QPT_UD ? kPostOneDatagram.data() : kPostOneConnected.data();
 }
 
 void InstallQpExOps(Qp* qp) {

@@ -39,6 +39,9 @@ inline bool IsMarker(const Qp* qp, uint64_t wr_id) {
 // Fills a new shadow context's ops and verbs_context entry points: those
 // of a process the migrator may move (`pausable`) raise the thread's mark.
 void InstallContextOps(Context* ctx, bool pausable);
+// Chooses how a new shadow QP's single work requests are posted on the
+// translating path (by its type).
+void InstallSendPath(Qp* qp);
 // Fills a shadow QP's ibv_qp_ex function pointers where the real QP has them.
 void InstallQpExOps(Qp* qp);
 // Fills a shadow CQ's ibv_cq_ex function pointers where the real CQ has them.

@@ -626,7 +626,7 @@ void Shim::DestroyReal() {
     backend_->DestroyQp(qp->real);
     qp->real = nullptr;
     qp->real_ex = nullptr;
-    qp->physical_qpn = 0;
+    qp->SetPhysicalQpn(0);
   }
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
     if (srq->real != nullptr) backend_->DestroySrq(srq->real);
@@ -1043,7 +1043,7 @@ Status Shim::RecreateReal(const std::string& device) {
     qp->real = backend_->CreateQpEx(qp->ctx->real, &attr);
     if (qp->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_qp", errno));
     qp->real->qp_context = qp;
-    qp->physical_qpn = qp->real->qp_num;
+    qp->SetPhysicalQpn(qp->real->qp_num);
     qp->real_post_send = qp->real->context->ops.post_send;
     qp->real_post_recv = qp->real->context->ops.post_recv;
     if (qp->init.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS) {

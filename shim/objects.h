@@ -192,6 +192,9 @@ struct Qp {
   PathState path;
   int (*real_post_send)(ibv_qp*, ibv_send_wr*, ibv_send_wr**) = nullptr;
   int (*real_post_recv)(ibv_qp*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
+  // The translating path's post of one WR with one SGE, by opcode
+  // (data_path.cc: InstallSendPath).
+  int (*const* post_one)(Qp*, ibv_send_wr*, ibv_send_wr**) = nullptr;
   ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
   MrLookup mrs;                  // the shim's MR table
   IdentityMode mode;
@@ -205,6 +208,14 @@ struct Qp {
   // translate (and an invalidated rkey), nothing is counted for the drain.
   bool plain_completions = false;
   uint32_t physical_qpn = 0;
+  // physical_qpn when plain_completions, else kNoQpn: the completion
+  // path's one compare finds the QP and that it needs nothing more.
+  static constexpr uint32_t kNoQpn = ~uint32_t{0};  // QPNs have 24 bits
+  uint32_t plain_qpn = kNoQpn;
+  void SetPhysicalQpn(uint32_t qpn) {
+    physical_qpn = qpn;
+    plain_qpn = plain_completions ? qpn : kNoQpn;
+  }
   // The moved peer this QP is connected to, once one has published its
   // mapping (RC/UC; set under the shim's mutex, read on the translating path).
   std::atomic<const RemoteEndpoint*> remote{nullptr};

@@ -812,7 +812,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   qp->recv_cq = FindCq(init.recv_cq);
   qp->srq = FindSrq(init.srq);
   qp->plain_completions = qp->srq == nullptr && init.qp_type != IBV_QPT_UD;
-  qp->physical_qpn = real->qp_num;
+  qp->SetPhysicalQpn(real->qp_num);
   qp->init = init;
   if (qp->srq != nullptr) {
     qp->recvs = &qp->srq->recvs;
@@ -838,6 +838,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   InitMutexCond(&s.mutex, &s.cond);
   // Async events carry the real QP; its user context leads back here.
   real->qp_context = qp;
+  InstallSendPath(qp);
   if (qp->real_ex != nullptr) InstallQpExOps(qp);
   std::lock_guard<std::mutex> lock(mu_);
   if (!qp_index_.Insert(real->qp_num, qp)) {

@@ -2,9 +2,23 @@
 
 namespace rdmavirt::shim {
 
+Qp* QpIndex::Empty() {
+  static Qp* const empty = [] {
+    Qp* qp = new Qp();  // never freed: slots may point at it until exit
+    qp->physical_qpn = Qp::kNoQpn;
+    qp->plain_qpn = Qp::kNoQpn;
+    return qp;
+  }();
+  return empty;
+}
+
+QpIndex::QpIndex() : slots_(new std::atomic<Qp*>[1u << kBits]) {
+  for (uint32_t i = 0; i <= kMask; ++i) slots_[i].store(Empty(), std::memory_order_relaxed);
+}
+
 bool QpIndex::Insert(uint32_t pqpn, Qp* qp) {
   std::atomic<Qp*>& home = slots_[pqpn & kMask];
-  if (home.load(std::memory_order_relaxed) == nullptr) {
+  if (home.load(std::memory_order_relaxed) == Empty()) {
     home.store(qp, std::memory_order_release);
     return true;
   }
@@ -20,7 +34,7 @@ bool QpIndex::Insert(uint32_t pqpn, Qp* qp) {
 void QpIndex::Remove(uint32_t pqpn, Qp* qp) {
   std::atomic<Qp*>& home = slots_[pqpn & kMask];
   if (home.load(std::memory_order_relaxed) == qp) {
-    home.store(nullptr, std::memory_order_release);
+    home.store(Empty(), std::memory_order_release);
     return;
   }
   for (auto& e : overflow_) {

@@ -19,7 +19,7 @@ namespace rdmavirt::shim {
 
 class MrTable {
  public:
-  MrTable() : entries_(new std::atomic<uint64_t>[kMaxMrs + 1]()) {}
+  MrTable() : entries_(new MrEntry[kMaxMrs + 1]()) {}
 
   // Virtual lkey -> physical lkey (MrLookup).
   uint32_t ToPhysical(uint32_t vlkey) const { return lookup().ToPhysical(vlkey); }
@@ -30,7 +30,7 @@ class MrTable {
   bool Allocate(uint32_t* slot) {
     for (uint32_t i = 0; i < kMaxMrs; ++i) {
       const uint32_t s = (next_ + i) % kMaxMrs;
-      if (entries_[s + 1].load(std::memory_order_relaxed) == 0 && !reserved(s)) {
+      if (free(s) && !reserved(s)) {
         next_ = s + 1;
         *slot = s;
         return true;
@@ -40,35 +40,48 @@ class MrTable {
   }
   // Takes a given slot if it is free.
   bool Claim(uint32_t slot) {
-    if (reserved(slot) || entries_[slot + 1].load(std::memory_order_relaxed) != 0) return false;
-    entries_[slot + 1].store(~uint64_t{0}, std::memory_order_relaxed);  // held until Set
+    if (reserved(slot) || !free(slot)) return false;
+    entries_[slot + 1].phys.store(~uint32_t{0}, std::memory_order_relaxed);  // held until Set
+    entries_[slot + 1].virt.store(~uint32_t{0}, std::memory_order_relaxed);
     return true;
   }
   void Set(uint32_t slot, uint32_t vlkey, uint32_t plkey) {
-    entries_[slot + 1].store(uint64_t{vlkey} << 32 | plkey, std::memory_order_release);
+    entries_[slot + 1].phys.store(plkey, std::memory_order_relaxed);
+    entries_[slot + 1].virt.store(vlkey, std::memory_order_release);
   }
-  void Clear(uint32_t slot) { entries_[slot + 1].store(0, std::memory_order_release); }
+  void Clear(uint32_t slot) {
+    entries_[slot + 1].virt.store(0, std::memory_order_release);
+    entries_[slot + 1].phys.store(0, std::memory_order_relaxed);
+  }
 
  private:
   // Slot kMaxMrs-1 would make (slot+1) << 8 overflow into the next bits.
   static bool reserved(uint32_t s) { return s == kMaxMrs - 1; }
+  bool free(uint32_t s) const {
+    return entries_[s + 1].virt.load(std::memory_order_relaxed) == 0 &&
+           entries_[s + 1].phys.load(std::memory_order_relaxed) == 0;
+  }
   // Slot s at s + 1 (MrLookup); entries 0 and kMaxMrs stay empty.
-  std::unique_ptr<std::atomic<uint64_t>[]> entries_;
+  std::unique_ptr<MrEntry[]> entries_;
   uint32_t next_ = 0;
 };
 
 // Shadow QP by physical QPN: direct-mapped, with a short overflow list for
-// the rare collision (QPNs that differ only above kBits).
+// the rare collision (QPNs that differ only above kBits). A free slot
+// holds a QP no completion names (kNoQpn), so the completion path's
+// lookup tests no null pointer.
 class QpIndex {
  public:
   static constexpr uint32_t kBits = 17;
   static constexpr uint32_t kOverflow = 64;
 
-  QpIndex() : slots_(new std::atomic<Qp*>[1u << kBits]()) {}
+  QpIndex();
 
+  // The QP in `pqpn`'s home slot, or the empty one: never null.
+  Qp* Home(uint32_t pqpn) const { return slots_[pqpn & kMask].load(std::memory_order_acquire); }
   Qp* Find(uint32_t pqpn) const {
-    Qp* qp = slots_[pqpn & kMask].load(std::memory_order_acquire);
-    if (qp != nullptr && qp->physical_qpn == pqpn) [[likely]]
+    Qp* qp = Home(pqpn);
+    if (qp->physical_qpn == pqpn) [[likely]]
       return qp;
     return FindOverflow(pqpn);
   }
@@ -85,6 +98,7 @@ class QpIndex {
     }
     return nullptr;
   }
+  static Qp* Empty();
   std::unique_ptr<std::atomic<Qp*>[]> slots_;
   std::atomic<Qp*> overflow_[kOverflow] = {};
 };

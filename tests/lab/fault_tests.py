@@ -15,7 +15,7 @@ import re
 import sys
 import time
 
-from labtest import LAB, check, lab_test, main, run_ok, wait_until
+from labtest import LAB, check, lab_test, main, run_all, run_ok, wait_until
 
 import migration_tests as mt
 import migrator_tests as migrators
@@ -93,12 +93,14 @@ def verdict(name, p_hosts):
 
 
 def cleanup(name, pids):
-    for h in (1, 2, 3):
-        LAB.run(h, f"kill {' '.join(str(p) for p in pids)} 2>/dev/null; true")
-    # No failpoint stays behind for the next test.
-    for h in (1, 2, 3):
-        if LAB.run(h, "tr '\\0' '\\n' < /proc/$(pgrep -x rdmavirt-migrat)/environ "
-                      "| grep -q RDMAVIRT_FAILPOINTS").rc == 0:
+    # The workload gone; no failpoint stays behind for the next test (exit
+    # 3: this host's migrator runs with one).
+    results = run_all({h: f"kill {' '.join(str(p) for p in pids)} 2>/dev/null; "
+                          "tr '\\0' '\\n' < /proc/$(pgrep -x rdmavirt-migrat)/environ "
+                          "| grep -q RDMAVIRT_FAILPOINTS && exit 3; exit 0"
+                       for h in (1, 2, 3)})
+    for h, r in results.items():
+        if r.rc == 3:
             migrators.kill_daemon(h)
     mt.ensure_daemons()
 
@@ -111,7 +113,7 @@ def pair_with_failpoints(name, host, points):
     migrators.kill_daemon(host)
     migrators.start_daemon(host, f"RDMAVIRT_FAILPOINTS={points}")
     mt.ensure_daemons()
-    q, p = mt.start_pair(name, 3000)
+    q, p = mt.start_pair(name, 2000)
     return q, p
 
 
@@ -194,7 +196,7 @@ def the_source_migrator_killed_while_a_restore_elsewhere_re_points_finishes_it()
     killed once the process runs (paused) on the destination finishes the
     restore when it starts again, as it finishes a move."""
     mt.ensure_daemons()
-    q, p = mt.start_pair("rstkill", 3000)
+    q, p = mt.start_pair("rstkill", 2000)
     ckpt = "/var/lib/rdmavirt-lab/ckpt-rstkill"
     try:
         mt.wait_sent("rstkill", 200)
@@ -288,7 +290,7 @@ def criu_failing_on_the_destination_rolls_back():
     mt.ensure_daemons()
     # 50 iterations a second: enough for the failed move and the checks
     # after it, and no idle wait for the workload's end.
-    q, p = mt.start_pair("criufail", 2500)
+    q, p = mt.start_pair("criufail", 2000)
     holder = None
     try:
         mt.wait_sent("criufail", 200)
@@ -329,7 +331,7 @@ def a_full_destination_state_directory_rolls_back():
               f"mount -t tmpfs -o size=2m tmpfs {small})")
     migrators.start_daemon(2, state_dir=small)
     mt.ensure_daemons()
-    q, p = mt.start_pair("nospace", 2000)  # the move fails within seconds
+    q, p = mt.start_pair("nospace", 1500)  # the move fails within seconds
     try:
         mt.wait_sent("nospace", 200)
         r = LAB.wait(1, migrate_job(1, p, 2), 900)

@@ -87,11 +87,11 @@ def natively_between_hosts():
             check("uverbs" in r.out and "socket:" not in r.out,
                   f"host{host}: integrity holds a socket while running", r)
 
-    # Long enough (24 s at 50/s, looked at after 4 s) that both sides still
+    # Long enough (16 s at 50/s, looked at after 4 s) that both sides still
     # run when looked at, however slow the lab's job spool is.
-    server, client = run_pair("native", "--iterations 1200", "--iterations 1200",
+    server, client = run_pair("native", "--iterations 800", "--iterations 800",
                               during=no_sockets)
-    check_clean(server, client, 1200)
+    check_clean(server, client, 800)
 
 
 @lab_test
@@ -100,9 +100,9 @@ def under_the_shim_offset_mode():
         for host in (1, 2):
             run_ok(host, "grep -q librdmavirt.so /proc/$(pgrep -x integrity)/maps")
 
-    server, client = run_pair("shim", "--iterations 1200", "--iterations 1200", env=SHIM,
+    server, client = run_pair("shim", "--iterations 800", "--iterations 800", env=SHIM,
                               during=shim_loaded)
-    check_clean(server, client, 1200)
+    check_clean(server, client, 800)
 
 
 @lab_test

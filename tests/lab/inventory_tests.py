@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from labtest import (BUILD, LAB, check, json_of, lab_test, main, run_ok, wait_listening,
+from labtest import (BUILD, LAB, check, json_of, lab_test, main, run_all, run_ok, until_script,
                      wait_until)
 
 import migration_tests as mt
@@ -43,38 +43,47 @@ def etcd_up():
     TLS for clients and between members; started afresh unless all three
     run (each test's end stops them: see inventory_down)."""
     hosts = (1, 2, 3)
-    if all(LAB.run(n, f"ss -Hltn 'sport = :{ETCD_PORT}' | grep -q .").rc == 0 for n in hosts):
+    listening = f"ss -Hltn 'sport = :{ETCD_PORT}' | grep -q ."
+    if all(r.rc == 0 for r in run_all({n: listening for n in hosts}).values()):
         return
     cluster = ",".join(f"m{n}=https://{mgmt(n)}:{ETCD_PEER_PORT}" for n in hosts)
     # Every old member gone first: a new one that meets an old one is
     # told it was bootstrapped already, and exits.
-    for n in hosts:
-        LAB.run(n, "pkill -9 -x etcd; true")
-        wait_until(n, f"! ss -Hltn 'sport = :{ETCD_PEER_PORT}' | grep -q . && ! pgrep -x etcd",
-                   30, "the old etcd member gone")
-    for n in hosts:
+    gone = f"! ss -Hltn 'sport = :{ETCD_PEER_PORT}' | grep -q . && ! pgrep -x etcd"
+    for n, r in run_all({n: f"pkill -9 -x etcd\n{until_script(gone, 30)}"
+                         for n in hosts}, 45).items():
+        check(r.rc == 0, f"host{n}: the old etcd member is not gone after 30s", r)
+
+    def start(n):
         certs = f"{migrators.CERTS}/host{n}"
         tls = " ".join(f"--{side}cert-file {certs}/host.pem --{side}key-file {certs}/host.key "
                        f"--{side}trusted-ca-file {certs}/ca.pem --{side}client-cert-auth"
                        for side in ("", "peer-"))
-        run_ok(n, f"mkdir -p {LOGS} && rm -rf /tmp/etcd-lab && "
-                  f"setsid /usr/bin/etcd --name m{n} --data-dir /tmp/etcd-lab "
-                  f"--listen-client-urls https://{mgmt(n)}:{ETCD_PORT} "
-                  f"--advertise-client-urls https://{mgmt(n)}:{ETCD_PORT} "
-                  f"--listen-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
-                  f"--initial-advertise-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
-                  f"--initial-cluster {cluster} --initial-cluster-state new {tls} "
-                  f">> {LOGS}/etcd-host{n}.log 2>&1 < /dev/null &")
-    for n in hosts:
-        wait_listening(n, ETCD_PORT, 60)
+        return (f"mkdir -p {LOGS} && rm -rf /tmp/etcd-lab && "
+                f"setsid /usr/bin/etcd --name m{n} --data-dir /tmp/etcd-lab "
+                f"--listen-client-urls https://{mgmt(n)}:{ETCD_PORT} "
+                f"--advertise-client-urls https://{mgmt(n)}:{ETCD_PORT} "
+                f"--listen-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
+                f"--initial-advertise-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
+                f"--initial-cluster {cluster} --initial-cluster-state new {tls} "
+                f">> {LOGS}/etcd-host{n}.log 2>&1 < /dev/null &\n{until_script(listening, 60)}")
+
+    for n, r in run_all({n: start(n) for n in hosts}, 75).items():
+        check(r.rc == 0, f"host{n}: etcd does not listen on port {ETCD_PORT} after 60s", r)
+
+
+def migrator_command(n, ttl=TTL, env=""):
+    """The shell lines that start host n's inventory migrator and wait
+    until it listens (exit 1 if it does not within 60 s)."""
+    listening = f"ss -Hltn 'sport = :{PORT}' | grep -q ."
+    return (f"mkdir -p {LOGS} && {env} setsid {migrators.DAEMON} --listen {mgmt(n)}:{PORT} "
+            f"--socket {SOCK} --state-dir {STATE} --tls-dir {migrators.CERTS}/host{n} "
+            f"--host-name host{n} --inventory {ETCD} --inventory-ttl {ttl} "
+            f">> {LOGS}/host{n}.log 2>&1 < /dev/null &\n{until_script(listening, 60)}")
 
 
 def start_migrator(n, ttl=TTL, env=""):
-    run_ok(n, f"mkdir -p {LOGS} && {env} setsid {migrators.DAEMON} --listen {mgmt(n)}:{PORT} "
-              f"--socket {SOCK} --state-dir {STATE} --tls-dir {migrators.CERTS}/host{n} "
-              f"--host-name host{n} --inventory {ETCD} --inventory-ttl {ttl} "
-              f">> {LOGS}/host{n}.log 2>&1 < /dev/null &")
-    wait_listening(n, PORT, 60)
+    run_ok(n, migrator_command(n, ttl, env), 75)
 
 
 def migrator_pid(n):
@@ -106,11 +115,14 @@ def wait_hosts(names, timeout=60, asked=1):
 
 
 def inventory_up():
+    """etcd and the three inventory migrators up (those not running
+    started side by side), all three hosts listed."""
     migrators.make_certs()
     etcd_up()
-    for n in (1, 2, 3):
-        if not migrator_pid(n):
-            start_migrator(n)
+    running = f"pgrep -f 'rdmavirt-migratord --listen 10.78.0' > /dev/null"
+    for n, r in run_all({n: f"{running} && exit 0\n{migrator_command(n)}"
+                         for n in (1, 2, 3)}, 75).items():
+        check(r.rc == 0, f"host{n}: the inventory's migrator does not listen", r)
     wait_hosts(["host1", "host2", "host3"])
 
 
@@ -139,19 +151,17 @@ def inventory_down():
     one migrator per host, and no etcd member taking CPU from the TCG
     hosts (three of them slow every later test by about half)."""
     pattern = "rdmavirt-migratord --listen 10.78.0"
-    for n in (1, 2, 3):
-        LAB.run(n, f"pkill -f '{pattern}'; pkill -f 'integrity.*--port 189[5-9]'; true")
-    # One still finishing a move (a failed test left it) is killed.
-    for n in (1, 2, 3):
-        LAB.run(n, f"for i in $(seq 100); do pgrep -f '{pattern}' > /dev/null || exit 0; "
-                   f"sleep 0.2; done; pkill -9 -f '{pattern}'; true", 40)
-    for n in (1, 2, 3):
-        wait_until(n, f"! pgrep -f '{pattern}' > /dev/null", 30,
-                   "the inventory's migrator stopped")
-    for n in (1, 2, 3):
-        LAB.run(n, "pkill -x etcd; true")
-    for n in (1, 2, 3):
-        wait_until(n, "! pgrep -x etcd > /dev/null", 30, "etcd stopped")
+    stopped = f"! pgrep -f '{pattern}' > /dev/null"
+    # One still finishing a move (a failed test left it) is killed after
+    # 20 s; then etcd.
+    script = (f"pkill -f '{pattern}'; pkill -f 'integrity.*--port 189[5-9]'\n"
+              f"{until_script(stopped, 20)} || pkill -9 -f '{pattern}'\n"
+              f"{until_script(stopped, 30)} || {{ echo 'the migrator did not stop'; exit 1; }}\n"
+              f"pkill -x etcd\n"
+              f"{until_script('! pgrep -x etcd > /dev/null', 30)} || "
+              f"{{ echo 'etcd did not stop'; exit 1; }}")
+    for n, r in run_all({n: script for n in (1, 2, 3)}, 100).items():
+        check(r.rc == 0, f"host{n}: the inventory's migrator and etcd stopped", r)
 
 
 def inventory_test(fn):
@@ -272,7 +282,7 @@ def an_unknown_gid_is_refused_and_drain_auto_avoids_a_killed_host():
     # may have finished by now).
     for pid in (p1, p2):
         for h in (1, 3):
-            check(LAB.run(h, f"kill -0 {pid}").rc != 0, f"process {pid} is on host{h}")
+            check(not mt.runs_on(h, pid), f"process {pid} is on host{h}")
     mt.nothing_lost("inv-drain1", ["host1", "host2"], ["host2"])
     mt.nothing_lost("inv-drain2", ["host1", "host2"], ["host2"])
 

@@ -52,12 +52,24 @@ def run_ok(host, script, timeout=60):
     return r
 
 
+def run_all(scripts, timeout=60):
+    """Runs one script per host ({host: script}) side by side; returns
+    {host: Result} once all have ended."""
+    jobs = {n: LAB.submit(n, script, timeout) for n, script in scripts.items()}
+    return {n: LAB.wait(n, job, timeout + 15) for n, job in jobs.items()}
+
+
+def until_script(condition, timeout):
+    """A shell command (a subshell) whose status is 0 as soon as
+    `condition` holds, 1 after `timeout` seconds."""
+    return (f"(for i in $(seq {int(timeout * 5)}); do "
+            f"if {condition}; then exit 0; fi; sleep 0.2; done; exit 1)")
+
+
 def wait_until(host, condition, timeout=30, what=None):
     """Polls a shell condition on a host until it holds (one job, no spin
     over the spool)."""
-    r = LAB.run(host, f"for i in $(seq {int(timeout * 5)}); do "
-                      f"if {condition}; then exit 0; fi; sleep 0.2; done; exit 1",
-                timeout + 10)
+    r = LAB.run(host, until_script(condition, timeout), timeout + 10)
     check(r.rc == 0, f"host{host}: {what or condition} not true after {timeout}s", r)
 
 

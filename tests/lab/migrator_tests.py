@@ -14,8 +14,8 @@ import shutil
 import subprocess
 import time
 
-from labtest import (BUILD, LAB, ROOT, check, lab_test, main, run_ok, wait_listening,
-                     wait_until)
+from labtest import (BUILD, LAB, ROOT, check, lab_test, main, run_all, run_ok, until_script,
+                     wait_listening, wait_until)
 
 DAEMON = f"{BUILD}/migrator/rdmavirt-migratord"
 CTL = f"{BUILD}/tools/rdmavirtctl/rdmavirtctl"
@@ -63,12 +63,17 @@ def make_certs():
 STATE = "/var/lib/rdmavirt-lab"
 
 
+def daemon_command(n, env="", state_dir=STATE):
+    """The shell command that starts host n's migrator in the background."""
+    return (f"mkdir -p {LOGS} && setsid env {env} {DAEMON} --listen 0.0.0.0:{PORT} "
+            f"--socket {SOCK} --state-dir {state_dir} --tls-dir {CERTS}/host{n} "
+            f"--host-name host{n} >> {LOGS}/host{n}.log 2>&1 < /dev/null &")
+
+
 def start_daemon(n, env="", state_dir=STATE, wait=True):
     """Starts host n's migrator (`env`: VAR=value ... for it); with `wait`,
     returns once it listens."""
-    run_ok(n, f"mkdir -p {LOGS} && setsid env {env} {DAEMON} --listen 0.0.0.0:{PORT} "
-              f"--socket {SOCK} --state-dir {state_dir} --tls-dir {CERTS}/host{n} "
-              f"--host-name host{n} >> {LOGS}/host{n}.log 2>&1 < /dev/null &")
+    run_ok(n, daemon_command(n, env, state_dir))
     if wait:
         wait_listening(n, PORT, 60)
 
@@ -80,13 +85,15 @@ def kill_daemon(n):
 
 
 def daemons_up():
+    """Every host's migrator listening: started where it is not, on all
+    hosts at once."""
     make_certs()
-    for n in range(1, LAB.hosts() + 1):
-        if LAB.run(n, f"ss -Hltn 'sport = :{PORT}' | grep -q .").rc == 0:
-            continue
-        start_daemon(n, wait=False)
-    for n in range(1, LAB.hosts() + 1):
-        wait_listening(n, PORT, 60)
+    listening = f"ss -Hltn 'sport = :{PORT}' | grep -q ."
+    results = run_all({n: f"{listening} && exit 0; {daemon_command(n)}\n"
+                          f"{until_script(listening, 60)}"
+                       for n in range(1, LAB.hosts() + 1)}, 75)
+    for n, r in results.items():
+        check(r.rc == 0, f"host{n}: the migrator does not listen on port {PORT}", r)
 
 
 def ctl(host, args, timeout=300, tls=None):

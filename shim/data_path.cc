@@ -320,14 +320,28 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return PostSendTranslated(qp, wr, bad);
 }
 
-// A process the migrator may move: the provider's call inside the mark.
+// The translating path inside a mark EnterGate raised (a migratable
+// process after a move): out of line, so that the marked path keeps its
+// few registers.
+[[gnu::noinline]] int PostSendInMark(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  // A UD QP's sends are counted for the drain (PostSendReal).
+  const int rc = qp->shadow.qp_base.qp_type == IBV_QPT_UD ? PostSendReal(qp, wr, bad)
+                                                          : PostSendTranslated(qp, wr, bad);
+  LeaveFast();
+  return rc;
+}
+
+// A process the migrator may move: the provider's call inside the mark,
+// translated if its queue needs it.
 int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  if (EnterMarked(qp->path)) [[likely]] {
+  const Gate gate = EnterGate(qp->path);
+  if (gate == Gate::kMarked) [[likely]] {
     const int rc = qp->real_post_send(qp->real, wr, bad);
     LeaveFast();
     return rc;
   }
+  if (gate == Gate::kTranslated) return PostSendInMark(qp, wr, bad);
   return PostSendGated(qp, wr, bad);
 }
 
@@ -542,6 +556,20 @@ int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return PostRecvGated(qp, wr, bad);
 }
 
+// The rest of a migratable process's receive post, the mark down:
+// translated inside the mark on a translating queue, else the slow path.
+// Out of line, so that the marked path keeps its few registers.
+[[gnu::noinline]] int PostRecvNotMarked(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  const Gate gate = EnterGate(qp->path);
+  if (gate == Gate::kTranslated) [[likely]] {
+    const int rc = PostRecvReal(qp, wr, bad);
+    LeaveFast();
+    return rc;
+  }
+  if (gate == Gate::kMarked) LeaveFast();  // a chain, or not one SGE
+  return PostRecvGated(qp, wr, bad);
+}
+
 int PostRecvPausable(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
   if (EnterMarked(qp->path)) [[likely]] {
@@ -552,7 +580,7 @@ int PostRecvPausable(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     if (done) [[likely]]
       return rc;
   }
-  return PostRecvGated(qp, wr, bad);
+  return PostRecvNotMarked(qp, wr, bad);
 }
 
 int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
@@ -566,6 +594,20 @@ int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return PostSrqRecvGated(srq, wr, bad);
 }
 
+// The rest of a migratable process's receive post, the mark down:
+// translated inside the mark on a translating queue, else the slow path.
+// Out of line, so that the marked path keeps its few registers.
+[[gnu::noinline]] int PostSrqRecvNotMarked(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  const Gate gate = EnterGate(srq->path);
+  if (gate == Gate::kTranslated) [[likely]] {
+    const int rc = PostSrqRecvReal(srq, wr, bad);
+    LeaveFast();
+    return rc;
+  }
+  if (gate == Gate::kMarked) LeaveFast();  // a chain, or not one SGE
+  return PostSrqRecvGated(srq, wr, bad);
+}
+
 int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
   if (EnterMarked(srq->path)) [[likely]] {
@@ -576,7 +618,7 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     if (done) [[likely]]
       return rc;
   }
-  return PostSrqRecvGated(srq, wr, bad);
+  return PostSrqRecvNotMarked(srq, wr, bad);
 }
 
 // VirtualizeWc beyond the QPN, out of line: what the drain and a release
@@ -754,13 +796,22 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   return PollTranslatedOut(cq, n, wc);
 }
 
+// As PostSendInMark.
+[[gnu::noinline]] int PollCqInMark(Cq* cq, int n, ibv_wc* wc) {
+  const int got = PollTranslated(cq, n, wc);
+  LeaveFast();
+  return got;
+}
+
 int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
-  if (EnterMarked(cq->path)) [[likely]] {
+  const Gate gate = EnterGate(cq->path);
+  if (gate == Gate::kMarked) [[likely]] {
     const int got = cq->real_poll_cq(cq->real, n, wc);
     LeaveFast();
     return got;
   }
+  if (gate == Gate::kTranslated) return PollCqInMark(cq, n, wc);
   return PollCqGated(cq, n, wc);
 }
 

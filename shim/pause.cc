@@ -38,6 +38,7 @@ void Unregister(void* p) {
   r.marks.erase(std::remove(r.marks.begin(), r.marks.end(), m), r.marks.end());
   m->registered = false;
   m->marked_word = ThreadMark::kUnregistered;
+  m->translated_word = ThreadMark::kUnregistered;
 }
 
 long Membarrier(int cmd) { return syscall(SYS_membarrier, cmd, 0, 0); }
@@ -81,6 +82,7 @@ void RegisterThreadMark() {
   r.marks.push_back(m);
   m->registered = true;
   m->marked_word = static_cast<uint16_t>(Path::kMarked);
+  m->translated_word = static_cast<uint16_t>(Path::kTranslated);
 }
 
 bool AsymmetricFenceAvailable() {

@@ -36,6 +36,8 @@ struct ThreadMark {
   // once registered, else a word no object has: the fast entry checks
   // the object and the registration with one compare.
   uint16_t marked_word = kUnregistered;
+  // The same for the translating path (EnterGate).
+  uint16_t translated_word = kUnregistered;
 };
 
 // The calling thread's mark. Initial-exec TLS: the shim is preloaded, so
@@ -113,6 +115,21 @@ inline bool EnterMarked(const PathState& s) {
     return true;
   m.depth.store(0, std::memory_order_relaxed);
   return false;
+}
+// A migratable process's entry that also takes translating queues (a
+// process after a move, or with UD QPs) without lowering and raising the
+// mark again: which path the call may run inside the raised mark, or
+// kSlow (mark lowered): paused, or the thread not yet registered.
+enum class Gate : uint8_t { kMarked, kTranslated, kSlow };
+inline Gate EnterGate(const PathState& s) {
+  ThreadMark& m = tls_thread_mark;
+  m.depth.store(1, std::memory_order_relaxed);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  if (s.Equals(m.marked_word)) [[likely]]
+    return Gate::kMarked;
+  if (s.Equals(m.translated_word)) return Gate::kTranslated;
+  m.depth.store(0, std::memory_order_relaxed);
+  return Gate::kSlow;
 }
 inline void LeaveFast() {
   // Release: what the call did is visible before the mark falls.

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -87,13 +88,15 @@ void Destroy(Api* api, DataPathStack* s) {
 DataPathFixture::DataPathFixture()
     : shim_(&backend_, shim::IdentityMode{.offset = false}),
       offset_shim_(&backend_, shim::IdentityMode{.offset = true}),
-      migratable_shim_(&backend_, shim::IdentityMode{}, /*migratable=*/true) {}
+      migratable_shim_(&backend_, shim::IdentityMode{}, /*migratable=*/true),
+      migratable_offset_shim_(&backend_, shim::IdentityMode{.offset = true}, /*migratable=*/true) {}
 
 DataPathFixture::~DataPathFixture() {
   for (int i = kThreads - 1; i >= 0; --i) {
     Destroy(&migratable_shim_, &migratable_threads_[i]);
     Destroy(&backend_, &direct_threads_[i]);
   }
+  Destroy(&migratable_offset_shim_, &migratable_offset_stack_);
   Destroy(&migratable_shim_, &migratable_stack_);
   Destroy(&offset_shim_, &offset_stack_);
   Destroy(&shim_, &shim_stack_);
@@ -108,22 +111,23 @@ absl::StatusOr<std::unique_ptr<DataPathFixture>> DataPathFixture::Create() {
   ibv_device* device = devices[0];
   f->backend_.FreeDeviceList(devices);
   // Separate parts of the buffer, so the stacks' work requests never alias.
-  const size_t quarter = sizeof(f->buffer_) / 8;
-  absl::Status st = Build(&f->backend_, device, f->buffer_, quarter, &f->direct_);
+  char* part = f->buffer_;
+  auto next = [&part] { return std::exchange(part, part + kPart); };
+  absl::Status st = Build(&f->backend_, device, next(), kPart, &f->direct_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("direct stack: ", st.message()));
-  st = Build(&f->shim_, device, f->buffer_ + quarter, quarter, &f->shim_stack_);
+  st = Build(&f->shim_, device, next(), kPart, &f->shim_stack_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("shim stack: ", st.message()));
-  st = Build(&f->offset_shim_, device, f->buffer_ + 2 * quarter, quarter, &f->offset_stack_);
+  st = Build(&f->offset_shim_, device, next(), kPart, &f->offset_stack_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("offset stack: ", st.message()));
-  st =
-      Build(&f->migratable_shim_, device, f->buffer_ + 3 * quarter, quarter, &f->migratable_stack_);
+  st = Build(&f->migratable_shim_, device, next(), kPart, &f->migratable_stack_);
   if (!st.ok()) return absl::Status(st.code(), absl::StrCat("migratable stack: ", st.message()));
+  st = Build(&f->migratable_offset_shim_, device, next(), kPart, &f->migratable_offset_stack_);
+  if (!st.ok())
+    return absl::Status(st.code(), absl::StrCat("migratable offset stack: ", st.message()));
   for (int i = 0; i < kThreads; ++i) {
-    st = Build(&f->backend_, device, f->buffer_ + (4 + i) * quarter, quarter,
-               &f->direct_threads_[i]);
+    st = Build(&f->backend_, device, next(), kPart, &f->direct_threads_[i]);
     if (st.ok())
-      st = Build(&f->migratable_shim_, device, f->buffer_ + (6 + i) * quarter, quarter,
-                 &f->migratable_threads_[i]);
+      st = Build(&f->migratable_shim_, device, next(), kPart, &f->migratable_threads_[i]);
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat("thread stack: ", st.message()));
   }
   return f;

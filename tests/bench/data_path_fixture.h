@@ -52,7 +52,7 @@ struct DataPathStack {
 
 class DataPathFixture {
  public:
-  // All four stacks, or the first error with the verb that failed.
+  // All five stacks, or the first error with the verb that failed.
   static absl::StatusOr<std::unique_ptr<DataPathFixture>> Create();
 
   DataPathFixture(const DataPathFixture&) = delete;
@@ -63,6 +63,9 @@ class DataPathFixture {
   DataPathStack& shim() { return shim_stack_; }
   DataPathStack& shim_offset() { return offset_stack_; }
   DataPathStack& shim_migratable() { return migratable_stack_; }
+  // A migratable process whose identities are all translated, as after a
+  // move: offset mode, every call through the pause gate.
+  DataPathStack& shim_migratable_offset() { return migratable_offset_stack_; }
   // A QP and its CQs per thread of the two-thread benchmark, on the direct
   // backend and on the migratable shim (the same Shim as above).
   DataPathStack& direct_thread(int i) { return direct_threads_[i]; }
@@ -76,11 +79,14 @@ class DataPathFixture {
   shim::Shim shim_;
   shim::Shim offset_shim_;
   shim::Shim migratable_shim_;
-  char buffer_[8 * 1536] = {};
+  shim::Shim migratable_offset_shim_;
+  static constexpr size_t kPart = 1536;  // of buffer_, one per stack
+  char buffer_[9 * kPart] = {};
   DataPathStack direct_;
   DataPathStack shim_stack_;
   DataPathStack offset_stack_;
   DataPathStack migratable_stack_;
+  DataPathStack migratable_offset_stack_;
   DataPathStack direct_threads_[kThreads];
   DataPathStack migratable_threads_[kThreads];
 };

@@ -140,8 +140,9 @@ enum Op { kPostSend, kPostSendRdmaWrite, kPostRecv, kPollCq, kPollCqRecv, kNumOp
 constexpr const char* kOpNames[kNumOps] = {"post_send", "post_send_rdma_write", "post_recv",
                                            "poll_cq", "poll_cq_recv"};
 
-enum Path { kDirect, kShim, kShimOffset, kShimMigratable, kNumPaths };
-constexpr const char* kPathNames[kNumPaths] = {"direct", "shim", "shim-offset", "shim-migratable"};
+enum Path { kDirect, kShim, kShimOffset, kShimMigratable, kShimMigratableOffset, kNumPaths };
+constexpr const char* kPathNames[kNumPaths] = {"direct", "shim", "shim-offset", "shim-migratable",
+                                               "shim-migratable-offset"};
 
 DataPathStack& StackOf(DataPathFixture& f, Path path) {
   switch (path) {
@@ -151,6 +152,8 @@ DataPathStack& StackOf(DataPathFixture& f, Path path) {
       return f.shim_offset();
     case kShimMigratable:
       return f.shim_migratable();
+    case kShimMigratableOffset:
+      return f.shim_migratable_offset();
     case kDirect:
     case kNumPaths:
       break;
@@ -269,13 +272,40 @@ bool CheckMarkedPath(DataPathFixture& f) {
   return true;
 }
 
+// The migratable offset stack's numbers are those of a migratable
+// process after a move only if its queues translate, through the gate:
+// its QP and CQs are on the translating path, a post and a poll passed
+// the mark, and the completion came back with the virtual QPN.
+bool CheckTranslatedGatedPath(DataPathFixture& f) {
+  DataPathStack& s = f.shim_migratable_offset();
+  const shim::Qp* qp = reinterpret_cast<const shim::Qp*>(s.qp);
+  const shim::Cq* send_cq = reinterpret_cast<const shim::Cq*>(s.send_cq);
+  if (qp->path.get() != shim::Path::kTranslated || send_cq->path.get() != shim::Path::kTranslated ||
+      qp->pause == nullptr) {
+    std::fprintf(stderr, "check: the migratable offset stack is not translating or not gated\n");
+    return false;
+  }
+  ibv_send_wr* bad = nullptr;
+  ibv_wc wc{};
+  if (ibv_post_send(s.qp, &s.write, &bad) != 0 || ibv_poll_cq(s.send_cq, 1, &wc) != 1 ||
+      wc.qp_num != s.qp->qp_num || wc.qp_num == qp->physical_qpn) {
+    std::fprintf(stderr, "check: a post or poll on the migratable offset stack failed\n");
+    return false;
+  }
+  if (!shim::tls_thread_mark.registered || shim::tls_thread_mark.depth.load() != 0) {
+    std::fprintf(stderr, "check: the migratable offset stack's calls did not pass the mark\n");
+    return false;
+  }
+  return true;
+}
+
 int Check(long n) {
   auto f = DataPathFixture::Create();
   if (!f.ok()) {
     std::fprintf(stderr, "shim_data_path_count: %s\n", f.status().ToString().c_str());
     return 1;
   }
-  if (!CheckShimSemantics(**f) || !CheckMarkedPath(**f)) return 1;
+  if (!CheckShimSemantics(**f) || !CheckMarkedPath(**f) || !CheckTranslatedGatedPath(**f)) return 1;
 
   // The counters see what they should: one allocation, one lock.
   g_counting = true;
@@ -294,7 +324,7 @@ int Check(long n) {
 
   const long calls = (n + kQueueDepth - 1) / kQueueDepth * kQueueDepth;  // what Run does
   bool ok = true;
-  for (Path path : {kShim, kShimOffset, kShimMigratable}) {
+  for (Path path : {kShim, kShimOffset, kShimMigratable, kShimMigratableOffset}) {
     DataPathStack& s = StackOf(**f, path);
     for (int op = 0; op < kNumOps; ++op) {
       g_allocations = g_locks = 0;
@@ -311,7 +341,8 @@ int Check(long n) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: shim_data_path_count OP direct|shim|shim-offset|shim-migratable N\n"
+               "usage: shim_data_path_count OP direct|shim|shim-offset|shim-migratable|"
+               "shim-migratable-offset N\n"
                "       shim_data_path_count --check N\n"
                "OP: post_send post_send_rdma_write post_recv poll_cq poll_cq_recv all\n");
   return 2;

@@ -83,17 +83,6 @@ inline uint32_t MakeVirtualLkey(uint32_t slot, uint32_t physical, bool offset) {
 }
 inline uint32_t LkeySlot(uint32_t vlkey) { return ((vlkey >> 8) - 1) & (kMaxMrs - 1); }
 
-// One slot of the MR table: a virtual lkey and the physical key it stands
-// for. Free: both 0. Two words rather than one, so that the data path
-// compares the virtual key in memory and loads the physical one with no
-// shifting. The writer (the control path) sets the physical key first; a
-// reader can see a pair half written only for a key the application is
-// still registering or already deregistering, which it may not post with.
-struct MrEntry {
-  std::atomic<uint32_t> virt{0};
-  std::atomic<uint32_t> phys{0};
-};
-
 // What the data path reads of the MR table (MrTable): one pointer, kept in
 // each QP and SRQ, to entries indexed by slot + 1 (index 0 and the
 // reserved slot's stay empty), so that a key's index is its bits 8..23
@@ -102,7 +91,7 @@ struct MrEntry {
 class MrLookup {
  public:
   MrLookup() = default;
-  explicit MrLookup(const MrEntry* entries) : entries_(entries) {}
+  explicit MrLookup(const std::atomic<uint64_t>* entries) : entries_(entries) {}
   uint32_t ToPhysical(uint32_t vlkey) const {
     return Translate(vlkey, (vlkey >> 8) & (kMaxMrs - 1));
   }
@@ -117,14 +106,14 @@ class MrLookup {
   }
 
  private:
+  // One load of the whole entry (virtual key above, physical below): a
+  // key is never paired with another registration's physical key, even
+  // while its slot is being reused.
   uint32_t Translate(uint32_t vlkey, uint32_t index) const {
-    // Both loaded whatever the compare says: a select, not a branch.
-    const MrEntry& e = entries_[index];
-    const uint32_t virt = e.virt.load(std::memory_order_relaxed);
-    const uint32_t phys = e.phys.load(std::memory_order_relaxed);
-    return virt == vlkey ? phys : vlkey;
+    const uint64_t e = entries_[index].load(std::memory_order_relaxed);
+    return static_cast<uint32_t>(e >> 32) == vlkey ? static_cast<uint32_t>(e) : vlkey;
   }
-  const MrEntry* entries_ = nullptr;
+  const std::atomic<uint64_t>* entries_ = nullptr;
 };
 
 }  // namespace rdmavirt::shim

@@ -7,6 +7,7 @@ Qp* QpIndex::Empty() {
     Qp* qp = new Qp();  // never freed: slots may point at it until exit
     qp->physical_qpn = Qp::kNoQpn;
     qp->plain_qpn = Qp::kNoQpn;
+    qp->shadow.qp_base.qp_num = Qp::kNoQpn;
     return qp;
   }();
   return empty;

@@ -19,7 +19,7 @@ namespace rdmavirt::shim {
 
 class MrTable {
  public:
-  MrTable() : entries_(new MrEntry[kMaxMrs + 1]()) {}
+  MrTable() : entries_(new std::atomic<uint64_t>[kMaxMrs + 1]()) {}
 
   // Virtual lkey -> physical lkey (MrLookup).
   uint32_t ToPhysical(uint32_t vlkey) const { return lookup().ToPhysical(vlkey); }
@@ -41,28 +41,20 @@ class MrTable {
   // Takes a given slot if it is free.
   bool Claim(uint32_t slot) {
     if (reserved(slot) || !free(slot)) return false;
-    entries_[slot + 1].phys.store(~uint32_t{0}, std::memory_order_relaxed);  // held until Set
-    entries_[slot + 1].virt.store(~uint32_t{0}, std::memory_order_relaxed);
+    entries_[slot + 1].store(~uint64_t{0}, std::memory_order_relaxed);  // held until Set
     return true;
   }
   void Set(uint32_t slot, uint32_t vlkey, uint32_t plkey) {
-    entries_[slot + 1].phys.store(plkey, std::memory_order_relaxed);
-    entries_[slot + 1].virt.store(vlkey, std::memory_order_release);
+    entries_[slot + 1].store(uint64_t{vlkey} << 32 | plkey, std::memory_order_release);
   }
-  void Clear(uint32_t slot) {
-    entries_[slot + 1].virt.store(0, std::memory_order_release);
-    entries_[slot + 1].phys.store(0, std::memory_order_relaxed);
-  }
+  void Clear(uint32_t slot) { entries_[slot + 1].store(0, std::memory_order_release); }
 
  private:
   // Slot kMaxMrs-1 would make (slot+1) << 8 overflow into the next bits.
   static bool reserved(uint32_t s) { return s == kMaxMrs - 1; }
-  bool free(uint32_t s) const {
-    return entries_[s + 1].virt.load(std::memory_order_relaxed) == 0 &&
-           entries_[s + 1].phys.load(std::memory_order_relaxed) == 0;
-  }
+  bool free(uint32_t s) const { return entries_[s + 1].load(std::memory_order_relaxed) == 0; }
   // Slot s at s + 1 (MrLookup); entries 0 and kMaxMrs stay empty.
-  std::unique_ptr<MrEntry[]> entries_;
+  std::unique_ptr<std::atomic<uint64_t>[]> entries_;
   uint32_t next_ = 0;
 };
 
@@ -81,10 +73,15 @@ class QpIndex {
   Qp* Home(uint32_t pqpn) const { return slots_[pqpn & kMask].load(std::memory_order_acquire); }
   Qp* Find(uint32_t pqpn) const {
     Qp* qp = Home(pqpn);
-    if (qp->physical_qpn == pqpn) [[likely]]
+    if (qp->physical_qpn == pqpn && qp != Empty()) [[likely]]
       return qp;
     return FindOverflow(pqpn);
   }
+  // What a free slot holds: a QP whose numbers (physical, plain and
+  // virtual: kNoQpn) no hardware completion carries, so that the
+  // completion path's one compare never takes it for a QP, and a number
+  // that did match it would come back unchanged.
+  static Qp* Empty();
   // Control path, under the shim's mutex.
   bool Insert(uint32_t pqpn, Qp* qp);
   void Remove(uint32_t pqpn, Qp* qp);
@@ -98,7 +95,6 @@ class QpIndex {
     }
     return nullptr;
   }
-  static Qp* Empty();
   std::unique_ptr<std::atomic<Qp*>[]> slots_;
   std::atomic<Qp*> overflow_[kOverflow] = {};
 };

@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "shim/objects.h"
 #include "tests/bench/data_path_fixture.h"
@@ -274,26 +275,43 @@ bool CheckMarkedPath(DataPathFixture& f) {
 
 // The migratable offset stack's numbers are those of a migratable
 // process after a move only if its queues translate, through the gate:
-// its QP and CQs are on the translating path, a post and a poll passed
-// the mark, and the completion came back with the virtual QPN.
+// its QP and CQs are on the translating path; on a thread of its own
+// (whose mark starts unregistered), a post and a poll register the mark
+// (only the gate does), lower it again, put the WR back and return the
+// completion with the virtual QPN.
 bool CheckTranslatedGatedPath(DataPathFixture& f) {
   DataPathStack& s = f.shim_migratable_offset();
   const shim::Qp* qp = reinterpret_cast<const shim::Qp*>(s.qp);
   const shim::Cq* send_cq = reinterpret_cast<const shim::Cq*>(s.send_cq);
+  const shim::Cq* recv_cq = reinterpret_cast<const shim::Cq*>(s.recv_cq);
   if (qp->path.get() != shim::Path::kTranslated || send_cq->path.get() != shim::Path::kTranslated ||
-      qp->pause == nullptr) {
+      recv_cq->path.get() != shim::Path::kTranslated || qp->pause == nullptr) {
     std::fprintf(stderr, "check: the migratable offset stack is not translating or not gated\n");
     return false;
   }
-  ibv_send_wr* bad = nullptr;
-  ibv_wc wc{};
-  if (ibv_post_send(s.qp, &s.write, &bad) != 0 || ibv_poll_cq(s.send_cq, 1, &wc) != 1 ||
-      wc.qp_num != s.qp->qp_num || wc.qp_num == qp->physical_qpn) {
-    std::fprintf(stderr, "check: a post or poll on the migratable offset stack failed\n");
-    return false;
-  }
-  if (!shim::tls_thread_mark.registered || shim::tls_thread_mark.depth.load() != 0) {
-    std::fprintf(stderr, "check: the migratable offset stack's calls did not pass the mark\n");
+  const char* failed = nullptr;
+  std::thread([&] {
+    if (shim::tls_thread_mark.registered) {
+      failed = "a new thread's mark is registered";
+      return;
+    }
+    const ibv_send_wr write = s.write;
+    const ibv_sge sge = s.write_sge;
+    ibv_send_wr* bad = nullptr;
+    ibv_wc wc{};
+    if (ibv_post_send(s.qp, &s.write, &bad) != 0 || ibv_poll_cq(s.send_cq, 1, &wc) != 1) {
+      failed = "a post or poll on the migratable offset stack failed";
+    } else if (wc.qp_num != s.qp->qp_num || wc.qp_num == qp->physical_qpn) {
+      failed = "the completion's QPN is not the virtual one";
+    } else if (std::memcmp(&write, &s.write, sizeof(write)) != 0 ||
+               std::memcmp(&sge, &s.write_sge, sizeof(sge)) != 0) {
+      failed = "the shim left the work request changed";
+    } else if (!shim::tls_thread_mark.registered || shim::tls_thread_mark.depth.load() != 0) {
+      failed = "the calls did not pass the mark, or left it raised";
+    }
+  }).join();
+  if (failed != nullptr) {
+    std::fprintf(stderr, "check: migratable offset stack: %s\n", failed);
     return false;
   }
   return true;

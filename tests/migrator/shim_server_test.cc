@@ -200,6 +200,10 @@ TEST_F(ShimServerTest, CallFailsCleanlyWhenTheShimDisappears) {
   // No answer at all.
   absl::StatusOr<v1::Reply> r = server_->Call(getpid(), req, absl::Milliseconds(200));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  // That request is still unread; read here, so that the shim below takes
+  // the next one and not that one (else it could leave before the next
+  // call starts, which then finds no shim at all).
+  ASSERT_TRUE(ReadFrame(fd).ok());
   // Gone in the middle of a request.
   std::thread shim([fd] {
     (void)ReadFrame(fd);
@@ -208,6 +212,8 @@ TEST_F(ShimServerTest, CallFailsCleanlyWhenTheShimDisappears) {
   r = server_->Call(getpid(), req, absl::Seconds(5));
   shim.join();
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  // Once the server has seen it go, it is not found.
+  ASSERT_TRUE(server_->WaitClosed(getpid(), absl::Seconds(5)).ok());
   EXPECT_EQ(server_->Call(getpid(), req, absl::Seconds(1)).status().code(),
             absl::StatusCode::kNotFound);
 }

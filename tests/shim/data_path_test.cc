@@ -467,6 +467,45 @@ TEST_F(DataPathTest, SendWithInvalidateTranslatesTheRkey) {
   EXPECT_EQ(wcs[1].status, IBV_WC_SUCCESS);
 }
 
+// ATOMIC_WRITE carries its rkey where RDMA WRITE does (wr.rdma.rkey, as
+// ibv_wr_atomic_write takes it): the provider is given the physical one,
+// and the application's WR is put back whether the provider takes it or
+// refuses it (this fake refuses it, as rxe's ibv_post_send does).
+TEST_F(DataPathTest, AtomicWriteTranslatesTheRkeyAndIsPutBackWhenRefused) {
+  auto [a, b] = dev().Pair(IBV_QPT_RC);
+  char buf[8] = {};
+  ibv_mr* mr = dev().Reg(buf, sizeof(buf));
+  ASSERT_NE(mr->rkey, ShimMr(mr)->real->rkey) << "offset mode: virtual keys";
+  ibv_sge sge = Sge(buf, sizeof(buf), mr);
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_ATOMIC_WRITE;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.wr.rdma.remote_addr = reinterpret_cast<uintptr_t>(buf);
+  wr.wr.rdma.rkey = mr->rkey;
+  const ibv_send_wr before = wr;
+  const ibv_sge sge_before = sge;
+  ibv_send_wr* bad = nullptr;
+  EXPECT_EQ(ibv_post_send(a, &wr, &bad), EINVAL);
+  EXPECT_EQ(bad, &wr);
+  ASSERT_EQ(fake_.refused_sends().size(), 1u);
+  EXPECT_EQ(fake_.refused_sends().back().rkey, ShimMr(mr)->real->rkey);
+  EXPECT_EQ(fake_.refused_sends().back().lkeys, std::vector<uint32_t>{ShimMr(mr)->real->lkey});
+  EXPECT_EQ(memcmp(&wr, &before, sizeof(wr)), 0);
+  EXPECT_EQ(memcmp(&sge, &sge_before, sizeof(sge)), 0);
+  // The same at the head of a chain (the chain's path, not the one-WR one).
+  ibv_send_wr second = wr;
+  wr.next = &second;
+  const ibv_send_wr chain_before = wr;
+  EXPECT_EQ(ibv_post_send(a, &wr, &bad), EINVAL);
+  EXPECT_EQ(bad, &wr);
+  ASSERT_EQ(fake_.refused_sends().size(), 2u);
+  EXPECT_EQ(fake_.refused_sends().back().rkey, ShimMr(mr)->real->rkey);
+  EXPECT_EQ(memcmp(&wr, &chain_before, sizeof(wr)), 0);
+  EXPECT_EQ(memcmp(&second, &before, sizeof(second)), 0);
+  EXPECT_EQ(memcmp(&sge, &sge_before, sizeof(sge)), 0);
+}
+
 TEST_F(DataPathTest, RecvChainsAreTranslatedAndUntouched) {
   ibv_qp* qp = dev().Qp(IBV_QPT_RC);
   ASSERT_EQ(ToRts(shim_, qp, qp->qp_num, dev().gid), 0);

@@ -209,6 +209,7 @@ struct FakeBackend::Ops {
         [[fallthrough]];
       case IBV_WR_RDMA_WRITE:
       case IBV_WR_RDMA_READ:
+      case IBV_WR_ATOMIC_WRITE:
         w.remote_addr = s.wr.rdma.remote_addr;
         w.rkey = s.wr.rdma.rkey;
         break;
@@ -261,6 +262,7 @@ struct FakeBackend::Ops {
       const Wr w = FromSendWr(*wr, q->qp_type);
       const int rc = f->Validate(qp, w);
       if (rc != 0) {
+        f->refused_sends_.push_back(ToRecord(qp, w));
         *bad = wr;
         return rc;
       }
@@ -998,6 +1000,10 @@ void FakeBackend::InjectAsyncEvent(ibv_context* ctx, const ibv_async_event& even
 std::vector<FakeBackend::SendRecord> FakeBackend::sends() const {
   std::lock_guard<std::mutex> lock(mu_);
   return sends_;
+}
+std::vector<FakeBackend::SendRecord> FakeBackend::refused_sends() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return refused_sends_;
 }
 std::vector<FakeBackend::RecvRecord> FakeBackend::recvs() const {
   std::lock_guard<std::mutex> lock(mu_);

@@ -194,6 +194,9 @@ class FakeBackend final : public VerbsBackend {
 
   // ---- What the fake received and holds
   std::vector<SendRecord> sends() const;
+  // Send WRs refused at post time, as given (ATOMIC_WRITE, say, which
+  // this fake does not execute through ibv_post_send, as rxe does not).
+  std::vector<SendRecord> refused_sends() const;
   std::vector<RecvRecord> recvs() const;
   std::vector<ModifyRecord> modifies() const;
   std::vector<AhRecord> ahs() const;
@@ -285,6 +288,7 @@ class FakeBackend final : public VerbsBackend {
   Owned<QpObj> qps_;
   Owned<AhObj> ahs_;
   std::vector<SendRecord> sends_;
+  std::vector<SendRecord> refused_sends_;
   std::vector<RecvRecord> recvs_;
   std::vector<ModifyRecord> modifies_;
   std::vector<AhRecord> ah_records_;

@@ -50,6 +50,32 @@ TEST_F(PauseTest, AnUnregisteredThreadTakesTheSlowPathWhichRegistersIt) {
   }).join();
 }
 
+// EnterGate: the marked path and the translating one inside the raised
+// mark; anything else (an unregistered thread, a paused object) with the
+// mark lowered.
+TEST_F(PauseTest, TheGateTakesBothPathsInsideTheMarkAndNothingElse) {
+  std::thread([&] {
+    PathState translated;
+    translated.Set(Path::kTranslated);
+    EXPECT_EQ(EnterGate(translated), Gate::kSlow) << "an unregistered thread";
+    EXPECT_EQ(tls_thread_mark.depth.load(), 0u);
+    ASSERT_TRUE(Enter(paused_));  // registers
+    LeaveFast();
+    EXPECT_EQ(EnterGate(paused_), Gate::kMarked);
+    EXPECT_EQ(tls_thread_mark.depth.load(), 1u);
+    LeaveFast();
+    EXPECT_EQ(EnterGate(translated), Gate::kTranslated);
+    EXPECT_EQ(tls_thread_mark.depth.load(), 1u);
+    LeaveFast();
+    PathState direct;
+    direct.Set(Path::kDirect);
+    EXPECT_EQ(EnterGate(direct), Gate::kSlow);
+    translated.SetPaused(true);
+    EXPECT_EQ(EnterGate(translated), Gate::kSlow) << "a paused object";
+    EXPECT_EQ(tls_thread_mark.depth.load(), 0u);
+  }).join();
+}
+
 TEST_F(PauseTest, EntriesFailWhilePausedAndWorkAgainAfter) {
   std::string why;
   ASSERT_TRUE(Enter(paused_));

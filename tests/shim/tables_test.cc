@@ -33,6 +33,25 @@ TEST(MrTableTest, UnknownKeysPassThrough) {
   EXPECT_EQ(t.ToPhysical(v | kLkeyOffsetBit), v | kLkeyOffsetBit);
 }
 
+// The data path reads a key's index from its bytes in memory
+// (ToPhysicalAt): the same answers as from its value, for known, unknown,
+// empty and other-mode keys.
+TEST(MrTableTest, KeysInMemoryTranslateAsTheirValues) {
+  MrTable t;
+  uint32_t slot;
+  ASSERT_TRUE(t.Allocate(&slot));
+  const uint32_t v = MakeVirtualLkey(slot, 0x5a3f1, true);
+  t.Set(slot, v, 0x5a3f1);
+  const MrLookup lookup = t.lookup();
+  for (const uint32_t key : {v, v ^ 0x01, v | 0xff00u, MakeVirtualLkey(slot + 1, 0x22, true),
+                             0xdeadbeefu, 0u, ~0u, v & ~kLkeyOffsetBit}) {
+    const uint32_t in_memory = key;
+    EXPECT_EQ(lookup.ToPhysicalAt(&in_memory), lookup.ToPhysical(key)) << std::hex << key;
+  }
+  const uint32_t in_memory = v;
+  EXPECT_EQ(lookup.ToPhysicalAt(&in_memory), 0x5a3f1u);
+}
+
 TEST(MrTableTest, ClearedKeysPassThrough) {
   MrTable t;
   uint32_t slot;
@@ -117,6 +136,33 @@ TEST_F(QpIndexTest, InsertFindRemove) {
   index_.Remove(a->physical_qpn, a);
   EXPECT_EQ(index_.Find(0x1d1), nullptr);
   EXPECT_EQ(index_.Find(0x1d2), b);
+}
+
+// A free slot holds the empty QP, never taken for one: the completion
+// path's one compare does not match any hardware QPN (24 bits), and Find
+// says not found even for the empty QP's own number.
+TEST_F(QpIndexTest, AFreeSlotHoldsAnEmptyQpThatIsNeverFound) {
+  for (const uint32_t n : {0u, 0x1d1u, 0xffffffu, Qp::kNoQpn}) {
+    const Qp* home = index_.Home(n);
+    ASSERT_NE(home, nullptr);
+    EXPECT_NE(home->plain_qpn, n & 0xffffffu) << n;
+    EXPECT_EQ(index_.Find(n), nullptr) << n;
+  }
+  Qp* a = NewQp(0x1d1);
+  a->plain_completions = true;
+  a->SetPhysicalQpn(0x1d1);
+  ASSERT_TRUE(index_.Insert(a->physical_qpn, a));
+  EXPECT_EQ(index_.Home(0x1d1), a);
+  EXPECT_EQ(index_.Home(0x1d1)->plain_qpn, 0x1d1u);
+  index_.Remove(a->physical_qpn, a);
+  EXPECT_NE(index_.Home(0x1d1), a);
+  EXPECT_EQ(index_.Find(0x1d1), nullptr);
+  // A QP whose completions need more than their QPN is found, not plain.
+  Qp* b = NewQp(0x1d2);
+  b->SetPhysicalQpn(0x1d2);
+  ASSERT_TRUE(index_.Insert(b->physical_qpn, b));
+  EXPECT_EQ(index_.Find(0x1d2), b);
+  EXPECT_EQ(b->plain_qpn, Qp::kNoQpn);
 }
 
 TEST_F(QpIndexTest, CollisionGoesToOverflow) {

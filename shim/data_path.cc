@@ -556,18 +556,21 @@ int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return PostRecvGated(qp, wr, bad);
 }
 
-// The rest of a migratable process's receive post, the mark down:
-// translated inside the mark on a translating queue, else the slow path.
-// Out of line, so that the marked path keeps its few registers.
-[[gnu::noinline]] int PostRecvNotMarked(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  const Gate gate = EnterGate(qp->path);
+// The rest of a migratable process's receive post (a QP's or an SRQ's),
+// the mark down: translated inside the mark on a translating queue, else
+// the slow path. Out of line, so that the marked path keeps its few
+// registers.
+template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
+          int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
+[[gnu::noinline]] int PostRecvNotMarked(Queue* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  const Gate gate = EnterGate(q->path);
   if (gate == Gate::kTranslated) [[likely]] {
-    const int rc = PostRecvReal(qp, wr, bad);
+    const int rc = kReal(q, wr, bad);
     LeaveFast();
     return rc;
   }
   if (gate == Gate::kMarked) LeaveFast();  // a chain, or not one SGE
-  return PostRecvGated(qp, wr, bad);
+  return kGated(q, wr, bad);
 }
 
 int PostRecvPausable(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
@@ -580,7 +583,7 @@ int PostRecvPausable(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     if (done) [[likely]]
       return rc;
   }
-  return PostRecvNotMarked(qp, wr, bad);
+  return PostRecvNotMarked<Qp, PostRecvReal, PostRecvGated>(qp, wr, bad);
 }
 
 int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
@@ -594,20 +597,6 @@ int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return PostSrqRecvGated(srq, wr, bad);
 }
 
-// The rest of a migratable process's receive post, the mark down:
-// translated inside the mark on a translating queue, else the slow path.
-// Out of line, so that the marked path keeps its few registers.
-[[gnu::noinline]] int PostSrqRecvNotMarked(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  const Gate gate = EnterGate(srq->path);
-  if (gate == Gate::kTranslated) [[likely]] {
-    const int rc = PostSrqRecvReal(srq, wr, bad);
-    LeaveFast();
-    return rc;
-  }
-  if (gate == Gate::kMarked) LeaveFast();  // a chain, or not one SGE
-  return PostSrqRecvGated(srq, wr, bad);
-}
-
 int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
   if (EnterMarked(srq->path)) [[likely]] {
@@ -618,7 +607,7 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     if (done) [[likely]]
       return rc;
   }
-  return PostSrqRecvNotMarked(srq, wr, bad);
+  return PostRecvNotMarked<Srq, PostSrqRecvReal, PostSrqRecvGated>(srq, wr, bad);
 }
 
 // VirtualizeWc beyond the QPN, out of line: what the drain and a release

@@ -192,13 +192,16 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
 // chain's path.
 constexpr int kPostOneOps = 16;
 using PostOneFn = int (*)(Qp*, ibv_send_wr*, ibv_send_wr**);
+// Chosen from kRkeyOffset: no rkey, the rkey where RDMA ops keep it, or
+// elsewhere.
 constexpr std::array<PostOneFn, kPostOneOps> kPostOneConnected = [] {
   std::array<PostOneFn, kPostOneOps> a{};
-  for (int op = 0; op < kPostOneOps; ++op)
-    a[op] = kRkeyOffset[op] == 0 ? PostOneTranslated : PostOneTranslatedRkey;
-  for (const int op :
-       {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_RDMA_READ, IBV_WR_ATOMIC_WRITE})
-    a[op] = PostOneTranslatedRdma;
+  for (int op = 0; op < kPostOneOps; ++op) {
+    const unsigned off = kRkeyOffset[op];
+    a[op] = off == 0                                     ? PostOneTranslated
+            : off == offsetof(ibv_send_wr, wr.rdma.rkey) ? PostOneTranslatedRdma
+                                                         : PostOneTranslatedRkey;
+  }
   return a;
 }();
 constexpr std::array<PostOneFn, kPostOneOps> kPostOneDatagram = [] {

@@ -12,6 +12,7 @@ under the shim; each guest runs its own migrator.
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -50,17 +51,75 @@ def guests_up():
     return where("guest1"), where("guest2")
 
 
+def poll(fn, done, timeout):
+    """fn()'s value as soon as done(value) holds, else its last one after
+    `timeout` seconds (the caller checks it)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if done(value) or time.monotonic() >= end:
+            return value
+        time.sleep(1)
+
+
+def spawn_integrity(h, name, side, argv):
+    """Starts integrity ARGV in guest `name` under the shim, its stdout (a
+    progress line a second) into /tmp/`side`.out: the agent hands over
+    what it captured only at the end. Its stderr stays captured. Returns
+    the agent's pid (the program's: sh and env exec it; the shim is
+    loaded by the program only)."""
+    return LAB.guest_spawn(h, name, ["/bin/sh", "-c", f'exec env "$@" > /tmp/{side}.out', "sh"] +
+                           SHIM_ENV + [INTEGRITY] + argv, SHIM_ENV[1:])
+
+
+def check_running(h, name, side, pid):
+    """Fails the test if `side`'s program (P or Q) has ended."""
+    r = LAB.guest_status(h, name, pid)
+    check(r is None, f"{side} ended early", r, guest_log(h, name, f"/tmp/{side.lower()}.out"))
+
+
+def listening(h, name, port):
+    """Whether a TCP socket listens on `port` in guest `name`."""
+    tcp = LAB.guest_exec(h, name, ["/usr/bin/cat", "/proc/net/tcp"], timeout=20)["out"]
+    return any(len(f) > 3 and f[1].endswith(f":{port:04X}") and f[3] == "0A"
+               for f in (line.split() for line in tcp.splitlines()[1:]))
+
+
+def sent(h, name, side="p"):
+    """The SENDs `side` (p or q) posted, from its last progress line."""
+    out = LAB.guest_exec(h, name, ["/usr/bin/tail", "-c", "2000", f"/tmp/{side}.out"],
+                         timeout=20)["out"]
+    found = re.findall(r"^integrity: t=\d+s sent=(\d+)\b", out, re.M)
+    return int(found[-1]) if found else 0
+
+
+def wait_sent(h, pid, at_least, timeout=300):
+    """Until P (in guest1 on vmhost`h`) has posted `at_least` SENDs:
+    traffic flows. The guests are TCG: slow."""
+    def posted():
+        check_running(h, "guest1", "P", pid)
+        return sent(h, "guest1")
+    n = poll(posted, lambda n: n >= at_least, timeout)
+    check(n >= at_least, f"P posted {n} SENDs in {timeout}s, not {at_least}",
+          guest_log(h, "guest1", "/tmp/p.out")[-500:])
+    return n
+
+
 def start_workload(iterations, hp, hq):
     """Q (server) in guest2 on vmhost`hq`, P (client) in guest1 on
-    vmhost`hp`; returns their agent pids."""
+    vmhost`hp`, once Q listens; returns their agent pids."""
     # rdmavirt-guest names a NIC's Soft-RoCE device after it.
     args = ["--iterations", str(iterations), "--ud-lost-after", "1800", "--port", "18900",
             "--device", "rxe_eth0"]
-    q = LAB.guest_spawn(hq, "guest2", [INTEGRITY, "--server"] + args +
-                        ["--report", "/tmp/q.json"], SHIM_ENV)
-    time.sleep(3)
-    p = LAB.guest_spawn(hp, "guest1", [INTEGRITY, "--connect", LAB.guest_ip(hq, "guest2")] + args +
-                        ["--report", "/tmp/p.json"], SHIM_ENV)
+    q = spawn_integrity(hq, "guest2", "q", ["--server"] + args + ["--report", "/tmp/q.json"])
+
+    def q_listens():
+        check_running(hq, "guest2", "Q", q)
+        return listening(hq, "guest2", 18900)
+    check(poll(q_listens, bool, 120), "Q does not listen on port 18900 after 120s",
+          guest_log(hq, "guest2", "/tmp/q.out"))
+    p = spawn_integrity(hp, "guest1", "p", ["--connect", LAB.guest_ip(hq, "guest2")] + args +
+                        ["--report", "/tmp/p.json"])
     return p, q
 
 
@@ -93,6 +152,8 @@ def check_workload(p, q):
     """Waits for P (guest1) and Q (guest2), wherever they run now."""
     pr = LAB.guest_wait(where("guest1"), "guest1", p, 900)
     qr = LAB.guest_wait(where("guest2"), "guest2", q, 300)
+    for side, res, name in (("p", pr, "guest1"), ("q", qr, "guest2")):  # stdout: a file
+        res["out"] = guest_log(where(name), name, f"/tmp/{side}.out")
     for side, res in (("P", pr), ("Q", qr)):  # what each side complained of
         if res["exitcode"] != 0 or res["err"]:
             print(f"--- {side} exited {res['exitcode']}; its stderr:\n{res['err'][-3000:]}",
@@ -154,7 +215,7 @@ def two_guests_keep_their_connections_through_drain_migration_snapshot_and_rever
             LAB.virsh(where(f"guest{n}"), "destroy", f"guest{n}")
             LAB.start_guest(1, f"guest{n}", n)
     p, q = start_workload(6000, 1, 1)
-    time.sleep(15)  # connected, traffic flowing
+    wait_sent(1, p, 200)  # connected, traffic flowing
 
     # Drain vmhost1: both guests (each the other's peer) to vmhost2.
     common = ["drain", "--connect", LAB.uri(1), "--to", LAB.uri(2), "--to-migrator",
@@ -185,10 +246,13 @@ def two_guests_keep_their_connections_through_drain_migration_snapshot_and_rever
     check(int(rep.get("blackout_us", 0)) > 0, "no blackout measured", rep)
     check(rep["old_nic"].split()[0] != rep["new_nic"].split()[0], "the NIC did not change", rep)
     check(where("guest1") == 1, "guest1 does not run on vmhost1")
-    time.sleep(2)  # the hook tells the migrator in the background
-    info = json.loads(LAB.rdmavirtctl(1, "--json", "host").stdout)
-    check("guest1" in info["guest_nics"].get("domains", []), "vmhost1 does not count guest1",
-          info)
+
+    def host1():  # the hook tells the migrator in the background
+        r = LAB.rdmavirtctl(1, "--json", "host", timeout=60)
+        return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else {}
+    info = poll(host1, lambda i: "guest1" in i.get("guest_nics", {}).get("domains", []), 60)
+    check("guest1" in info.get("guest_nics", {}).get("domains", []),
+          "vmhost1 does not count guest1 after 60s", info)
 
     # The guest agent's fsfreeze hook: a freeze (virsh domfsfreeze, or a
     # --quiesce snapshot) suspends guest1's endpoints with their peers, the
@@ -215,7 +279,8 @@ def two_guests_keep_their_connections_through_drain_migration_snapshot_and_rever
     check(rep["members"] == [f"guest1@{LAB.uri(1)}", f"guest2@{LAB.uri(2)}"], "members", rep)
     listed = LAB.virsh(2, "snapshot-list", "guest2", "--name").stdout.split()
     check(listed == ["cut"], "guest2's snapshots", listed)
-    time.sleep(10)  # the workload goes on past the cut
+    at_cut = sent(1, "guest1")
+    wait_sent(1, p, at_cut + 200)  # the workload goes on past the cut
     check(LAB.guest_status(1, "guest1", p) is None, "P ended before the revert")
 
     # Both back to the cut: they reconnect, and P and Q carry on from there.

@@ -348,6 +348,24 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return PostSendGated(qp, wr, bad);
 }
 
+// A migratable process whose pause asks its threads where they are
+// (thread_probe.h): on the marked path and not paused, the provider's
+// entry by a tail call, as on the fast path; the rest as above. In a
+// section of their own: a thread stopped inside one has passed or is
+// about to pass the check, and the probe counts it as inside.
+[[gnu::noinline]] int PostSendNotProbed(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  if (EnterTranslated(qp->path)) [[likely]]
+    return PostSendInMark(qp, wr, bad);
+  return PostSendGated(qp, wr, bad);
+}
+[[gnu::section("rdmavirt_probed_path")]] int PostSendProbed(ibv_qp* ibqp, ibv_send_wr* wr,
+                                                            ibv_send_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  if (qp->path.Is(Path::kMarked)) [[likely]]
+    return qp->real_post_send(qp->real, wr, bad);
+  return PostSendNotProbed(qp, wr, bad);
+}
+
 // Receive WRs: only their SGEs' lkeys are identities. Every WR is also
 // recorded in the queue's RecvLog (the journal of recent receives).
 template <typename Post>
@@ -807,6 +825,19 @@ int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
   return PollCqGated(cq, n, wc);
 }
 
+// As PostSendProbed.
+[[gnu::noinline]] int PollCqNotProbed(Cq* cq, int n, ibv_wc* wc) {
+  if (EnterTranslated(cq->path)) [[likely]]
+    return PollCqInMark(cq, n, wc);
+  return PollCqGated(cq, n, wc);
+}
+[[gnu::section("rdmavirt_probed_path")]] int PollCqProbed(ibv_cq* ibcq, int n, ibv_wc* wc) {
+  Cq* cq = AsCq(ibcq);
+  if (cq->path.Is(Path::kMarked)) [[likely]]
+    return cq->real_poll_cq(cq->real, n, wc);
+  return PollCqNotProbed(cq, n, wc);
+}
+
 // Arms the real CQ. A CQ that may be paused also remembers that the
 // application waits for an event: during a pause (the real CQ may be
 // gone) only that, and the resume arms the real CQ or owes the event
@@ -1108,12 +1139,12 @@ ibv_qp* OpenQpUnsupported(ibv_context*, ibv_qp_open_attr*) {
 
 }  // namespace
 
-void InstallContextOps(Context* ctx, bool pausable) {
+void InstallContextOps(Context* ctx, bool pausable, bool probed) {
   ibv_context* s = Shadow(ctx);
-  s->ops.post_send = pausable ? PostSendPausable : PostSend;
+  s->ops.post_send = !pausable ? PostSend : probed ? PostSendProbed : PostSendPausable;
   s->ops.post_recv = pausable ? PostRecvPausable : PostRecv;
   s->ops.post_srq_recv = pausable ? PostSrqRecvPausable : PostSrqRecv;
-  s->ops.poll_cq = pausable ? PollCqPausable : PollCq;
+  s->ops.poll_cq = !pausable ? PollCq : probed ? PollCqProbed : PollCqPausable;
   s->ops.req_notify_cq = ReqNotifyCq;
   s->ops.alloc_mw = AllocMwUnsupported;
   // Extended verbs find these through verbs_get_ctx_op(); ops left null

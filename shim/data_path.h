@@ -37,8 +37,10 @@ inline bool IsMarker(const Qp* qp, uint64_t wr_id) {
 }
 
 // Fills a new shadow context's ops and verbs_context entry points: those
-// of a process the migrator may move (`pausable`) raise the thread's mark.
-void InstallContextOps(Context* ctx, bool pausable);
+// of a process the migrator may move (`pausable`) raise the thread's mark,
+// except posts and polls on the marked path when `probed`
+// (thread_probe.h): those jump into the provider.
+void InstallContextOps(Context* ctx, bool pausable, bool probed);
 // Chooses how a new shadow QP's single work requests are posted on the
 // translating path (by its type).
 void InstallSendPath(Qp* qp);

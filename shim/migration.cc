@@ -24,6 +24,7 @@
 #include "shim/epoll_regs.h"
 #include "shim/log.h"
 #include "shim/shim.h"
+#include "shim/thread_probe.h"
 #include "shim/write_relay.h"
 
 namespace rdmavirt::shim {
@@ -254,6 +255,18 @@ void Shim::SetPaused(bool paused) {
   }
 }
 
+std::vector<const void*> Shim::ProviderEntries() const {
+  std::vector<const void*> entries;
+  for (const auto& [p, k] : shadows_) {
+    if (k != Kind::kContext) continue;
+    const ibv_context* real = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)))->real;
+    if (real == nullptr) continue;  // released
+    entries.push_back(reinterpret_cast<const void*>(real->ops.post_send));
+    entries.push_back(reinterpret_cast<const void*>(real->ops.poll_cq));
+  }
+  return entries;
+}
+
 bool Shim::PostSendMarker(Qp* qp, std::string* why) {
   ibv_send_wr wr{};
   wr.wr_id = SendMarkerId(qp);
@@ -282,7 +295,9 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const i
     GuessEndpointGid();
     SetPaused(true);
     std::string why;
-    if (!pause_.Close(drain_timeout_ms, &why)) {
+    if (!pause_.Close(drain_timeout_ms, &why) ||
+        (probed_ && !WaitOutsideProviders(ProviderEntries(), drain_timeout_ms, &why))) {
+      if (pause_.closed()) pause_.Open();
       SetPaused(false);
       return Error(Code::kDeadlineExceeded, "pausing the data path: " + why);
     }

@@ -131,6 +131,18 @@ inline Gate EnterGate(const PathState& s) {
   m.depth.store(0, std::memory_order_relaxed);
   return Gate::kSlow;
 }
+// EnterGate for a caller that knows the object is not on the marked path
+// (the probed entries, data_path.cc): whether it translates inside the
+// raised mark; false (mark lowered): the slow path.
+inline bool EnterTranslated(const PathState& s) {
+  ThreadMark& m = tls_thread_mark;
+  m.depth.store(1, std::memory_order_relaxed);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  if (s.Equals(m.translated_word)) [[likely]]
+    return true;
+  m.depth.store(0, std::memory_order_relaxed);
+  return false;
+}
 inline void LeaveFast() {
   // Release: what the call did is visible before the mark falls.
   tls_thread_mark.depth.store(0, std::memory_order_release);

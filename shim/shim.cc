@@ -17,6 +17,7 @@
 #include "shim/data_path.h"
 #include "shim/grh.h"
 #include "shim/log.h"
+#include "shim/thread_probe.h"
 
 namespace rdmavirt::shim {
 namespace {
@@ -45,14 +46,28 @@ Shim* Shim::Process() {
     const char* m = getenv("RDMAVIRT_ID_MODE");
     mode.offset = m != nullptr && strcmp(m, "offset") == 0;
     // Decided once, before any object exists: a migratable process's
-    // queues all run inside the threads' marks (pause.h).
-    return new (std::nothrow) Shim(backend, mode, MigrationEnabled());
+    // posts and polls jump into the provider and its pause asks the
+    // threads where they are (thread_probe.h), or, with RDMAVIRT_PAUSE=marks
+    // or no probe, they run inside the threads' marks (pause.h).
+    const bool migratable = MigrationEnabled();
+    bool probed = false;
+    if (migratable) {
+      const char* p = getenv("RDMAVIRT_PAUSE");
+      std::string why;
+      if (p == nullptr || strcmp(p, "marks") != 0) probed = InstallThreadProbe(&why);
+      if (!why.empty()) Log(("the pause marks every post and poll: " + why).c_str());
+    }
+    return new (std::nothrow) Shim(backend, mode, migratable, probed);
   }();
   return shim;
 }
 
-Shim::Shim(VerbsBackend* backend, IdentityMode mode, bool migratable)
-    : backend_(backend), mode_(mode), keys_identity_(!mode.offset), migratable_(migratable) {}
+Shim::Shim(VerbsBackend* backend, IdentityMode mode, bool migratable, bool probed)
+    : backend_(backend),
+      mode_(mode),
+      keys_identity_(!mode.offset),
+      migratable_(migratable),
+      probed_(migratable && probed) {}
 
 Path Shim::QpPath(const Qp& qp) const {
   // keys_identity_ is never true in offset mode. A UD QP's posts swap
@@ -145,7 +160,7 @@ ibv_context* Shim::OpenDevice(ibv_device* device) {
   s->async_fd = real->async_fd;
   s->num_comp_vectors = real->num_comp_vectors;
   InitMutexCond(&s->mutex, nullptr);
-  InstallContextOps(ctx, migratable_);
+  InstallContextOps(ctx, migratable_, probed_);
   std::lock_guard<std::mutex> lock(mu_);
   Register(s, Kind::kContext);
   return s;

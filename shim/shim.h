@@ -50,7 +50,10 @@ class Shim {
   // migratable: every queue and CQ goes through the pause gate (the
   // translating path), so the migration steps below may run. Without it
   // posts and polls may take the fast path, and Quiesce refuses.
-  Shim(VerbsBackend* backend, IdentityMode mode, bool migratable = false);
+  // probed (migratable only): posts and polls on the marked path jump
+  // into the provider with no mark raised, and the pause asks each thread
+  // where it is instead (thread_probe.h; the caller installed the probe).
+  Shim(VerbsBackend* backend, IdentityMode mode, bool migratable = false, bool probed = false);
   Shim(const Shim&) = delete;
   Shim& operator=(const Shim&) = delete;
 
@@ -317,6 +320,9 @@ class Shim {
   int CqSlack() const { return migratable_ ? kMarkerSlack : 0; }
   // Sets or clears every queue's and CQ's `paused` flag (pause.h).
   void SetPaused(bool paused);  // requires mu_
+  // The providers' post and poll entries the probed path jumps to: where
+  // the pause looks for threads still inside (thread_probe.h).
+  std::vector<const void*> ProviderEntries() const;  // requires mu_
   // Posts a QP's drain marker; false if its send queue is full (or the
   // post failed: `why` says so).
   bool PostSendMarker(Qp* qp, std::string* why);  // requires mu_, paused
@@ -371,6 +377,7 @@ class Shim {
   QpIndex qp_index_;    // writes under mu_
 
   const bool migratable_;
+  const bool probed_;
   // The data path's pause; its objects point at it when migratable_.
   PauseGate pause_;
   int app_thread_wait_ms_ = 2000;

@@ -88,8 +88,9 @@ void Destroy(Api* api, DataPathStack* s) {
 DataPathFixture::DataPathFixture()
     : shim_(&backend_, shim::IdentityMode{.offset = false}),
       offset_shim_(&backend_, shim::IdentityMode{.offset = true}),
-      migratable_shim_(&backend_, shim::IdentityMode{}, /*migratable=*/true),
-      migratable_offset_shim_(&backend_, shim::IdentityMode{.offset = true}, /*migratable=*/true) {}
+      migratable_shim_(&backend_, shim::IdentityMode{}, /*migratable=*/true, /*probed=*/true),
+      migratable_offset_shim_(&backend_, shim::IdentityMode{.offset = true}, /*migratable=*/true,
+                              /*probed=*/true) {}
 
 DataPathFixture::~DataPathFixture() {
   for (int i = kThreads - 1; i >= 0; --i) {

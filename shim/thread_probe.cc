@@ -1,0 +1,430 @@
+#include "shim/thread_probe.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <link.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <ucontext.h>
+#include <unistd.h>
+#include <unwind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+// The probed path's entries (data_path.cc) are in a section of their own,
+// so that a thread stopped between their check and their jump is known
+// by its program counter. Weak: a program without them has no such range.
+extern "C" const char __start_rdmavirt_probed_path[] __attribute__((weak, visibility("hidden")));
+extern "C" const char __stop_rdmavirt_probed_path[] __attribute__((weak, visibility("hidden")));
+
+namespace rdmavirt::shim {
+namespace {
+
+enum Verdict : uint8_t { kUnknown = 0, kOutside = 1, kInside = 2 };
+enum class Code : uint8_t { kPassOver, kProvider };
+
+// An executable range of a loaded object, and what a frame in it says.
+struct Range {
+  uintptr_t lo = 0;
+  uintptr_t hi = 0;
+  Code code = Code::kPassOver;
+};
+
+// Written by the control thread before it sends a probe, read by the
+// handler: the signal's delivery orders the two.
+constexpr int kMaxRanges = 64;
+Range g_ranges[kMaxRanges];
+std::atomic<int> g_range_count{0};
+
+// The answer of the probe numbered (answer >> 8): a Verdict in the low byte.
+std::atomic<uint64_t> g_answer{0};
+std::atomic<int> g_signal{0};
+
+constexpr int kMaxFrames = 256;
+constexpr uint64_t kAnswerMs = 2000;  // for one thread to answer once asked
+
+struct Walk {
+  uintptr_t pc;          // where the signal interrupted the thread
+  bool started = false;  // the unwinder has reached the interrupted frame
+  int frames = 0;
+  Verdict verdict = kUnknown;
+  bool decided = false;
+};
+
+const Range* Find(uintptr_t at) {
+  const int n = g_range_count.load(std::memory_order_acquire);
+  for (int i = 0; i < n; ++i)
+    if (at >= g_ranges[i].lo && at < g_ranges[i].hi) return &g_ranges[i];
+  return nullptr;
+}
+
+_Unwind_Reason_Code Step(_Unwind_Context* ctx, void* arg) {
+  Walk* w = static_cast<Walk*>(arg);
+  int before = 0;
+  const uintptr_t ip = _Unwind_GetIPInfo(ctx, &before);
+  if (++w->frames > kMaxFrames) return _URC_END_OF_STACK;  // undecided: unknown
+  if (!w->started) {
+    // The handler's own frames, then the kernel's signal frame: the
+    // interrupted frame is the one restored from it.
+    if (!(before && ip == w->pc)) return _URC_NO_REASON;
+    w->started = true;
+  }
+  // A return address points after its call; the interrupted pc at its
+  // instruction.
+  const Range* r = Find(before ? ip : ip - 1);
+  if (r != nullptr && r->code == Code::kPassOver) return _URC_NO_REASON;
+  w->verdict = r != nullptr ? kInside : kOutside;
+  w->decided = true;
+  return _URC_END_OF_STACK;
+}
+
+uintptr_t InterruptedPc(const void* ucv) {
+  const ucontext_t* uc = static_cast<const ucontext_t*>(ucv);
+#if defined(__x86_64__)
+  return static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RIP]);
+#elif defined(__aarch64__)
+  return static_cast<uintptr_t>(uc->uc_mcontext.pc);
+#else
+#error "the thread probe reads the interrupted program counter of x86-64 and AArch64 only"
+#endif
+}
+
+Verdict Classify(uintptr_t pc) {
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(__start_rdmavirt_probed_path);
+  const uintptr_t hi = reinterpret_cast<uintptr_t>(__stop_rdmavirt_probed_path);
+  if (pc >= lo && pc < hi) return kInside;  // between the check and the jump
+  Walk w{pc};
+  _Unwind_Backtrace(Step, &w);
+  if (w.decided) return w.verdict;
+  // The stack ended in frames passed over (a thread of libc's or the
+  // shim's own): no provider on it. Not even the interrupted frame found,
+  // or too deep: unknown, asked again.
+  return w.started && w.frames <= kMaxFrames ? kOutside : kUnknown;
+}
+
+void OnProbe(int, siginfo_t* si, void* ucv) {
+  const int saved = errno;
+  const uint64_t seq = static_cast<uint32_t>(si->si_value.sival_int);
+  const Verdict v = si->si_code == SI_QUEUE ? Classify(InterruptedPc(ucv)) : kUnknown;
+  g_answer.store(seq << 8 | v, std::memory_order_release);
+  errno = saved;
+}
+
+uint64_t NowMs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000u + static_cast<uint64_t>(ts.tv_nsec) / 1000000u;
+}
+
+// ---- The loaded objects' code.
+
+bool NameHas(const char* name, const char* part) {
+  return name != nullptr && strstr(name, part) != nullptr;
+}
+
+struct RangeScan {
+  std::vector<uintptr_t> provider_bases;
+  uintptr_t shim_base = 0;
+  int count = 0;
+  bool full = false;
+};
+
+int AddObject(dl_phdr_info* info, size_t, void* arg) {
+  RangeScan* scan = static_cast<RangeScan*>(arg);
+  bool provider = false;
+  for (uintptr_t b : scan->provider_bases) provider = provider || b == info->dlpi_addr;
+  const char* n = info->dlpi_name;
+  // A provider's call runs through these (libibverbs' command helpers,
+  // libc, lazy binding, the vDSO, the shim's write relay); anything else
+  // is the application's.
+  const bool pass = info->dlpi_addr == scan->shim_base || NameHas(n, "/libc.so") ||
+                    NameHas(n, "libibverbs.so") || NameHas(n, "/ld-linux") ||
+                    NameHas(n, "linux-vdso") || NameHas(n, "/libpthread.so");
+  if (!provider && !pass) return 0;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    if (ph.p_type != PT_LOAD || !(ph.p_flags & PF_X)) continue;
+    if (scan->count == kMaxRanges) {
+      scan->full = true;
+      return 1;
+    }
+    Range& r = g_ranges[scan->count++];
+    r.lo = info->dlpi_addr + ph.p_vaddr;
+    r.hi = r.lo + ph.p_memsz;
+    r.code = provider ? Code::kProvider : Code::kPassOver;
+  }
+  return 0;
+}
+
+bool BuildRanges(const std::vector<const void*>& entries, std::string* error) {
+  RangeScan scan;
+  Dl_info info;
+  if (dladdr(reinterpret_cast<const void*>(&InstallThreadProbe), &info) != 0)
+    scan.shim_base = reinterpret_cast<uintptr_t>(info.dli_fbase);
+  for (const void* e : entries) {
+    if (dladdr(e, &info) == 0) {
+      char buf[64];
+      snprintf(buf, sizeof(buf), "%p", e);
+      *error = std::string("no loaded library holds the provider's entry ") + buf;
+      return false;
+    }
+    scan.provider_bases.push_back(reinterpret_cast<uintptr_t>(info.dli_fbase));
+  }
+  g_range_count.store(0, std::memory_order_release);  // a late answer reads no half-built table
+  dl_iterate_phdr(AddObject, &scan);
+  if (scan.full) {
+    *error = "more than 64 code ranges in the providers' libraries";
+    return false;
+  }
+  g_range_count.store(scan.count, std::memory_order_release);
+  return true;
+}
+
+// ---- Asking one thread.
+
+bool ReadSmallFile(const char* path, char* buf, size_t size) {
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const ssize_t n = read(fd, buf, size - 1);
+  close(fd);
+  if (n < 0) return false;
+  buf[n] = '\0';
+  return true;
+}
+
+// System calls a thread may wait in and that no provider makes on its
+// data path: a thread blocked in one is outside, and is left alone (a
+// signal would end some of them with EINTR).
+bool WaitsOutside(long nr) {
+  switch (nr) {
+    case SYS_read:
+    case SYS_readv:
+    case SYS_pread64:
+    case SYS_preadv:
+    case SYS_recvfrom:
+    case SYS_recvmsg:
+    case SYS_recvmmsg:
+    case SYS_sendto:
+    case SYS_sendmsg:
+    case SYS_sendmmsg:
+    case SYS_accept:
+    case SYS_accept4:
+    case SYS_connect:
+    case SYS_poll:
+    case SYS_ppoll:
+    case SYS_select:
+    case SYS_pselect6:
+    case SYS_epoll_wait:
+    case SYS_epoll_pwait:
+#ifdef SYS_epoll_pwait2
+    case SYS_epoll_pwait2:
+#endif
+    case SYS_nanosleep:
+    case SYS_clock_nanosleep:
+    case SYS_pause:
+    case SYS_rt_sigsuspend:
+    case SYS_rt_sigtimedwait:
+    case SYS_wait4:
+    case SYS_waitid:
+    case SYS_io_getevents:
+#ifdef SYS_io_pgetevents
+    case SYS_io_pgetevents:
+#endif
+#ifdef SYS_io_uring_enter
+    case SYS_io_uring_enter:
+#endif
+    case SYS_msgrcv:
+    case SYS_msgsnd:
+    case SYS_semop:
+    case SYS_semtimedop:
+    case SYS_mq_timedreceive:
+    case SYS_mq_timedsend:
+    case SYS_flock:
+    case SYS_fcntl:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The system call thread `tid` is blocked in, or -1 (running, or stopped
+// outside a system call, or gone).
+long BlockedIn(pid_t tid) {
+  char path[64];
+  char buf[256];
+  snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", tid);
+  if (!ReadSmallFile(path, buf, sizeof(buf))) return -1;
+  char* end = nullptr;
+  const long nr = strtol(buf, &end, 10);
+  return end == buf ? -1 : nr;
+}
+
+// Whether thread `tid` blocks signal `sig`; false if it cannot be read.
+bool Blocks(pid_t tid, int sig) {
+  char path[64];
+  char buf[2048];
+  snprintf(path, sizeof(path), "/proc/self/task/%d/status", tid);
+  if (!ReadSmallFile(path, buf, sizeof(buf))) return false;
+  const char* line = strstr(buf, "\nSigBlk:");
+  if (line == nullptr) return false;
+  const unsigned long long mask = strtoull(line + 8, nullptr, 16);
+  return (mask >> (sig - 1)) & 1;
+}
+
+// What asking one thread found. kBlocked: the thread blocks the signal
+// now (glibc does while a thread starts or exits, a handler's mask while
+// it runs), so it was not asked; it is asked again.
+enum class Asked { kOutside, kInside, kBlocked, kGone, kFailed };
+
+bool Gone(pid_t tid) { return syscall(SYS_tgkill, getpid(), tid, 0) != 0 && errno == ESRCH; }
+
+Asked Ask(pid_t tid, int sig, uint32_t seq, uint64_t deadline_ms, std::string* error) {
+  if (WaitsOutside(BlockedIn(tid))) return Asked::kOutside;
+  if (Blocks(tid, sig)) return Asked::kBlocked;
+  siginfo_t si;
+  memset(&si, 0, sizeof(si));
+  si.si_signo = sig;
+  si.si_code = SI_QUEUE;
+  si.si_pid = getpid();
+  si.si_uid = getuid();
+  si.si_value.sival_int = static_cast<int>(seq);
+  if (syscall(SYS_rt_tgsigqueueinfo, getpid(), tid, sig, &si) != 0) {
+    if (errno == ESRCH) return Asked::kGone;
+    *error = "signalling thread " + std::to_string(tid) + ": " + strerror(errno);
+    return Asked::kFailed;
+  }
+  // A thread answers when it is next scheduled: past the pause's deadline
+  // if need be (the caller decides whether it was too late). One that
+  // blocked the signal meanwhile answers when it opens it again, with a
+  // number no one waits for then.
+  const uint64_t answer_by = std::max(deadline_ms, NowMs() + kAnswerMs);
+  for (int spins = 1;; ++spins) {
+    const uint64_t a = g_answer.load(std::memory_order_acquire);
+    if ((a >> 8) == seq) {
+      const Verdict v = static_cast<Verdict>(a & 0xff);
+      return v == kOutside ? Asked::kOutside : Asked::kInside;
+    }
+    if (spins % 64 == 0) {
+      if (Gone(tid)) return Asked::kGone;
+      if (Blocks(tid, sig)) return Asked::kBlocked;
+    }
+    if (NowMs() > answer_by) {
+      *error = "thread " + std::to_string(tid) + " did not answer the pause's signal " +
+               std::to_string(sig) + " within " + std::to_string(kAnswerMs) + " ms";
+      return Asked::kFailed;
+    }
+    sched_yield();
+  }
+}
+
+std::vector<pid_t> OtherThreads() {
+  std::vector<pid_t> tids;
+  const pid_t self = static_cast<pid_t>(syscall(SYS_gettid));
+  DIR* d = opendir("/proc/self/task");
+  if (d == nullptr) return tids;
+  while (dirent* e = readdir(d)) {
+    const pid_t t = static_cast<pid_t>(atoi(e->d_name));
+    if (t > 0 && t != self) tids.push_back(t);
+  }
+  closedir(d);
+  return tids;
+}
+
+}  // namespace
+
+bool InstallThreadProbe(std::string* error) {
+  int sig = SIGRTMAX - 2;
+  if (const char* s = getenv("RDMAVIRT_PROBE_SIGNAL")) {
+    char* end = nullptr;
+    const long n = strtol(s, &end, 10);
+    if (end == s || *end != '\0' || n < 1 || n > SIGRTMAX || n == SIGKILL || n == SIGSTOP) {
+      *error =
+          std::string("RDMAVIRT_PROBE_SIGNAL=") + s + " is not a signal number that can be caught";
+      return false;
+    }
+    sig = static_cast<int>(n);
+  }
+  struct sigaction cur;
+  if (sigaction(sig, nullptr, &cur) != 0) {
+    *error = "signal " + std::to_string(sig) + ": " + strerror(errno);
+    return false;
+  }
+  const bool ours = (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == OnProbe;
+  if (!ours && cur.sa_handler != SIG_DFL) {
+    *error = "signal " + std::to_string(sig) + " already has a handler";
+    return false;
+  }
+  struct sigaction sa;
+  memset(&sa, 0, sizeof(sa));
+  sa.sa_sigaction = OnProbe;
+  sa.sa_flags = SA_SIGINFO | SA_RESTART;
+  sigfillset(&sa.sa_mask);
+  if (sigaction(sig, &sa, nullptr) != 0) {
+    *error = "signal " + std::to_string(sig) + ": " + strerror(errno);
+    return false;
+  }
+  g_signal.store(sig, std::memory_order_release);
+  return true;
+}
+
+int ThreadProbeSignal() { return g_signal.load(std::memory_order_acquire); }
+
+bool WaitOutsideProviders(const std::vector<const void*>& provider_entries, uint32_t timeout_ms,
+                          std::string* error) {
+  const uint64_t deadline_ms = NowMs() + timeout_ms;
+  const int sig = ThreadProbeSignal();
+  if (sig == 0) {
+    *error = "the thread probe is not installed";
+    return false;
+  }
+  struct sigaction cur;
+  if (sigaction(sig, nullptr, &cur) != 0 || !(cur.sa_flags & SA_SIGINFO) ||
+      cur.sa_sigaction != OnProbe) {
+    *error = "the application replaced the handler of signal " + std::to_string(sig) +
+             ", with which the pause asks each thread where it is";
+    return false;
+  }
+  if (!BuildRanges(provider_entries, error)) return false;
+  static uint32_t seq = 0;  // one control thread at a time
+  std::vector<pid_t> pending = OtherThreads();
+  Asked last = Asked::kOutside;
+  while (!pending.empty()) {
+    std::vector<pid_t> again;
+    for (pid_t tid : pending) {
+      seq = (seq + 1) & 0x7fffffff;
+      if (seq == 0) seq = 1;
+      const Asked a = Ask(tid, sig, seq, deadline_ms, error);
+      if (a == Asked::kFailed) return false;
+      if (a == Asked::kInside || a == Asked::kBlocked) {
+        again.push_back(tid);
+        last = a;
+      }
+    }
+    pending.swap(again);
+    if (pending.empty()) break;
+    if (NowMs() > deadline_ms) {
+      const std::string t = "thread " + std::to_string(pending.back());
+      *error = last == Asked::kInside
+                   ? t + " stayed inside a provider's post or poll until the deadline"
+                   : t + " blocks signal " + std::to_string(sig) +
+                         " (the pause asks each thread with it where it is; set "
+                         "RDMAVIRT_PROBE_SIGNAL to a signal it leaves open, or "
+                         "RDMAVIRT_PAUSE=marks)";
+      return false;
+    }
+    sched_yield();
+  }
+  return true;
+}
+
+}  // namespace rdmavirt::shim

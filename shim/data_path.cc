@@ -126,11 +126,18 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   return true;
 }
 
+// The code of the probed path (thread_probe.h): a thread with a frame in
+// this section is inside a post or poll of a process whose pause probes
+// its threads (it has passed its check, or is about to). The translating
+// functions below are in it too: a probed post jumps into them.
+#define RDMAVIRT_PROBED_PATH gnu::section("rdmavirt_probed_path")
+
 // The common cases of the translating path: one RC/UC WR with one SGE,
 // translated from locals (no patch list), the application's values put
 // back after the call. Each is a function of its own, so that each saves
 // only the registers it needs.
-[[gnu::noinline]] int PostOneTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostOneTranslated(Qp* qp, ibv_send_wr* wr,
+                                                              ibv_send_wr** bad) {
   ibv_sge* sg = wr->sg_list;
   const uint32_t lkey = sg->lkey;
   sg->lkey = qp->mrs.ToPhysicalAt(&sg->lkey);
@@ -154,11 +161,13 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
   return rc;
 }
 // RDMA WRITE (with or without immediate) and READ: the rkey at wr.rdma.rkey.
-[[gnu::noinline]] int PostOneTranslatedRdma(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostOneTranslatedRdma(Qp* qp, ibv_send_wr* wr,
+                                                                  ibv_send_wr** bad) {
   return PostOneWithRkeyAt(qp, wr, bad, offsetof(ibv_send_wr, wr.rdma.rkey));
 }
 // Any other opcode: the rkey where the opcode has one.
-[[gnu::noinline]] int PostOneTranslatedRkey(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostOneTranslatedRkey(Qp* qp, ibv_send_wr* wr,
+                                                                  ibv_send_wr** bad) {
   const unsigned off = RkeyOffset(wr);
   if (off == 0) return PostOneTranslated(qp, wr, bad);
   return PostOneWithRkeyAt(qp, wr, bad, off);
@@ -166,7 +175,8 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
 
 // Posts a chain with every identity translated in place, restoring the
 // application's values afterwards.
-[[gnu::noinline]] int PostChainTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostChainTranslated(Qp* qp, ibv_send_wr* wr,
+                                                                ibv_send_wr** bad) {
   ibv_qp* real = qp->real;
   while (wr != nullptr) {
     Patches p;
@@ -349,20 +359,25 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
 }
 
 // A migratable process whose pause asks its threads where they are
-// (thread_probe.h): on the marked path and not paused, the provider's
-// entry by a tail call, as on the fast path; the rest as above. In a
-// section of their own: a thread stopped inside one has passed or is
-// about to pass the check, and the probe counts it as inside.
+// (thread_probe.h). On the marked path and not paused: the provider's
+// entry by a tail call, as on the fast path. On the translating path (a
+// process after a move): translated without a mark, by functions of the
+// probed path's section (a frame of theirs is on the stack until the
+// application's WR is put back). The rest (a UD QP's counted sends, a
+// pause) through the gate.
 [[gnu::noinline]] int PostSendNotProbed(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   if (EnterTranslated(qp->path)) [[likely]]
     return PostSendInMark(qp, wr, bad);
   return PostSendGated(qp, wr, bad);
 }
-[[gnu::section("rdmavirt_probed_path")]] int PostSendProbed(ibv_qp* ibqp, ibv_send_wr* wr,
-                                                            ibv_send_wr** bad) {
+[[RDMAVIRT_PROBED_PATH]] int PostSendProbed(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  if (qp->path.Is(Path::kMarked)) [[likely]]
+  const uint16_t path = qp->path.word();
+  if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
+  if (path == static_cast<uint16_t>(Path::kTranslated) && qp->shadow.qp_base.qp_type != IBV_QPT_UD)
+      [[likely]]
+    return PostSendTranslated(qp, wr, bad);
   return PostSendNotProbed(qp, wr, bad);
 }
 
@@ -633,10 +648,10 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 
 // VirtualizeWc beyond the QPN, out of line: what the drain and a release
 // count, an invalidated rkey, a UD sender and its GRH.
-[[gnu::noinline]] Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc);
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc);
 
 // VirtualizeWc for any completion but the plain one.
-[[gnu::noinline]] Qp* VirtualizeWcSlow(const QpIndex* qps, ibv_wc* wc) {
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] Qp* VirtualizeWcSlow(const QpIndex* qps, ibv_wc* wc) {
   Qp* qp = qps->Find(wc->qp_num);
   if (qp == nullptr) return nullptr;
   wc->qp_num = qp->shadow.qp_base.qp_num;
@@ -713,7 +728,9 @@ void BackToMarked(Cq* cq) {
 // Translates wc[from, end) and takes out a drain's markers that completed
 // after the drain gave up (Cq::markers_late): they are the shim's. The
 // count kept.
-[[gnu::noinline]] int VirtualizeDroppingMarkers(const QpIndex* qps, ibv_wc* wc, int from, int end) {
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int VirtualizeDroppingMarkers(const QpIndex* qps,
+                                                                      ibv_wc* wc, int from,
+                                                                      int end) {
   int kept = from;
   for (int i = from; i < end; ++i) {
     const Qp* qp = VirtualizeWc(qps, &wc[i]);
@@ -727,7 +744,7 @@ void BackToMarked(Cq* cq) {
 // Polls the real CQ after the held completions, translating; a CQ that
 // holds completions from a pause, has markers to drop, or may go back to
 // the marked path takes the long way.
-[[gnu::noinline]] int PollTranslatedSlow(Cq* cq, int n, ibv_wc* wc) {
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PollTranslatedSlow(Cq* cq, int n, ibv_wc* wc) {
   int got = TakePending(cq, n, wc);
   if (got < n) {
     const int more = cq->real_poll_cq(cq->real, n - got, wc + got);
@@ -745,7 +762,7 @@ void BackToMarked(Cq* cq) {
 }
 
 // A poll that returned several completions: all of them translated.
-[[gnu::noinline]] int VirtualizeAll(const QpIndex* qps, ibv_wc* wc, int got) {
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int VirtualizeAll(const QpIndex* qps, ibv_wc* wc, int got) {
   for (int i = 0; i < got; ++i) VirtualizeWc(qps, &wc[i]);
   return got;
 }
@@ -831,10 +848,18 @@ int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
     return PollCqInMark(cq, n, wc);
   return PollCqGated(cq, n, wc);
 }
-[[gnu::section("rdmavirt_probed_path")]] int PollCqProbed(ibv_cq* ibcq, int n, ibv_wc* wc) {
+// Out of line (the marked path keeps no register), and in the section:
+// its frame stays while the completions are translated.
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PollCqTranslatedProbed(Cq* cq, int n, ibv_wc* wc) {
+  return PollTranslated(cq, n, wc);
+}
+[[RDMAVIRT_PROBED_PATH]] int PollCqProbed(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
-  if (cq->path.Is(Path::kMarked)) [[likely]]
+  const uint16_t path = cq->path.word();
+  if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]]
     return cq->real_poll_cq(cq->real, n, wc);
+  if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
+    return PollCqTranslatedProbed(cq, n, wc);
   return PollCqNotProbed(cq, n, wc);
 }
 

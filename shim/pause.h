@@ -11,6 +11,9 @@
 // barrier is seen by the wait; one that reads a flag after it sees it set.
 // So the data path needs no locked instruction and no fence of its own:
 // the asymmetric fence moves the cost of ordering to the rare side.
+// A process whose pause probes its threads (thread_probe.h, the default)
+// raises no mark for a post or poll on the marked path: it jumps into the
+// provider, and the pause asks each thread where it is after Close.
 //
 // Thread safety: the data-path helpers on application threads, Close and
 // Open on one control thread at a time (the shim's mutex).
@@ -78,6 +81,8 @@ class PathState {
   }
   // The whole word is `word` (EnterMarked).
   bool Equals(uint16_t word) const { return bits_.load(std::memory_order_relaxed) == word; }
+  // The whole word, read once (the probed entries compare it twice).
+  uint16_t word() const { return bits_.load(std::memory_order_relaxed); }
   // The path; the pause flag is kept.
   void Set(Path p) {
     uint16_t old = bits_.load();

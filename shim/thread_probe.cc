@@ -68,6 +68,11 @@ const Range* Find(uintptr_t at) {
   return nullptr;
 }
 
+bool InProbedPath(uintptr_t at) {
+  return at >= reinterpret_cast<uintptr_t>(__start_rdmavirt_probed_path) &&
+         at < reinterpret_cast<uintptr_t>(__stop_rdmavirt_probed_path);
+}
+
 _Unwind_Reason_Code Step(_Unwind_Context* ctx, void* arg) {
   Walk* w = static_cast<Walk*>(arg);
   int before = 0;
@@ -81,7 +86,13 @@ _Unwind_Reason_Code Step(_Unwind_Context* ctx, void* arg) {
   }
   // A return address points after its call; the interrupted pc at its
   // instruction.
-  const Range* r = Find(before ? ip : ip - 1);
+  const uintptr_t at = before ? ip : ip - 1;
+  if (InProbedPath(at)) {  // checked, and calling the provider or about to
+    w->verdict = kInside;
+    w->decided = true;
+    return _URC_END_OF_STACK;
+  }
+  const Range* r = Find(at);
   if (r != nullptr && r->code == Code::kPassOver) return _URC_NO_REASON;
   w->verdict = r != nullptr ? kInside : kOutside;
   w->decided = true;
@@ -100,9 +111,7 @@ uintptr_t InterruptedPc(const void* ucv) {
 }
 
 Verdict Classify(uintptr_t pc) {
-  const uintptr_t lo = reinterpret_cast<uintptr_t>(__start_rdmavirt_probed_path);
-  const uintptr_t hi = reinterpret_cast<uintptr_t>(__stop_rdmavirt_probed_path);
-  if (pc >= lo && pc < hi) return kInside;  // between the check and the jump
+  if (InProbedPath(pc)) return kInside;  // between the check and the jump
   Walk w{pc};
   _Unwind_Backtrace(Step, &w);
   if (w.decided) return w.verdict;

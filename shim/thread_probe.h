@@ -11,8 +11,10 @@
 // thread's own stack and answers "inside" when it finds a frame of a
 // provider's library before any frame of the application's (frames of
 // libc, libibverbs, the dynamic loader, the vDSO and the shim are passed
-// over: a provider's call goes through them), or when the thread stopped
-// between the check and the jump. A thread found outside cannot get in
+// over: a provider's call goes through them), or a frame of the probed
+// path's own functions (they have a section of their own: a thread there
+// has passed its check, or is about to; a translating queue's call keeps
+// that frame while it translates and calls the provider). A thread found outside cannot get in
 // again: its next check sees the flag. A thread found inside is asked
 // again until it has left.
 //

@@ -19,7 +19,9 @@
 // ... with a CQ of its own, so that several threads of one process ring the
 // device's doorbell. The heap is dirtied by the first thread only. About
 // once a second of running time the client prints each thread's writes so
-// far ("writes by thread: W0 W1 ..."); so does the JSON.
+// far ("writes by thread: W0 W1 ..."); so does the JSON. With
+// --block-signals every thread but the first blocks every signal (with
+// pthread_sigmask, as programs that take signals on one thread do).
 //
 // --no-rdma: the client only allocates and fills --mr-mib MiB (and the
 // heap, dirtied the same way) and runs for --seconds: the same memory with
@@ -32,7 +34,7 @@
 //   qp_holder --server [--port P] [--qps N] [--seconds S]
 //   qp_holder --connect HOST [--port P] [--qps N] [--mr-mib M] [--seconds S]
 //             [--interval-ms MS] [--device rxe0] [--gid-index 1]
-//             [--heap-mib H] [--dirty-mib-s D] [--threads T]
+//             [--heap-mib H] [--dirty-mib-s D] [--threads T [--block-signals]]
 //             [--no-rdma [--open-device]]
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
@@ -77,6 +79,7 @@ struct Options {
   uint64_t heap_mib = 0;
   double dirty_mib_s = 0;
   uint32_t threads = 1;
+  bool block_signals = false;
 };
 
 volatile sig_atomic_t g_stop = 0;
@@ -89,7 +92,7 @@ void OnStop(int) { g_stop = 1; }
                "usage: qp_holder --server|--connect HOST [--port P] [--qps N] [--mr-mib M]\n"
                "                 [--seconds S] [--interval-ms MS] [--device NAME]\n"
                "                 [--gid-index I] [--heap-mib H] [--dirty-mib-s D]\n"
-               "                 [--threads T] [--no-rdma [--open-device]]\n",
+               "                 [--threads T [--block-signals]] [--no-rdma [--open-device]]\n",
                why);
   std::exit(status);
 }
@@ -142,6 +145,8 @@ Options ParseArgs(int argc, char** argv) {
       o.dirty_mib_s = number(0, 65536);
     } else if (a == "--threads") {
       o.threads = static_cast<uint32_t>(number(1, 64));
+    } else if (a == "--block-signals") {
+      o.block_signals = true;
     } else if (a == "-h" || a == "--help") {
       Usage("a verbs process of a chosen size: N connected RC QPs, M MiB registered", 0);
     } else {
@@ -154,6 +159,7 @@ Options ParseArgs(int argc, char** argv) {
   if (o.dirty_mib_s > 0 && o.heap_mib == 0) Usage("--dirty-mib-s needs --heap-mib");
   if (o.threads > o.qps) Usage("--threads may not exceed --qps: each thread writes on its own QPs");
   if (o.threads > 1 && o.no_rdma) Usage("--threads is for RDMA clients");
+  if (o.block_signals && o.threads < 2) Usage("--block-signals goes with --threads 2 or more");
   return o;
 }
 
@@ -404,6 +410,12 @@ int Run(const Options& o) {
     double shown = 0;
     // Thread t writes on QPs t, t+T, ... in turn and polls its own CQ.
     auto writer = [&](uint32_t t) {
+      if (t > 0 && o.block_signals) {
+        sigset_t all;
+        sigfillset(&all);
+        if (const int rc = pthread_sigmask(SIG_BLOCK, &all, nullptr))
+          Die("pthread_sigmask: %s", std::strerror(rc));
+      }
       RunningClock clock;
       uint64_t mine_written = 0, mine_failed = 0;
       for (uint32_t i = t; !g_stop; i = (i + o.threads) % o.qps) {

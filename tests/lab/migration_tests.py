@@ -587,38 +587,45 @@ def writes_by_thread(name):
     return [int(w) for w in found[-1].split()] if found else []
 
 
-@lab_test
-@logs_on_failure("threads")
-def every_thread_of_a_moved_process_keeps_posting():
-    """qp_holder's client writes from 2 threads, each on its own QPs and
-    CQ, under the shim on host1 (its server on host3). CRIU restores each
-    thread with a credential object of its own, and ib_uverbs refuses a
-    write() on the device from a thread whose credentials are not the very
-    ones it was opened with: rxe rings its doorbell with write(), so before
-    the shim relayed such writes, a restored process could post from one
-    thread only. Both threads must keep writing on host2, and the client
-    must end with every write completed; and again after a move back.
-    """
+PROBE_SIGNAL = 62  # SIGRTMAX - 2 on Linux: the shim's thread probe (shim/thread_probe.h)
+
+
+def catches_probe_signal(host, pid):
+    """Whether process `pid` on `host` has a handler for the probe's signal
+    (SigCgt): its pause asks its threads where they are."""
+    caught = run_ok(host, f"sed -n 's/^SigCgt:\\s*//p' /proc/{pid}/status").out.strip()
+    return bool((int(caught, 16) >> (PROBE_SIGNAL - 1)) & 1)
+
+
+def threads_keep_posting(name, port, moves, env=""):
+    """qp_holder's client writing from 2 threads (the second blocking every
+    signal), moved along `moves`; both threads keep writing after each move
+    and the client ends with every write completed. Returns the client's
+    pid as it ran on host1."""
     ensure_daemons()
-    name, port = "threads", 18953
     prog = f"{BUILD}/tests/apps/qp_holder"
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
     for h in (1, 2, 3):
-        LAB.run(h, "pkill -f 'qp_holder '")
+        LAB.run(h, f"pkill -f 'qp_holder .*--port {port}'")
     args = f"--qps 4 --port {port} --seconds 3600"
     run_ok(3, f"(setsid env {SHIM}{prog} --server {args} > {WORK}/{name}-q.out 2>&1 "
               f"< /dev/null &)")
     wait_listening(3, port)
-    run_ok(1, f"(setsid env {SHIM}{prog} --connect {ip(3)} {args} --threads 2 "
-              f"> {WORK}/{name}-p.out 2>&1 < /dev/null &)")
+    run_ok(1, f"(setsid env {env} {SHIM}{prog} --connect {ip(3)} {args} --threads 2 "
+              f"--block-signals > {WORK}/{name}-p.out 2>&1 < /dev/null &)")
     try:
         wait_until(1, f"grep -q 'writes by thread: [1-9][0-9]* [1-9]' {WORK}/{name}-p.out", 120,
                    "both of the client's threads wrote")
-        pid = pid_of(1, "qp_holder .*--connect")
+        pid = pid_of(1, f"qp_holder .*--connect.*--port {port}")
+        probed = catches_probe_signal(1, pid)
+        masks = [int(m, 16) for m in run_ok(
+            1, f"sed -n 's/^SigBlk:\\s*//p' /proc/{pid}/task/*/status").out.split()]
+        blocking = [m for m in masks if bin(m).count("1") > 20]
+        check(blocking, "no thread of the client blocks its signals", [hex(m) for m in masks])
+        check(not probed or not any((m >> (PROBE_SIGNAL - 1)) & 1 for m in blocking),
+              "a thread of the client blocks the probe's signal", [hex(m) for m in masks])
         at_move = []
-        # There and back: the relay made at the first restore (an io_uring,
-        # which CRIU cannot dump) must be gone before the second dump.
-        for src, dst in ((1, 2), (2, 1)):
+        for src, dst in moves:
             r, rep = ctl(src, f"migrate {pid} --to {ip(dst)}")
             check(r.rc == 0, f"migrate the two-thread client host{src} -> host{dst}", r)
             check_report(rep, "migrate the two-thread client")
@@ -640,16 +647,53 @@ def every_thread_of_a_moved_process_keeps_posting():
                   f"threads {tasks}", flush=True)
             check(not any(t.startswith("iou-") for t in tasks),
                   "io_uring worker threads in the moved client", tasks)
-        run_ok(1, f"kill -TERM {pid}")
-        wait_until(1, f"grep -q '^{{' {WORK}/{name}-p.out", 120, "the client reported")
-        verdict = json.loads(run_ok(1, f"grep '^{{' {WORK}/{name}-p.out").out)
+            check(catches_probe_signal(dst, pid) == probed,
+                  "the probe's handler did not come along", probed)
+        last = moves[-1][1]
+        run_ok(last, f"kill -TERM {pid}")
+        wait_until(last, f"grep -q '^{{' {WORK}/{name}-p.out", 120, "the client reported")
+        verdict = json.loads(run_ok(last, f"grep '^{{' {WORK}/{name}-p.out").out)
         check(verdict["ok"] and verdict["errors"] == 0, "the client saw errors", verdict)
         check(len(verdict["writes_by_thread"]) == 2 and
               all(n >= m + 50 for n, m in zip(verdict["writes_by_thread"], at_move)),
               "the verdict does not count each thread's writes after the move", verdict)
+        return probed
     finally:
         for h in (1, 2, 3):
-            LAB.run(h, "pkill -f 'qp_holder '")
+            LAB.run(h, f"pkill -f 'qp_holder .*--port {port}'")
+
+
+@lab_test
+@logs_on_failure("threads")
+def every_thread_of_a_moved_process_keeps_posting():
+    """qp_holder's client writes from 2 threads, each on its own QPs and
+    CQ, under the shim on host1 (its server on host3). CRIU restores each
+    thread with a credential object of its own, and ib_uverbs refuses a
+    write() on the device from a thread whose credentials are not the very
+    ones it was opened with: rxe rings its doorbell with write(), so before
+    the shim relayed such writes, a restored process could post from one
+    thread only. Both threads must keep writing on host2, and the client
+    must end with every write completed; and again after a move back.
+
+    The pause asks each thread where it is with a signal (the process's
+    default: its posts and polls jump into the provider); the second
+    thread blocks every signal, as threads of programs that take signals
+    on one thread do, and the shim keeps the probe's signal open in it.
+    """
+    # There and back: the relay made at the first restore (an io_uring,
+    # which CRIU cannot dump) must be gone before the second dump.
+    probed = threads_keep_posting("threads", 18953, ((1, 2), (2, 1)))
+    check(probed, "the client does not catch the probe's signal: its pause is not the probe's")
+
+
+@lab_test
+@logs_on_failure("threads-marks")
+def a_process_whose_pause_marks_each_call_moves_too():
+    """RDMAVIRT_PAUSE=marks: the process's posts and polls raise the
+    thread's mark instead (for programs that need the probe's signal for
+    themselves); the same two-thread client moves with it."""
+    probed = threads_keep_posting("threads-marks", 18954, ((1, 2),), env="RDMAVIRT_PAUSE=marks")
+    check(not probed, "RDMAVIRT_PAUSE=marks: the client still catches the probe's signal")
 
 
 @lab_test

@@ -51,12 +51,16 @@ std::atomic<uint64_t> g_answer{0};
 std::atomic<int> g_signal{0};
 
 constexpr int kMaxFrames = 256;
+// Frames of other code that end the search for a provider's: deep in the
+// application's own code, the thread is outside.
+constexpr int kOtherFrames = 8;
 constexpr uint64_t kAnswerMs = 2000;  // for one thread to answer once asked
 
 struct Walk {
   uintptr_t pc;          // where the signal interrupted the thread
   bool started = false;  // the unwinder has reached the interrupted frame
   int frames = 0;
+  int others = 0;  // frames of neither a provider nor a library passed over
   Verdict verdict = kUnknown;
   bool decided = false;
 };
@@ -93,10 +97,20 @@ _Unwind_Reason_Code Step(_Unwind_Context* ctx, void* arg) {
     return _URC_END_OF_STACK;
   }
   const Range* r = Find(at);
-  if (r != nullptr && r->code == Code::kPassOver) return _URC_NO_REASON;
-  w->verdict = r != nullptr ? kInside : kOutside;
-  w->decided = true;
-  return _URC_END_OF_STACK;
+  if (r != nullptr && r->code == Code::kProvider) {
+    w->verdict = kInside;
+    w->decided = true;
+    return _URC_END_OF_STACK;
+  }
+  // The application's code, or a library's that a provider's call may
+  // pass through all the same (a sanitizer's runtime, a tracer that wraps
+  // write()): a provider's frame, if any, is a few frames further out.
+  if (r == nullptr && ++w->others == kOtherFrames) {
+    w->verdict = kOutside;
+    w->decided = true;
+    return _URC_END_OF_STACK;
+  }
+  return _URC_NO_REASON;
 }
 
 uintptr_t InterruptedPc(const void* ucv) {

@@ -9,9 +9,10 @@
 // that makes every later check see them), the control thread asks each
 // other thread instead: a signal whose handler unwinds the interrupted
 // thread's own stack and answers "inside" when it finds a frame of a
-// provider's library before any frame of the application's (frames of
-// libc, libibverbs, the dynamic loader, the vDSO and the shim are passed
-// over: a provider's call goes through them), or a frame of the probed
+// provider's library among its innermost frames (frames of libc,
+// libibverbs, the dynamic loader, the vDSO and the shim are passed over:
+// a provider's call goes through them; 8 frames of other code end the
+// search), or a frame of the probed
 // path's own functions (they have a section of their own: a thread there
 // has passed its check, or is about to; a translating queue's call keeps
 // that frame while it translates and calls the provider). A thread found outside cannot get in

@@ -54,7 +54,9 @@ Shim* Shim::Process() {
     if (migratable) {
       const char* p = getenv("RDMAVIRT_PAUSE");
       std::string why;
-      if (p == nullptr || strcmp(p, "marks") != 0) probed = InstallThreadProbe(&why);
+      // Installed when the library was loaded (signal_interpose.cc), or now.
+      if (p == nullptr || strcmp(p, "marks") != 0)
+        probed = ThreadProbeSignal() != 0 || InstallThreadProbe(&why);
       if (!why.empty()) Log(("the pause marks every post and poll: " + why).c_str());
     }
     return new (std::nothrow) Shim(backend, mode, migratable, probed);

@@ -1,7 +1,6 @@
 #include "shim/thread_probe.h"
 
 #include <dirent.h>
-#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <link.h>
@@ -46,8 +45,13 @@ constexpr int kMaxRanges = 64;
 Range g_ranges[kMaxRanges];
 std::atomic<int> g_range_count{0};
 
-// The answer of the probe numbered (answer >> 8): a Verdict in the low byte.
+// The answer of the probe numbered (answer >> 8): a Verdict in the low
+// byte. Only the probe the control thread waits for answers (g_awaited):
+// a late one, from a thread that blocked the signal meanwhile, does not
+// overwrite it.
 std::atomic<uint64_t> g_answer{0};
+std::atomic<uint32_t> g_awaited{0};
+std::atomic<uint64_t> g_inside_answers{0};
 std::atomic<int> g_signal{0};
 
 constexpr int kMaxFrames = 256;
@@ -137,9 +141,13 @@ Verdict Classify(uintptr_t pc) {
 
 void OnProbe(int, siginfo_t* si, void* ucv) {
   const int saved = errno;
-  const uint64_t seq = static_cast<uint32_t>(si->si_value.sival_int);
-  const Verdict v = si->si_code == SI_QUEUE ? Classify(InterruptedPc(ucv)) : kUnknown;
-  g_answer.store(seq << 8 | v, std::memory_order_release);
+  const uint32_t seq = static_cast<uint32_t>(si->si_value.sival_int);
+  if (si->si_code == SI_QUEUE && si->si_pid == getpid() &&
+      seq == g_awaited.load(std::memory_order_acquire)) {
+    const Verdict v = Classify(InterruptedPc(ucv));
+    if (v != kOutside) g_inside_answers.fetch_add(1, std::memory_order_relaxed);
+    g_answer.store(uint64_t{seq} << 8 | v, std::memory_order_release);
+  }
   errno = saved;
 }
 
@@ -156,23 +164,32 @@ bool NameHas(const char* name, const char* part) {
 }
 
 struct RangeScan {
-  std::vector<uintptr_t> provider_bases;
-  uintptr_t shim_base = 0;
+  std::vector<uintptr_t> entries;
   int count = 0;
   bool full = false;
 };
 
 int AddObject(dl_phdr_info* info, size_t, void* arg) {
   RangeScan* scan = static_cast<RangeScan*>(arg);
+  // A provider's object: one whose code holds an entry; the shim's, the
+  // one that holds this function.
   bool provider = false;
-  for (uintptr_t b : scan->provider_bases) provider = provider || b == info->dlpi_addr;
+  bool shim = false;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    if (ph.p_type != PT_LOAD || !(ph.p_flags & PF_X)) continue;
+    const uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
+    auto holds = [&](uintptr_t a) { return a >= lo && a < lo + ph.p_memsz; };
+    for (uintptr_t e : scan->entries) provider = provider || holds(e);
+    shim = shim || holds(reinterpret_cast<uintptr_t>(&AddObject));
+  }
   const char* n = info->dlpi_name;
   // A provider's call runs through these (libibverbs' command helpers,
   // libc, lazy binding, the vDSO, the shim's write relay); anything else
   // is the application's.
-  const bool pass = info->dlpi_addr == scan->shim_base || NameHas(n, "/libc.so") ||
-                    NameHas(n, "libibverbs.so") || NameHas(n, "/ld-linux") ||
-                    NameHas(n, "linux-vdso") || NameHas(n, "/libpthread.so");
+  const bool pass = shim || NameHas(n, "/libc.so") || NameHas(n, "libibverbs.so") ||
+                    NameHas(n, "/ld-linux") || NameHas(n, "linux-vdso") ||
+                    NameHas(n, "/libpthread.so");
   if (!provider && !pass) return 0;
   for (int i = 0; i < info->dlpi_phnum; ++i) {
     const ElfW(Phdr)& ph = info->dlpi_phdr[i];
@@ -191,18 +208,7 @@ int AddObject(dl_phdr_info* info, size_t, void* arg) {
 
 bool BuildRanges(const std::vector<const void*>& entries, std::string* error) {
   RangeScan scan;
-  Dl_info info;
-  if (dladdr(reinterpret_cast<const void*>(&InstallThreadProbe), &info) != 0)
-    scan.shim_base = reinterpret_cast<uintptr_t>(info.dli_fbase);
-  for (const void* e : entries) {
-    if (dladdr(e, &info) == 0) {
-      char buf[64];
-      snprintf(buf, sizeof(buf), "%p", e);
-      *error = std::string("no loaded library holds the provider's entry ") + buf;
-      return false;
-    }
-    scan.provider_bases.push_back(reinterpret_cast<uintptr_t>(info.dli_fbase));
-  }
+  for (const void* e : entries) scan.entries.push_back(reinterpret_cast<uintptr_t>(e));
   g_range_count.store(0, std::memory_order_release);  // a late answer reads no half-built table
   dl_iterate_phdr(AddObject, &scan);
   if (scan.full) {
@@ -210,6 +216,16 @@ bool BuildRanges(const std::vector<const void*>& entries, std::string* error) {
     return false;
   }
   g_range_count.store(scan.count, std::memory_order_release);
+  // A provider the scan missed would make every thread look outside.
+  for (uintptr_t e : scan.entries) {
+    const Range* r = Find(e);
+    if (r == nullptr || r->code != Code::kProvider) {
+      char buf[32];
+      snprintf(buf, sizeof(buf), "%#lx", static_cast<unsigned long>(e));
+      *error = std::string("no loaded object's code holds the provider's entry ") + buf;
+      return false;
+    }
+  }
   return true;
 }
 
@@ -240,32 +256,18 @@ bool WaitsOutside(long nr) {
     case SYS_sendto:
     case SYS_sendmsg:
     case SYS_sendmmsg:
-    case SYS_accept:
     case SYS_accept4:
     case SYS_connect:
-    case SYS_poll:
     case SYS_ppoll:
-    case SYS_select:
     case SYS_pselect6:
-    case SYS_epoll_wait:
     case SYS_epoll_pwait:
-#ifdef SYS_epoll_pwait2
-    case SYS_epoll_pwait2:
-#endif
     case SYS_nanosleep:
     case SYS_clock_nanosleep:
-    case SYS_pause:
     case SYS_rt_sigsuspend:
     case SYS_rt_sigtimedwait:
     case SYS_wait4:
     case SYS_waitid:
     case SYS_io_getevents:
-#ifdef SYS_io_pgetevents
-    case SYS_io_pgetevents:
-#endif
-#ifdef SYS_io_uring_enter
-    case SYS_io_uring_enter:
-#endif
     case SYS_msgrcv:
     case SYS_msgsnd:
     case SYS_semop:
@@ -274,7 +276,34 @@ bool WaitsOutside(long nr) {
     case SYS_mq_timedsend:
     case SYS_flock:
     case SYS_fcntl:
+    // A signal pending across an exec would be the new program's, whose
+    // handler is the default one: it would end it.
+    case SYS_execve:
+    case SYS_execveat:
+#ifdef SYS_accept
+    case SYS_accept:
+#endif
+#ifdef SYS_poll
+    case SYS_poll:
+#endif
+#ifdef SYS_select
+    case SYS_select:
+#endif
+#ifdef SYS_epoll_wait
+    case SYS_epoll_wait:
+#endif
+#ifdef SYS_epoll_pwait2
+    case SYS_epoll_pwait2:
+#endif
+#ifdef SYS_pause
+    case SYS_pause:
+#endif
+#ifdef SYS_io_pgetevents
+    case SYS_io_pgetevents:
+#endif
       return true;
+    // Not io_uring_enter: the shim's write relay waits in it while a
+    // provider rings its doorbell after a restore (write_relay.h).
     default:
       return false;
   }
@@ -321,6 +350,7 @@ Asked Ask(pid_t tid, int sig, uint32_t seq, uint64_t deadline_ms, std::string* e
   si.si_pid = getpid();
   si.si_uid = getuid();
   si.si_value.sival_int = static_cast<int>(seq);
+  g_awaited.store(seq, std::memory_order_release);
   if (syscall(SYS_rt_tgsigqueueinfo, getpid(), tid, sig, &si) != 0) {
     if (errno == ESRCH) return Asked::kGone;
     *error = "signalling thread " + std::to_string(tid) + ": " + strerror(errno);
@@ -350,7 +380,7 @@ Asked Ask(pid_t tid, int sig, uint32_t seq, uint64_t deadline_ms, std::string* e
   }
 }
 
-std::vector<pid_t> OtherThreads() {
+std::vector<pid_t> ListThreads() {
   std::vector<pid_t> tids;
   const pid_t self = static_cast<pid_t>(syscall(SYS_gettid));
   DIR* d = opendir("/proc/self/task");
@@ -360,6 +390,20 @@ std::vector<pid_t> OtherThreads() {
     if (t > 0 && t != self) tids.push_back(t);
   }
   closedir(d);
+  std::sort(tids.begin(), tids.end());
+  return tids;
+}
+
+// The other threads. A directory read while threads exit may skip an
+// entry: read until two readings agree (threads that start later read
+// the pause flags after the fence, and never get in).
+std::vector<pid_t> OtherThreads() {
+  std::vector<pid_t> tids = ListThreads();
+  for (int i = 0; i < 8; ++i) {
+    std::vector<pid_t> again = ListThreads();
+    if (again == tids) break;
+    tids.swap(again);
+  }
   return tids;
 }
 
@@ -401,6 +445,8 @@ bool InstallThreadProbe(std::string* error) {
 }
 
 int ThreadProbeSignal() { return g_signal.load(std::memory_order_acquire); }
+
+uint64_t ThreadProbeInsideAnswers() { return g_inside_answers.load(std::memory_order_relaxed); }
 
 bool WaitOutsideProviders(const std::vector<const void*>& provider_entries, uint32_t timeout_ms,
                           std::string* error) {

@@ -46,6 +46,10 @@ bool InstallThreadProbe(std::string* error);
 // The probe's signal once installed, else 0. Read by the mask interposers.
 int ThreadProbeSignal();
 
+// How many times a thread asked answered that it was inside (or could not
+// tell): for tests and diagnostics.
+uint64_t ThreadProbeInsideAnswers();
+
 // Waits until no thread of the process but the caller is inside the code
 // of the libraries that hold `provider_entries` (the providers' data-path
 // functions the probed path jumps to) by way of the probed path. False

@@ -20,8 +20,10 @@
 // device's doorbell. The heap is dirtied by the first thread only. About
 // once a second of running time the client prints each thread's writes so
 // far ("writes by thread: W0 W1 ..."); so does the JSON. With
-// --block-signals every thread but the first blocks every signal (with
-// pthread_sigmask, as programs that take signals on one thread do).
+// --block-signals the program blocks every signal first thing, before any
+// verbs call (with pthread_sigmask, as programs that take signals on one
+// thread do), and its first thread opens SIGTERM and SIGINT again once
+// the others have started: they keep every signal blocked.
 //
 // --no-rdma: the client only allocates and fills --mr-mib MiB (and the
 // heap, dirtied the same way) and runs for --seconds: the same memory with
@@ -410,12 +412,6 @@ int Run(const Options& o) {
     double shown = 0;
     // Thread t writes on QPs t, t+T, ... in turn and polls its own CQ.
     auto writer = [&](uint32_t t) {
-      if (t > 0 && o.block_signals) {
-        sigset_t all;
-        sigfillset(&all);
-        if (const int rc = pthread_sigmask(SIG_BLOCK, &all, nullptr))
-          Die("pthread_sigmask: %s", std::strerror(rc));
-      }
       RunningClock clock;
       uint64_t mine_written = 0, mine_failed = 0;
       for (uint32_t i = t; !g_stop; i = (i + o.threads) % o.qps) {
@@ -464,6 +460,14 @@ int Run(const Options& o) {
     };
     std::vector<std::thread> others;
     for (uint32_t t = 1; t < o.threads; ++t) others.emplace_back(writer, t);
+    if (o.block_signals) {
+      sigset_t stop;
+      sigemptyset(&stop);
+      sigaddset(&stop, SIGTERM);
+      sigaddset(&stop, SIGINT);
+      if (const int rc = pthread_sigmask(SIG_UNBLOCK, &stop, nullptr))
+        Die("pthread_sigmask: %s", std::strerror(rc));
+    }
     writer(0);
     for (std::thread& th : others) th.join();
   }
@@ -483,6 +487,12 @@ int Run(const Options& o) {
 int main(int argc, char** argv) {
   program_name = "qp_holder";
   const Options o = ParseArgs(argc, argv);
+  if (o.block_signals) {
+    sigset_t all;
+    sigfillset(&all);
+    if (const int rc = pthread_sigmask(SIG_BLOCK, &all, nullptr))
+      Die("pthread_sigmask: %s", std::strerror(rc));
+  }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   struct sigaction sa {};
   sa.sa_handler = OnStop;

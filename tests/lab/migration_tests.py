@@ -598,8 +598,9 @@ def catches_probe_signal(host, pid):
 
 
 def threads_keep_posting(name, port, moves, env=""):
-    """qp_holder's client writing from 2 threads (the second blocking every
-    signal), moved along `moves`; both threads keep writing after each move
+    """qp_holder's client writing from 2 threads (every signal blocked
+    before its first verbs call, SIGTERM opened again in the first thread
+    only), moved along `moves`; both threads keep writing after each move
     and the client ends with every write completed. Returns the client's
     pid as it ran on host1."""
     ensure_daemons()
@@ -676,9 +677,9 @@ def every_thread_of_a_moved_process_keeps_posting():
     must end with every write completed; and again after a move back.
 
     The pause asks each thread where it is with a signal (the process's
-    default: its posts and polls jump into the provider); the second
-    thread blocks every signal, as threads of programs that take signals
-    on one thread do, and the shim keeps the probe's signal open in it.
+    default: its posts and polls jump into the provider); the client
+    blocks every signal before its first verbs call, as programs that take
+    signals on one thread do, and the shim keeps the probe's signal open.
     """
     # There and back: the relay made at the first restore (an io_uring,
     # which CRIU cannot dump) must be gone before the second dump.

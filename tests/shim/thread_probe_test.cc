@@ -48,6 +48,20 @@ TEST_F(ThreadProbeTest, InstallsOnceAndKeepsItsSignal) {
   EXPECT_EQ(ThreadProbeSignal(), sig);
 }
 
+// Until thread `tid` is blocked in system call `nr` (its syscall file).
+void WaitBlockedIn(pid_t tid, long nr) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", tid);
+  for (;;) {
+    char buf[64] = {};
+    const int fd = open(path, O_RDONLY);
+    const ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+    if (fd >= 0) close(fd);
+    if (n > 0 && atol(buf) == nr) return;
+    std::this_thread::yield();
+  }
+}
+
 TEST_F(ThreadProbeTest, ThreadsInTheApplicationsOwnCodeAreOutside) {
   std::atomic<bool> stop{false};
   std::thread spinner([&] {
@@ -58,17 +72,22 @@ TEST_F(ThreadProbeTest, ThreadsInTheApplicationsOwnCodeAreOutside) {
   ASSERT_EQ(pipe(pfd), 0);
   // Blocked in poll(2): left alone, so its poll ends with the data, never
   // with EINTR.
+  std::atomic<pid_t> poller_tid{0};
   std::atomic<int> poll_rc{-2};
   std::atomic<int> poll_errno{0};
   std::thread poller([&] {
+    poller_tid.store(static_cast<pid_t>(syscall(SYS_gettid)));
     pollfd p{pfd[0], POLLIN, 0};
     const int rc = poll(&p, 1, 20000);
     poll_errno.store(errno);
     poll_rc.store(rc);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // both running or blocked
+  while (poller_tid.load() == 0) std::this_thread::yield();
+  WaitBlockedIn(poller_tid.load(), SYS_poll);
+  const uint64_t inside_before = ThreadProbeInsideAnswers();
   std::string why;
   for (int i = 0; i < 20; ++i) ASSERT_TRUE(WaitOutsideProviders(Provider(), 2000, &why)) << why;
+  EXPECT_EQ(ThreadProbeInsideAnswers(), inside_before) << "a thread answered inside";
   ASSERT_EQ(write(pfd[1], "x", 1), 1);
   poller.join();
   EXPECT_EQ(poll_rc.load(), 1) << "errno " << poll_errno.load();
@@ -79,23 +98,25 @@ TEST_F(ThreadProbeTest, ThreadsInTheApplicationsOwnCodeAreOutside) {
 }
 
 // `enter` runs on a thread of its own and is inside the provider once
-// `inside` is true; `release` lets it out. The wait must not return
-// before it has left.
+// `inside` is true; `release` lets it out, once the probe has found a
+// thread inside. The wait must not return before the release.
 template <typename Enter, typename Release>
 void ExpectWaitFor(Enter enter, Release release, std::atomic<bool>& inside, const char* what) {
-  std::atomic<bool> left{false};
-  std::thread t([&] {
-    enter();
-    left.store(true);
-  });
+  std::thread t(enter);
   while (!inside.load()) std::this_thread::yield();
+  const uint64_t inside_before = ThreadProbeInsideAnswers();
+  std::atomic<bool> released{false};
+  std::atomic<bool> returned{false};
   std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    while (ThreadProbeInsideAnswers() == inside_before && !returned.load())
+      std::this_thread::yield();
+    released.store(true);
     release();
   });
   std::string why;
   EXPECT_TRUE(WaitOutsideProviders(Provider(), 20000, &why)) << why;
-  EXPECT_TRUE(left.load()) << "the wait returned while " << what;
+  EXPECT_TRUE(released.load()) << "the wait returned while " << what;
+  returned.store(true);
   releaser.join();
   t.join();
 }
@@ -126,16 +147,7 @@ TEST_F(ThreadProbeTest, AThreadBlockedInAProvidersWriteIsWaitedForAndItsWriteCom
   std::thread watcher([&] {
     // Inside once the writer is blocked in write(2) (its syscall file says so).
     while (tid.load() == 0) std::this_thread::yield();
-    char path[64];
-    snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", tid.load());
-    for (;;) {
-      char buf[64] = {};
-      const int fd = open(path, O_RDONLY);
-      const ssize_t n = read(fd, buf, sizeof(buf) - 1);
-      close(fd);
-      if (n > 0 && atol(buf) == SYS_write) break;
-      std::this_thread::yield();
-    }
+    WaitBlockedIn(tid.load(), SYS_write);
     inside.store(true);
   });
   ExpectWaitFor(

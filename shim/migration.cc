@@ -295,8 +295,16 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const i
     GuessEndpointGid();
     SetPaused(true);
     std::string why;
+    // One deadline for both halves of the pause.
+    const auto start = std::chrono::steady_clock::now();
+    const auto left_ms = [&] {
+      const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::steady_clock::now() - start);
+      return static_cast<uint32_t>(
+          std::max<int64_t>(0, int64_t{drain_timeout_ms} - int64_t{spent.count()}));
+    };
     if (!pause_.Close(drain_timeout_ms, &why) ||
-        (probed_ && !WaitOutsideProviders(ProviderEntries(), drain_timeout_ms, &why))) {
+        (probed_ && !WaitOutsideProviders(ProviderEntries(), left_ms(), &why))) {
       if (pause_.closed()) pause_.Open();
       SetPaused(false);
       return Error(Code::kDeadlineExceeded, "pausing the data path: " + why);

@@ -91,6 +91,10 @@ _Unwind_Reason_Code Step(_Unwind_Context* ctx, void* arg) {
     // interrupted frame is the one restored from it.
     if (!(before && ip == w->pc)) return _URC_NO_REASON;
     w->started = true;
+  } else if (before) {
+    // Further out, a frame an application's handler interrupted: what
+    // it interrupted counts afresh (a provider's call may be under it).
+    w->others = 0;
   }
   // A return address points after its call; the interrupted pc at its
   // instruction.
@@ -483,12 +487,11 @@ bool WaitOutsideProviders(const std::vector<const void*>& provider_entries, uint
     if (pending.empty()) break;
     if (NowMs() > deadline_ms) {
       const std::string t = "thread " + std::to_string(pending.back());
-      *error = last == Asked::kInside
-                   ? t + " stayed inside a provider's post or poll until the deadline"
-                   : t + " blocks signal " + std::to_string(sig) +
-                         " (the pause asks each thread with it where it is; set "
-                         "RDMAVIRT_PROBE_SIGNAL to a signal it leaves open, or "
-                         "RDMAVIRT_PAUSE=marks)";
+      *error = last == Asked::kInside ? t + " stayed inside a provider's code until the deadline"
+                                      : t + " blocks signal " + std::to_string(sig) +
+                                            " (the pause asks each thread with it where it is; set "
+                                            "RDMAVIRT_PROBE_SIGNAL to a signal it leaves open, or "
+                                            "RDMAVIRT_PAUSE=marks)";
       return false;
     }
     sched_yield();

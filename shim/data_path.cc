@@ -842,12 +842,6 @@ int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
   return PollCqGated(cq, n, wc);
 }
 
-// As PostSendProbed.
-[[gnu::noinline]] int PollCqNotProbed(Cq* cq, int n, ibv_wc* wc) {
-  if (EnterTranslated(cq->path)) [[likely]]
-    return PollCqInMark(cq, n, wc);
-  return PollCqGated(cq, n, wc);
-}
 // Out of line (the marked path keeps no register), and in the section:
 // its frame stays while the completions are translated.
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PollCqTranslatedProbed(Cq* cq, int n, ibv_wc* wc) {
@@ -860,7 +854,7 @@ int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
     return cq->real_poll_cq(cq->real, n, wc);
   if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
     return PollCqTranslatedProbed(cq, n, wc);
-  return PollCqNotProbed(cq, n, wc);
+  return PollCqGated(cq, n, wc);  // paused
 }
 
 // Arms the real CQ. A CQ that may be paused also remembers that the

@@ -54,9 +54,9 @@ Shim* Shim::Process() {
     if (migratable) {
       const char* p = getenv("RDMAVIRT_PAUSE");
       std::string why;
-      // Installed when the library was loaded (signal_interpose.cc), or now.
-      if (p == nullptr || strcmp(p, "marks") != 0)
-        probed = ThreadProbeSignal() != 0 || InstallThreadProbe(&why);
+      // Installed when the library was loaded (signal_interpose.cc); again
+      // is a no-op, and installs it where that did not run (tests).
+      if (p == nullptr || strcmp(p, "marks") != 0) probed = InstallThreadProbe(&why);
       if (!why.empty()) Log(("the pause marks every post and poll: " + why).c_str());
     }
     return new (std::nothrow) Shim(backend, mode, migratable, probed);

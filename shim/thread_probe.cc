@@ -64,9 +64,8 @@ struct Walk {
   uintptr_t pc;          // where the signal interrupted the thread
   bool started = false;  // the unwinder has reached the interrupted frame
   int frames = 0;
-  int others = 0;  // frames of neither a provider nor a library passed over
-  Verdict verdict = kUnknown;
-  bool decided = false;
+  int others = 0;              // frames of neither a provider nor a library passed over
+  Verdict verdict = kUnknown;  // until a frame decides
 };
 
 const Range* Find(uintptr_t at) {
@@ -101,13 +100,11 @@ _Unwind_Reason_Code Step(_Unwind_Context* ctx, void* arg) {
   const uintptr_t at = before ? ip : ip - 1;
   if (InProbedPath(at)) {  // checked, and calling the provider or about to
     w->verdict = kInside;
-    w->decided = true;
     return _URC_END_OF_STACK;
   }
   const Range* r = Find(at);
   if (r != nullptr && r->code == Code::kProvider) {
     w->verdict = kInside;
-    w->decided = true;
     return _URC_END_OF_STACK;
   }
   // The application's code, or a library's that a provider's call may
@@ -115,7 +112,6 @@ _Unwind_Reason_Code Step(_Unwind_Context* ctx, void* arg) {
   // write()): a provider's frame, if any, is a few frames further out.
   if (r == nullptr && ++w->others == kOtherFrames) {
     w->verdict = kOutside;
-    w->decided = true;
     return _URC_END_OF_STACK;
   }
   return _URC_NO_REASON;
@@ -133,10 +129,9 @@ uintptr_t InterruptedPc(const void* ucv) {
 }
 
 Verdict Classify(uintptr_t pc) {
-  if (InProbedPath(pc)) return kInside;  // between the check and the jump
   Walk w{pc};
   _Unwind_Backtrace(Step, &w);
-  if (w.decided) return w.verdict;
+  if (w.verdict != kUnknown) return w.verdict;
   // The stack ended in frames passed over (a thread of libc's or the
   // shim's own): no provider on it. Not even the interrupted frame found,
   // or too deep: unknown, asked again.

@@ -250,6 +250,16 @@ bool CheckShimSemantics(DataPathFixture& f) {
   return ok;
 }
 
+// Whether the stack's QP and both CQs are on `path` and the QP may be
+// paused. The shim hands out its shadow objects' embedded verbs structs,
+// first members (shim/objects.h).
+bool GatedOn(const DataPathStack& s, shim::Path path) {
+  const auto* qp = reinterpret_cast<const shim::Qp*>(s.qp);
+  return qp->pause != nullptr && qp->path.get() == path &&
+         reinterpret_cast<const shim::Cq*>(s.send_cq)->path.get() == path &&
+         reinterpret_cast<const shim::Cq*>(s.recv_cq)->path.get() == path;
+}
+
 // The migratable stack's numbers are the probed path's only if it ran
 // (a process's default: shim/thread_probe.h): its QP and CQs are on the
 // marked path, and on a thread of its own (whose mark starts
@@ -257,13 +267,7 @@ bool CheckShimSemantics(DataPathFixture& f) {
 // which any call through the pause gate does (pause.h).
 bool CheckProbedPath(DataPathFixture& f) {
   DataPathStack& s = f.shim_migratable();
-  // The shim hands out its shadow objects' embedded verbs structs, first
-  // members (shim/objects.h).
-  const shim::Qp* qp = reinterpret_cast<const shim::Qp*>(s.qp);
-  const shim::Cq* send_cq = reinterpret_cast<const shim::Cq*>(s.send_cq);
-  const shim::Cq* recv_cq = reinterpret_cast<const shim::Cq*>(s.recv_cq);
-  if (qp->path.get() != shim::Path::kMarked || send_cq->path.get() != shim::Path::kMarked ||
-      recv_cq->path.get() != shim::Path::kMarked || qp->pause == nullptr) {
+  if (!GatedOn(s, shim::Path::kMarked)) {
     std::fprintf(stderr, "check: the migratable stack has a queue off the marked path\n");
     return false;
   }
@@ -293,10 +297,7 @@ bool CheckProbedPath(DataPathFixture& f) {
 bool CheckTranslatedProbedPath(DataPathFixture& f) {
   DataPathStack& s = f.shim_migratable_offset();
   const shim::Qp* qp = reinterpret_cast<const shim::Qp*>(s.qp);
-  const shim::Cq* send_cq = reinterpret_cast<const shim::Cq*>(s.send_cq);
-  const shim::Cq* recv_cq = reinterpret_cast<const shim::Cq*>(s.recv_cq);
-  if (qp->path.get() != shim::Path::kTranslated || send_cq->path.get() != shim::Path::kTranslated ||
-      recv_cq->path.get() != shim::Path::kTranslated || qp->pause == nullptr) {
+  if (!GatedOn(s, shim::Path::kTranslated)) {
     std::fprintf(stderr, "check: the migratable offset stack is not translating or not gated\n");
     return false;
   }

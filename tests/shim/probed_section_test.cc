@@ -2,8 +2,9 @@
 // the pause counts a thread with a frame in that section as inside a post
 // or poll, so no function there may leave it by a jump (a tail call, which
 // takes its frame away) while the call is not over: every direct branch
-// out of the section lands in one of the gate's entries, which raise the
-// thread's mark and check the pause again. A compiler that turns one more
+// out of the section lands in one of the gate's entries
+// (PostSendNotProbed, PollCqGated), which raise the thread's mark and
+// check the pause again. A compiler that turns one more
 // call into a tail call fails here instead of opening a race.
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,7 +83,7 @@ TEST(ProbedSectionTest, NoJumpLeavesTheSectionButIntoTheGate) {
       continue;
     }
     const bool gate = b.target.find("PostSendNotProbed(") != std::string::npos ||
-                      b.target.find("PollCqNotProbed(") != std::string::npos;
+                      b.target.find("PollCqGated(") != std::string::npos;
     EXPECT_TRUE(gate) << "a jump out of the probed path's section, not into the gate:\n" << b.line;
   }
   EXPECT_GT(inside, 0) << "no branch parsed: objdump's output changed?";

@@ -7,14 +7,15 @@ what is lost, duplicated, corrupted or reordered; it knows nothing of
 migration.
 """
 
+import glob
 import json
 import os
 import re
 import sys
 import time
 
-from labtest import (BUILD, LAB, check, json_of, lab_test, main, run_all, run_ok, wait_listening,
-                     wait_until)
+from labtest import (BUILD, LAB, Failure, check, json_of, lab_test, main, run_all, run_ok,
+                     wait_listening, wait_until)
 
 import migrator_tests as migrators
 
@@ -233,12 +234,20 @@ def show_logs(name, hosts=(1, 2, 3)):
         if os.path.exists(path):
             with open(path, errors="replace") as f:
                 print(f"--- host{h} migrator log (end)\n{f.read()[-4000:]}", flush=True)
-    for side in "pq":
-        path = os.path.join(LAB.shared, "migration", f"{name}-{side}.out")
-        if os.path.exists(path):
-            with open(path, errors="replace") as f:
-                tail = f.read()[-3000:]
-            print(f"--- {side}.out\n{tail}", flush=True)
+    outs = os.path.join(LAB.shared, "migration")
+    for path in sorted(glob.glob(os.path.join(outs, f"{name}-*.out"))):
+        with open(path, errors="replace") as f:
+            tail = f.read()[-3000:]
+        print(f"--- {os.path.basename(path)}\n{tail}", flush=True)
+
+
+def show_process(host, pid):
+    """Where a process that should have ended is: its state, its parent, and
+    each thread's system call and kernel stack."""
+    r = LAB.run(host, f"ps -o pid,ppid,stat,wchan:32,cmd -p {pid}; grep -E '^(State|PPid|SigBlk|SigCgt)' "
+                      f"/proc/{pid}/status; for t in /proc/{pid}/task/*; do echo \"== $t: "
+                      f"$(cat $t/syscall)\"; cat $t/stack; done")
+    print(f"--- process {pid} on host{host}\n{r.out}{r.err}", flush=True)
 
 
 def logs_on_failure(name, hosts=(1, 2, 3)):
@@ -547,7 +556,12 @@ def pingpong_survives(name, move, flags="-e", setup=None, launch=None, stays=Fal
         if not stays:
             check(LAB.run(1, f"kill -0 {pid}").rc != 0, "the server still runs on host1")
         c = LAB.wait(3, client, 900)
-        wait_until(home, f"! kill -0 {pid} 2> /dev/null", 120, f"the server finished on host{home}")
+        try:
+            wait_until(home, f"! kill -0 {pid} 2> /dev/null", 120,
+                       f"the server finished on host{home}")
+        except Failure:
+            show_process(home, pid)
+            raise
         texts = {}
         for side in ("server", "client"):
             with open(os.path.join(LAB.shared, "migration", f"{name}-{side}.out"),

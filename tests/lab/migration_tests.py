@@ -557,7 +557,10 @@ def pingpong_survives(name, move, flags="-e", setup=None, launch=None, stays=Fal
             check(LAB.run(1, f"kill -0 {pid}").rc != 0, "the server still runs on host1")
         c = LAB.wait(3, client, 900)
         try:
-            wait_until(home, f"! kill -0 {pid} 2> /dev/null", 120,
+            # Ended: gone, or a zombie its parent has yet to reap (a
+            # restored process's is the host's init).
+            wait_until(home, f"! kill -0 {pid} 2> /dev/null || "
+                             f"grep -q '^State:[[:space:]]*Z' /proc/{pid}/status", 120,
                        f"the server finished on host{home}")
         except Failure:
             show_process(home, pid)

@@ -646,6 +646,64 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return PostRecvNotMarked<Srq, PostSrqRecvReal, PostSrqRecvGated>(srq, wr, bad);
 }
 
+// The receive entries of a migratable process whose pause probes its
+// threads (thread_probe.h): one WR with one SGE is journaled and posted
+// without a mark, translated if its queue needs it. The journal takes
+// back a WR the provider refuses, so the provider's entry is called, not
+// jumped to: a frame of the probed path's section is on the stack until
+// the call is over. A chain, several SGEs and a pause go through the gate.
+template <typename Queue, typename Real, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
+          int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
+[[gnu::always_inline]] inline int PostRecvProbedOn(
+    Queue* q, RecvLog* log, Real* real, int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**),
+    ibv_recv_wr* wr, ibv_recv_wr** bad, int (*translated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)) {
+  const uint16_t path = q->path.word();
+  int rc;
+  if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]] {
+    if (PostOneRecv<false>(q->mrs, log, real, post, wr, bad, &rc)) [[likely]]
+      return rc;
+  } else if (path == static_cast<uint16_t>(Path::kTranslated)) {
+    return translated(q, wr, bad);
+  }
+  return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
+}
+
+// The translating half, out of line (the marked path keeps its few
+// registers), in the section.
+template <typename Queue, typename Real, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
+          int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
+[[gnu::always_inline]] inline int PostRecvTranslatedProbedOn(Queue* q, RecvLog* log, Real* real,
+                                                             int (*post)(Real*, ibv_recv_wr*,
+                                                                         ibv_recv_wr**),
+                                                             ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  int rc;
+  if (PostOneRecv<true>(q->mrs, log, real, post, wr, bad, &rc)) [[likely]]
+    return rc;
+  return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
+}
+
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostRecvTranslatedProbed(Qp* qp, ibv_recv_wr* wr,
+                                                                     ibv_recv_wr** bad) {
+  return PostRecvTranslatedProbedOn<Qp, ibv_qp, PostRecvReal, PostRecvGated>(
+      qp, qp->recvs, qp->real, qp->real_post_recv, wr, bad);
+}
+[[RDMAVIRT_PROBED_PATH]] int PostRecvProbed(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  return PostRecvProbedOn<Qp, ibv_qp, PostRecvReal, PostRecvGated>(
+      qp, qp->recvs, qp->real, qp->real_post_recv, wr, bad, PostRecvTranslatedProbed);
+}
+
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostSrqRecvTranslatedProbed(Srq* srq, ibv_recv_wr* wr,
+                                                                        ibv_recv_wr** bad) {
+  return PostRecvTranslatedProbedOn<Srq, ibv_srq, PostSrqRecvReal, PostSrqRecvGated>(
+      srq, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad);
+}
+[[RDMAVIRT_PROBED_PATH]] int PostSrqRecvProbed(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  Srq* srq = AsSrq(ibsrq);
+  return PostRecvProbedOn<Srq, ibv_srq, PostSrqRecvReal, PostSrqRecvGated>(
+      srq, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, PostSrqRecvTranslatedProbed);
+}
+
 // VirtualizeWc beyond the QPN, out of line: what the drain and a release
 // count, an invalidated rkey, a UD sender and its GRH.
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc);
@@ -1161,8 +1219,8 @@ ibv_qp* OpenQpUnsupported(ibv_context*, ibv_qp_open_attr*) {
 void InstallContextOps(Context* ctx, bool pausable, bool probed) {
   ibv_context* s = Shadow(ctx);
   s->ops.post_send = !pausable ? PostSend : probed ? PostSendProbed : PostSendPausable;
-  s->ops.post_recv = pausable ? PostRecvPausable : PostRecv;
-  s->ops.post_srq_recv = pausable ? PostSrqRecvPausable : PostSrqRecv;
+  s->ops.post_recv = !pausable ? PostRecv : probed ? PostRecvProbed : PostRecvPausable;
+  s->ops.post_srq_recv = !pausable ? PostSrqRecv : probed ? PostSrqRecvProbed : PostSrqRecvPausable;
   s->ops.poll_cq = !pausable ? PollCq : probed ? PollCqProbed : PollCqPausable;
   s->ops.req_notify_cq = ReqNotifyCq;
   s->ops.alloc_mw = AllocMwUnsupported;

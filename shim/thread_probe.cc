@@ -332,6 +332,39 @@ bool Blocks(pid_t tid, int sig) {
   return (mask >> (sig - 1)) & 1;
 }
 
+// What a thread that did not answer was doing, for the error: its name,
+// state, system call, and the signal masks and pending sets of its status.
+std::string Describe(pid_t tid) {
+  char path[64];
+  char buf[2048];
+  std::string out;
+  snprintf(path, sizeof(path), "/proc/self/task/%d/comm", tid);
+  if (ReadSmallFile(path, buf, sizeof(buf))) {
+    std::string comm(buf);
+    while (!comm.empty() && comm.back() == '\n') comm.pop_back();
+    out += "'" + comm + "'";
+  }
+  snprintf(path, sizeof(path), "/proc/self/task/%d/status", tid);
+  if (ReadSmallFile(path, buf, sizeof(buf))) {
+    for (const char* key : {"\nState:", "\nSigPnd:", "\nShdPnd:", "\nSigBlk:", "\nSigCgt:"}) {
+      const char* line = strstr(buf, key);
+      if (line == nullptr) continue;
+      const char* end = strchr(line + 1, '\n');
+      std::string field(line + 1, end != nullptr ? end : line + strlen(line));
+      for (char& c : field)
+        if (c == '\t') c = ' ';
+      out += ", " + field;
+    }
+  }
+  snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", tid);
+  if (ReadSmallFile(path, buf, sizeof(buf))) {
+    std::string sc(buf);
+    const size_t sp = sc.find(' ');
+    out += ", syscall " + sc.substr(0, sp == std::string::npos ? sc.find('\n') : sp);
+  }
+  return out;
+}
+
 // What asking one thread found. kBlocked: the thread blocks the signal
 // now (glibc does while a thread starts or exits, a handler's mask while
 // it runs), so it was not asked; it is asked again.
@@ -360,19 +393,25 @@ Asked Ask(pid_t tid, int sig, uint32_t seq, uint64_t deadline_ms, std::string* e
   // blocked the signal meanwhile answers when it opens it again, with a
   // number no one waits for then.
   const uint64_t answer_by = std::max(deadline_ms, NowMs() + kAnswerMs);
-  for (int spins = 1;; ++spins) {
+  // Whether it went or blocked the signal meanwhile is looked at every
+  // few milliseconds (a yield may take a whole time slice on a busy host).
+  uint64_t looked = NowMs();
+  for (;;) {
     const uint64_t a = g_answer.load(std::memory_order_acquire);
     if ((a >> 8) == seq) {
       const Verdict v = static_cast<Verdict>(a & 0xff);
       return v == kOutside ? Asked::kOutside : Asked::kInside;
     }
-    if (spins % 64 == 0) {
+    const uint64_t now = NowMs();
+    if (now - looked >= 5) {
+      looked = now;
       if (Gone(tid)) return Asked::kGone;
       if (Blocks(tid, sig)) return Asked::kBlocked;
     }
-    if (NowMs() > answer_by) {
+    if (now > answer_by) {
       *error = "thread " + std::to_string(tid) + " did not answer the pause's signal " +
-               std::to_string(sig) + " within " + std::to_string(kAnswerMs) + " ms";
+               std::to_string(sig) + " within " + std::to_string(kAnswerMs) + " ms (" +
+               Describe(tid) + ")";
       return Asked::kFailed;
     }
     sched_yield();

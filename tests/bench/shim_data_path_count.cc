@@ -263,8 +263,9 @@ bool GatedOn(const DataPathStack& s, shim::Path path) {
 // The migratable stack's numbers are the probed path's only if it ran
 // (a process's default: shim/thread_probe.h): its QP and CQs are on the
 // marked path, and on a thread of its own (whose mark starts
-// unregistered) a post and a poll succeed without registering the mark,
-// which any call through the pause gate does (pause.h).
+// unregistered) a send, a receive and their polls succeed without
+// registering the mark, which any call through the pause gate does
+// (pause.h).
 bool CheckProbedPath(DataPathFixture& f) {
   DataPathStack& s = f.shim_migratable();
   if (!GatedOn(s, shim::Path::kMarked)) {
@@ -275,10 +276,11 @@ bool CheckProbedPath(DataPathFixture& f) {
   std::thread([&] {
     ibv_send_wr* bad = nullptr;
     ibv_wc wc{};
-    if (ibv_post_send(s.qp, &s.send, &bad) != 0 || ibv_poll_cq(s.send_cq, 1, &wc) != 1) {
+    if (ibv_post_send(s.qp, &s.send, &bad) != 0 || ibv_poll_cq(s.send_cq, 1, &wc) != 1 ||
+        !PostReceives(s, 1) || !PollReceives(s, 1)) {
       failed = "a post or poll failed";
     } else if (shim::tls_thread_mark.registered || shim::tls_thread_mark.depth.load() != 0) {
-      failed = "the post and poll went through the pause gate, not the probed path";
+      failed = "the posts and polls went through the pause gate, not the probed path";
     }
   }).join();
   if (failed != nullptr) {
@@ -291,9 +293,9 @@ bool CheckProbedPath(DataPathFixture& f) {
 // The migratable offset stack's numbers are those of a migratable
 // process after a move only if its queues translate, probed: its QP and
 // CQs are on the translating path; on a thread of its own (whose mark
-// starts unregistered), a post and a poll leave the mark unregistered
-// (the gate would register it), put the WR back and return the
-// completion with the virtual QPN.
+// starts unregistered), a send, a receive and their polls leave the mark
+// unregistered (the gate would register it), put the WRs back and return
+// the completion with the virtual QPN.
 bool CheckTranslatedProbedPath(DataPathFixture& f) {
   DataPathStack& s = f.shim_migratable_offset();
   const shim::Qp* qp = reinterpret_cast<const shim::Qp*>(s.qp);
@@ -311,8 +313,15 @@ bool CheckTranslatedProbedPath(DataPathFixture& f) {
     const ibv_sge sge = s.write_sge;
     ibv_send_wr* bad = nullptr;
     ibv_wc wc{};
+    const ibv_recv_wr recv = s.recv;
+    const ibv_sge recv_sge = *s.recv.sg_list;
     if (ibv_post_send(s.qp, &s.write, &bad) != 0 || ibv_poll_cq(s.send_cq, 1, &wc) != 1) {
       failed = "a post or poll on the migratable offset stack failed";
+    } else if (!PostReceives(s, 1) || !PollReceives(s, 1)) {
+      failed = "a receive on the migratable offset stack failed";
+    } else if (std::memcmp(&recv, &s.recv, sizeof(recv)) != 0 ||
+               std::memcmp(&recv_sge, s.recv.sg_list, sizeof(recv_sge)) != 0) {
+      failed = "the shim left the receive work request changed";
     } else if (wc.qp_num != s.qp->qp_num || wc.qp_num == qp->physical_qpn) {
       failed = "the completion's QPN is not the virtual one";
     } else if (std::memcmp(&write, &s.write, sizeof(write)) != 0 ||

@@ -3,8 +3,8 @@
 // or poll, so no function there may leave it by a jump (a tail call, which
 // takes its frame away) while the call is not over: every direct branch
 // out of the section lands in one of the gate's entries
-// (PostSendNotProbed, PollCqGated), which raise the thread's mark and
-// check the pause again. A compiler that turns one more
+// (PostSendNotProbed, PostRecvNotMarked, PollCqGated), which raise the
+// thread's mark and check the pause again. A compiler that turns one more
 // call into a tail call fails here instead of opening a race.
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,7 +109,8 @@ TEST(ProbedSectionTest, NoJumpLeavesTheSectionButIntoTheGate) {
   ASSERT_FALSE(s.functions.empty()) << "no rdmavirt_probed_path section in " << RDMAVIRT_SHIM_PATH;
   // The entries and the translating functions they jump into.
   for (const char* want : {"::PostSendProbed(", "::PollCqProbed(", "::PostOneTranslated(",
-                           "::PostChainTranslated(", "::PollTranslatedSlow("}) {
+                           "::PostChainTranslated(", "::PollTranslatedSlow(", "::PostRecvProbed(",
+                           "::PostSrqRecvProbed(", "::PostRecvTranslatedProbed("}) {
     bool found = false;
     for (const Function& f : s.functions) found = found || f.name.find(want) != std::string::npos;
     EXPECT_TRUE(found) << want << " is not in the probed path's section";
@@ -121,6 +122,7 @@ TEST(ProbedSectionTest, NoJumpLeavesTheSectionButIntoTheGate) {
       continue;
     }
     const bool gate = b.target.find("PostSendNotProbed(") != std::string::npos ||
+                      b.target.find("PostRecvNotMarked<") != std::string::npos ||
                       b.target.find("PollCqGated(") != std::string::npos;
     EXPECT_TRUE(gate) << "a jump out of the probed path's section, not into the gate:\n" << b.line;
   }

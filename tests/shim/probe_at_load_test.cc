@@ -100,6 +100,14 @@ class ProbeAtLoadTest : public ::testing::Test {
   }
 };
 
+// That the main thread and the thread it made after it both block `sig`,
+// or both leave it open.
+void ExpectBlockedInBoth(const Outcome& r, int sig, bool blocked, const std::string& why = "") {
+  ASSERT_EQ(r.signals.count(sig), 1u) << why << r.out;
+  EXPECT_EQ(r.signals.at(sig).main_blocked, blocked) << why << "signal " << sig << " in main";
+  EXPECT_EQ(r.signals.at(sig).thread_blocked, blocked) << why << "signal " << sig << " in a thread";
+}
+
 const int kProbe = SIGRTMAX - 2;  // the default (thread_probe.h)
 const int kOther = SIGRTMAX - 4;
 
@@ -108,21 +116,17 @@ TEST_F(ProbeAtLoadTest, AMaskInheritedAcrossExecDoesNotHoldTheSignalBack) {
   ASSERT_EQ(r.status, 0) << r.out;
   ASSERT_EQ(r.signals.count(kProbe), 1u) << r.out;
   EXPECT_TRUE(r.signals.at(kProbe).handled);
-  EXPECT_FALSE(r.signals.at(kProbe).main_blocked);
-  EXPECT_FALSE(r.signals.at(kProbe).thread_blocked);
+  ExpectBlockedInBoth(r, kProbe, false);
   // The rest of the inherited mask is the program's, untouched.
-  EXPECT_TRUE(r.signals.at(SIGUSR1).main_blocked);
-  EXPECT_TRUE(r.signals.at(SIGUSR1).thread_blocked);
+  ExpectBlockedInBoth(r, SIGUSR1, true);
 }
 
 TEST_F(ProbeAtLoadTest, AProgramThatBlocksEverySignalLeavesTheProbesOpen) {
   const Outcome r = RunHelper({}, {}, {"--block-all", std::to_string(kProbe), "10"});
   ASSERT_EQ(r.status, 0) << r.out;
   ASSERT_EQ(r.signals.size(), 2u) << r.out;
-  EXPECT_FALSE(r.signals.at(kProbe).main_blocked);
-  EXPECT_FALSE(r.signals.at(kProbe).thread_blocked);
-  EXPECT_TRUE(r.signals.at(SIGUSR1).main_blocked);
-  EXPECT_TRUE(r.signals.at(SIGUSR1).thread_blocked);
+  ExpectBlockedInBoth(r, kProbe, false);
+  ExpectBlockedInBoth(r, SIGUSR1, true);
 }
 
 TEST_F(ProbeAtLoadTest, TheEnvironmentChoosesTheSignal) {
@@ -131,11 +135,9 @@ TEST_F(ProbeAtLoadTest, TheEnvironmentChoosesTheSignal) {
   ASSERT_EQ(r.status, 0) << r.out;
   ASSERT_EQ(r.signals.size(), 2u) << r.out;
   EXPECT_TRUE(r.signals.at(kOther).handled);
-  EXPECT_FALSE(r.signals.at(kOther).main_blocked);
-  EXPECT_FALSE(r.signals.at(kOther).thread_blocked);
+  ExpectBlockedInBoth(r, kOther, false);
   EXPECT_FALSE(r.signals.at(kProbe).handled);
-  EXPECT_TRUE(r.signals.at(kProbe).main_blocked);
-  EXPECT_TRUE(r.signals.at(kProbe).thread_blocked);
+  ExpectBlockedInBoth(r, kProbe, true);
 }
 
 TEST_F(ProbeAtLoadTest, MarksOrNoMigrationInstallNothing) {
@@ -144,8 +146,7 @@ TEST_F(ProbeAtLoadTest, MarksOrNoMigrationInstallNothing) {
     ASSERT_EQ(r.status, 0) << env << ": " << r.out;
     ASSERT_EQ(r.signals.count(kProbe), 1u) << env << ": " << r.out;
     EXPECT_FALSE(r.signals.at(kProbe).handled) << env;
-    EXPECT_TRUE(r.signals.at(kProbe).main_blocked) << env;
-    EXPECT_TRUE(r.signals.at(kProbe).thread_blocked) << env;
+    ExpectBlockedInBoth(r, kProbe, true, std::string(env) + ": ");
   }
 }
 

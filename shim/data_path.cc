@@ -651,16 +651,31 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 // without a mark, translated if its queue needs it. The journal takes
 // back a WR the provider refuses, so the provider's entry is called, not
 // jumped to: a frame of the probed path's section is on the stack until
-// the call is over. A chain, several SGEs and a pause go through the gate.
-template <typename Queue, typename Real, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
+// the call is over. Anything else (a chain, not exactly one SGE) and a
+// pause go through the gate. The queue's fields are read after its path
+// word (an acquire): a thread that entered while paused and stalled must
+// not call the provider with what it read before a release.
+template <bool kTranslate>
+[[gnu::always_inline]] inline bool PostOneRecvOn(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                                                 int* rc) {
+  return PostOneRecv<kTranslate>(qp->mrs, qp->recvs, qp->real, qp->real_post_recv, wr, bad, rc);
+}
+template <bool kTranslate>
+[[gnu::always_inline]] inline bool PostOneRecvOn(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                                                 int* rc) {
+  return PostOneRecv<kTranslate>(srq->mrs, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad,
+                                 rc);
+}
+
+template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
           int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
-[[gnu::always_inline]] inline int PostRecvProbedOn(
-    Queue* q, RecvLog* log, Real* real, int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**),
-    ibv_recv_wr* wr, ibv_recv_wr** bad, int (*translated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)) {
+[[gnu::always_inline]] inline int PostRecvProbedOn(Queue* q, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                                                   int (*translated)(Queue*, ibv_recv_wr*,
+                                                                     ibv_recv_wr**)) {
   const uint16_t path = q->path.word();
   int rc;
   if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]] {
-    if (PostOneRecv<false>(q->mrs, log, real, post, wr, bad, &rc)) [[likely]]
+    if (PostOneRecvOn<false>(q, wr, bad, &rc)) [[likely]]
       return rc;
   } else if (path == static_cast<uint16_t>(Path::kTranslated)) {
     return translated(q, wr, bad);
@@ -669,39 +684,33 @@ template <typename Queue, typename Real, int (*kReal)(Queue*, ibv_recv_wr*, ibv_
 }
 
 // The translating half, out of line (the marked path keeps its few
-// registers), in the section.
-template <typename Queue, typename Real, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
+// registers), in the section; entered once the path word said so.
+template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
           int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
-[[gnu::always_inline]] inline int PostRecvTranslatedProbedOn(Queue* q, RecvLog* log, Real* real,
-                                                             int (*post)(Real*, ibv_recv_wr*,
-                                                                         ibv_recv_wr**),
-                                                             ibv_recv_wr* wr, ibv_recv_wr** bad) {
+[[gnu::always_inline]] inline int PostRecvTranslatedProbedOn(Queue* q, ibv_recv_wr* wr,
+                                                             ibv_recv_wr** bad) {
   int rc;
-  if (PostOneRecv<true>(q->mrs, log, real, post, wr, bad, &rc)) [[likely]]
+  if (PostOneRecvOn<true>(q, wr, bad, &rc)) [[likely]]
     return rc;
   return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
 }
 
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostRecvTranslatedProbed(Qp* qp, ibv_recv_wr* wr,
                                                                      ibv_recv_wr** bad) {
-  return PostRecvTranslatedProbedOn<Qp, ibv_qp, PostRecvReal, PostRecvGated>(
-      qp, qp->recvs, qp->real, qp->real_post_recv, wr, bad);
+  return PostRecvTranslatedProbedOn<Qp, PostRecvReal, PostRecvGated>(qp, wr, bad);
 }
 [[RDMAVIRT_PROBED_PATH]] int PostRecvProbed(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  Qp* qp = AsQp(ibqp);
-  return PostRecvProbedOn<Qp, ibv_qp, PostRecvReal, PostRecvGated>(
-      qp, qp->recvs, qp->real, qp->real_post_recv, wr, bad, PostRecvTranslatedProbed);
+  return PostRecvProbedOn<Qp, PostRecvReal, PostRecvGated>(AsQp(ibqp), wr, bad,
+                                                           PostRecvTranslatedProbed);
 }
 
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostSrqRecvTranslatedProbed(Srq* srq, ibv_recv_wr* wr,
                                                                         ibv_recv_wr** bad) {
-  return PostRecvTranslatedProbedOn<Srq, ibv_srq, PostSrqRecvReal, PostSrqRecvGated>(
-      srq, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad);
+  return PostRecvTranslatedProbedOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(srq, wr, bad);
 }
 [[RDMAVIRT_PROBED_PATH]] int PostSrqRecvProbed(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  Srq* srq = AsSrq(ibsrq);
-  return PostRecvProbedOn<Srq, ibv_srq, PostSrqRecvReal, PostSrqRecvGated>(
-      srq, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, PostSrqRecvTranslatedProbed);
+  return PostRecvProbedOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(AsSrq(ibsrq), wr, bad,
+                                                                  PostSrqRecvTranslatedProbed);
 }
 
 // VirtualizeWc beyond the QPN, out of line: what the drain and a release

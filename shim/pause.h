@@ -81,8 +81,12 @@ class PathState {
   }
   // The whole word is `word` (EnterMarked).
   bool Equals(uint16_t word) const { return bits_.load(std::memory_order_relaxed) == word; }
-  // The whole word, read once (the probed entries compare it twice).
-  uint16_t word() const { return bits_.load(std::memory_order_relaxed); }
+  // The whole word, read once (the probed entries compare it twice). An
+  // acquire: what a probed entry reads of its object after the word (the
+  // real QP or CQ and the provider's entry) is not read before it, where
+  // a thread that stalled across a pause and its release could have read
+  // what the release freed.
+  uint16_t word() const { return bits_.load(std::memory_order_acquire); }
   // The path; the pause flag is kept.
   void Set(Path p) {
     uint16_t old = bits_.load();

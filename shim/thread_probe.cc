@@ -51,6 +51,10 @@ std::atomic<int> g_range_count{0};
 // overwrite it.
 std::atomic<uint64_t> g_answer{0};
 std::atomic<uint32_t> g_awaited{0};
+// The sequence number whose handler has started: it runs with every
+// signal blocked, so while it unwinds its thread shows the probe's signal
+// blocked, and that is not a thread that holds the signal back.
+std::atomic<uint32_t> g_handling{0};
 std::atomic<uint64_t> g_inside_answers{0};
 std::atomic<int> g_signal{0};
 
@@ -146,6 +150,7 @@ void OnProbe(int, siginfo_t* si, void* ucv) {
   const uint32_t seq = static_cast<uint32_t>(si->si_value.sival_int);
   if (si->si_code == SI_QUEUE && si->si_pid == getpid() &&
       seq == g_awaited.load(std::memory_order_acquire)) {
+    g_handling.store(seq, std::memory_order_release);
     const Verdict v = Classify(InterruptedPc(ucv));
     if (v != kOutside) g_inside_answers.fetch_add(1, std::memory_order_relaxed);
     g_answer.store(uint64_t{seq} << 8 | v, std::memory_order_release);
@@ -409,7 +414,8 @@ Asked Ask(pid_t tid, int sig, uint32_t seq, uint64_t deadline_ms, std::string* e
     if (now - looked >= 5) {
       looked = now;
       if (Gone(tid)) return Asked::kGone;
-      if (Blocks(tid, sig)) return Asked::kBlocked;
+      if (Blocks(tid, sig) && g_handling.load(std::memory_order_acquire) != seq)
+        return Asked::kBlocked;
     }
     if (now > answer_by) {
       *error = "thread " + std::to_string(tid) + " did not answer the pause's signal " +

@@ -461,12 +461,25 @@ inline bool PostOneRecv(MrLookup mrs, RecvLog* log, Real* real,
   return true;
 }
 
+// PostOneRecv on a QP's or an SRQ's own journal and provider entry.
+template <bool kTranslate>
+[[gnu::always_inline]] inline bool PostOneRecvOn(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                                                 int* rc) {
+  return PostOneRecv<kTranslate>(qp->mrs, qp->recvs, qp->real, qp->real_post_recv, wr, bad, rc);
+}
+template <bool kTranslate>
+[[gnu::always_inline]] inline bool PostOneRecvOn(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                                                 int* rc) {
+  return PostOneRecv<kTranslate>(srq->mrs, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad,
+                                 rc);
+}
+
 }  // namespace
 
 int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_qp* real = qp->real;
   int rc;
-  if (PostOneRecv<true>(qp->mrs, qp->recvs, real, qp->real_post_recv, wr, bad, &rc)) [[likely]]
+  if (PostOneRecvOn<true>(qp, wr, bad, &rc)) [[likely]]
     return rc;
   auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return qp->real_post_recv(real, w, b);
@@ -477,8 +490,7 @@ int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_srq* real = srq->real;
   int rc;
-  if (PostOneRecv<true>(srq->mrs, &srq->recvs, real, srq->real_post_srq_recv, wr, bad, &rc))
-      [[likely]]
+  if (PostOneRecvOn<true>(srq, wr, bad, &rc)) [[likely]]
     return rc;
   auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return srq->real_post_srq_recv(real, w, b);
@@ -584,8 +596,7 @@ int PostSrqRecvAny(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 int PostRecv(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
   int rc;
-  if (qp->path.Is(Path::kDirect) &&
-      PostOneRecv<false>(qp->mrs, qp->recvs, qp->real, qp->real_post_recv, wr, bad, &rc)) [[likely]]
+  if (qp->path.Is(Path::kDirect) && PostOneRecvOn<false>(qp, wr, bad, &rc)) [[likely]]
     return rc;
   // Not migratable: never paused, so translated is all there is to it.
   if (qp->path.Is(Path::kTranslated)) return PostRecvReal(qp, wr, bad);
@@ -613,8 +624,7 @@ int PostRecvPausable(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Qp* qp = AsQp(ibqp);
   if (EnterMarked(qp->path)) [[likely]] {
     int rc;
-    const bool done =
-        PostOneRecv<false>(qp->mrs, qp->recvs, qp->real, qp->real_post_recv, wr, bad, &rc);
+    const bool done = PostOneRecvOn<false>(qp, wr, bad, &rc);
     LeaveFast();
     if (done) [[likely]]
       return rc;
@@ -625,9 +635,7 @@ int PostRecvPausable(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 int PostSrqRecv(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
   int rc;
-  if (srq->path.Is(Path::kDirect) &&
-      PostOneRecv<false>(srq->mrs, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc))
-      [[likely]]
+  if (srq->path.Is(Path::kDirect) && PostOneRecvOn<false>(srq, wr, bad, &rc)) [[likely]]
     return rc;
   if (srq->path.Is(Path::kTranslated)) return PostSrqRecvReal(srq, wr, bad);
   return PostSrqRecvGated(srq, wr, bad);
@@ -637,8 +645,7 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Srq* srq = AsSrq(ibsrq);
   if (EnterMarked(srq->path)) [[likely]] {
     int rc;
-    const bool done =
-        PostOneRecv<false>(srq->mrs, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad, &rc);
+    const bool done = PostOneRecvOn<false>(srq, wr, bad, &rc);
     LeaveFast();
     if (done) [[likely]]
       return rc;
@@ -655,18 +662,6 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 // pause go through the gate. The queue's fields are read after its path
 // word (an acquire): a thread that entered while paused and stalled must
 // not call the provider with what it read before a release.
-template <bool kTranslate>
-[[gnu::always_inline]] inline bool PostOneRecvOn(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad,
-                                                 int* rc) {
-  return PostOneRecv<kTranslate>(qp->mrs, qp->recvs, qp->real, qp->real_post_recv, wr, bad, rc);
-}
-template <bool kTranslate>
-[[gnu::always_inline]] inline bool PostOneRecvOn(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad,
-                                                 int* rc) {
-  return PostOneRecv<kTranslate>(srq->mrs, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad,
-                                 rc);
-}
-
 template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
           int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
 [[gnu::always_inline]] inline int PostRecvProbedOn(Queue* q, ibv_recv_wr* wr, ibv_recv_wr** bad,

@@ -316,13 +316,18 @@ bool WaitsOutside(long nr) {
   }
 }
 
+// /proc/self/task/TID/NAME into buf; false if it cannot be read (gone).
+bool ReadTaskFile(pid_t tid, const char* name, char* buf, size_t size) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/self/task/%d/%s", tid, name);
+  return ReadSmallFile(path, buf, size);
+}
+
 // The system call thread `tid` is blocked in, or -1 (running, or stopped
 // outside a system call, or gone).
 long BlockedIn(pid_t tid) {
-  char path[64];
   char buf[256];
-  snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", tid);
-  if (!ReadSmallFile(path, buf, sizeof(buf))) return -1;
+  if (!ReadTaskFile(tid, "syscall", buf, sizeof(buf))) return -1;
   char* end = nullptr;
   const long nr = strtol(buf, &end, 10);
   return end == buf ? -1 : nr;
@@ -330,10 +335,8 @@ long BlockedIn(pid_t tid) {
 
 // Whether thread `tid` blocks signal `sig`; false if it cannot be read.
 bool Blocks(pid_t tid, int sig) {
-  char path[64];
   char buf[2048];
-  snprintf(path, sizeof(path), "/proc/self/task/%d/status", tid);
-  if (!ReadSmallFile(path, buf, sizeof(buf))) return false;
+  if (!ReadTaskFile(tid, "status", buf, sizeof(buf))) return false;
   const char* line = strstr(buf, "\nSigBlk:");
   if (line == nullptr) return false;
   const unsigned long long mask = strtoull(line + 8, nullptr, 16);
@@ -341,19 +344,17 @@ bool Blocks(pid_t tid, int sig) {
 }
 
 // What a thread that did not answer was doing, for the error: its name,
-// state, system call, and the signal masks and pending sets of its status.
+// state, the signal masks and pending sets of its status, and the system
+// call it is blocked in (-1: none).
 std::string Describe(pid_t tid) {
-  char path[64];
   char buf[2048];
   std::string out;
-  snprintf(path, sizeof(path), "/proc/self/task/%d/comm", tid);
-  if (ReadSmallFile(path, buf, sizeof(buf))) {
+  if (ReadTaskFile(tid, "comm", buf, sizeof(buf))) {
     std::string comm(buf);
     while (!comm.empty() && comm.back() == '\n') comm.pop_back();
-    out += "'" + comm + "'";
+    out += "'" + comm + "', ";
   }
-  snprintf(path, sizeof(path), "/proc/self/task/%d/status", tid);
-  if (ReadSmallFile(path, buf, sizeof(buf))) {
+  if (ReadTaskFile(tid, "status", buf, sizeof(buf))) {
     for (const char* key : {"\nState:", "\nSigPnd:", "\nShdPnd:", "\nSigBlk:", "\nSigCgt:"}) {
       const char* line = strstr(buf, key);
       if (line == nullptr) continue;
@@ -361,16 +362,10 @@ std::string Describe(pid_t tid) {
       std::string field(line + 1, end != nullptr ? end : line + strlen(line));
       for (char& c : field)
         if (c == '\t') c = ' ';
-      out += ", " + field;
+      out += field + ", ";
     }
   }
-  snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", tid);
-  if (ReadSmallFile(path, buf, sizeof(buf))) {
-    std::string sc(buf);
-    const size_t sp = sc.find(' ');
-    out += ", syscall " + sc.substr(0, sp == std::string::npos ? sc.find('\n') : sp);
-  }
-  return out;
+  return out + "syscall " + std::to_string(BlockedIn(tid));
 }
 
 // What asking one thread found. kBlocked: the thread blocks the signal

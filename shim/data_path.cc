@@ -382,9 +382,11 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
 }
 
 // Receive WRs: only their SGEs' lkeys are identities. Every WR is also
-// recorded in the queue's RecvLog (the journal of recent receives).
+// recorded in the queue's RecvLog (the journal of recent receives). The
+// caller is the log's writer (RecvLog::Writer).
 template <typename Post>
-int PostRecvTranslated(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad, Post post) {
+int WriteRecvsTranslated(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                         Post post) {
   while (wr != nullptr) {
     Patches p;
     ibv_recv_wr* first = wr;
@@ -417,17 +419,24 @@ int PostRecvTranslated(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr*
   return 0;
 }
 
+template <typename Post>
+int PostRecvTranslated(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad, Post post) {
+  RecvLog::Writer writer(log);
+  return WriteRecvsTranslated(mrs, log, wr, bad, post);
+}
+
 // Nothing to translate: record, post, and forget what the provider
 // refused. A WR the log refuses sends the chain down the piecewise path,
 // which stops at it.
 template <typename Post>
 inline int PostRecvLogged(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_wr** bad,
                           Post post) {
+  RecvLog::Writer writer(log);
   uint32_t logged = 0;
   for (ibv_recv_wr* w = wr; w != nullptr; w = w->next) {
     if (!log->Push(w)) [[unlikely]] {
       log->Unpush(logged);
-      return PostRecvTranslated(mrs, log, wr, bad, post);
+      return WriteRecvsTranslated(mrs, log, wr, bad, post);
     }
     ++logged;
   }
@@ -440,15 +449,19 @@ inline int PostRecvLogged(MrLookup mrs, RecvLog* log, ibv_recv_wr* wr, ibv_recv_
   return rc;
 }
 
-// One receive WR with one SGE, the common case: logged, then posted; with
-// kTranslate its lkey is made physical for the call and put back after.
-// False, nothing done, for anything else.
+// One receive WR with one SGE, the common case, by the queue's owning
+// thread: logged, then posted; with kTranslate its lkey is made physical
+// for the call and put back after. False, nothing done, for anything else
+// (another thread's post included: the slow path takes a Writer).
 template <bool kTranslate, typename Real>
-inline bool PostOneRecv(MrLookup mrs, RecvLog* log, Real* real,
-                        int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**), ibv_recv_wr* wr,
-                        ibv_recv_wr** bad, int* rc) {
-  if (wr == nullptr || wr->next != nullptr || !log->PushOne(wr)) [[unlikely]]
+[[gnu::always_inline]] inline bool PostOneRecv(MrLookup mrs, RecvLog* log, Real* real,
+                                               int (*post)(Real*, ibv_recv_wr*, ibv_recv_wr**),
+                                               ibv_recv_wr* wr, ibv_recv_wr** bad, int* rc) {
+  if (wr == nullptr || wr->next != nullptr || wr->num_sge != 1) [[unlikely]]
     return false;
+  if (!log->BeginOwned()) [[unlikely]]
+    return false;
+  log->PushSingle(wr);
   uint32_t lkey = 0;
   if constexpr (kTranslate) {
     lkey = wr->sg_list->lkey;
@@ -458,6 +471,7 @@ inline bool PostOneRecv(MrLookup mrs, RecvLog* log, Real* real,
   if constexpr (kTranslate) wr->sg_list->lkey = lkey;
   if (*rc != 0) [[unlikely]]
     log->Unpush(1);
+  log->EndOwned();
   return true;
 }
 
@@ -474,28 +488,40 @@ template <bool kTranslate>
                                  rc);
 }
 
-}  // namespace
+inline RecvLog* RecvsOf(Qp* qp) { return qp->recvs; }
+inline RecvLog* RecvsOf(Srq* srq) { return &srq->recvs; }
 
-int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+// PostRecvReal's and PostSrqRecvReal's other cases, out of line: the
+// common one keeps a small frame.
+[[gnu::noinline]] int PostRecvPieces(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_qp* real = qp->real;
-  int rc;
-  if (PostOneRecvOn<true>(qp, wr, bad, &rc)) [[likely]]
-    return rc;
   auto post = [qp, real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return qp->real_post_recv(real, w, b);
   };
   return PostRecvTranslated(qp->mrs, qp->recvs, wr, bad, post);
 }
-
-int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+[[gnu::noinline]] int PostSrqRecvPieces(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   ibv_srq* real = srq->real;
-  int rc;
-  if (PostOneRecvOn<true>(srq, wr, bad, &rc)) [[likely]]
-    return rc;
   auto post = [srq, real](ibv_recv_wr* w, ibv_recv_wr** b) {
     return srq->real_post_srq_recv(real, w, b);
   };
   return PostRecvTranslated(srq->mrs, &srq->recvs, wr, bad, post);
+}
+
+}  // namespace
+
+int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  int rc;
+  if (PostOneRecvOn<true>(qp, wr, bad, &rc)) [[likely]]
+    return rc;
+  return PostRecvPieces(qp, wr, bad);
+}
+
+int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  int rc;
+  if (PostOneRecvOn<true>(srq, wr, bad, &rc)) [[likely]]
+    return rc;
+  return PostSrqRecvPieces(srq, wr, bad);
 }
 
 int PostSendReal(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
@@ -666,15 +692,33 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
           int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
 [[gnu::always_inline]] inline int PostRecvProbedOn(Queue* q, ibv_recv_wr* wr, ibv_recv_wr** bad,
                                                    int (*translated)(Queue*, ibv_recv_wr*,
-                                                                     ibv_recv_wr**)) {
+                                                                     ibv_recv_wr**),
+                                                   int (*claiming)(Queue*, ibv_recv_wr*,
+                                                                   ibv_recv_wr**, bool)) {
   const uint16_t path = q->path.word();
   int rc;
   if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]] {
     if (PostOneRecvOn<false>(q, wr, bad, &rc)) [[likely]]
       return rc;
+    if (RecvsOf(q)->unowned()) return claiming(q, wr, bad, false);
   } else if (path == static_cast<uint16_t>(Path::kTranslated)) {
     return translated(q, wr, bad);
   }
+  return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
+}
+
+// The queue's first receive, on the path the entry found (marked, or
+// translating with `translate`): the thread claims the queue and posts as
+// its owner, still in the section (the probe counts it inside), so that
+// a thread's first receive does not take the gate.
+template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
+          int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
+[[gnu::always_inline]] inline int PostRecvClaimingOn(Queue* q, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                                                     bool translate) {
+  RecvsOf(q)->Claim();
+  int rc;
+  if (translate ? PostOneRecvOn<true>(q, wr, bad, &rc) : PostOneRecvOn<false>(q, wr, bad, &rc))
+    return rc;
   return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
 }
 
@@ -683,29 +727,41 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
 template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
           int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
 [[gnu::always_inline]] inline int PostRecvTranslatedProbedOn(Queue* q, ibv_recv_wr* wr,
-                                                             ibv_recv_wr** bad) {
+                                                             ibv_recv_wr** bad,
+                                                             int (*claiming)(Queue*, ibv_recv_wr*,
+                                                                             ibv_recv_wr**, bool)) {
   int rc;
   if (PostOneRecvOn<true>(q, wr, bad, &rc)) [[likely]]
     return rc;
+  if (RecvsOf(q)->unowned()) return claiming(q, wr, bad, true);
   return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
 }
 
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostRecvClaiming(Qp* qp, ibv_recv_wr* wr,
+                                                             ibv_recv_wr** bad, bool translate) {
+  return PostRecvClaimingOn<Qp, PostRecvReal, PostRecvGated>(qp, wr, bad, translate);
+}
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostRecvTranslatedProbed(Qp* qp, ibv_recv_wr* wr,
                                                                      ibv_recv_wr** bad) {
-  return PostRecvTranslatedProbedOn<Qp, PostRecvReal, PostRecvGated>(qp, wr, bad);
+  return PostRecvTranslatedProbedOn<Qp, PostRecvReal, PostRecvGated>(qp, wr, bad, PostRecvClaiming);
 }
 [[RDMAVIRT_PROBED_PATH]] int PostRecvProbed(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  return PostRecvProbedOn<Qp, PostRecvReal, PostRecvGated>(AsQp(ibqp), wr, bad,
-                                                           PostRecvTranslatedProbed);
+  return PostRecvProbedOn<Qp, PostRecvReal, PostRecvGated>(
+      AsQp(ibqp), wr, bad, PostRecvTranslatedProbed, PostRecvClaiming);
 }
 
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostSrqRecvClaiming(Srq* srq, ibv_recv_wr* wr,
+                                                                ibv_recv_wr** bad, bool translate) {
+  return PostRecvClaimingOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(srq, wr, bad, translate);
+}
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostSrqRecvTranslatedProbed(Srq* srq, ibv_recv_wr* wr,
                                                                         ibv_recv_wr** bad) {
-  return PostRecvTranslatedProbedOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(srq, wr, bad);
+  return PostRecvTranslatedProbedOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(srq, wr, bad,
+                                                                            PostSrqRecvClaiming);
 }
 [[RDMAVIRT_PROBED_PATH]] int PostSrqRecvProbed(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  return PostRecvProbedOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(AsSrq(ibsrq), wr, bad,
-                                                                  PostSrqRecvTranslatedProbed);
+  return PostRecvProbedOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(
+      AsSrq(ibsrq), wr, bad, PostSrqRecvTranslatedProbed, PostSrqRecvClaiming);
 }
 
 // VirtualizeWc beyond the QPN, out of line: what the drain and a release

@@ -117,10 +117,12 @@ std::vector<QueuedRecv> TakeOutstanding(RecvLog* log, std::atomic<uint64_t>* don
   return out;
 }
 
-// Posts `recvs` through `post` as one chain (logged anew).
+// Posts `recvs` through `post` as one chain, logged anew in `log`, whose
+// queue is paused: the calling thread writes it as its owner would.
 template <typename Post>
-int Repost(std::vector<QueuedRecv>* recvs, Post post) {
+int Repost(RecvLog* log, std::vector<QueuedRecv>* recvs, Post post) {
   if (recvs->empty()) return 0;
+  RecvLog::Quiesced quiesced(log);
   std::vector<ibv_recv_wr> wrs(recvs->size());
   for (size_t i = 0; i < recvs->size(); ++i) {
     QueuedRecv& r = (*recvs)[i];
@@ -1089,14 +1091,14 @@ Status Shim::RecreateReal(const std::string& device) {
   }
   // The receives that were posted when the endpoint was released.
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
-    const int rc = Repost(&srq->outstanding, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
+    const int rc = Repost(&srq->recvs, &srq->outstanding, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
       return PostSrqRecvReal(srq, w, b);
     });
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting SRQ receives", rc));
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
     qp->reposted = static_cast<int64_t>(qp->outstanding.size());
-    const int rc = Repost(&qp->outstanding,
+    const int rc = Repost(qp->recvs, &qp->outstanding,
                           [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
   }
@@ -1145,13 +1147,13 @@ Status Shim::ResumeNow() {
   std::lock_guard<std::mutex> queues(pause_.queue_mu());
   if (LogMoves()) LogResume();
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
-    const int rc = Repost(&srq->queued_recvs, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
+    const int rc = Repost(&srq->recvs, &srq->queued_recvs, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
       return PostSrqRecvReal(srq, w, b);
     });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued SRQ receives", rc));
   }
   for (Qp* qp : All<Qp>(Kind::kQp)) {
-    int rc = Repost(&qp->queued_recvs,
+    int rc = Repost(qp->recvs, &qp->queued_recvs,
                     [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued receives", rc));
     for (QueuedSend& s : qp->queued_sends) {
@@ -1198,7 +1200,7 @@ Status Shim::Reconnect(Qp* qp) {
   rc = ReplayTransitions(qp);
   if (rc != 0) return Error(Code::kInternal, Errno("re-connecting a QP", rc));
   qp->reposted = static_cast<int64_t>(qp->outstanding.size());
-  rc = Repost(&qp->outstanding,
+  rc = Repost(qp->recvs, &qp->outstanding,
               [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
   if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
   return {};

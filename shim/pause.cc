@@ -91,8 +91,7 @@ bool AsymmetricFenceAvailable() {
   return Membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0;
 }
 
-bool PauseGate::Close(uint32_t timeout_ms, std::string* error) {
-  closed_.store(true, std::memory_order_seq_cst);
+bool FenceOtherThreads() {
   long rc = Membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED);
   if (rc != 0 && errno == EPERM) {
     // Not registered in this process image (a CRIU restore keeps memory,
@@ -100,7 +99,12 @@ bool PauseGate::Close(uint32_t timeout_ms, std::string* error) {
     if (Membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0)
       rc = Membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED);
   }
-  if (rc != 0) {
+  return rc == 0;
+}
+
+bool PauseGate::Close(uint32_t timeout_ms, std::string* error) {
+  closed_.store(true, std::memory_order_seq_cst);
+  if (!FenceOtherThreads()) {
     Open();
     *error = "membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) failed: the data path cannot be paused";
     return false;

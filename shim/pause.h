@@ -55,6 +55,11 @@ void RegisterThreadMark();
 // unless a seccomp filter refuses membarrier); registers the process for it.
 bool AsymmetricFenceAvailable();
 
+// Makes every other running thread of the process pass a full memory
+// barrier (membarrier(2), MEMBARRIER_CMD_PRIVATE_EXPEDITED), registering
+// the process first if it is not. False when the kernel refuses.
+bool FenceOtherThreads();
+
 // How a queue's or CQ's data path runs (data_path.cc).
 enum class Path : uint8_t {
   // A tail call to the provider: nothing to translate, never paused.

@@ -9,17 +9,34 @@
 // stays free of it. The translating completion path also uses it to find
 // the buffer a UD receive landed in (to rewrite its GRH).
 //
-// A fixed ring sized at creation: posting touches no allocator. One thread
-// posts to a queue at a time (rdma-core's providers serialize posts on a
-// queue); the ring adds no lock.
+// A fixed ring sized at creation: posting touches no allocator.
+//
+// Who writes it. Verbs let several threads post to one queue at once (an
+// SRQ that worker threads replenish, say). The provider serializes their
+// calls under its own lock, but the ring is written before the call, and
+// its order must be the provider's: so one thread at a time writes the
+// ring and calls the provider (Writer). The first thread that posts to the
+// queue owns it, and its posts take no lock: once it has seen that it owns
+// the queue, it raises `busy_` (a plain store to a line no other thread
+// writes) across the write and the call, and checks again that it owns
+// it. Another thread writes nothing there. The first post of any other
+// thread makes the queue shared for good: under `mu_` it takes the
+// ownership away, makes every thread pass a full barrier (membarrier(2))
+// and waits for the owner's post in progress, if any, to end; from then on
+// every post takes `mu_`. An owner that raised `busy_` before that barrier
+// is waited for; one that checks after it sees that it owns nothing. So
+// the post of a queue one thread posts to costs a load of the owner, two
+// compares and two stores more, and no locked instruction.
 #ifndef RDMAVIRT_SHIM_RECV_LOG_H_
 #define RDMAVIRT_SHIM_RECV_LOG_H_
 
 #include <infiniband/verbs.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <vector>
 
@@ -32,6 +49,76 @@ class RecvLog {
     uint32_t num_sge;
     ibv_sge sge[1];  // num_sge of them (the stride holds max_sge)
   };
+
+  // The calling thread's identity: its thread pointer (%fs:0 on x86-64),
+  // one load, distinct among the threads alive at any time.
+  static uintptr_t ThisThread() { return reinterpret_cast<uintptr_t>(__builtin_thread_pointer()); }
+
+  // The right to write the ring and post, for one post (see the top).
+  class Writer {
+   public:
+    explicit Writer(RecvLog* log) : log_(log), owned_(log->BeginOwned()) {
+      if (!owned_) log_->LockShared();
+    }
+    ~Writer() {
+      if (owned_)
+        log_->EndOwned();
+      else
+        log_->mu_.unlock();
+    }
+    Writer(const Writer&) = delete;
+    Writer& operator=(const Writer&) = delete;
+
+   private:
+    RecvLog* const log_;
+    const bool owned_;
+  };
+
+  // Data path: true when the calling thread owns the queue, which it then
+  // may write until EndOwned; false (nothing held): take a Writer.
+  bool BeginOwned() {
+    const uintptr_t self = ThisThread();
+    // Another thread writes nothing: `busy_` is the owner's alone.
+    if (owner_.load(std::memory_order_relaxed) != self) [[unlikely]]
+      return false;
+    busy_.store(1, std::memory_order_relaxed);
+    // Ordered against the load below by LockShared's barrier.
+    std::atomic_signal_fence(std::memory_order_seq_cst);
+    if (owner_.load(std::memory_order_relaxed) == self) [[likely]]
+      return true;
+    busy_.store(0, std::memory_order_relaxed);  // shared meanwhile
+    return false;
+  }
+  void EndOwned() { busy_.store(0, std::memory_order_release); }
+  // No thread has posted to the queue yet.
+  bool unowned() const { return owner_.load(std::memory_order_relaxed) == 0; }
+  // The queue's first post, outside a Writer: the calling thread owns the
+  // queue unless another claimed it first (one compare-and-swap in the
+  // queue's life).
+  void Claim() {
+    uintptr_t none = 0;
+    owner_.compare_exchange_strong(none, ThisThread());
+  }
+
+  // While no thread can post to the queue (its pause): the calling thread
+  // writes the ring as its owner, and the owner it had is put back after.
+  class Quiesced {
+   public:
+    explicit Quiesced(RecvLog* log)
+        : log_(log), saved_(log->owner_.load(std::memory_order_relaxed)) {
+      if (saved_ != kShared) log_->owner_.store(ThisThread(), std::memory_order_relaxed);
+    }
+    ~Quiesced() { log_->owner_.store(saved_, std::memory_order_relaxed); }
+    Quiesced(const Quiesced&) = delete;
+    Quiesced& operator=(const Quiesced&) = delete;
+
+   private:
+    RecvLog* const log_;
+    const uintptr_t saved_;
+  };
+
+  // Whether more than one thread has posted to the queue.
+  bool shared() const { return owner_.load(std::memory_order_relaxed) == kShared; }
 
   // Capacity for max_wr receives of up to max_sge SGEs. False on ENOMEM.
   bool Init(uint32_t max_wr, uint32_t max_sge) {
@@ -64,12 +151,16 @@ class RecvLog {
   bool PushOne(const ibv_recv_wr* wr) {
     if (wr->num_sge != 1) [[unlikely]]
       return false;
+    PushSingle(wr);
+    return true;
+  }
+  // PushOne of a WR known to have one SGE.
+  void PushSingle(const ibv_recv_wr* wr) {
     Entry* e = At(tail_);
     e->wr_id = wr->wr_id;
     e->num_sge = 1;
     e->sge[0] = wr->sg_list[0];
     ++tail_;
-    return true;
   }
   // Receives recorded so far (64 bits: 0 means none ever, even after 2^32).
   uint64_t posted() const { return tail_; }
@@ -104,14 +195,26 @@ class RecvLog {
   }
 
  private:
+  static constexpr uintptr_t kShared = 1;  // no thread's pointer
+
   Entry* At(uint64_t i) const { return reinterpret_cast<Entry*>(&buf_[(i & mask_) * stride_]); }
 
+  // Holds `mu_`: the first poster of the queue takes it; any other makes
+  // it shared, once the owner's post in progress is over (recv_log.cc).
+  void LockShared();
+
+  // Written by the owner only: raised across its post. First, so that
+  // its address is the log's own (the post keeps one register for both).
+  std::atomic<uint32_t> busy_{0};
   std::unique_ptr<uint8_t[]> buf_;
   size_t stride_ = 0;
   uint32_t max_sge_ = 0;
   uint32_t mask_ = 0;
   uint64_t tail_ = 0;      // posts so far
   uint64_t consumed_ = 0;  // Consume()'s position
+  // The owning thread's pointer, 0 before the first post, or kShared.
+  std::atomic<uintptr_t> owner_{0};
+  std::mutex mu_;  // every post of a shared queue; claiming and sharing it
 };
 
 }  // namespace rdmavirt::shim

@@ -4,6 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 namespace rdmavirt::shim {
 namespace {
 
@@ -77,6 +81,83 @@ TEST(RecvLogTest, ConsumeFindsCompletionsInPostingOrder) {
   EXPECT_NE(first, third);  // the repeated wr_id is the later post
   EXPECT_EQ(second->wr_id, 8u);
   EXPECT_EQ(log.Consume(7), nullptr);  // none left
+}
+
+// Who may write the ring: its first poster without a lock, any other
+// thread once the queue is shared.
+
+// `cond` within 10 s.
+template <typename Cond>
+bool Eventually(Cond cond) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!cond()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+// Whether the calling thread would post without the lock.
+bool Owns(RecvLog* log) {
+  if (!log->BeginOwned()) return false;
+  log->EndOwned();
+  return true;
+}
+bool OwnsOn(RecvLog* log) {
+  bool owns = false;
+  std::thread([&] { owns = Owns(log); }).join();
+  return owns;
+}
+
+TEST(RecvLogTest, TheFirstPosterOwnsTheQueueAndNoOtherThreadDoes) {
+  RecvLog log;
+  ASSERT_TRUE(log.Init(4, 1));
+  EXPECT_TRUE(log.unowned());
+  EXPECT_FALSE(Owns(&log));
+  { RecvLog::Writer first(&log); }
+  EXPECT_FALSE(log.unowned());
+  EXPECT_TRUE(Owns(&log));
+  EXPECT_FALSE(OwnsOn(&log));
+  EXPECT_FALSE(log.shared());  // asking shares nothing
+}
+
+TEST(RecvLogTest, AnotherThreadsPostWaitsForTheOwnersPostAndSharesTheQueue) {
+  RecvLog log;
+  ASSERT_TRUE(log.Init(4, 1));
+  log.Claim();
+  ASSERT_TRUE(log.BeginOwned());  // the owner's post in progress
+  std::atomic<bool> in{false};
+  std::atomic<bool> done{false};
+  std::thread other([&] {
+    RecvLog::Writer w(&log);
+    in.store(true);
+    while (!done.load()) std::this_thread::yield();
+  });
+  ASSERT_TRUE(Eventually([&] { return log.shared(); }));
+  // Shared, but the owner's post is not over: the other thread waits.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(in.load()) << "a Writer went in while the owner was posting";
+  log.EndOwned();
+  EXPECT_TRUE(Eventually([&] { return in.load(); }));
+  // From now on the owner posts under the lock too.
+  EXPECT_FALSE(Owns(&log));
+  done.store(true);
+  other.join();
+  EXPECT_FALSE(Owns(&log));
+  EXPECT_FALSE(OwnsOn(&log));
+}
+
+TEST(RecvLogTest, QuiescedWritesAsTheOwnerAndPutsTheOwnerBack) {
+  RecvLog log;
+  ASSERT_TRUE(log.Init(4, 1));
+  std::thread([&] { log.Claim(); }).join();  // owned by a thread that is gone
+  EXPECT_FALSE(Owns(&log));
+  {
+    RecvLog::Quiesced q(&log);
+    EXPECT_TRUE(Owns(&log));
+  }
+  EXPECT_FALSE(Owns(&log));
+  EXPECT_FALSE(log.shared());
 }
 
 }  // namespace

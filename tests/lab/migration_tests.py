@@ -714,6 +714,87 @@ def a_process_whose_pause_marks_each_call_moves_too():
     check(not probed, "RDMAVIRT_PAUSE=marks: the client still catches the probe's signal")
 
 
+def received_by_thread(name):
+    """Each worker's receives so far, from srq_workers' last progress line."""
+    try:
+        with open(os.path.join(LAB.shared, "migration", f"{name}-server.out")) as f:
+            found = re.findall(r"^srq_workers: received by thread:((?: \d+)+)$", f.read(), re.M)
+    except FileNotFoundError:
+        return []
+    return [int(w) for w in found[-1].split()] if found else []
+
+
+@lab_test
+@logs_on_failure("srq-workers")
+def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
+    """srq_workers' server on host1: 3 worker threads share one SRQ, each
+    posting its receives back to it as they complete (its main thread
+    posted them first), so several threads post to the same queue at
+    once; its client on host3 sends on 3 QPs. The server moves to host2
+    and back while the client sends. A move re-posts the receives still
+    posted to the SRQ from its journal, which holds them in the order the
+    provider took them only if its posters took turns at it
+    (shim/recv_log.h): every worker must keep receiving after each move,
+    at the end each must have received every message its QP carried, in
+    order and intact, with each thread's own reposts counted, and every
+    receive buffer must still be in use (none lost by a move, none posted
+    twice)."""
+    name, port = "srq-workers", 18960
+    ensure_daemons()
+    prog = f"{BUILD}/tests/apps/srq_workers"
+    run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
+    for h in (1, 2, 3):
+        LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
+    run_ok(1, f"(setsid env {SHIM}{prog} --server --port {port} --threads 3 "
+              f"> {WORK}/{name}-server.out 2>&1 < /dev/null &)")
+    wait_listening(1, port)
+    run_ok(3, f"(setsid env {SHIM}{prog} --connect {ip(1)} --port {port} --threads 3 "
+              f"> {WORK}/{name}-client.out 2>&1 < /dev/null &)")
+    try:
+        wait_until(1, f"grep -q 'received by thread: [1-9][0-9]* [1-9][0-9]* [1-9]' "
+                      f"{WORK}/{name}-server.out", 120, "every worker received")
+        pid = pid_of(1, f"srq_workers --server --port {port}")
+        client = pid_of(3, f"srq_workers --connect.*--port {port}")
+        for src, dst in ((1, 2), (2, 1)):
+            r, rep = ctl(src, f"migrate {pid} --to {ip(dst)}")
+            check(r.rc == 0, f"migrate the SRQ workers host{src} -> host{dst}", r)
+            check_report(rep, "migrate the SRQ workers")
+            check_moved(pid, src, dst, "the SRQ workers' server")
+            at_move = received_by_thread(name)
+            check(len(at_move) == 3, "no progress line from the server", at_move)
+            end = time.monotonic() + 180
+            while True:
+                now = received_by_thread(name)
+                if all(n >= m + 50 for n, m in zip(now, at_move)):
+                    break
+                check(LAB.run(dst, f"kill -0 {pid}").rc == 0, f"the server died on host{dst}", now)
+                check(time.monotonic() < end,
+                      f"a worker of the moved server stopped receiving on host{dst}", at_move, now)
+                time.sleep(1)
+            print(f"on host{dst}: received by thread {at_move} when moved, {now} later",
+                  flush=True)
+        run_ok(3, f"kill -TERM {client}")
+        for h, who in ((3, "client"), (1, "server")):
+            wait_until(h, f"grep -q '^{{' {WORK}/{name}-{who}.out", 180, f"the {who} reported")
+        sent = json.loads(run_ok(3, f"grep '^{{' {WORK}/{name}-client.out").out)
+        got = json.loads(run_ok(1, f"grep '^{{' {WORK}/{name}-server.out").out)
+        check(sent["ok"] and sent["errors"] == 0, "the client saw errors", sent)
+        check(got["ok"] and got["bad"] == 0, "the server saw a message lost, repeated, "
+              "reordered or corrupted", got)
+        check(got["received_by_thread"] == sent["sent_by_qp"],
+              "the server did not receive what the client sent", got, sent)
+        check(got["stale_slots"] == 0 and got["slots_twice"] == 0,
+              "the SRQ lost a receive or held one twice", got)
+        check(all(n > 0 for n in got["reposts_by_thread"]) and
+              len(got["reposts_by_thread"]) == 3,
+              "not every worker posted to the SRQ", got)
+        wait_until(1, f"! kill -0 {pid} 2>/dev/null || "
+                      f"test \"$(ps -o stat= -p {pid})\" = Z", 60, "the server ended")
+    finally:
+        for h in (1, 2, 3):
+            LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
+
+
 @lab_test
 @logs_on_failure("shell-child")
 def a_shell_child_moves_and_leads_a_session_of_its_own_there():

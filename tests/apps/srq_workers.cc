@@ -1,0 +1,481 @@
+// srq_workers: worker threads that share one SRQ, each replenishing it as
+// its receives complete: a process whose threads post to the same receive
+// queue at once, for moves of such a process.
+//
+// The server creates one SRQ holding --depth receives (a 64-byte slot
+// each, the slot's number its wr_id), posts them all from its main thread,
+// and creates --threads RC QPs attached to it; QP t's completions go to a
+// CQ of its own, which worker thread t polls. For every receive a worker
+// checks the message (its QP, its sequence number, the next one on that
+// QP, and its pattern) and posts the slot back to the SRQ from its own
+// thread. The client sends SENDs on the QPs in turn, at most --window in
+// flight per QP, until SIGTERM or SIGINT (or --seconds of its running
+// time), then one last message per QP that says how many came before it.
+// A worker ends on its QP's last message. About once a second of running
+// time the server prints "received by thread: R0 R1 ..." and, at the end,
+// one JSON object: ok, received_by_thread, reposts_by_thread, bad,
+// receives, stale_slots (slots not used again within 4 * depth receives:
+// receives the SRQ lost) and slots_twice (a slot that completed while not
+// posted); the client one with sent_by_qp and errors. Exit status 0 iff nothing was
+// lost, repeated, reordered or corrupted (server) or failed (client).
+//
+//   srq_workers --server [--port P] [--threads T] [--depth D]
+//   srq_workers --connect HOST [--port P] [--threads T] [--window W]
+//               [--seconds S]
+//   common: [--device rxe0] [--gid-index 1]
+#include <infiniband/verbs.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/apps/app_common.h"
+
+namespace {
+
+using namespace rdmavirt::apps;  // NOLINT: the programs' shared helpers
+
+constexpr uint8_t kIbPort = 1;
+constexpr uint32_t kMsg = 64;
+constexpr uint32_t kMagic = 0x5352510a;
+constexpr uint64_t kLast = ~uint64_t{0};
+constexpr uint32_t kMaxThreads = 16;
+
+struct Options {
+  bool server = false;
+  std::string host;
+  int port = 18960;
+  uint32_t threads = 3;
+  uint32_t depth = 256;
+  uint32_t window = 8;
+  double seconds = 3600;
+  std::string device;
+  int gid_index = 1;
+};
+
+volatile sig_atomic_t g_stop = 0;
+void OnStop(int) { g_stop = 1; }
+
+[[noreturn]] void Usage(const char* why, int status = 2) {
+  std::fprintf(status == 0 ? stdout : stderr,
+               "srq_workers: %s\n"
+               "usage: srq_workers --server|--connect HOST [--port P] [--threads T]\n"
+               "                   [--depth D] [--window W] [--seconds S] [--device NAME]\n"
+               "                   [--gid-index I]\n",
+               why);
+  std::exit(status);
+}
+
+Options ParseArgs(int argc, char** argv) {
+  Options o;
+  bool role = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) Usage((a + " needs a value").c_str());
+      return argv[++i];
+    };
+    auto number = [&](double min, double max) {
+      const std::string v = value();
+      char* end = nullptr;
+      const double d = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || d < min || d > max)
+        Usage(
+            Sprintf("%s: %s is not a number in [%g, %g]", a.c_str(), v.c_str(), min, max).c_str());
+      return d;
+    };
+    if (a == "--server") {
+      o.server = true;
+      role = true;
+    } else if (a == "--connect") {
+      o.host = value();
+      role = true;
+    } else if (a == "--port") {
+      o.port = static_cast<int>(number(1, 65535));
+    } else if (a == "--threads") {
+      o.threads = static_cast<uint32_t>(number(1, kMaxThreads));
+    } else if (a == "--depth") {
+      o.depth = static_cast<uint32_t>(number(1, 4096));
+    } else if (a == "--window") {
+      o.window = static_cast<uint32_t>(number(1, 64));
+    } else if (a == "--seconds") {
+      o.seconds = number(1, 86400);
+    } else if (a == "--device") {
+      o.device = value();
+    } else if (a == "--gid-index") {
+      o.gid_index = static_cast<int>(number(0, 255));
+    } else if (a == "-h" || a == "--help") {
+      Usage("worker threads sharing one SRQ, checking every message", 0);
+    } else {
+      Usage(("unknown argument " + a).c_str());
+    }
+  }
+  if (!role) Usage("--server or --connect HOST is required");
+  return o;
+}
+
+// A message: its QP, its sequence number on that QP (kLast for the last
+// one, whose `count` says how many came before it), and a pattern that
+// follows from both.
+struct Message {
+  uint32_t qp;
+  uint32_t magic;
+  uint64_t seq;
+  uint64_t count;
+  uint8_t pattern[kMsg - 24];
+};
+static_assert(sizeof(Message) == kMsg);
+
+uint8_t PatternByte(uint32_t qp, uint64_t seq, size_t i) {
+  return static_cast<uint8_t>((seq * 131 + qp * 31 + i * 7) & 0xff);
+}
+void Fill(Message* m, uint32_t qp, uint64_t seq, uint64_t count) {
+  m->qp = qp;
+  m->magic = kMagic;
+  m->seq = seq;
+  m->count = count;
+  for (size_t i = 0; i < sizeof(m->pattern); ++i) m->pattern[i] = PatternByte(qp, seq, i);
+}
+bool PatternOk(const Message& m) {
+  for (size_t i = 0; i < sizeof(m.pattern); ++i)
+    if (m.pattern[i] != PatternByte(m.qp, m.seq, i)) return false;
+  return true;
+}
+
+// What each side tells the other.
+struct Header {
+  uint32_t threads;
+  uint32_t qpns[kMaxThreads];
+  uint8_t gid[16];
+};
+
+// This process's own time running: a stop (a dump, a move) does not count.
+class RunningClock {
+ public:
+  double Seconds() {
+    const auto now = std::chrono::steady_clock::now();
+    const double step = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    if (step < 1.0) total_ += step;
+    return total_;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+  double total_ = 0;
+};
+
+using Srq = std::unique_ptr<ibv_srq, Destroyer<&ibv_destroy_srq>>;
+
+void PostSlot(ibv_srq* srq, ibv_mr* mr, uint8_t* slots, uint64_t slot) {
+  ibv_sge sge{reinterpret_cast<uintptr_t>(slots + slot * kMsg), kMsg, mr->lkey};
+  ibv_recv_wr wr{};
+  wr.wr_id = slot;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  ibv_recv_wr* bad = nullptr;
+  if (const int rc = ibv_post_srq_recv(srq, &wr, &bad))
+    Die("ibv_post_srq_recv of slot %" PRIu64 ": %s", slot, std::strerror(rc));
+}
+
+// One worker's tally.
+struct Tally {
+  std::atomic<uint64_t> received{0};
+  uint64_t reposts = 0;
+  uint64_t bad = 0;
+  bool ended = false;
+};
+
+int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
+  std::vector<uint8_t> slots(size_t{o.depth} * kMsg);
+  Mr mr(ibv_reg_mr(pd, slots.data(), slots.size(), IBV_ACCESS_LOCAL_WRITE));
+  if (!mr) Die("ibv_reg_mr: %s", std::strerror(errno));
+  ibv_srq_init_attr sa{};
+  sa.attr.max_wr = o.depth;
+  sa.attr.max_sge = 1;
+  Srq srq(ibv_create_srq(pd, &sa));
+  if (!srq) Die("ibv_create_srq of %u: %s", o.depth, std::strerror(errno));
+  std::vector<Cq> cqs;
+  std::vector<Qp> qps;
+  Header me{o.threads, {}, {}};
+  for (uint32_t t = 0; t < o.threads; ++t) {
+    cqs.emplace_back(ibv_create_cq(ctx, static_cast<int>(o.depth) + 8, nullptr, nullptr, 0));
+    if (!cqs.back()) Die("ibv_create_cq: %s", std::strerror(errno));
+    ibv_qp_init_attr ia{};
+    ia.send_cq = ia.recv_cq = cqs.back().get();
+    ia.srq = srq.get();
+    ia.qp_type = IBV_QPT_RC;
+    ia.cap.max_send_wr = 1;
+    ia.cap.max_send_sge = 1;
+    qps.emplace_back(ibv_create_qp(pd, &ia));
+    if (!qps.back()) Die("ibv_create_qp: %s", std::strerror(errno));
+    me.qpns[t] = qps.back()->qp_num;
+  }
+  for (uint64_t s = 0; s < o.depth; ++s) PostSlot(srq.get(), mr.get(), slots.data(), s);
+  std::memcpy(me.gid, gid.raw, 16);
+  Header peer{};
+  {
+    UniqueFd fd = AcceptOne(o.port);
+    SendAll(fd.get(), &me, sizeof(me));
+    RecvAll(fd.get(), &peer, sizeof(peer));
+  }  // nothing but RDMA from here on
+  if (peer.threads != o.threads)
+    Die("the client has %u QPs, the server %u", peer.threads, o.threads);
+  ibv_gid pgid;
+  std::memcpy(pgid.raw, peer.gid, 16);
+  for (uint32_t t = 0; t < o.threads; ++t)
+    LoopbackToRts(qps[t].get(), peer.qpns[t], pgid, o.gid_index);
+  std::printf("srq_workers: server pid %d: %u workers on one SRQ of %u receives\n",
+              static_cast<int>(getpid()), o.threads, o.depth);
+
+  std::vector<Tally> tally(o.threads);
+  // Every slot is posted once at any time: the receives the SRQ took in
+  // order come back in that order, so each slot is used again within about
+  // `depth` receives. One that is not was lost (a move that did not post
+  // it again); one that completes while not posted was posted twice.
+  std::atomic<uint64_t> total{0};
+  std::vector<std::atomic<uint64_t>> last_use(o.depth);
+  std::vector<std::atomic<bool>> posted(o.depth);
+  for (auto& p : posted) p.store(true);
+  std::atomic<uint64_t> twice{0};
+  auto worker = [&](uint32_t t) {
+    Tally& me_t = tally[t];
+    uint64_t expect = 0;
+    while (!me_t.ended) {
+      ibv_wc wc{};
+      const int n = ibv_poll_cq(cqs[t].get(), 1, &wc);
+      if (n < 0) Die("worker %u: ibv_poll_cq: %d", t, n);
+      if (n == 0) {
+        std::this_thread::yield();
+        continue;
+      }
+      Message m;
+      std::memcpy(&m, slots.data() + wc.wr_id * kMsg, sizeof(m));
+      const bool ok = wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_RECV &&
+                      wc.byte_len == kMsg && wc.wr_id < o.depth && m.magic == kMagic && m.qp == t &&
+                      PatternOk(m) && (m.seq == expect || m.seq == kLast);
+      if (!ok) {
+        ++me_t.bad;
+        std::fprintf(stderr,
+                     "srq_workers: worker %u: %s, wr_id %" PRIu64 ", %u bytes, qp %u, seq %" PRIu64
+                     " (expected %" PRIu64 ")\n",
+                     t, ibv_wc_status_str(wc.status), wc.wr_id, wc.byte_len, m.qp, m.seq, expect);
+        if (wc.status != IBV_WC_SUCCESS) return;  // the QP is in the error state
+      }
+      if (m.seq == kLast) {
+        if (m.count != expect) {
+          ++me_t.bad;
+          std::fprintf(stderr, "srq_workers: worker %u: %" PRIu64 " sent, %" PRIu64 " received\n",
+                       t, m.count, expect);
+        }
+        me_t.ended = true;
+      } else {
+        expect = m.seq + 1;
+        me_t.received.store(expect, std::memory_order_relaxed);
+      }
+      if (wc.wr_id < o.depth) {
+        if (!posted[wc.wr_id].exchange(false)) {
+          twice.fetch_add(1);
+          std::fprintf(stderr, "srq_workers: slot %" PRIu64 " completed twice\n", wc.wr_id);
+        }
+        last_use[wc.wr_id].store(total.fetch_add(1) + 1);
+        posted[wc.wr_id].store(true);
+        PostSlot(srq.get(), mr.get(), slots.data(), wc.wr_id);
+        ++me_t.reposts;
+      }
+    }
+  };
+  std::vector<std::thread> workers;
+  for (uint32_t t = 0; t < o.threads; ++t) workers.emplace_back(worker, t);
+  std::atomic<bool> done{false};
+  std::thread progress([&] {
+    RunningClock clock;
+    double shown = 0;
+    while (!done.load()) {
+      const double now = clock.Seconds();
+      if (now >= shown + 1) {
+        shown = now;
+        std::string line;
+        for (const Tally& x : tally) line += Sprintf(" %" PRIu64, x.received.load());
+        std::printf("srq_workers: received by thread:%s\n", line.c_str());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+  for (std::thread& w : workers) w.join();
+  done.store(true);
+  progress.join();
+  std::string received, reposts;
+  uint64_t bad = 0;
+  bool ended = true;
+  for (const Tally& x : tally) {
+    received += Sprintf("%s%" PRIu64, received.empty() ? "" : ", ", x.received.load());
+    reposts += Sprintf("%s%" PRIu64, reposts.empty() ? "" : ", ", x.reposts);
+    bad += x.bad;
+    ended = ended && x.ended;
+  }
+  // Slots not used in the last 4 * depth receives (slack: the workers'
+  // reposts are not in the SRQ's order among themselves).
+  uint64_t stale = 0;
+  if (total.load() > 8 * uint64_t{o.depth}) {
+    for (const auto& u : last_use) stale += u.load() + 4 * uint64_t{o.depth} < total.load();
+  }
+  const bool ok = bad == 0 && ended && stale == 0 && twice.load() == 0;
+  std::printf(
+      "{\"ok\": %s, \"received_by_thread\": [%s], \"reposts_by_thread\": [%s], "
+      "\"bad\": %" PRIu64 ", \"receives\": %" PRIu64 ", \"stale_slots\": %" PRIu64
+      ", \"slots_twice\": %" PRIu64 "}\n",
+      ok ? "true" : "false", received.c_str(), reposts.c_str(), bad, total.load(), stale,
+      twice.load());
+  return ok ? 0 : 1;
+}
+
+int Send(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
+  const uint32_t slots_n = o.threads * o.window;
+  std::vector<uint8_t> slots(size_t{slots_n} * kMsg);
+  Mr mr(ibv_reg_mr(pd, slots.data(), slots.size(), IBV_ACCESS_LOCAL_WRITE));
+  if (!mr) Die("ibv_reg_mr: %s", std::strerror(errno));
+  Cq cq(ibv_create_cq(ctx, static_cast<int>(slots_n) + 8, nullptr, nullptr, 0));
+  if (!cq) Die("ibv_create_cq: %s", std::strerror(errno));
+  std::vector<Qp> qps;
+  Header me{o.threads, {}, {}};
+  for (uint32_t t = 0; t < o.threads; ++t) {
+    ibv_qp_init_attr ia{};
+    ia.send_cq = ia.recv_cq = cq.get();
+    ia.qp_type = IBV_QPT_RC;
+    ia.cap.max_send_wr = o.window + 1;
+    ia.cap.max_recv_wr = 1;
+    ia.cap.max_send_sge = ia.cap.max_recv_sge = 1;
+    qps.emplace_back(ibv_create_qp(pd, &ia));
+    if (!qps.back()) Die("ibv_create_qp: %s", std::strerror(errno));
+    me.qpns[t] = qps.back()->qp_num;
+  }
+  std::memcpy(me.gid, gid.raw, 16);
+  Header peer{};
+  {
+    UniqueFd fd = ConnectTo(o.host, o.port);
+    SendAll(fd.get(), &me, sizeof(me));
+    RecvAll(fd.get(), &peer, sizeof(peer));
+  }
+  if (peer.threads != o.threads)
+    Die("the server has %u QPs, the client %u", peer.threads, o.threads);
+  ibv_gid pgid;
+  std::memcpy(pgid.raw, peer.gid, 16);
+  for (uint32_t t = 0; t < o.threads; ++t)
+    LoopbackToRts(qps[t].get(), peer.qpns[t], pgid, o.gid_index);
+  std::printf("srq_workers: client pid %d: %u QPs connected\n", static_cast<int>(getpid()),
+              o.threads);
+
+  std::vector<uint64_t> sent(o.threads, 0);
+  std::vector<uint32_t> in_flight(o.threads, 0);
+  uint64_t errors = 0;
+  // Slot (t, k) of QP t is free again once its send completed.
+  auto post = [&](uint32_t t, uint64_t seq, uint64_t count) {
+    const uint32_t slot = t * o.window + static_cast<uint32_t>(seq == kLast ? 0 : seq % o.window);
+    auto* m = reinterpret_cast<Message*>(slots.data() + size_t{slot} * kMsg);
+    Fill(m, t, seq, count);
+    ibv_sge sge{reinterpret_cast<uintptr_t>(m), kMsg, mr->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = t;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    ibv_send_wr* bad = nullptr;
+    if (const int rc = ibv_post_send(qps[t].get(), &wr, &bad))
+      Die("ibv_post_send on QP %u: %s", t, std::strerror(rc));
+    ++in_flight[t];
+  };
+  auto reap = [&]() {
+    ibv_wc wcs[16];
+    const int n = ibv_poll_cq(cq.get(), 16, wcs);
+    if (n < 0) Die("ibv_poll_cq: %d", n);
+    for (int i = 0; i < n; ++i) {
+      if (wcs[i].status != IBV_WC_SUCCESS) {
+        ++errors;
+        std::fprintf(stderr, "srq_workers: QP %" PRIu64 ": %s\n", wcs[i].wr_id,
+                     ibv_wc_status_str(wcs[i].status));
+      }
+      if (wcs[i].wr_id < o.threads && in_flight[wcs[i].wr_id] > 0) --in_flight[wcs[i].wr_id];
+    }
+    return n;
+  };
+  RunningClock clock;
+  double shown = 0;
+  while (!g_stop && errors == 0) {
+    const double now = clock.Seconds();
+    if (now >= o.seconds) break;
+    if (now >= shown + 1) {
+      shown = now;
+      std::string line;
+      for (uint64_t s : sent) line += Sprintf(" %" PRIu64, s);
+      std::printf("srq_workers: sent by qp:%s\n", line.c_str());
+    }
+    bool posted = false;
+    for (uint32_t t = 0; t < o.threads; ++t) {
+      if (in_flight[t] < o.window) {
+        post(t, sent[t]++, 0);
+        posted = true;
+      }
+    }
+    if (reap() == 0 && !posted) std::this_thread::yield();
+  }
+  // Every send completed, then the last message on each QP.
+  auto drain = [&]() {
+    for (;;) {
+      uint32_t left = 0;
+      for (uint32_t f : in_flight) left += f;
+      if (left == 0 || errors > 0) return;
+      if (reap() == 0) std::this_thread::yield();
+    }
+  };
+  drain();
+  if (errors == 0)
+    for (uint32_t t = 0; t < o.threads; ++t) post(t, kLast, sent[t]);
+  drain();
+  std::string by_qp;
+  for (uint64_t s : sent) by_qp += Sprintf("%s%" PRIu64, by_qp.empty() ? "" : ", ", s);
+  std::printf("{\"ok\": %s, \"sent_by_qp\": [%s], \"errors\": %" PRIu64 "}\n",
+              errors == 0 ? "true" : "false", by_qp.c_str(), errors);
+  return errors == 0 ? 0 : 1;
+}
+
+int Run(const Options& o) {
+  int num = 0;
+  DeviceList list(ibv_get_device_list(&num));
+  if (!list || num == 0) Die("no RDMA device");
+  ibv_device* dev = nullptr;
+  for (int i = 0; i < num && dev == nullptr; ++i)
+    if (o.device.empty() || o.device == ibv_get_device_name(list.get()[i])) dev = list.get()[i];
+  if (dev == nullptr) Die("no RDMA device named %s", o.device.c_str());
+  Context ctx(ibv_open_device(dev));
+  if (!ctx) Die("ibv_open_device: %s", std::strerror(errno));
+  Pd pd(ibv_alloc_pd(ctx.get()));
+  if (!pd) Die("ibv_alloc_pd: %s", std::strerror(errno));
+  ibv_gid gid;
+  if (ibv_query_gid(ctx.get(), kIbPort, o.gid_index, &gid) != 0)
+    Die("ibv_query_gid index %d: %s", o.gid_index, std::strerror(errno));
+  return o.server ? Serve(o, ctx.get(), pd.get(), gid) : Send(o, ctx.get(), pd.get(), gid);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  program_name = "srq_workers";
+  const Options o = ParseArgs(argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  struct sigaction sa {};
+  sa.sa_handler = OnStop;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+  return Run(o);
+}

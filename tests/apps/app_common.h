@@ -61,6 +61,66 @@ inline std::string Sprintf(const char* fmt, ...) {
 }
 
 // ---------------------------------------------------------------------------
+// Command lines and clocks.
+
+// A program's arguments, one at a time: the next argument, its value, a
+// number in a range. `usage` reports what is wrong and exits.
+class ArgReader {
+ public:
+  using Usage = void (*)(const char* why, int status);
+  ArgReader(int argc, char** argv, Usage usage) : argc_(argc), argv_(argv), usage_(usage) {}
+
+  // Steps to the next argument; false after the last.
+  bool Next() {
+    if (++i_ >= argc_) return false;
+    arg_ = argv_[i_];
+    return true;
+  }
+  const std::string& arg() const { return arg_; }
+  // The argument after this one.
+  std::string Value() {
+    if (i_ + 1 >= argc_) Fail(arg_ + " needs a value");
+    return argv_[++i_];
+  }
+  double Number(double min, double max) {
+    const std::string v = Value();
+    char* end = nullptr;
+    const double d = std::strtod(v.c_str(), &end);
+    if (end == v.c_str() || *end != '\0' || d < min || d > max)
+      Fail(Sprintf("%s: %s is not a number in [%g, %g]", arg_.c_str(), v.c_str(), min, max));
+    return d;
+  }
+
+ private:
+  [[noreturn]] void Fail(const std::string& why) {
+    usage_(why.c_str(), 2);
+    std::exit(2);
+  }
+
+  int argc_;
+  char** argv_;
+  Usage usage_;
+  int i_ = 0;
+  std::string arg_;
+};
+
+// This process's own time running: a stop (a dump, a move) does not count.
+class RunningClock {
+ public:
+  double Seconds() {
+    const auto now = std::chrono::steady_clock::now();
+    const double step = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    if (step < 1.0) total_ += step;  // a longer step is a stop
+    return total_;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+  double total_ = 0;
+};
+
+// ---------------------------------------------------------------------------
 // RAII owners. Destroy failures are only reported: they happen at exit.
 
 template <auto kDestroy>
@@ -86,6 +146,21 @@ using Mr = std::unique_ptr<ibv_mr, Destroyer<&ibv_dereg_mr>>;
 using Cq = std::unique_ptr<ibv_cq, Destroyer<&ibv_destroy_cq>>;
 using Qp = std::unique_ptr<ibv_qp, Destroyer<&ibv_destroy_qp>>;
 using Ah = std::unique_ptr<ibv_ah, Destroyer<&ibv_destroy_ah>>;
+using Srq = std::unique_ptr<ibv_srq, Destroyer<&ibv_destroy_srq>>;
+
+// The device named `name` (the first one if empty), open.
+inline Context OpenDevice(const std::string& name) {
+  int num = 0;
+  DeviceList list(ibv_get_device_list(&num));
+  if (!list || num == 0) Die("no RDMA device");
+  ibv_device* dev = nullptr;
+  for (int i = 0; i < num && dev == nullptr; ++i)
+    if (name.empty() || name == ibv_get_device_name(list.get()[i])) dev = list.get()[i];
+  if (dev == nullptr) Die("no RDMA device named %s", name.c_str());
+  Context ctx(ibv_open_device(dev));
+  if (!ctx) Die("ibv_open_device: %s", std::strerror(errno));
+  return ctx;
+}
 
 // Loopback pairs (two RC QPs of one process connected to each other on
 // port 1 of one device: rxe loops them back, no peer host needed).

@@ -102,51 +102,39 @@ void OnStop(int) { g_stop = 1; }
 Options ParseArgs(int argc, char** argv) {
   Options o;
   bool role = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) Usage((a + " needs a value").c_str());
-      return argv[++i];
-    };
-    auto number = [&](double min, double max) {
-      const std::string v = value();
-      char* end = nullptr;
-      const double d = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || d < min || d > max)
-        Usage(
-            Sprintf("%s: %s is not a number in [%g, %g]", a.c_str(), v.c_str(), min, max).c_str());
-      return d;
-    };
+  ArgReader r(argc, argv, Usage);
+  while (r.Next()) {
+    const std::string& a = r.arg();
     if (a == "--server") {
       o.server = true;
       role = true;
     } else if (a == "--connect") {
-      o.host = value();
+      o.host = r.Value();
       role = true;
     } else if (a == "--port") {
-      o.port = static_cast<int>(number(1, 65535));
+      o.port = static_cast<int>(r.Number(1, 65535));
     } else if (a == "--qps") {
-      o.qps = static_cast<uint32_t>(number(1, kMaxQps));
+      o.qps = static_cast<uint32_t>(r.Number(1, kMaxQps));
     } else if (a == "--mr-mib") {
-      o.mr_mib = static_cast<uint64_t>(number(1, 65536));
+      o.mr_mib = static_cast<uint64_t>(r.Number(1, 65536));
     } else if (a == "--seconds") {
-      o.seconds = number(1, 86400);
+      o.seconds = r.Number(1, 86400);
     } else if (a == "--interval-ms") {
-      o.interval_ms = static_cast<uint32_t>(number(0, 60000));
+      o.interval_ms = static_cast<uint32_t>(r.Number(0, 60000));
     } else if (a == "--device") {
-      o.device = value();
+      o.device = r.Value();
     } else if (a == "--gid-index") {
-      o.gid_index = static_cast<int>(number(0, 255));
+      o.gid_index = static_cast<int>(r.Number(0, 255));
     } else if (a == "--no-rdma") {
       o.no_rdma = true;
     } else if (a == "--open-device") {
       o.open_device = true;
     } else if (a == "--heap-mib") {
-      o.heap_mib = static_cast<uint64_t>(number(0, 65536));
+      o.heap_mib = static_cast<uint64_t>(r.Number(0, 65536));
     } else if (a == "--dirty-mib-s") {
-      o.dirty_mib_s = number(0, 65536);
+      o.dirty_mib_s = r.Number(0, 65536);
     } else if (a == "--threads") {
-      o.threads = static_cast<uint32_t>(number(1, 64));
+      o.threads = static_cast<uint32_t>(r.Number(1, 64));
     } else if (a == "--block-signals") {
       o.block_signals = true;
     } else if (a == "-h" || a == "--help") {
@@ -171,22 +159,6 @@ struct Header {
   uint32_t rkey;
   uint64_t addr;
   uint8_t gid[16];
-};
-
-// The client's own time running: a stop (a dump, a move) does not count.
-class RunningClock {
- public:
-  double Seconds() {
-    const auto now = std::chrono::steady_clock::now();
-    const double step = std::chrono::duration<double>(now - last_).count();
-    last_ = now;
-    if (step < 1.0) total_ += step;  // a longer step is a stop
-    return total_;
-  }
-
- private:
-  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
-  double total_ = 0;
 };
 
 // Memory that is not registered, rewritten at a fixed rate. Page k holds
@@ -265,19 +237,10 @@ int RunWithoutRdma(const Options& o) {
   if (p == MAP_FAILED) Die("mmap %zu bytes: %s", bytes, std::strerror(errno));
   for (size_t i = 0; i < bytes; i += 8) std::memcpy(p + i, &i, 8);
   Heap heap(o.heap_mib, o.dirty_mib_s);
-  DeviceList list;
   Context ctx;
   Pd pd;
   if (o.open_device) {
-    int num = 0;
-    list.reset(ibv_get_device_list(&num));
-    if (!list || num == 0) Die("no RDMA device");
-    ibv_device* dev = nullptr;
-    for (int i = 0; i < num && dev == nullptr; ++i)
-      if (o.device.empty() || o.device == ibv_get_device_name(list.get()[i])) dev = list.get()[i];
-    if (dev == nullptr) Die("no RDMA device named %s", o.device.c_str());
-    ctx.reset(ibv_open_device(dev));
-    if (!ctx) Die("ibv_open_device: %s", std::strerror(errno));
+    ctx = OpenDevice(o.device);
     pd.reset(ibv_alloc_pd(ctx.get()));
     if (!pd) Die("ibv_alloc_pd: %s", std::strerror(errno));
   }
@@ -301,15 +264,7 @@ int RunWithoutRdma(const Options& o) {
 }
 
 int Run(const Options& o) {
-  int num = 0;
-  DeviceList list(ibv_get_device_list(&num));
-  if (!list || num == 0) Die("no RDMA device");
-  ibv_device* dev = nullptr;
-  for (int i = 0; i < num && dev == nullptr; ++i)
-    if (o.device.empty() || o.device == ibv_get_device_name(list.get()[i])) dev = list.get()[i];
-  if (dev == nullptr) Die("no RDMA device named %s", o.device.c_str());
-  Context ctx(ibv_open_device(dev));
-  if (!ctx) Die("ibv_open_device: %s", std::strerror(errno));
+  Context ctx = OpenDevice(o.device);
   Pd pd(ibv_alloc_pd(ctx.get()));
   if (!pd) Die("ibv_alloc_pd: %s", std::strerror(errno));
   const size_t bytes = o.server ? size_t{o.qps} * kWriteBytes : (o.mr_mib << 20);

@@ -78,41 +78,29 @@ void OnStop(int) { g_stop = 1; }
 Options ParseArgs(int argc, char** argv) {
   Options o;
   bool role = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) Usage((a + " needs a value").c_str());
-      return argv[++i];
-    };
-    auto number = [&](double min, double max) {
-      const std::string v = value();
-      char* end = nullptr;
-      const double d = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || d < min || d > max)
-        Usage(
-            Sprintf("%s: %s is not a number in [%g, %g]", a.c_str(), v.c_str(), min, max).c_str());
-      return d;
-    };
+  ArgReader r(argc, argv, Usage);
+  while (r.Next()) {
+    const std::string& a = r.arg();
     if (a == "--server") {
       o.server = true;
       role = true;
     } else if (a == "--connect") {
-      o.host = value();
+      o.host = r.Value();
       role = true;
     } else if (a == "--port") {
-      o.port = static_cast<int>(number(1, 65535));
+      o.port = static_cast<int>(r.Number(1, 65535));
     } else if (a == "--threads") {
-      o.threads = static_cast<uint32_t>(number(1, kMaxThreads));
+      o.threads = static_cast<uint32_t>(r.Number(1, kMaxThreads));
     } else if (a == "--depth") {
-      o.depth = static_cast<uint32_t>(number(1, 4096));
+      o.depth = static_cast<uint32_t>(r.Number(1, 4096));
     } else if (a == "--window") {
-      o.window = static_cast<uint32_t>(number(1, 64));
+      o.window = static_cast<uint32_t>(r.Number(1, 64));
     } else if (a == "--seconds") {
-      o.seconds = number(1, 86400);
+      o.seconds = r.Number(1, 86400);
     } else if (a == "--device") {
-      o.device = value();
+      o.device = r.Value();
     } else if (a == "--gid-index") {
-      o.gid_index = static_cast<int>(number(0, 255));
+      o.gid_index = static_cast<int>(r.Number(0, 255));
     } else if (a == "-h" || a == "--help") {
       Usage("worker threads sharing one SRQ, checking every message", 0);
     } else {
@@ -158,23 +146,21 @@ struct Header {
   uint8_t gid[16];
 };
 
-// This process's own time running: a stop (a dump, a move) does not count.
-class RunningClock {
- public:
-  double Seconds() {
-    const auto now = std::chrono::steady_clock::now();
-    const double step = std::chrono::duration<double>(now - last_).count();
-    last_ = now;
-    if (step < 1.0) total_ += step;
-    return total_;
+// Tells the peer this side's QPs and GID over TCP (the socket closed
+// before any RDMA) and brings QP t up toward the peer's QP t.
+void Connect(const Options& o, const Header& me, const std::vector<Qp>& qps) {
+  Header peer{};
+  {
+    UniqueFd fd = o.server ? AcceptOne(o.port) : ConnectTo(o.host, o.port);
+    SendAll(fd.get(), &me, sizeof(me));
+    RecvAll(fd.get(), &peer, sizeof(peer));
   }
-
- private:
-  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
-  double total_ = 0;
-};
-
-using Srq = std::unique_ptr<ibv_srq, Destroyer<&ibv_destroy_srq>>;
+  if (peer.threads != o.threads) Die("the peer has %u QPs, this side %u", peer.threads, o.threads);
+  ibv_gid gid;
+  std::memcpy(gid.raw, peer.gid, 16);
+  for (uint32_t t = 0; t < o.threads; ++t)
+    LoopbackToRts(qps[t].get(), peer.qpns[t], gid, o.gid_index);
+}
 
 void PostSlot(ibv_srq* srq, ibv_mr* mr, uint8_t* slots, uint64_t slot) {
   ibv_sge sge{reinterpret_cast<uintptr_t>(slots + slot * kMsg), kMsg, mr->lkey};
@@ -207,6 +193,7 @@ int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
   std::vector<Cq> cqs;
   std::vector<Qp> qps;
   Header me{o.threads, {}, {}};
+  std::memcpy(me.gid, gid.raw, 16);
   for (uint32_t t = 0; t < o.threads; ++t) {
     cqs.emplace_back(ibv_create_cq(ctx, static_cast<int>(o.depth) + 8, nullptr, nullptr, 0));
     if (!cqs.back()) Die("ibv_create_cq: %s", std::strerror(errno));
@@ -221,19 +208,7 @@ int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
     me.qpns[t] = qps.back()->qp_num;
   }
   for (uint64_t s = 0; s < o.depth; ++s) PostSlot(srq.get(), mr.get(), slots.data(), s);
-  std::memcpy(me.gid, gid.raw, 16);
-  Header peer{};
-  {
-    UniqueFd fd = AcceptOne(o.port);
-    SendAll(fd.get(), &me, sizeof(me));
-    RecvAll(fd.get(), &peer, sizeof(peer));
-  }  // nothing but RDMA from here on
-  if (peer.threads != o.threads)
-    Die("the client has %u QPs, the server %u", peer.threads, o.threads);
-  ibv_gid pgid;
-  std::memcpy(pgid.raw, peer.gid, 16);
-  for (uint32_t t = 0; t < o.threads; ++t)
-    LoopbackToRts(qps[t].get(), peer.qpns[t], pgid, o.gid_index);
+  Connect(o, me, qps);
   std::printf("srq_workers: server pid %d: %u workers on one SRQ of %u receives\n",
               static_cast<int>(getpid()), o.threads, o.depth);
 
@@ -348,6 +323,7 @@ int Send(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
   if (!cq) Die("ibv_create_cq: %s", std::strerror(errno));
   std::vector<Qp> qps;
   Header me{o.threads, {}, {}};
+  std::memcpy(me.gid, gid.raw, 16);
   for (uint32_t t = 0; t < o.threads; ++t) {
     ibv_qp_init_attr ia{};
     ia.send_cq = ia.recv_cq = cq.get();
@@ -359,19 +335,7 @@ int Send(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
     if (!qps.back()) Die("ibv_create_qp: %s", std::strerror(errno));
     me.qpns[t] = qps.back()->qp_num;
   }
-  std::memcpy(me.gid, gid.raw, 16);
-  Header peer{};
-  {
-    UniqueFd fd = ConnectTo(o.host, o.port);
-    SendAll(fd.get(), &me, sizeof(me));
-    RecvAll(fd.get(), &peer, sizeof(peer));
-  }
-  if (peer.threads != o.threads)
-    Die("the server has %u QPs, the client %u", peer.threads, o.threads);
-  ibv_gid pgid;
-  std::memcpy(pgid.raw, peer.gid, 16);
-  for (uint32_t t = 0; t < o.threads; ++t)
-    LoopbackToRts(qps[t].get(), peer.qpns[t], pgid, o.gid_index);
+  Connect(o, me, qps);
   std::printf("srq_workers: client pid %d: %u QPs connected\n", static_cast<int>(getpid()),
               o.threads);
 
@@ -450,15 +414,7 @@ int Send(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
 }
 
 int Run(const Options& o) {
-  int num = 0;
-  DeviceList list(ibv_get_device_list(&num));
-  if (!list || num == 0) Die("no RDMA device");
-  ibv_device* dev = nullptr;
-  for (int i = 0; i < num && dev == nullptr; ++i)
-    if (o.device.empty() || o.device == ibv_get_device_name(list.get()[i])) dev = list.get()[i];
-  if (dev == nullptr) Die("no RDMA device named %s", o.device.c_str());
-  Context ctx(ibv_open_device(dev));
-  if (!ctx) Die("ibv_open_device: %s", std::strerror(errno));
+  Context ctx = OpenDevice(o.device);
   Pd pd(ibv_alloc_pd(ctx.get()));
   if (!pd) Die("ibv_alloc_pd: %s", std::strerror(errno));
   ibv_gid gid;

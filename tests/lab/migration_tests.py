@@ -594,14 +594,37 @@ def an_event_driven_program_survives_a_live_move():
     pingpong_survives("ev-live", move, iters=PINGPONG_ITERS_MOVED_AT_ONCE)
 
 
-def writes_by_thread(name):
-    """Each thread's writes so far, from qp_holder's last progress line."""
+def last_counts(out, line):
+    """The numbers of the last progress line `line` ("prog: what:") in the
+    output file `out` of the lab's migration directory, or []."""
     try:
-        with open(os.path.join(LAB.shared, "migration", f"{name}-p.out")) as f:
-            found = re.findall(r"^qp_holder: writes by thread:((?: \d+)+)$", f.read(), re.M)
+        with open(os.path.join(LAB.shared, "migration", out)) as f:
+            found = re.findall(rf"^{re.escape(line)}((?: \d+)+)$", f.read(), re.M)
     except FileNotFoundError:
         return []
     return [int(w) for w in found[-1].split()] if found else []
+
+
+def writes_by_thread(name):
+    """Each thread's writes so far, from qp_holder's last progress line."""
+    return last_counts(f"{name}-p.out", "qp_holder: writes by thread:")
+
+
+def each_thread_goes_on(counts, threads, host, pid, who, doing):
+    """Waits until each of `threads` per-thread counts (`counts()`, from
+    the program's progress lines) has grown by 50 since now, on `host`
+    where `pid` runs; returns the counts of now and of then."""
+    at_move = counts()
+    check(len(at_move) == threads, f"no progress line from {who}", at_move)
+    end = time.monotonic() + 180
+    while True:
+        now = counts()
+        if all(n >= m + 50 for n, m in zip(now, at_move)):
+            return at_move, now
+        check(LAB.run(host, f"kill -0 {pid}").rc == 0, f"{who} died on host{host}", now)
+        check(time.monotonic() < end, f"a thread of {who} stopped {doing} on host{host}",
+              at_move, now)
+        time.sleep(1)
 
 
 PROBE_SIGNAL = 62  # SIGRTMAX - 2 on Linux: the shim's thread probe (shim/thread_probe.h)
@@ -648,18 +671,8 @@ def threads_keep_posting(name, port, moves, env=""):
             check(r.rc == 0, f"migrate the two-thread client host{src} -> host{dst}", r)
             check_report(rep, "migrate the two-thread client")
             check_moved(pid, src, dst, "the client")
-            at_move = writes_by_thread(name)
-            check(len(at_move) == 2, "no progress line from the client", at_move)
-            end = time.monotonic() + 180
-            while True:
-                now = writes_by_thread(name)
-                if all(n >= m + 50 for n, m in zip(now, at_move)):
-                    break
-                check(LAB.run(dst, f"kill -0 {pid}").rc == 0, f"the client died on host{dst}",
-                      now)
-                check(time.monotonic() < end,
-                      f"a thread of the moved client stopped writing on host{dst}", at_move, now)
-                time.sleep(1)
+            at_move, now = each_thread_goes_on(lambda: writes_by_thread(name), 2, dst, pid,
+                                               "the client", "writing")
             tasks = run_ok(dst, f"cat /proc/{pid}/task/*/comm").out.split()
             print(f"on host{dst}: writes by thread {at_move} when moved, {now} later; "
                   f"threads {tasks}", flush=True)
@@ -716,12 +729,7 @@ def a_process_whose_pause_marks_each_call_moves_too():
 
 def received_by_thread(name):
     """Each worker's receives so far, from srq_workers' last progress line."""
-    try:
-        with open(os.path.join(LAB.shared, "migration", f"{name}-server.out")) as f:
-            found = re.findall(r"^srq_workers: received by thread:((?: \d+)+)$", f.read(), re.M)
-    except FileNotFoundError:
-        return []
-    return [int(w) for w in found[-1].split()] if found else []
+    return last_counts(f"{name}-server.out", "srq_workers: received by thread:")
 
 
 @lab_test
@@ -760,17 +768,8 @@ def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
             check(r.rc == 0, f"migrate the SRQ workers host{src} -> host{dst}", r)
             check_report(rep, "migrate the SRQ workers")
             check_moved(pid, src, dst, "the SRQ workers' server")
-            at_move = received_by_thread(name)
-            check(len(at_move) == 3, "no progress line from the server", at_move)
-            end = time.monotonic() + 180
-            while True:
-                now = received_by_thread(name)
-                if all(n >= m + 50 for n, m in zip(now, at_move)):
-                    break
-                check(LAB.run(dst, f"kill -0 {pid}").rc == 0, f"the server died on host{dst}", now)
-                check(time.monotonic() < end,
-                      f"a worker of the moved server stopped receiving on host{dst}", at_move, now)
-                time.sleep(1)
+            at_move, now = each_thread_goes_on(lambda: received_by_thread(name), 3, dst, pid,
+                                               "the server", "receiving")
             print(f"on host{dst}: received by thread {at_move} when moved, {now} later",
                   flush=True)
         run_ok(3, f"kill -TERM {client}")

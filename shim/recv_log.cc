@@ -7,6 +7,11 @@
 
 namespace rdmavirt::shim {
 
+bool RecvLog::FenceUsable() {
+  static const bool usable = AsymmetricFenceAvailable();
+  return usable;
+}
+
 void RecvLog::LockShared() {
   mu_.lock();
   uintptr_t owner = 0;

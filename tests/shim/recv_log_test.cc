@@ -160,5 +160,27 @@ TEST(RecvLogTest, QuiescedWritesAsTheOwnerAndPutsTheOwnerBack) {
   EXPECT_FALSE(log.shared());
 }
 
+TEST(RecvLogTest, QuiescedLeavesAnUnownedQueueUnownedAndASharedOneShared) {
+  RecvLog unowned;
+  ASSERT_TRUE(unowned.Init(4, 1));
+  {
+    RecvLog::Quiesced q(&unowned);
+    EXPECT_TRUE(Owns(&unowned));
+  }
+  EXPECT_TRUE(unowned.unowned());
+
+  RecvLog shared;
+  ASSERT_TRUE(shared.Init(4, 1));
+  std::thread([&] { shared.Claim(); }).join();
+  { RecvLog::Writer w(&shared); }  // another thread's post: shared for good
+  ASSERT_TRUE(shared.shared());
+  {
+    RecvLog::Quiesced q(&shared);
+    EXPECT_FALSE(Owns(&shared));  // its posts take the lock
+    RecvLog::Writer w(&shared);
+  }
+  EXPECT_TRUE(shared.shared());
+}
+
 }  // namespace
 }  // namespace rdmavirt::shim

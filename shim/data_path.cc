@@ -475,21 +475,22 @@ template <bool kTranslate, typename Real>
   return true;
 }
 
+// A QP's or an SRQ's journal: a QP on an SRQ records in the SRQ's.
+inline RecvLog* RecvsOf(Qp* qp) { return qp->recvs; }
+inline RecvLog* RecvsOf(Srq* srq) { return &srq->recvs; }
+
 // PostOneRecv on a QP's or an SRQ's own journal and provider entry.
 template <bool kTranslate>
 [[gnu::always_inline]] inline bool PostOneRecvOn(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad,
                                                  int* rc) {
-  return PostOneRecv<kTranslate>(qp->mrs, qp->recvs, qp->real, qp->real_post_recv, wr, bad, rc);
+  return PostOneRecv<kTranslate>(qp->mrs, RecvsOf(qp), qp->real, qp->real_post_recv, wr, bad, rc);
 }
 template <bool kTranslate>
 [[gnu::always_inline]] inline bool PostOneRecvOn(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad,
                                                  int* rc) {
-  return PostOneRecv<kTranslate>(srq->mrs, &srq->recvs, srq->real, srq->real_post_srq_recv, wr, bad,
-                                 rc);
+  return PostOneRecv<kTranslate>(srq->mrs, RecvsOf(srq), srq->real, srq->real_post_srq_recv, wr,
+                                 bad, rc);
 }
-
-inline RecvLog* RecvsOf(Qp* qp) { return qp->recvs; }
-inline RecvLog* RecvsOf(Srq* srq) { return &srq->recvs; }
 
 // PostRecvReal's and PostSrqRecvReal's other cases, out of line: the
 // common one keeps a small frame.

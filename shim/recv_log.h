@@ -142,7 +142,10 @@ class RecvLog {
   // False, recording nothing, when it has more SGEs than the queue takes:
   // the provider refuses it too.
   bool Push(const ibv_recv_wr* wr) {
-    if (PushOne(wr)) return true;
+    if (wr->num_sge == 1) [[likely]] {
+      PushSingle(wr);
+      return true;
+    }
     if (static_cast<uint32_t>(wr->num_sge) > max_sge_) [[unlikely]]
       return false;
     Entry* e = At(tail_);
@@ -153,15 +156,8 @@ class RecvLog {
     ++tail_;
     return true;
   }
-  // The common case of Push: one SGE, which every stride holds. False,
-  // recording nothing, for any other count.
-  bool PushOne(const ibv_recv_wr* wr) {
-    if (wr->num_sge != 1) [[unlikely]]
-      return false;
-    PushSingle(wr);
-    return true;
-  }
-  // PushOne of a WR known to have one SGE.
+  // The common case of Push: a WR known to have one SGE, which every
+  // stride holds.
   void PushSingle(const ibv_recv_wr* wr) {
     Entry* e = At(tail_);
     e->wr_id = wr->wr_id;

@@ -119,6 +119,15 @@ def check_moved(pid, source, dest, what):
     check(there.rc != 0 or there.out != here.out, f"{what} still exists on host{source}", there)
 
 
+def migrate_checked(pid, src, dest, what):
+    """rdmavirtctl migrate: `pid` moves from host`src` to host`dest`, its
+    report is whole, and it runs on host`dest` and no longer on host`src`."""
+    r, rep = ctl(src, f"migrate {pid} --to {ip(dest)}")
+    check(r.rc == 0, f"migrate {what} host{src} -> host{dest}", r)
+    check_report(rep, f"migrate {what}")
+    check_moved(pid, src, dest, what)
+
+
 def hosts_seen(report):
     """The hosts an integrity report says its process ran on, in order."""
     return [p["host"] for p in report["places"]]
@@ -374,10 +383,7 @@ def peers_brought_onto_one_host_and_apart_again_lose_nothing():
     ensure_daemons()
     qpid, ppid = start_pair("meet", 2000)
     for who, pid, src, dest in (("P", ppid, 1, 3), ("Q", qpid, 3, 2)):
-        r, rep = ctl(src, f"migrate {pid} --to {ip(dest)}")
-        check(r.rc == 0, f"migrate {who} host{src} -> host{dest}", r)
-        check_report(rep, f"migrate {who}")
-        check_moved(pid, src, dest, who)
+        migrate_checked(pid, src, dest, who)
         # Both make progress after each move (each SEND needs the peer).
         wait_sent("meet", sent_by_p("meet") + 100, 120)
     p, q = wait_reports("meet")
@@ -667,10 +673,7 @@ def threads_keep_posting(name, port, moves, env=""):
               "a thread of the client blocks the probe's signal", [hex(m) for m in masks])
         at_move = []
         for src, dst in moves:
-            r, rep = ctl(src, f"migrate {pid} --to {ip(dst)}")
-            check(r.rc == 0, f"migrate the two-thread client host{src} -> host{dst}", r)
-            check_report(rep, "migrate the two-thread client")
-            check_moved(pid, src, dst, "the client")
+            migrate_checked(pid, src, dst, "the two-thread client")
             at_move, now = each_thread_goes_on(lambda: writes_by_thread(name), 2, dst, pid,
                                                "the client", "writing")
             tasks = run_ok(dst, f"cat /proc/{pid}/task/*/comm").out.split()
@@ -764,10 +767,7 @@ def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
         pid = pid_of(1, f"srq_workers --server --port {port}")
         client = pid_of(3, f"srq_workers --connect.*--port {port}")
         for src, dst in ((1, 2), (2, 1)):
-            r, rep = ctl(src, f"migrate {pid} --to {ip(dst)}")
-            check(r.rc == 0, f"migrate the SRQ workers host{src} -> host{dst}", r)
-            check_report(rep, "migrate the SRQ workers")
-            check_moved(pid, src, dst, "the SRQ workers' server")
+            migrate_checked(pid, src, dst, "the SRQ workers' server")
             at_move, now = each_thread_goes_on(lambda: received_by_thread(name), 3, dst, pid,
                                                "the server", "receiving")
             print(f"on host{dst}: received by thread {at_move} when moved, {now} later",

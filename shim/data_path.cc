@@ -804,15 +804,16 @@ Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc) {
     wc->invalidated_rkey = qp->mode.VirtualRkey(wc->invalidated_rkey);
   if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return qp;
   // A sender that moved is known by where it is now (the GRH's source).
-  const RecvLog::Entry* e = qp->recvs->Consume(wc->wr_id);
+  RecvLog::Taken e;
+  const bool found = qp->recvs->Consume(wc->wr_id, &e);
   const Shim* shim = qp->ctx->shim;
   const RemoteEndpoint* from = nullptr;
   ibv_gid source;
-  const bool grh = (wc->wc_flags & IBV_WC_GRH) && e != nullptr;
-  if (grh && ReadGrhSource(e->sge, e->num_sge, &source)) from = shim->RemoteAt(source, wc->src_qp);
+  const bool grh = (wc->wc_flags & IBV_WC_GRH) && found;
+  if (grh && ReadGrhSource(e.sge, e.num_sge, &source)) from = shim->RemoteAt(source, wc->src_qp);
   wc->src_qp = from != nullptr ? from->VirtualQpn(wc->src_qp) : qp->mode.VirtualQpn(wc->src_qp);
   if (grh)
-    RewriteGrhInSges(e->sge, e->num_sge,
+    RewriteGrhInSges(e.sge, e.num_sge,
                      [shim, from](const ibv_gid& g) { return shim->VirtualizeGid(g, from); });
   return qp;
 }

@@ -28,4 +28,54 @@ void RecvLog::LockShared() {
   while (busy_.load(std::memory_order_acquire) != 0) sched_yield();
 }
 
+namespace {
+
+// A word the queue's writer may be writing (a slot, the post count),
+// read whole: Consume checks what it copied against the post count read
+// after it. The writer's stores are plain (x86-64 makes aligned ones
+// whole, and keeps them in order; the provider's call between two posts
+// keeps the compiler from moving them).
+template <typename T>
+T ReadRacing(const T* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+
+}  // namespace
+
+bool RecvLog::Consume(uint64_t wr_id, Taken* out) {
+  const uint64_t cap = uint64_t{mask_} + 1;
+  const uint64_t tail = ReadRacing(&tail_);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  uint64_t from = first_untaken_.load(std::memory_order_relaxed);
+  if (from > tail) return false;  // ConsumeAll ran after this snapshot
+  // The oldest slot may be being written again already (post tail).
+  if (tail - from >= cap) from = tail - cap + 1;
+  for (uint64_t i = from; i != tail; ++i) {
+    const Entry* e = At(i);
+    if (ReadRacing(&e->wr_id) != wr_id) continue;
+    std::atomic<uint64_t>& taken = taken_[i & mask_];
+    uint64_t was = taken.load(std::memory_order_relaxed);
+    // Another poller's completion took this post: the next one may be ours.
+    if (was == i + 1 || !taken.compare_exchange_strong(was, i + 1)) continue;
+    const uint32_t n = ReadRacing(&e->num_sge);
+    out->num_sge = n < Taken::kMaxSge ? n : Taken::kMaxSge;
+    for (uint32_t k = 0; k < out->num_sge; ++k) {
+      out->sge[k].addr = ReadRacing(&e->sge[k].addr);
+      out->sge[k].length = ReadRacing(&e->sge[k].length);
+      out->sge[k].lkey = ReadRacing(&e->sge[k].lkey);
+    }
+    // The copy holds post i unless post i + cap (same slot) had begun:
+    // its writer had published tail_ == i + cap before it wrote the slot.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (ReadRacing(&tail_) - i >= cap) return false;
+    // Move the search's start past the posts taken, this one included.
+    uint64_t first = first_untaken_.load(std::memory_order_relaxed);
+    while (first < tail && taken_[first & mask_].load(std::memory_order_relaxed) == first + 1) {
+      if (first_untaken_.compare_exchange_weak(first, first + 1)) ++first;
+    }
+    return true;
+  }
+  return false;
+}
+
 }  // namespace rdmavirt::shim

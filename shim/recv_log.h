@@ -7,7 +7,8 @@
 // come back in posting order, name exactly which of the recent posts to
 // re-post elsewhere. So completions need no bookkeeping here, and polling
 // stays free of it. The translating completion path also uses it to find
-// the buffer a UD receive landed in (to rewrite its GRH).
+// the buffer a UD receive landed in (to rewrite its GRH), from whichever
+// thread polls (Consume).
 //
 // A fixed ring sized at creation: posting touches no allocator.
 //
@@ -127,15 +128,16 @@ class RecvLog {
   // Capacity for max_wr receives of up to max_sge SGEs. False on ENOMEM.
   bool Init(uint32_t max_wr, uint32_t max_sge) {
     uint32_t cap = 1;
-    while (cap < max_wr + 1) cap <<= 1;
+    while (cap < max_wr + 2) cap <<= 1;  // Consume reads all but the oldest
     max_sge_ = max_sge ? max_sge : 1;
     stride_ = (offsetof(Entry, sge) + sizeof(ibv_sge) * max_sge_ + 7) & ~size_t{7};
     buf_.reset(new (std::nothrow) uint8_t[stride_ * cap]);
+    taken_.reset(new (std::nothrow) std::atomic<uint64_t>[cap]());
     mask_ = cap - 1;
     // Without the barrier nothing can be taken from an owner safely: every
     // post takes the lock from the start.
     if (!FenceUsable()) owner_.store(kShared, std::memory_order_relaxed);
-    return buf_ != nullptr;
+    return buf_ != nullptr && taken_ != nullptr;
   }
 
   // Data path: records a WR about to be posted (overwriting the oldest).
@@ -170,27 +172,29 @@ class RecvLog {
   // Forgets the last `n` pushes (the provider refused them).
   void Unpush(uint32_t n) { tail_ -= n; }
 
-  // Translating completion path only: the oldest not yet consumed post
-  // with this wr_id (receives complete in posting order), consumed.
-  const Entry* Consume(uint64_t wr_id) {
-    if (tail_ - consumed_ > mask_ + 1) consumed_ = tail_ - (mask_ + 1);
-    for (uint64_t i = consumed_; i != tail_; ++i) {
-      if (At(i)->wr_id == wr_id) {
-        consumed_ = i + 1;
-        return At(i);
-      }
-    }
-    return nullptr;
-  }
+  // What Consume hands out: the first SGEs of the post a completion took,
+  // copied (the ring's slot may be written again once handed out).
+  struct Taken {
+    static constexpr uint32_t kMaxSge = 4;  // a GRH's 40 bytes lie in them
+    uint32_t num_sge;
+    ibv_sge sge[kMaxSge];
+  };
+
+  // Translating completion path only, from any thread (pollers of one CQ,
+  // or of CQs whose QPs share an SRQ): the oldest post with this wr_id
+  // that no completion took yet (a QP's receives complete in posting
+  // order), taken. False when there is none, or when so many posts
+  // followed it that its slot may have been written again meanwhile.
+  bool Consume(uint64_t wr_id, Taken* out);
 
   // Consume() starts after every post recorded so far: when the queue's
   // outstanding receives are taken out to be posted again (and recorded
   // again), so that the old records of the same WRs are not found first.
-  void ConsumeAll() { consumed_ = tail_; }
+  void ConsumeAll() { first_untaken_.store(tail_); }
 
   // The last `n` posts, oldest first (n is capped by what the ring holds).
   std::vector<const Entry*> Recent(uint32_t n) const {
-    if (n > tail_) n = tail_;
+    if (n > tail_) n = static_cast<uint32_t>(tail_);
     if (n > mask_ + 1) n = mask_ + 1;
     std::vector<const Entry*> out;
     for (uint64_t i = tail_ - n; i != tail_; ++i) out.push_back(At(i));
@@ -217,8 +221,15 @@ class RecvLog {
   size_t stride_ = 0;
   uint32_t max_sge_ = 0;
   uint32_t mask_ = 0;
-  uint64_t tail_ = 0;      // posts so far
-  uint64_t consumed_ = 0;  // Consume()'s position
+  // Posts so far: written by the writer of the moment with plain stores
+  // (one instruction), also read by Consume on any thread, which checks
+  // what it read against it.
+  uint64_t tail_ = 0;
+  // Consume's: per slot, 1 + the position of the last post taken from it
+  // (a slot written again holds a later post, which none took yet); and
+  // where its search starts, the first post not known to be taken.
+  std::unique_ptr<std::atomic<uint64_t>[]> taken_;
+  std::atomic<uint64_t> first_untaken_{0};
   // The owning thread's pointer, 0 before the first post, or kShared.
   std::atomic<uintptr_t> owner_{0};
   std::mutex mu_;  // every post of a shared queue; claiming and sharing it

@@ -166,6 +166,50 @@ TEST_F(UdJournalTest, ARefusedReceiveKeepsEarlierOnesJournaled) {
   EXPECT_TRUE(GidEq(Source(buf_), dev().gid));
 }
 
+// Two UD QPs share an SRQ and complete on CQs of their own: a datagram
+// polled from the second CQ first, then one from the first, each shows
+// virtual addresses in the buffer it landed in.
+TEST_F(JournalTest, UdReceivesOfOneSrqPolledOutOfPostingOrderAreEachRewritten) {
+  ibv_srq* srq = dev().Srq();
+  ibv_cq* first_cq = dev().Cq();
+  ibv_cq* second_cq = dev().Cq();
+  ibv_qp* a = dev().Qp(IBV_QPT_UD);
+  ibv_qp* b1 = dev().Qp(IBV_QPT_UD, 4, srq, nullptr, first_cq);
+  ibv_qp* b2 = dev().Qp(IBV_QPT_UD, 4, srq, nullptr, second_cq);
+  for (ibv_qp* qp : {a, b1, b2}) ASSERT_EQ(ToRts(shim_, qp, 0, {}), 0);
+  ibv_ah* ah = dev().Ah(dev().gid);
+  char buf[2][FakeBackend::kGrhBytes + 16] = {};
+  ibv_mr* mr = dev().Reg(buf, sizeof(buf));
+  for (uint64_t i = 0; i < 2; ++i) {
+    ibv_sge sge = Sge(buf[i], sizeof(buf[i]), mr);
+    ibv_recv_wr wr{};
+    wr.wr_id = 40 + i;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad;
+    ASSERT_EQ(ibv_post_srq_recv(srq, &wr, &bad), 0);
+  }
+  for (ibv_qp* to : {b1, b2}) {  // buf[0] to b1, buf[1] to b2
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_SEND;
+    wr.wr.ud.ah = ah;
+    wr.wr.ud.remote_qpn = to->qp_num;
+    wr.wr.ud.remote_qkey = kQkey;
+    ibv_send_wr* bad;
+    ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0);
+  }
+  const auto second = Drain(second_cq);
+  const auto first = Drain(first_cq);
+  ASSERT_EQ(second.size(), 1u);
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(second[0].wr_id, 41u);
+  EXPECT_EQ(first[0].wr_id, 40u);
+  for (int i = 0; i < 2; ++i) {
+    const auto* ip = reinterpret_cast<const uint8_t*>(buf[i]) + 20;
+    EXPECT_EQ(memcmp(ip + 12, dev().gid.raw + 12, 4), 0) << "source, buffer " << i;
+  }
+}
+
 // A GRH scattered over several small SGEs is rewritten where it lies,
 // never outside the receive buffers.
 TEST_F(JournalTest, UdGrhRewriteStaysInsideTheReceiveBuffers) {

@@ -68,19 +68,99 @@ TEST(RecvLogTest, RefusesMoreSgesThanTheQueueTakesAndUnpushForgets) {
 TEST(RecvLogTest, ConsumeFindsCompletionsInPostingOrder) {
   RecvLog log;
   ASSERT_TRUE(log.Init(4, 1));
-  ibv_sge sge{0x1000, 8, 1};
-  for (uint64_t id : {7, 8, 7}) {
+  const uint64_t ids[] = {7, 8, 7};
+  for (int i = 0; i < 3; ++i) {
+    ibv_sge sge{0x1000u + 0x100u * i, 8, 1};
+    ibv_recv_wr wr = Wr(ids[i], &sge, 1);
+    ASSERT_TRUE(log.Push(&wr));
+  }
+  RecvLog::Taken first, second, third, none;
+  ASSERT_TRUE(log.Consume(7, &first));
+  ASSERT_TRUE(log.Consume(8, &second));
+  ASSERT_TRUE(log.Consume(7, &third));
+  EXPECT_EQ(first.sge[0].addr, 0x1000u);
+  EXPECT_EQ(second.sge[0].addr, 0x1100u);
+  EXPECT_EQ(third.sge[0].addr, 0x1200u);  // the repeated wr_id is the later post
+  EXPECT_FALSE(log.Consume(7, &none));    // none left
+}
+
+// An SRQ's receives complete on the CQs of the QPs they went to: a later
+// post's completion may be polled first, and the earlier one is still
+// found.
+TEST(RecvLogTest, ConsumeFindsAnEarlierPostAfterALaterOneWasTaken) {
+  RecvLog log;
+  ASSERT_TRUE(log.Init(8, 1));
+  for (uint64_t id = 1; id <= 3; ++id) {
+    ibv_sge sge{0x1000u * id, 8, 1};
     ibv_recv_wr wr = Wr(id, &sge, 1);
     ASSERT_TRUE(log.Push(&wr));
   }
-  const RecvLog::Entry* first = log.Consume(7);
-  const RecvLog::Entry* second = log.Consume(8);
-  const RecvLog::Entry* third = log.Consume(7);
-  ASSERT_NE(first, nullptr);
-  ASSERT_NE(third, nullptr);
-  EXPECT_NE(first, third);  // the repeated wr_id is the later post
-  EXPECT_EQ(second->wr_id, 8u);
-  EXPECT_EQ(log.Consume(7), nullptr);  // none left
+  RecvLog::Taken t;
+  ASSERT_TRUE(log.Consume(3, &t));
+  ASSERT_TRUE(log.Consume(1, &t));
+  EXPECT_EQ(t.sge[0].addr, 0x1000u);
+  ASSERT_TRUE(log.Consume(2, &t));
+  EXPECT_EQ(t.sge[0].addr, 0x2000u);
+  EXPECT_FALSE(log.Consume(3, &t));  // taken once only
+}
+
+// A post whose slot later posts wrote again is not handed out as if it
+// were the newer one's, and ConsumeAll forgets every earlier post.
+TEST(RecvLogTest, ConsumeRefusesPostsTheRingNoLongerHolds) {
+  RecvLog log;
+  ASSERT_TRUE(log.Init(2, 1));  // a ring of 4
+  for (uint64_t id = 1; id <= 6; ++id) {
+    ibv_sge sge{0x1000u * id, 8, 1};
+    ibv_recv_wr wr = Wr(id, &sge, 1);
+    ASSERT_TRUE(log.Push(&wr));
+  }
+  RecvLog::Taken t;
+  EXPECT_FALSE(log.Consume(1, &t));
+  EXPECT_FALSE(log.Consume(2, &t));
+  EXPECT_FALSE(log.Consume(3, &t));  // its slot is the next post's
+  ASSERT_TRUE(log.Consume(4, &t));
+  EXPECT_EQ(t.sge[0].addr, 0x4000u);
+  log.ConsumeAll();
+  EXPECT_FALSE(log.Consume(6, &t));
+  ibv_sge sge{0x9000, 8, 1};
+  ibv_recv_wr wr = Wr(6, &sge, 1);
+  ASSERT_TRUE(log.Push(&wr));
+  ASSERT_TRUE(log.Consume(6, &t));
+  EXPECT_EQ(t.sge[0].addr, 0x9000u);
+}
+
+// Several pollers take completions of one queue at once (two threads
+// polling one CQ, or CQs whose QPs share an SRQ): each post is handed out
+// once, to the completion that names it.
+TEST(RecvLogTest, PollersTakingAtOnceEachGetTheirOwnPostsOnce) {
+  constexpr int kPosts = 512;
+  for (int round = 0; round < 50; ++round) {
+    RecvLog log;
+    ASSERT_TRUE(log.Init(kPosts, 1));
+    for (uint64_t id = 0; id < kPosts; ++id) {
+      ibv_sge sge{0x10000u + 16 * id, 8, 1};
+      ibv_recv_wr wr = Wr(id, &sge, 1);
+      ASSERT_TRUE(log.Push(&wr));
+    }
+    std::atomic<int> wrong{0};
+    std::atomic<bool> go{false};
+    auto poller = [&](uint64_t parity) {
+      while (!go.load()) {
+      }
+      for (uint64_t id = parity; id < kPosts; id += 2) {
+        RecvLog::Taken t;
+        if (!log.Consume(id, &t) || t.num_sge != 1 || t.sge[0].addr != 0x10000u + 16 * id)
+          wrong.fetch_add(1);
+      }
+    };
+    std::thread a(poller, 0), b(poller, 1);
+    go.store(true);
+    a.join();
+    b.join();
+    ASSERT_EQ(wrong.load(), 0) << "round " << round;
+    RecvLog::Taken t;
+    for (uint64_t id = 0; id < kPosts; ++id) ASSERT_FALSE(log.Consume(id, &t)) << id;
+  }
 }
 
 // Who may write the ring: its first poster without a lock, any other

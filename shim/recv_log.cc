@@ -34,10 +34,11 @@ namespace {
 // read whole: Consume checks what it copied against the post count read
 // after it. The writer's stores are plain (x86-64 makes aligned ones
 // whole, and keeps them in order; the provider's call between two posts
-// keeps the compiler from moving them).
+// keeps the compiler from moving them). Each read is an acquire (a plain
+// load on x86-64), so the count read last is read after the copy.
 template <typename T>
 T ReadRacing(const T* p) {
-  return __atomic_load_n(p, __ATOMIC_RELAXED);
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 }
 
 }  // namespace
@@ -45,7 +46,6 @@ T ReadRacing(const T* p) {
 bool RecvLog::Consume(uint64_t wr_id, Taken* out) {
   const uint64_t cap = uint64_t{mask_} + 1;
   const uint64_t tail = ReadRacing(&tail_);
-  std::atomic_thread_fence(std::memory_order_acquire);
   uint64_t from = first_untaken_.load(std::memory_order_relaxed);
   if (from > tail) return false;  // ConsumeAll ran after this snapshot
   // The oldest slot may be being written again already (post tail).
@@ -66,7 +66,6 @@ bool RecvLog::Consume(uint64_t wr_id, Taken* out) {
     }
     // The copy holds post i unless post i + cap (same slot) had begun:
     // its writer had published tail_ == i + cap before it wrote the slot.
-    std::atomic_thread_fence(std::memory_order_acquire);
     if (ReadRacing(&tail_) - i >= cap) return false;
     // Move the search's start past the posts taken, this one included.
     uint64_t first = first_untaken_.load(std::memory_order_relaxed);

@@ -44,6 +44,7 @@ T ReadRacing(const T* p) {
 }  // namespace
 
 bool RecvLog::Consume(uint64_t wr_id, Taken* out) {
+  if (taken_ == nullptr) return false;
   const uint64_t cap = uint64_t{mask_} + 1;
   const uint64_t tail = ReadRacing(&tail_);
   uint64_t from = first_untaken_.load(std::memory_order_relaxed);

@@ -125,19 +125,21 @@ class RecvLog {
   // the queue, or the process has no barrier to take it from its owner.
   bool shared() const { return owner_.load(std::memory_order_relaxed) == kShared; }
 
-  // Capacity for max_wr receives of up to max_sge SGEs. False on ENOMEM.
-  bool Init(uint32_t max_wr, uint32_t max_sge) {
+  // Capacity for max_wr receives of up to max_sge SGEs; `consumed`: the
+  // translating completion path may look posts up (Consume: a UD QP's
+  // queue, an SRQ). False on ENOMEM.
+  bool Init(uint32_t max_wr, uint32_t max_sge, bool consumed) {
     uint32_t cap = 1;
     while (cap < max_wr + 2) cap <<= 1;  // Consume reads all but the oldest
     max_sge_ = max_sge ? max_sge : 1;
     stride_ = (offsetof(Entry, sge) + sizeof(ibv_sge) * max_sge_ + 7) & ~size_t{7};
     buf_.reset(new (std::nothrow) uint8_t[stride_ * cap]);
-    taken_.reset(new (std::nothrow) std::atomic<uint64_t>[cap]());
+    if (consumed) taken_.reset(new (std::nothrow) std::atomic<uint64_t>[cap]());
     mask_ = cap - 1;
     // Without the barrier nothing can be taken from an owner safely: every
     // post takes the lock from the start.
     if (!FenceUsable()) owner_.store(kShared, std::memory_order_relaxed);
-    return buf_ != nullptr && taken_ != nullptr;
+    return buf_ != nullptr && (!consumed || taken_ != nullptr);
   }
 
   // Data path: records a WR about to be posted (overwriting the oldest).
@@ -183,8 +185,9 @@ class RecvLog {
   // Translating completion path only, from any thread (pollers of one CQ,
   // or of CQs whose QPs share an SRQ): the oldest post with this wr_id
   // that no completion took yet (a QP's receives complete in posting
-  // order), taken. False when there is none, or when so many posts
-  // followed it that its slot may have been written again meanwhile.
+  // order), taken. False when there is none, when so many posts
+  // followed it that its slot may have been written again meanwhile, or
+  // when Init was not told the queue's posts are looked up.
   bool Consume(uint64_t wr_id, Taken* out);
 
   // Consume() starts after every post recorded so far: when the queue's

@@ -761,7 +761,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
     return nullptr;
   }
   attr->attr = real_attr.attr;  // the provider reports the actual sizes
-  if (!srq->recvs.Init(attr->attr.max_wr, attr->attr.max_sge)) {
+  if (!srq->recvs.Init(attr->attr.max_wr, attr->attr.max_sge, /*consumed=*/true)) {
     backend_->DestroySrq(real);
     delete srq;
     errno = ENOMEM;
@@ -833,7 +833,8 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   qp->init = init;
   if (qp->srq != nullptr) {
     qp->recvs = &qp->srq->recvs;
-  } else if (qp->own_recvs.Init(init.cap.max_recv_wr, init.cap.max_recv_sge)) {
+  } else if (qp->own_recvs.Init(init.cap.max_recv_wr, init.cap.max_recv_sge,
+                                init.qp_type == IBV_QPT_UD)) {
     qp->recvs = &qp->own_recvs;
   } else {
     delete qp;

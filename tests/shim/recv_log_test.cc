@@ -21,7 +21,7 @@ ibv_recv_wr Wr(uint64_t id, ibv_sge* sges, int n) {
 
 TEST(RecvLogTest, RecentReturnsTheLastPostsOldestFirstWithTheirSges) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(4, 2));
+  ASSERT_TRUE(log.Init(4, 2, false));
   ibv_sge sges[2] = {{0x1000, 64, 0x501}, {0x2000, 32, 0x502}};
   for (uint64_t id = 1; id <= 3; ++id) {
     ibv_recv_wr wr = Wr(id, sges, id == 3 ? 2 : 1);
@@ -38,7 +38,7 @@ TEST(RecvLogTest, RecentReturnsTheLastPostsOldestFirstWithTheirSges) {
 
 TEST(RecvLogTest, HoldsAtLeastTheQueueDepthAfterWrapping) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(4, 1));
+  ASSERT_TRUE(log.Init(4, 1, false));
   ibv_sge sge{0x1000, 8, 1};
   for (uint64_t id = 1; id <= 100; ++id) {
     ibv_recv_wr wr = Wr(id, &sge, 1);
@@ -51,7 +51,7 @@ TEST(RecvLogTest, HoldsAtLeastTheQueueDepthAfterWrapping) {
 
 TEST(RecvLogTest, RefusesMoreSgesThanTheQueueTakesAndUnpushForgets) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(4, 1));
+  ASSERT_TRUE(log.Init(4, 1, false));
   ibv_sge sges[2] = {};
   ibv_recv_wr two = Wr(9, sges, 2);
   EXPECT_FALSE(log.Push(&two));
@@ -67,7 +67,7 @@ TEST(RecvLogTest, RefusesMoreSgesThanTheQueueTakesAndUnpushForgets) {
 
 TEST(RecvLogTest, ConsumeFindsCompletionsInPostingOrder) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(4, 1));
+  ASSERT_TRUE(log.Init(4, 1, true));
   const uint64_t ids[] = {7, 8, 7};
   for (int i = 0; i < 3; ++i) {
     ibv_sge sge{0x1000u + 0x100u * i, 8, 1};
@@ -89,7 +89,7 @@ TEST(RecvLogTest, ConsumeFindsCompletionsInPostingOrder) {
 // found.
 TEST(RecvLogTest, ConsumeFindsAnEarlierPostAfterALaterOneWasTaken) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(8, 1));
+  ASSERT_TRUE(log.Init(8, 1, true));
   for (uint64_t id = 1; id <= 3; ++id) {
     ibv_sge sge{0x1000u * id, 8, 1};
     ibv_recv_wr wr = Wr(id, &sge, 1);
@@ -108,7 +108,7 @@ TEST(RecvLogTest, ConsumeFindsAnEarlierPostAfterALaterOneWasTaken) {
 // were the newer one's, and ConsumeAll forgets every earlier post.
 TEST(RecvLogTest, ConsumeRefusesPostsTheRingNoLongerHolds) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(2, 1));  // a ring of 4
+  ASSERT_TRUE(log.Init(2, 1, true));  // a ring of 4
   for (uint64_t id = 1; id <= 6; ++id) {
     ibv_sge sge{0x1000u * id, 8, 1};
     ibv_recv_wr wr = Wr(id, &sge, 1);
@@ -129,6 +129,19 @@ TEST(RecvLogTest, ConsumeRefusesPostsTheRingNoLongerHolds) {
   EXPECT_EQ(t.sge[0].addr, 0x9000u);
 }
 
+// A queue whose posts no completion path looks up (an RC QP's own) keeps
+// no marks for them, and finds nothing.
+TEST(RecvLogTest, AQueueNotLookedUpFindsNothing) {
+  RecvLog log;
+  ASSERT_TRUE(log.Init(4, 1, false));
+  ibv_sge sge{0x1000, 8, 1};
+  ibv_recv_wr wr = Wr(1, &sge, 1);
+  ASSERT_TRUE(log.Push(&wr));
+  RecvLog::Taken t;
+  EXPECT_FALSE(log.Consume(1, &t));
+  EXPECT_EQ(log.Recent(1).at(0)->sge[0].addr, 0x1000u);  // still journaled
+}
+
 // Several pollers take completions of one queue at once (two threads
 // polling one CQ, or CQs whose QPs share an SRQ): each post is handed out
 // once, to the completion that names it.
@@ -136,7 +149,7 @@ TEST(RecvLogTest, PollersTakingAtOnceEachGetTheirOwnPostsOnce) {
   constexpr int kPosts = 512;
   for (int round = 0; round < 50; ++round) {
     RecvLog log;
-    ASSERT_TRUE(log.Init(kPosts, 1));
+    ASSERT_TRUE(log.Init(kPosts, 1, true));
     for (uint64_t id = 0; id < kPosts; ++id) {
       ibv_sge sge{0x10000u + 16 * id, 8, 1};
       ibv_recv_wr wr = Wr(id, &sge, 1);
@@ -191,7 +204,7 @@ bool OwnsOn(RecvLog* log) {
 
 TEST(RecvLogTest, TheFirstPosterOwnsTheQueueAndNoOtherThreadDoes) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(4, 1));
+  ASSERT_TRUE(log.Init(4, 1, false));
   EXPECT_TRUE(log.unowned());
   EXPECT_FALSE(Owns(&log));
   { RecvLog::Writer first(&log); }
@@ -203,7 +216,7 @@ TEST(RecvLogTest, TheFirstPosterOwnsTheQueueAndNoOtherThreadDoes) {
 
 TEST(RecvLogTest, AnotherThreadsPostWaitsForTheOwnersPostAndSharesTheQueue) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(4, 1));
+  ASSERT_TRUE(log.Init(4, 1, false));
   log.Claim();
   ASSERT_TRUE(log.BeginOwned());  // the owner's post in progress
   std::atomic<bool> in{false};
@@ -229,7 +242,7 @@ TEST(RecvLogTest, AnotherThreadsPostWaitsForTheOwnersPostAndSharesTheQueue) {
 
 TEST(RecvLogTest, QuiescedWritesAsTheOwnerAndPutsTheOwnerBack) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(4, 1));
+  ASSERT_TRUE(log.Init(4, 1, false));
   std::thread([&] { log.Claim(); }).join();  // owned by a thread that is gone
   EXPECT_FALSE(Owns(&log));
   {
@@ -242,7 +255,7 @@ TEST(RecvLogTest, QuiescedWritesAsTheOwnerAndPutsTheOwnerBack) {
 
 TEST(RecvLogTest, QuiescedLeavesAnUnownedQueueUnownedAndASharedOneShared) {
   RecvLog unowned;
-  ASSERT_TRUE(unowned.Init(4, 1));
+  ASSERT_TRUE(unowned.Init(4, 1, false));
   {
     RecvLog::Quiesced q(&unowned);
     EXPECT_TRUE(Owns(&unowned));
@@ -250,7 +263,7 @@ TEST(RecvLogTest, QuiescedLeavesAnUnownedQueueUnownedAndASharedOneShared) {
   EXPECT_TRUE(unowned.unowned());
 
   RecvLog shared;
-  ASSERT_TRUE(shared.Init(4, 1));
+  ASSERT_TRUE(shared.Init(4, 1, false));
   std::thread([&] { shared.Claim(); }).join();
   { RecvLog::Writer w(&shared); }  // another thread's post: shared for good
   ASSERT_TRUE(shared.shared());

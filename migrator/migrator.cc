@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <set>
 #include <vector>
@@ -108,6 +109,21 @@ std::string Migrator::NewId() {
 
 absl::StatusOr<std::string> Migrator::PeerTarget(const std::string& gid) {
   return options_.locate_peer(gid);
+}
+
+absl::StatusOr<std::set<std::string>> Migrator::PeerHosts(const v1::EndpointSummary& e) {
+  std::set<std::string> hosts;
+  for (const v1::QpSummary& q : e.qps()) {
+    if (q.remote_physical_gid().empty()) continue;
+    absl::StatusOr<std::string> t = PeerTarget(q.remote_physical_gid());
+    if (!t.ok()) return t.status();
+    hosts.insert(*t);
+  }
+  for (const std::string& gid : e.ud_peer_physical_gids()) {
+    absl::StatusOr<std::string> t = PeerTarget(gid);
+    if (t.ok()) hosts.insert(*t);
+  }
+  return hosts;
 }
 
 absl::Status Migrator::CheckPeersLocatable(const v1::EndpointSummary& e) {

@@ -350,6 +350,11 @@ class Migrator {
   void ResumeOne(Move* m, const std::string& device, v1::MigrationReport* out);
 
   absl::StatusOr<std::string> PeerTarget(const std::string& gid);
+  // The hosts of an endpoint's peers, each once ("" for this one): those
+  // of its connected QPs, each of which must be found, and those its
+  // address handles point at (UD peers: one no migrator owns is left out,
+  // as it has no shim to tell).
+  absl::StatusOr<std::set<std::string>> PeerHosts(const v1::EndpointSummary& e);
   // Every connected peer's host found (NOT_FOUND naming a GID no migrator
   // owns), before anything is quiesced.
   absl::Status CheckPeersLocatable(const v1::EndpointSummary& e);

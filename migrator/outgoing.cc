@@ -195,14 +195,12 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
   req.set_virtual_gid(e.mapping().virtual_gid());
   req.set_drain_timeout_ms(options_.drain_timeout_ms);
   for (const v1::QpSummary& q : e.qps()) req.add_virtual_qpns(q.virtual_qpn());
-  // Hosts of the connected peers, this one first.
-  std::set<std::string> remote;
-  for (const v1::QpSummary& q : e.qps()) {
-    if (q.remote_physical_gid().empty()) continue;
-    absl::StatusOr<std::string> t = PeerTarget(q.remote_physical_gid());
-    if (!t.ok()) return t.status();
-    if (!t->empty()) remote.insert(*t);
-  }
+  // Hosts of the peers (connected ones, and UD ones its address handles
+  // point at), this one first.
+  absl::StatusOr<std::set<std::string>> hosts = PeerHosts(e);
+  if (!hosts.ok()) return hosts.status();
+  std::set<std::string> remote = *std::move(hosts);
+  remote.erase("");
   m->blackout_start = absl::Now();
   // Every host is in the record before any is asked: a rollback, or a
   // restarted migrator, resumes the peers of each. Peers on this host
@@ -1298,19 +1296,18 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   m->blackout_start = absl::Now();
   // The peers stayed suspended since the checkpoint (or resumed, if their
   // hosts restarted; they are re-pointed either way).
-  for (const v1::QpSummary& q : manifest->endpoint().qps()) {
-    if (q.remote_physical_gid().empty()) continue;
-    absl::StatusOr<std::string> t = PeerTarget(q.remote_physical_gid());
-    if (!t.ok()) {
-      const absl::Status st = Annotate(t.status(), "nothing was restored");
-      Finish(m.get(), st);
-      return st;
-    }
-    if (t->empty())
+  absl::StatusOr<std::set<std::string>> hosts = PeerHosts(manifest->endpoint());
+  if (!hosts.ok()) {
+    const absl::Status st = Annotate(hosts.status(), "nothing was restored");
+    Finish(m.get(), st);
+    return st;
+  }
+  for (const std::string& t : *hosts) {
+    if (t.empty())
       m->rec.set_local_peers(true);
-    else if (std::find(m->rec.peer_hosts().begin(), m->rec.peer_hosts().end(), *t) ==
+    else if (std::find(m->rec.peer_hosts().begin(), m->rec.peer_hosts().end(), t) ==
              m->rec.peer_hosts().end())
-      m->rec.add_peer_hosts(*t);
+      m->rec.add_peer_hosts(t);
   }
   r->set_peers(m->rec.peer_hosts_size() + (m->rec.local_peers() ? 1 : 0));
   r->set_destination(on.has_value() ? on->Target() : options_.host_name);

@@ -37,7 +37,7 @@ constexpr uint32_t kCode = 1, kMessage = 2, kSummary = 3, kElapsedUs = 4, kDrain
                    kPagesMarked = 6, kPagesUnchanged = 7, kWritableRegistered = 8;
 // EndpointSummary
 constexpr uint32_t kSumEndpointId = 1, kSumPid = 2, kSumPhase = 3, kSumSuspended = 4,
-                   kSumCounts = 5, kSumQps = 6, kSumMapping = 7, kSumDevice = 8;
+                   kSumCounts = 5, kSumQps = 6, kSumMapping = 7, kSumDevice = 8, kSumUdPeers = 10;
 // MigratorToShim
 constexpr uint32_t kQuiesce = 2, kRelease = 3, kRestore = 4, kResume = 5, kPeerQuiesce = 6,
                    kPeerReconnect = 7, kDescribe = 8;
@@ -108,6 +108,7 @@ WireWriter EncodeSummary(const EndpointView& v, std::string_view endpoint_id, in
   }
   s.Message(f::kSumMapping, EncodeMapping(v));
   s.String(f::kSumDevice, v.device);
+  for (const ibv_gid& g : v.ud_peer_physical_gids) s.Bytes(f::kSumUdPeers, g.raw, 16);
   return s;
 }
 

@@ -809,6 +809,10 @@ Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc) {
   const Shim* shim = qp->ctx->shim;
   const RemoteEndpoint* from = nullptr;
   ibv_gid source;
+  if ((wc->wc_flags & IBV_WC_GRH) && !found)
+    LogOnce(
+        "a UD receive's buffer was not found in the receive journal: its GRH and sender are "
+        "shown as the device wrote them");
   const bool grh = (wc->wc_flags & IBV_WC_GRH) && found;
   if (grh && ReadGrhSource(e.sge, e.num_sge, &source)) from = shim->RemoteAt(source, wc->src_qp);
   wc->src_qp = from != nullptr ? from->VirtualQpn(wc->src_qp) : qp->mode.VirtualQpn(wc->src_qp);

@@ -1506,9 +1506,17 @@ EndpointView Shim::Describe() const {
         v.qp_list.push_back(q);
         break;
       }
-      case Kind::kAh:
+      case Kind::kAh: {
+        const Ah* ah = static_cast<const Ah*>(p);
         ++v.ahs;
+        if (!ah->attr.is_global) break;
+        const RemoteEndpoint* r = FindRemoteLocked(ah->attr.grh.dgid);
+        const ibv_gid g = r ? r->physical_gid() : mode_.PhysicalGid(ah->attr.grh.dgid);
+        auto same = [&g](const ibv_gid& o) { return memcmp(o.raw, g.raw, 16) == 0; };
+        if (std::none_of(v.ud_peer_physical_gids.begin(), v.ud_peer_physical_gids.end(), same))
+          v.ud_peer_physical_gids.push_back(g);
         break;
+      }
       case Kind::kChannel:
         break;
     }

@@ -58,6 +58,8 @@ struct EndpointView {
   uint64_t registered_bytes = 0;
   uint32_t pending_completions = 0;
   std::vector<QpView> qp_list;
+  // Where the peers the address handles point at are now (UD peers).
+  std::vector<ibv_gid> ud_peer_physical_gids;
   // This endpoint's own identities now (Mapping in control.proto).
   bool has_gid = false;
   ibv_gid virtual_gid{};

@@ -67,7 +67,10 @@ bool RecvLog::Consume(uint64_t wr_id, Taken* out) {
     }
     // The copy holds post i unless post i + cap (same slot) had begun:
     // its writer had published tail_ == i + cap before it wrote the slot.
-    if (ReadRacing(&tail_) - i >= cap) return false;
+    // Then a later post of the same WR may be the one (a QP's completions
+    // that went by without a lookup, before its CQ translated, leave their
+    // posts untaken behind it).
+    if (ReadRacing(&tail_) - i >= cap) continue;
     // Move the search's start past the posts taken, this one included.
     uint64_t first = first_untaken_.load(std::memory_order_relaxed);
     while (first < tail && taken_[first & mask_].load(std::memory_order_relaxed) == first + 1) {

@@ -129,13 +129,17 @@ class RecvLog {
   // translating completion path may look posts up (Consume: a UD QP's
   // queue, an SRQ). False on ENOMEM.
   bool Init(uint32_t max_wr, uint32_t max_sge, bool consumed) {
-    uint32_t cap = 1;
-    while (cap < max_wr + 2) cap <<= 1;  // Consume reads all but the oldest
+    // Consume reads all but the oldest; a completion may be polled long
+    // after its post (a slow poller of one of an SRQ's CQs while the
+    // others repost), so a looked-up queue keeps 4 times its depth.
+    const uint64_t need = (consumed ? 4 : 1) * (uint64_t{max_wr} + 2);
+    uint64_t cap = 1;
+    while (cap < need) cap <<= 1;
     max_sge_ = max_sge ? max_sge : 1;
     stride_ = (offsetof(Entry, sge) + sizeof(ibv_sge) * max_sge_ + 7) & ~size_t{7};
     buf_.reset(new (std::nothrow) uint8_t[stride_ * cap]);
     if (consumed) taken_.reset(new (std::nothrow) std::atomic<uint64_t>[cap]());
-    mask_ = cap - 1;
+    mask_ = static_cast<uint32_t>(cap - 1);
     // Without the barrier nothing can be taken from an owner safely: every
     // post takes the lock from the start.
     if (!FenceUsable()) owner_.store(kShared, std::memory_order_relaxed);

@@ -22,9 +22,18 @@
 // the client one with sent_by_qp and errors. Exit status 0 iff nothing was
 // lost, repeated, reordered or corrupted (server) or failed (client).
 //
-//   srq_workers --server [--port P] [--threads T] [--depth D]
+// With --ud (both sides) the QPs are UD: each receive slot starts with the
+// 40-byte GRH area, and each worker also checks whom the datagram says it
+// is from: the completion's src_qp must be the client's QP t and the GRH's
+// source address the client's GID, as the client knows them (a receive
+// completion whose buffer the shim mistook shows the sender's physical
+// address after the sender moved: wrong_sender). UD may drop datagrams,
+// so sequence numbers may skip (counted in `skipped`), never go back; the
+// client's last message goes 50 times, and counts are not compared.
+//
+//   srq_workers --server [--port P] [--threads T] [--depth D] [--ud]
 //   srq_workers --connect HOST [--port P] [--threads T] [--window W]
-//               [--seconds S]
+//               [--seconds S] [--ud]
 //   common: [--device rxe0] [--gid-index 1]
 #include <infiniband/verbs.h>
 #include <signal.h>
@@ -52,11 +61,14 @@ constexpr uint32_t kMsg = 64;
 constexpr uint32_t kMagic = 0x5352510a;
 constexpr uint64_t kLast = ~uint64_t{0};
 constexpr uint32_t kMaxThreads = 16;
+constexpr uint32_t kGrh = 40;  // a UD receive's GRH area
+constexpr uint32_t kQkey = 0x5352510b;
 
 struct Options {
   bool server = false;
   std::string host;
   int port = 18960;
+  bool ud = false;
   uint32_t threads = 3;
   uint32_t depth = 256;
   uint32_t window = 8;
@@ -73,7 +85,7 @@ void OnStop(int) { g_stop = 1; }
                "srq_workers: %s\n"
                "usage: srq_workers --server|--connect HOST [--port P] [--threads T]\n"
                "                   [--depth D] [--window W] [--seconds S] [--device NAME]\n"
-               "                   [--gid-index I]\n",
+               "                   [--gid-index I] [--ud]\n",
                why);
   std::exit(status);
 }
@@ -92,6 +104,8 @@ Options ParseArgs(int argc, char** argv) {
       role = true;
     } else if (a == "--port") {
       o.port = static_cast<int>(r.Number(1, 65535));
+    } else if (a == "--ud") {
+      o.ud = true;
     } else if (a == "--threads") {
       o.threads = static_cast<uint32_t>(r.Number(1, kMaxThreads));
     } else if (a == "--depth") {
@@ -145,13 +159,35 @@ bool PatternOk(const Message& m) {
 // What each side tells the other.
 struct Header {
   uint32_t threads;
+  uint32_t ud;
   uint32_t qpns[kMaxThreads];
   uint8_t gid[16];
 };
 
+// A receive slot: the message, after the GRH area on a UD QP.
+uint32_t SlotBytes(const Options& o) { return o.ud ? kGrh + kMsg : kMsg; }
+
+// A UD QP to RTS: it needs no peer.
+void UdToRts(ibv_qp* qp) {
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.port_num = kIbPort;
+  a.qkey = kQkey;
+  if (int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))
+    Die("UD INIT: %s", std::strerror(rc));
+  a = {};
+  a.qp_state = IBV_QPS_RTR;
+  if (int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE)) Die("UD RTR: %s", std::strerror(rc));
+  a.qp_state = IBV_QPS_RTS;
+  a.sq_psn = 0;
+  if (int rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN))
+    Die("UD RTS: %s", std::strerror(rc));
+}
+
 // Tells the peer this side's QPs and GID over TCP (the socket closed
-// before any RDMA) and brings QP t up toward the peer's QP t.
-void Connect(const Options& o, const Header& me, const std::vector<Qp>& qps) {
+// before any RDMA) and brings QP t up toward the peer's QP t (RC), or up
+// (UD). The peer's header.
+Header Connect(const Options& o, const Header& me, const std::vector<Qp>& qps) {
   Header peer{};
   {
     UniqueFd fd = o.server ? AcceptOne(o.port) : ConnectTo(o.host, o.port);
@@ -159,14 +195,29 @@ void Connect(const Options& o, const Header& me, const std::vector<Qp>& qps) {
     RecvAll(fd.get(), &peer, sizeof(peer));
   }
   if (peer.threads != o.threads) Die("the peer has %u QPs, this side %u", peer.threads, o.threads);
+  if (peer.ud != me.ud) Die("one side runs with --ud, the other without");
   ibv_gid gid;
   std::memcpy(gid.raw, peer.gid, 16);
-  for (uint32_t t = 0; t < o.threads; ++t)
-    LoopbackToRts(qps[t].get(), peer.qpns[t], gid, o.gid_index);
+  for (uint32_t t = 0; t < o.threads; ++t) {
+    if (o.ud)
+      UdToRts(qps[t].get());
+    else
+      LoopbackToRts(qps[t].get(), peer.qpns[t], gid, o.gid_index);
+  }
+  return peer;
 }
 
-void PostSlot(ibv_srq* srq, ibv_mr* mr, uint8_t* slots, uint64_t slot) {
-  ibv_sge sge{reinterpret_cast<uintptr_t>(slots + slot * kMsg), kMsg, mr->lkey};
+// The source address in a UD receive's GRH area: RoCE v2 over IPv4 puts
+// an IPv4 header in its last 20 bytes, otherwise the GRH's own source GID
+// is at byte 8.
+bool GrhFrom(const uint8_t* grh, const uint8_t gid[16]) {
+  static const uint8_t kMapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  if (std::memcmp(gid, kMapped, 12) == 0) return std::memcmp(grh + 20 + 12, gid + 12, 4) == 0;
+  return std::memcmp(grh + 8, gid, 16) == 0;
+}
+
+void PostSlot(ibv_srq* srq, ibv_mr* mr, uint8_t* slots, uint32_t slot_bytes, uint64_t slot) {
+  ibv_sge sge{reinterpret_cast<uintptr_t>(slots + slot * slot_bytes), slot_bytes, mr->lkey};
   ibv_recv_wr wr{};
   wr.wr_id = slot;
   wr.sg_list = &sge;
@@ -181,11 +232,14 @@ struct Tally {
   std::atomic<uint64_t> received{0};
   uint64_t reposts = 0;
   uint64_t bad = 0;
+  uint64_t wrong_sender = 0;  // UD: src_qp or GRH source not the client's
+  uint64_t skipped = 0;       // UD: datagrams dropped on the way
   bool ended = false;
 };
 
 int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
-  std::vector<uint8_t> slots(size_t{o.depth} * kMsg);
+  const uint32_t slot_bytes = SlotBytes(o);
+  std::vector<uint8_t> slots(size_t{o.depth} * slot_bytes);
   Mr mr(ibv_reg_mr(pd, slots.data(), slots.size(), IBV_ACCESS_LOCAL_WRITE));
   if (!mr) Die("ibv_reg_mr: %s", std::strerror(errno));
   ibv_srq_init_attr sa{};
@@ -195,7 +249,7 @@ int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
   if (!srq) Die("ibv_create_srq of %u: %s", o.depth, std::strerror(errno));
   std::vector<Cq> cqs;
   std::vector<Qp> qps;
-  Header me{o.threads, {}, {}};
+  Header me{o.threads, o.ud, {}, {}};
   std::memcpy(me.gid, gid.raw, 16);
   for (uint32_t t = 0; t < o.threads; ++t) {
     cqs.emplace_back(ibv_create_cq(ctx, static_cast<int>(o.depth) + 8, nullptr, nullptr, 0));
@@ -203,16 +257,16 @@ int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
     ibv_qp_init_attr ia{};
     ia.send_cq = ia.recv_cq = cqs.back().get();
     ia.srq = srq.get();
-    ia.qp_type = IBV_QPT_RC;
+    ia.qp_type = o.ud ? IBV_QPT_UD : IBV_QPT_RC;
     ia.cap.max_send_wr = 1;
     ia.cap.max_send_sge = 1;
     qps.emplace_back(ibv_create_qp(pd, &ia));
     if (!qps.back()) Die("ibv_create_qp: %s", std::strerror(errno));
     me.qpns[t] = qps.back()->qp_num;
   }
-  Connect(o, me, qps);
-  std::printf("srq_workers: server pid %d: %u workers on one SRQ of %u receives\n",
-              static_cast<int>(getpid()), o.threads, o.depth);
+  const Header client = Connect(o, me, qps);
+  std::printf("srq_workers: server pid %d: %u workers on one SRQ of %u receives (%s)\n",
+              static_cast<int>(getpid()), o.threads, o.depth, o.ud ? "UD" : "RC");
 
   std::vector<Tally> tally(o.threads);
   // Every slot is posted once at any time, and the SRQ hands receives out
@@ -223,7 +277,7 @@ int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
   auto worker = [&](uint32_t t) {
     Tally& me_t = tally[t];
     for (uint64_t slot = t; slot < o.depth; slot += o.threads)
-      PostSlot(srq.get(), mr.get(), slots.data(), slot);
+      PostSlot(srq.get(), mr.get(), slots.data(), slot_bytes, slot);
     uint64_t expect = 0;
     while (!me_t.ended) {
       ibv_wc wc{};
@@ -233,11 +287,24 @@ int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
         std::this_thread::yield();
         continue;
       }
+      const uint8_t* slot = slots.data() + (wc.wr_id < o.depth ? wc.wr_id : 0) * slot_bytes;
       Message m;
-      std::memcpy(&m, slots.data() + wc.wr_id * kMsg, sizeof(m));
+      std::memcpy(&m, slot + (o.ud ? kGrh : 0), sizeof(m));
+      // UD drops datagrams: a later one may come next, never an earlier.
+      const bool in_order = m.seq == expect || m.seq == kLast || (o.ud && m.seq > expect);
       const bool ok = wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_RECV &&
-                      wc.byte_len == kMsg && wc.wr_id < o.depth && m.magic == kMagic && m.qp == t &&
-                      PatternOk(m) && (m.seq == expect || m.seq == kLast);
+                      wc.byte_len == slot_bytes && wc.wr_id < o.depth && m.magic == kMagic &&
+                      m.qp == t && PatternOk(m) && in_order;
+      if (ok && o.ud &&
+          (wc.src_qp != client.qpns[t] || !(wc.wc_flags & IBV_WC_GRH) ||
+           !GrhFrom(slot, client.gid))) {
+        if (me_t.wrong_sender++ < 5)
+          std::fprintf(stderr,
+                       "srq_workers: worker %u: seq %" PRIu64
+                       " from QP 0x%x (the client's is 0x%x)%s\n",
+                       t, m.seq, wc.src_qp, client.qpns[t],
+                       GrhFrom(slot, client.gid) ? "" : ", GRH source not the client's");
+      }
       if (!ok) {
         ++me_t.bad;
         std::fprintf(stderr,
@@ -247,19 +314,20 @@ int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
         if (wc.status != IBV_WC_SUCCESS) return;  // the QP is in the error state
       }
       if (m.seq == kLast) {
-        if (m.count != expect) {
+        if (!o.ud && m.count != expect) {
           ++me_t.bad;
           std::fprintf(stderr, "srq_workers: worker %u: %" PRIu64 " sent, %" PRIu64 " received\n",
                        t, m.count, expect);
         }
         me_t.ended = true;
-      } else {
+      } else if (ok) {
+        me_t.skipped += m.seq - expect;
         expect = m.seq + 1;
         me_t.received.store(expect, std::memory_order_relaxed);
       }
       if (wc.wr_id < o.depth) {
         last_use[wc.wr_id].store(total.fetch_add(1) + 1);
-        PostSlot(srq.get(), mr.get(), slots.data(), wc.wr_id);
+        PostSlot(srq.get(), mr.get(), slots.data(), slot_bytes, wc.wr_id);
         ++me_t.reposts;
       }
     }
@@ -285,12 +353,14 @@ int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
   done.store(true);
   progress.join();
   std::string received, reposts;
-  uint64_t bad = 0;
+  uint64_t bad = 0, wrong_sender = 0, skipped = 0;
   bool ended = true;
   for (const Tally& x : tally) {
     received += Sprintf("%s%" PRIu64, received.empty() ? "" : ", ", x.received.load());
     reposts += Sprintf("%s%" PRIu64, reposts.empty() ? "" : ", ", x.reposts);
     bad += x.bad;
+    wrong_sender += x.wrong_sender;
+    skipped += x.skipped;
     ended = ended && x.ended;
   }
   // Slots not used in the last 4 * depth receives (slack: the workers'
@@ -299,11 +369,13 @@ int Serve(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
   if (total.load() > 8 * uint64_t{o.depth}) {
     for (const auto& u : last_use) stale += u.load() + 4 * uint64_t{o.depth} < total.load();
   }
-  const bool ok = bad == 0 && ended && stale == 0;
+  const bool ok = bad == 0 && wrong_sender == 0 && ended && stale == 0;
   std::printf(
       "{\"ok\": %s, \"received_by_thread\": [%s], \"reposts_by_thread\": [%s], "
-      "\"bad\": %" PRIu64 ", \"receives\": %" PRIu64 ", \"stale_slots\": %" PRIu64 "}\n",
-      ok ? "true" : "false", received.c_str(), reposts.c_str(), bad, total.load(), stale);
+      "\"bad\": %" PRIu64 ", \"wrong_sender\": %" PRIu64 ", \"skipped\": %" PRIu64
+      ", \"receives\": %" PRIu64 ", \"stale_slots\": %" PRIu64 "}\n",
+      ok ? "true" : "false", received.c_str(), reposts.c_str(), bad, wrong_sender, skipped,
+      total.load(), stale);
   return ok ? 0 : 1;
 }
 
@@ -315,12 +387,12 @@ int Send(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
   Cq cq(ibv_create_cq(ctx, static_cast<int>(slots_n) + 8, nullptr, nullptr, 0));
   if (!cq) Die("ibv_create_cq: %s", std::strerror(errno));
   std::vector<Qp> qps;
-  Header me{o.threads, {}, {}};
+  Header me{o.threads, o.ud, {}, {}};
   std::memcpy(me.gid, gid.raw, 16);
   for (uint32_t t = 0; t < o.threads; ++t) {
     ibv_qp_init_attr ia{};
     ia.send_cq = ia.recv_cq = cq.get();
-    ia.qp_type = IBV_QPT_RC;
+    ia.qp_type = o.ud ? IBV_QPT_UD : IBV_QPT_RC;
     ia.cap.max_send_wr = o.window + 1;
     ia.cap.max_recv_wr = 1;
     ia.cap.max_send_sge = ia.cap.max_recv_sge = 1;
@@ -328,9 +400,20 @@ int Send(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
     if (!qps.back()) Die("ibv_create_qp: %s", std::strerror(errno));
     me.qpns[t] = qps.back()->qp_num;
   }
-  Connect(o, me, qps);
-  std::printf("srq_workers: client pid %d: %u QPs connected\n", static_cast<int>(getpid()),
-              o.threads);
+  const Header server = Connect(o, me, qps);
+  Ah ah;
+  if (o.ud) {
+    ibv_ah_attr aa{};
+    aa.is_global = 1;
+    std::memcpy(aa.grh.dgid.raw, server.gid, 16);
+    aa.grh.sgid_index = static_cast<uint8_t>(o.gid_index);
+    aa.grh.hop_limit = 64;
+    aa.port_num = kIbPort;
+    ah.reset(ibv_create_ah(pd, &aa));
+    if (!ah) Die("ibv_create_ah: %s", std::strerror(errno));
+  }
+  std::printf("srq_workers: client pid %d: %u QPs connected (%s)\n", static_cast<int>(getpid()),
+              o.threads, o.ud ? "UD" : "RC");
 
   std::vector<uint64_t> sent(o.threads, 0);
   std::vector<uint32_t> in_flight(o.threads, 0);
@@ -347,6 +430,11 @@ int Send(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
     wr.num_sge = 1;
     wr.opcode = IBV_WR_SEND;
     wr.send_flags = IBV_SEND_SIGNALED;
+    if (o.ud) {
+      wr.wr.ud.ah = ah.get();
+      wr.wr.ud.remote_qpn = server.qpns[t];
+      wr.wr.ud.remote_qkey = kQkey;
+    }
     ibv_send_wr* bad = nullptr;
     if (const int rc = ibv_post_send(qps[t].get(), &wr, &bad))
       Die("ibv_post_send on QP %u: %s", t, std::strerror(rc));
@@ -396,9 +484,12 @@ int Send(const Options& o, ibv_context* ctx, ibv_pd* pd, const ibv_gid& gid) {
     }
   };
   drain();
-  if (errors == 0)
+  // A datagram may be dropped: the last one goes several times.
+  for (int i = 0; i < (o.ud ? 50 : 1) && errors == 0; ++i) {
     for (uint32_t t = 0; t < o.threads; ++t) post(t, kLast, sent[t]);
-  drain();
+    drain();
+    if (o.ud) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   std::string by_qp;
   for (uint64_t s : sent) by_qp += Sprintf("%s%" PRIu64, by_qp.empty() ? "" : ", ", s);
   std::printf("{\"ok\": %s, \"sent_by_qp\": [%s], \"errors\": %" PRIu64 "}\n",

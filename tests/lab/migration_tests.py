@@ -794,6 +794,58 @@ def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
 
 
 @lab_test
+@logs_on_failure("srq-workers-ud")
+def ud_workers_sharing_an_srq_know_their_sender_after_it_moved():
+    """srq_workers --ud: the server's 3 worker threads share one SRQ, each
+    polling the CQ of its own UD QP, so the SRQ's receives complete out of
+    their posting order across the CQs; the client on host3 sends
+    datagrams on 3 UD QPs and moves to host2 and back. Once it has moved,
+    its datagrams carry its new physical QPN and address, and the
+    server's shim finds the buffer each landed in (the SRQ's journal) to
+    name the sender as the server knows it: every datagram's src_qp must
+    be the client's QP and its GRH source the client's GID, each worker
+    must keep receiving after each move, and every receive buffer must
+    still be in use."""
+    name, port = "srq-workers-ud", 18961
+    ensure_daemons()
+    prog = f"{BUILD}/tests/apps/srq_workers"
+    run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
+    for h in (1, 2, 3):
+        LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
+    run_ok(1, f"(setsid env {SHIM}{prog} --server --ud --port {port} --threads 3 "
+              f"> {WORK}/{name}-server.out 2>&1 < /dev/null &)")
+    wait_listening(1, port)
+    run_ok(3, f"(setsid env {SHIM}{prog} --connect {ip(1)} --ud --port {port} --threads 3 "
+              f"> {WORK}/{name}-client.out 2>&1 < /dev/null &)")
+    try:
+        wait_until(1, f"grep -q 'received by thread: [1-9][0-9]* [1-9][0-9]* [1-9]' "
+                      f"{WORK}/{name}-server.out", 120, "every worker received")
+        client = pid_of(3, f"srq_workers --connect.*--port {port}")
+        for src, dst in ((3, 2), (2, 3)):
+            migrate_checked(client, src, dst, "the UD client")
+            at_move, now = each_thread_goes_on(lambda: received_by_thread(name), 3, dst, client,
+                                               "the client", "being received")
+            print(f"client on host{dst}: received by thread {at_move} when moved, {now} later",
+                  flush=True)
+        run_ok(3, f"kill -TERM {client}")
+        for h, who in ((3, "client"), (1, "server")):
+            wait_until(h, f"grep -q '^{{' {WORK}/{name}-{who}.out", 180, f"the {who} reported")
+        sent = json.loads(run_ok(3, f"grep '^{{' {WORK}/{name}-client.out").out)
+        got = json.loads(run_ok(1, f"grep '^{{' {WORK}/{name}-server.out").out)
+        print(f"client: {sent}\nserver: {got}", flush=True)
+        check(sent["ok"] and sent["errors"] == 0, "the client saw errors", sent)
+        check(got["wrong_sender"] == 0, "datagrams named another sender than the client", got)
+        check(got["ok"] and got["bad"] == 0, "the server saw a datagram repeated, reordered "
+              "or corrupted", got)
+        check(got["stale_slots"] == 0, "the SRQ lost a receive", got)
+        check(all(r <= s for r, s in zip(got["received_by_thread"], sent["sent_by_qp"])),
+              "the server received more than the client sent", got, sent)
+    finally:
+        for h in (1, 2, 3):
+            LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
+
+
+@lab_test
 @logs_on_failure("shell-child")
 def a_shell_child_moves_and_leads_a_session_of_its_own_there():
     # The usual case: a program started by a shell (or a supervisor, or an

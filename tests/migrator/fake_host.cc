@@ -210,6 +210,7 @@ v1::EndpointSummary FakeHost::Summary(const FakeEndpoint& e) const {
     }
     ++i;
   }
+  for (const std::string& g : e.ud_peer_pgids) s.add_ud_peer_physical_gids(g);
   s.set_device(e.released ? "" : "fake0");
   return s;
 }

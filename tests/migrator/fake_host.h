@@ -53,6 +53,7 @@ struct FakeEndpoint {
   std::string endpoint_id;
   std::string vgid;
   std::vector<FakeQp> qps;
+  std::vector<std::string> ud_peer_pgids;  // where its address handles point
   bool alive = true;
   bool stopped = false;
   bool connected = true;

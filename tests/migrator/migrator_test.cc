@@ -364,6 +364,26 @@ TEST(MigratorTest, PeersOnEveryHostAreRepointedAtOnce) {
   EXPECT_EQ(meet.arrived, 2);
   EXPECT_TRUE(meet.all_met) << "one host's peers were re-pointed after the other's";
 }
+// A UD sender names no peer in any QP: the hosts its address handles
+// point at are its peers' too. Its receiver on host3 is paused for the
+// move and learns where the sender went (before, host3 was never asked,
+// and the receiver named the moved sender by its new physical identities).
+TEST(MigratorTest, TheHostsAUdSendersAddressHandlesPointAtLearnWhereItWent) {
+  Cluster c("udpeer");
+  FakeEndpoint& sender = c.host(1).Add(100, VGid(1), {FakeQp{11, 4, "", 0, ""}});
+  sender.ud_peer_pgids = {Gid(3)};
+  c.host(3).Add(300, VGid(3), {FakeQp{31, 4, "", 0, ""}});
+  MoveRun run = Migrate(c, 100, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  const FakeEndpoint receiver = c.host(3).Get(300);
+  EXPECT_THAT(receiver.log, Contains("peer_quiesce"));
+  ASSERT_EQ(receiver.reconnected_to.size(), 1u);
+  EXPECT_EQ(receiver.reconnected_to[0].virtual_gid(), VGid(1));
+  EXPECT_EQ(receiver.reconnected_to[0].physical_gid(), Gid(2));
+  EXPECT_FALSE(receiver.paused);
+}
+
 TEST(MigratorTest, AHostWhoseMigratorRestartsAfterTheMoveIsAskedAgain) {
   for (int down : {3, 2}) {  // the peer's host; the destination
     SCOPED_TRACE(down);
@@ -1852,6 +1872,21 @@ TEST(MigratorInventoryTest, PeersAreFoundByTheirGidsAndTheMoveIsSeenFromEveryHos
   absl::StatusOr<v1::ListHostsResponse> hosts = c.m(1).ListHosts();
   ASSERT_TRUE(hosts.ok()) << hosts.status();
   EXPECT_EQ(hosts->hosts_size(), 3);
+}
+
+// A UD peer that no migrator owns has no shim to tell where the sender
+// went: the sender moves all the same (a connected one is refused, below).
+TEST(MigratorInventoryTest, AUdPeerNoMigratorOwnsDoesNotHoldItsSenderBack) {
+  testing::Etcd etcd;
+  Cluster c("inv-udpeer", etcd.url());
+  FakeEndpoint& sender = c.host(1).Add(100, VGid(1), {FakeQp{11, 4, "", 0, ""}});
+  sender.ud_peer_pgids = {Gid(9)};
+  MoveRun run = Migrate(c, 100, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  const FakeEndpoint moved = c.host(2).Get(100);
+  EXPECT_TRUE(moved.alive && moved.connected && !moved.paused);
+  EXPECT_FALSE(c.host(1).Exists(100));
 }
 
 TEST(MigratorInventoryTest, APeerGidNoMigratorOwnsIsRefusedBeforeAnythingIsQuiesced) {

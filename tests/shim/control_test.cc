@@ -62,6 +62,7 @@ TEST(ControlCodecTest, ReplyCarriesTheEndpointView) {
   q.remote_physical_gid = GidOf(4);
   q.outstanding_recvs = 5;
   v.qp_list.push_back(q);
+  v.ud_peer_physical_gids = {GidOf(5), GidOf(6)};
   v1::ShimToMigrator m;
   ASSERT_TRUE(m.ParseFromString(
       EncodeReply(7, Error(Code::kDeadlineExceeded, "late"), v, "ep", -1, 99, 4)));
@@ -82,6 +83,9 @@ TEST(ControlCodecTest, ReplyCarriesTheEndpointView) {
   EXPECT_EQ(s.qps(0).remote_virtual_qpn(), 0x33u);
   EXPECT_EQ(s.qps(0).remote_physical_gid(), Raw(GidOf(4)));
   EXPECT_EQ(s.qps(0).outstanding_recvs(), 5u);
+  ASSERT_EQ(s.ud_peer_physical_gids_size(), 2);
+  EXPECT_EQ(s.ud_peer_physical_gids(0), Raw(GidOf(5)));
+  EXPECT_EQ(s.ud_peer_physical_gids(1), Raw(GidOf(6)));
   EXPECT_EQ(s.mapping().virtual_gid(), Raw(GidOf(1)));
   ASSERT_EQ(s.mapping().rkeys_size(), 1);
   EXPECT_EQ(s.mapping().rkeys(0).virtual_id(), 0x80001234u);

@@ -108,8 +108,8 @@ TEST(RecvLogTest, ConsumeFindsAnEarlierPostAfterALaterOneWasTaken) {
 // were the newer one's, and ConsumeAll forgets every earlier post.
 TEST(RecvLogTest, ConsumeRefusesPostsTheRingNoLongerHolds) {
   RecvLog log;
-  ASSERT_TRUE(log.Init(2, 1, true));  // a ring of 4
-  for (uint64_t id = 1; id <= 6; ++id) {
+  ASSERT_TRUE(log.Init(2, 1, true));  // a looked-up queue of 2: a ring of 16
+  for (uint64_t id = 1; id <= 18; ++id) {
     ibv_sge sge{0x1000u * id, 8, 1};
     ibv_recv_wr wr = Wr(id, &sge, 1);
     ASSERT_TRUE(log.Push(&wr));
@@ -121,11 +121,11 @@ TEST(RecvLogTest, ConsumeRefusesPostsTheRingNoLongerHolds) {
   ASSERT_TRUE(log.Consume(4, &t));
   EXPECT_EQ(t.sge[0].addr, 0x4000u);
   log.ConsumeAll();
-  EXPECT_FALSE(log.Consume(6, &t));
+  EXPECT_FALSE(log.Consume(18, &t));
   ibv_sge sge{0x9000, 8, 1};
-  ibv_recv_wr wr = Wr(6, &sge, 1);
+  ibv_recv_wr wr = Wr(18, &sge, 1);
   ASSERT_TRUE(log.Push(&wr));
-  ASSERT_TRUE(log.Consume(6, &t));
+  ASSERT_TRUE(log.Consume(18, &t));
   EXPECT_EQ(t.sge[0].addr, 0x9000u);
 }
 

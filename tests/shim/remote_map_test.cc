@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "tests/shim/verbs_test_util.h"
@@ -214,6 +215,35 @@ TEST_F(RemoteMapTest, UdAddressHandlesTowardAMovedPeer) {
   EXPECT_EQ(wr.wr.ud.remote_qpn, kPeerVqpn);
   EXPECT_EQ(wr.wr.ud.ah, ah);
   Drain(dev().cq);
+}
+
+// The migrator learns from Describe where the UD peers an endpoint sends to
+// are (no QP names them): each address handle's destination, where it is
+// now (a moved peer at its physical GID), each once.
+TEST_F(RemoteMapTest, DescribeNamesWhereTheAddressHandlesPointNow) {
+  auto [a, b] = UdQps();
+  ASSERT_NE(dev().Ah(dev().gid), nullptr);
+  ASSERT_NE(dev().Ah(dev().gid), nullptr);
+  std::vector<ibv_gid> peers = shim_.Describe().ud_peer_physical_gids;
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_TRUE(GidEq(peers[0], FakeBackend::Gid(1))) << "this host's device, physical";
+  RemoteMapping m;  // the moved peer, on another host now
+  m.virtual_gid = MovedPeerGid();
+  m.physical_gid = ibv_gid{};
+  m.physical_gid.raw[10] = m.physical_gid.raw[11] = 0xff;
+  m.physical_gid.raw[12] = 10;
+  m.physical_gid.raw[15] = 9;
+  m.qpns = {{kPeerVqpn, ShimQp(b)->real->qp_num}};
+  ASSERT_EQ(shim_.PublishRemote(m), 0);
+  ASSERT_NE(dev().Ah(MovedPeerGid()), nullptr);
+  peers = shim_.Describe().ud_peer_physical_gids;
+  ASSERT_EQ(peers.size(), 2u);
+  auto named = [&peers](const ibv_gid& g) {
+    return std::count_if(peers.begin(), peers.end(),
+                         [&g](const ibv_gid& p) { return GidEq(p, g); });
+  };
+  EXPECT_EQ(named(FakeBackend::Gid(1)), 1);
+  EXPECT_EQ(named(m.physical_gid), 1) << "where the moved peer is";
 }
 
 // A peer that moved onto this very host: its datagrams come in looped back

@@ -735,6 +735,41 @@ def received_by_thread(name):
     return last_counts(f"{name}-server.out", "srq_workers: received by thread:")
 
 
+SRQ_WORKERS = f"{BUILD}/tests/apps/srq_workers"
+
+
+def stop_srq_workers(port):
+    for h in (1, 2, 3):
+        LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
+
+
+def start_srq_workers(name, port, flags=""):
+    """srq_workers' server on host1 (3 workers) and its client on host3,
+    under the shim, with `flags` on both sides; returns once every worker
+    has received."""
+    ensure_daemons()
+    run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
+    stop_srq_workers(port)
+    run_ok(1, f"(setsid env {SHIM}{SRQ_WORKERS} --server --port {port} --threads 3 {flags} "
+              f"> {WORK}/{name}-server.out 2>&1 < /dev/null &)")
+    wait_listening(1, port)
+    run_ok(3, f"(setsid env {SHIM}{SRQ_WORKERS} --connect {ip(1)} --port {port} --threads 3 "
+              f"{flags} > {WORK}/{name}-client.out 2>&1 < /dev/null &)")
+    wait_until(1, f"grep -q 'received by thread: [1-9][0-9]* [1-9][0-9]* [1-9]' "
+                  f"{WORK}/{name}-server.out", 120, "every worker received")
+
+
+def srq_workers_reports(name, client, client_host):
+    """Stops the client (pid `client` on host`client_host`) and returns
+    both sides' final JSON reports (client's, server's)."""
+    run_ok(client_host, f"kill -TERM {client}")
+    for h, who in ((client_host, "client"), (1, "server")):
+        wait_until(h, f"grep -q '^{{' {WORK}/{name}-{who}.out", 180, f"the {who} reported")
+    sent = json.loads(run_ok(client_host, f"grep '^{{' {WORK}/{name}-client.out").out)
+    got = json.loads(run_ok(1, f"grep '^{{' {WORK}/{name}-server.out").out)
+    return sent, got
+
+
 @lab_test
 @logs_on_failure("srq-workers")
 def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
@@ -751,19 +786,8 @@ def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
     receive buffer must still be in use (none lost by a move; one posted
     twice shows as messages overwritten before they were checked)."""
     name, port = "srq-workers", 18960
-    ensure_daemons()
-    prog = f"{BUILD}/tests/apps/srq_workers"
-    run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
-    for h in (1, 2, 3):
-        LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
-    run_ok(1, f"(setsid env {SHIM}{prog} --server --port {port} --threads 3 "
-              f"> {WORK}/{name}-server.out 2>&1 < /dev/null &)")
-    wait_listening(1, port)
-    run_ok(3, f"(setsid env {SHIM}{prog} --connect {ip(1)} --port {port} --threads 3 "
-              f"> {WORK}/{name}-client.out 2>&1 < /dev/null &)")
     try:
-        wait_until(1, f"grep -q 'received by thread: [1-9][0-9]* [1-9][0-9]* [1-9]' "
-                      f"{WORK}/{name}-server.out", 120, "every worker received")
+        start_srq_workers(name, port)
         pid = pid_of(1, f"srq_workers --server --port {port}")
         client = pid_of(3, f"srq_workers --connect.*--port {port}")
         for src, dst in ((1, 2), (2, 1)):
@@ -772,11 +796,7 @@ def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
                                                "the server", "receiving")
             print(f"on host{dst}: received by thread {at_move} when moved, {now} later",
                   flush=True)
-        run_ok(3, f"kill -TERM {client}")
-        for h, who in ((3, "client"), (1, "server")):
-            wait_until(h, f"grep -q '^{{' {WORK}/{name}-{who}.out", 180, f"the {who} reported")
-        sent = json.loads(run_ok(3, f"grep '^{{' {WORK}/{name}-client.out").out)
-        got = json.loads(run_ok(1, f"grep '^{{' {WORK}/{name}-server.out").out)
+        sent, got = srq_workers_reports(name, client, 3)
         check(sent["ok"] and sent["errors"] == 0, "the client saw errors", sent)
         check(got["ok"] and got["bad"] == 0, "the server saw a message lost, repeated, "
               "reordered or corrupted", got)
@@ -789,8 +809,7 @@ def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
         wait_until(1, f"! kill -0 {pid} 2>/dev/null || "
                       f"test \"$(ps -o stat= -p {pid})\" = Z", 60, "the server ended")
     finally:
-        for h in (1, 2, 3):
-            LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
+        stop_srq_workers(port)
 
 
 @lab_test
@@ -807,19 +826,8 @@ def ud_workers_sharing_an_srq_know_their_sender_after_it_moved():
     must keep receiving after each move, and every receive buffer must
     still be in use."""
     name, port = "srq-workers-ud", 18961
-    ensure_daemons()
-    prog = f"{BUILD}/tests/apps/srq_workers"
-    run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
-    for h in (1, 2, 3):
-        LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
-    run_ok(1, f"(setsid env {SHIM}{prog} --server --ud --port {port} --threads 3 "
-              f"> {WORK}/{name}-server.out 2>&1 < /dev/null &)")
-    wait_listening(1, port)
-    run_ok(3, f"(setsid env {SHIM}{prog} --connect {ip(1)} --ud --port {port} --threads 3 "
-              f"> {WORK}/{name}-client.out 2>&1 < /dev/null &)")
     try:
-        wait_until(1, f"grep -q 'received by thread: [1-9][0-9]* [1-9][0-9]* [1-9]' "
-                      f"{WORK}/{name}-server.out", 120, "every worker received")
+        start_srq_workers(name, port, "--ud")
         client = pid_of(3, f"srq_workers --connect.*--port {port}")
         for src, dst in ((3, 2), (2, 3)):
             migrate_checked(client, src, dst, "the UD client")
@@ -827,11 +835,7 @@ def ud_workers_sharing_an_srq_know_their_sender_after_it_moved():
                                                "the client", "being received")
             print(f"client on host{dst}: received by thread {at_move} when moved, {now} later",
                   flush=True)
-        run_ok(3, f"kill -TERM {client}")
-        for h, who in ((3, "client"), (1, "server")):
-            wait_until(h, f"grep -q '^{{' {WORK}/{name}-{who}.out", 180, f"the {who} reported")
-        sent = json.loads(run_ok(3, f"grep '^{{' {WORK}/{name}-client.out").out)
-        got = json.loads(run_ok(1, f"grep '^{{' {WORK}/{name}-server.out").out)
+        sent, got = srq_workers_reports(name, client, 3)
         print(f"client: {sent}\nserver: {got}", flush=True)
         check(sent["ok"] and sent["errors"] == 0, "the client saw errors", sent)
         check(got["wrong_sender"] == 0, "datagrams named another sender than the client", got)
@@ -841,8 +845,7 @@ def ud_workers_sharing_an_srq_know_their_sender_after_it_moved():
         check(all(r <= s for r, s in zip(got["received_by_thread"], sent["sent_by_qp"])),
               "the server received more than the client sent", got, sent)
     finally:
-        for h in (1, 2, 3):
-            LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
+        stop_srq_workers(port)
 
 
 @lab_test

@@ -2,6 +2,8 @@
 
 #include <sched.h>
 
+#include <algorithm>
+
 #include "shim/log.h"
 #include "shim/pause.h"
 
@@ -45,40 +47,45 @@ T ReadRacing(const T* p) {
 
 bool RecvLog::Consume(uint64_t wr_id, Taken* out) {
   if (taken_ == nullptr) return false;
-  const uint64_t cap = uint64_t{mask_} + 1;
   const uint64_t tail = ReadRacing(&tail_);
-  uint64_t from = first_untaken_.load(std::memory_order_relaxed);
-  if (from > tail) return false;  // ConsumeAll ran after this snapshot
-  // The oldest slot may be being written again already (post tail).
-  if (tail - from >= cap) from = tail - cap + 1;
-  for (uint64_t i = from; i != tail; ++i) {
-    const Entry* e = At(i);
-    if (ReadRacing(&e->wr_id) != wr_id) continue;
-    std::atomic<uint64_t>& taken = taken_[i & mask_];
-    uint64_t was = taken.load(std::memory_order_relaxed);
-    // Another poller's completion took this post: the next one may be ours.
-    if (was == i + 1 || !taken.compare_exchange_strong(was, i + 1)) continue;
-    const uint32_t n = ReadRacing(&e->num_sge);
-    out->num_sge = n < Taken::kMaxSge ? n : Taken::kMaxSge;
-    for (uint32_t k = 0; k < out->num_sge; ++k) {
-      out->sge[k].addr = ReadRacing(&e->sge[k].addr);
-      out->sge[k].length = ReadRacing(&e->sge[k].length);
-      out->sge[k].lkey = ReadRacing(&e->sge[k].lkey);
-    }
-    // The copy holds post i unless post i + cap (same slot) had begun:
-    // its writer had published tail_ == i + cap before it wrote the slot.
-    // Then a later post of the same WR may be the one (a QP's completions
-    // that went by without a lookup, before its CQ translated, leave their
-    // posts untaken behind it).
-    if (ReadRacing(&tail_) - i >= cap) continue;
-    // Move the search's start past the posts taken, this one included.
-    uint64_t first = first_untaken_.load(std::memory_order_relaxed);
-    while (first < tail && taken_[first & mask_].load(std::memory_order_relaxed) == first + 1) {
-      if (first_untaken_.compare_exchange_weak(first, first + 1)) ++first;
-    }
-    return true;
-  }
+  const uint64_t cap = uint64_t{mask_} + 1;
+  // Not the oldest slot (the next post may be writing it already), nor
+  // what ConsumeAll put out of reach.
+  const uint64_t lo = std::max(tail >= cap ? tail - cap + 1 : 0, floor_.load());
+  if (lo >= tail) return false;
+  const uint64_t hint = std::clamp(next_.load(std::memory_order_relaxed), lo, tail);
+  // A QP's receives complete in posting order: the completion's post is
+  // usually the first after the last one taken. One that an SRQ handed
+  // to a QP whose CQ was polled later lies behind it, nearest first.
+  for (uint64_t i = hint; i != tail; ++i)
+    if (TakeAt(i, wr_id, out)) return true;
+  for (uint64_t i = hint; i-- > lo;)
+    if (TakeAt(i, wr_id, out)) return true;
   return false;
+}
+
+bool RecvLog::TakeAt(uint64_t i, uint64_t wr_id, Taken* out) {
+  const Entry* e = At(i);
+  if (ReadRacing(&e->wr_id) != wr_id) return false;
+  std::atomic<uint64_t>& taken = taken_[i & mask_];
+  uint64_t was = taken.load(std::memory_order_relaxed);
+  // Another poller's completion took this post: the next one may be ours.
+  if (was == i + 1 || !taken.compare_exchange_strong(was, i + 1)) return false;
+  const uint32_t n = ReadRacing(&e->num_sge);
+  out->num_sge = n < Taken::kMaxSge ? n : Taken::kMaxSge;
+  for (uint32_t k = 0; k < out->num_sge; ++k) {
+    out->sge[k].addr = ReadRacing(&e->sge[k].addr);
+    out->sge[k].length = ReadRacing(&e->sge[k].length);
+    out->sge[k].lkey = ReadRacing(&e->sge[k].lkey);
+  }
+  // The copy holds post i unless post i + cap (same slot) had begun: its
+  // writer had published tail_ == i + cap before it wrote the slot. Then
+  // another post of the same WR may be the one.
+  if (ReadRacing(&tail_) - i >= uint64_t{mask_} + 1) return false;
+  uint64_t next = next_.load(std::memory_order_relaxed);
+  while (next < i + 1 && !next_.compare_exchange_weak(next, i + 1)) {
+  }
+  return true;
 }
 
 }  // namespace rdmavirt::shim

@@ -187,17 +187,21 @@ class RecvLog {
   };
 
   // Translating completion path only, from any thread (pollers of one CQ,
-  // or of CQs whose QPs share an SRQ): the oldest post with this wr_id
-  // that no completion took yet (a QP's receives complete in posting
-  // order), taken. False when there is none, when so many posts
-  // followed it that its slot may have been written again meanwhile, or
-  // when Init was not told the queue's posts are looked up.
+  // or of CQs whose QPs share an SRQ): a post with this wr_id that no
+  // completion took yet, taken: the first after the last post taken (a
+  // QP's receives complete in posting order), else the nearest before it.
+  // False when there is none in the ring (or only in a slot a later post
+  // may be writing), or when Init was not told the queue's posts are
+  // looked up.
   bool Consume(uint64_t wr_id, Taken* out);
 
   // Consume() starts after every post recorded so far: when the queue's
   // outstanding receives are taken out to be posted again (and recorded
   // again), so that the old records of the same WRs are not found first.
-  void ConsumeAll() { first_untaken_.store(tail_); }
+  void ConsumeAll() {
+    floor_.store(tail_);
+    next_.store(tail_, std::memory_order_relaxed);
+  }
 
   // The last `n` posts, oldest first (n is capped by what the ring holds).
   std::vector<const Entry*> Recent(uint32_t n) const {
@@ -212,6 +216,10 @@ class RecvLog {
   static constexpr uintptr_t kShared = 1;  // no thread's pointer
 
   Entry* At(uint64_t i) const { return reinterpret_cast<Entry*>(&buf_[(i & mask_) * stride_]); }
+
+  // Consume at post i: taken and copied if it is this WR's, untaken and
+  // whole (recv_log.cc).
+  bool TakeAt(uint64_t i, uint64_t wr_id, Taken* out);
 
   // Whether membarrier(2)'s private expedited barrier works in this
   // process (asked once; recv_log.cc).
@@ -233,10 +241,12 @@ class RecvLog {
   // what it read against it.
   uint64_t tail_ = 0;
   // Consume's: per slot, 1 + the position of the last post taken from it
-  // (a slot written again holds a later post, which none took yet); and
-  // where its search starts, the first post not known to be taken.
+  // (a slot written again holds a later post, which none took yet); where
+  // its search starts, after the last post taken; and the first post it
+  // may take (ConsumeAll).
   std::unique_ptr<std::atomic<uint64_t>[]> taken_;
-  std::atomic<uint64_t> first_untaken_{0};
+  std::atomic<uint64_t> next_{0};
+  std::atomic<uint64_t> floor_{0};
   // The owning thread's pointer, 0 before the first post, or kShared.
   std::atomic<uintptr_t> owner_{0};
   std::mutex mu_;  // every post of a shared queue; claiming and sharing it

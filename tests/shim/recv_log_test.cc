@@ -104,6 +104,32 @@ TEST(RecvLogTest, ConsumeFindsAnEarlierPostAfterALaterOneWasTaken) {
   EXPECT_FALSE(log.Consume(3, &t));  // taken once only
 }
 
+// Posts whose completions went by before any lookup (the CQ did not
+// translate yet) stay untaken: once a lookup has found its post, the next
+// one looks after it, in posting order, not at an older untaken post of
+// the same WR.
+TEST(RecvLogTest, ALookupGoesOnFromTheLastPostTaken) {
+  RecvLog log;
+  ASSERT_TRUE(log.Init(8, 1, true));
+  const uint64_t ids[] = {1, 2, 1, 2, 1};  // one wr_id, several buffers
+  for (int i = 0; i < 5; ++i) {
+    ibv_sge sge{0x1000u * (i + 1), 8, 1};
+    ibv_recv_wr wr = Wr(ids[i], &sge, 1);
+    ASSERT_TRUE(log.Push(&wr));
+  }
+  RecvLog::Taken t;
+  ASSERT_TRUE(log.Consume(2, &t));  // the first lookup: post 2 (post 1 went by)
+  EXPECT_EQ(t.sge[0].addr, 0x2000u);
+  ASSERT_TRUE(log.Consume(1, &t));
+  EXPECT_EQ(t.sge[0].addr, 0x3000u) << "post 3, after post 2; not post 1";
+  ASSERT_TRUE(log.Consume(2, &t));
+  EXPECT_EQ(t.sge[0].addr, 0x4000u);
+  ASSERT_TRUE(log.Consume(1, &t));
+  EXPECT_EQ(t.sge[0].addr, 0x5000u);
+  ASSERT_TRUE(log.Consume(1, &t));  // nothing after: the nearest before
+  EXPECT_EQ(t.sge[0].addr, 0x1000u);
+}
+
 // A post whose slot later posts wrote again is not handed out as if it
 // were the newer one's, and ConsumeAll forgets every earlier post.
 TEST(RecvLogTest, ConsumeRefusesPostsTheRingNoLongerHolds) {

@@ -818,24 +818,23 @@ def ud_workers_sharing_an_srq_know_their_sender_after_it_moved():
     """srq_workers --ud: the server's 3 worker threads share one SRQ, each
     polling the CQ of its own UD QP, so the SRQ's receives complete out of
     their posting order across the CQs; the client on host3 sends
-    datagrams on 3 UD QPs and moves to host2 and back. Once it has moved,
+    datagrams on 3 UD QPs and moves to host2. Once it has moved,
     its datagrams carry its new physical QPN and address, and the
     server's shim finds the buffer each landed in (the SRQ's journal) to
     name the sender as the server knows it: every datagram's src_qp must
     be the client's QP and its GRH source the client's GID, each worker
-    must keep receiving after each move, and every receive buffer must
-    still be in use."""
+    must keep receiving after the move, and every receive buffer must
+    still be in use. (One move: on its way back to host3 the client's
+    address would be its virtual one again, which shows less.)"""
     name, port = "srq-workers-ud", 18961
     try:
         start_srq_workers(name, port, "--ud")
         client = pid_of(3, f"srq_workers --connect.*--port {port}")
-        for src, dst in ((3, 2), (2, 3)):
-            migrate_checked(client, src, dst, "the UD client")
-            at_move, now = each_thread_goes_on(lambda: received_by_thread(name), 3, dst, client,
-                                               "the client", "being received")
-            print(f"client on host{dst}: received by thread {at_move} when moved, {now} later",
-                  flush=True)
-        sent, got = srq_workers_reports(name, client, 3)
+        migrate_checked(client, 3, 2, "the UD client")
+        at_move, now = each_thread_goes_on(lambda: received_by_thread(name), 3, 2, client,
+                                           "the client", "being received")
+        print(f"client on host2: received by thread {at_move} when moved, {now} later", flush=True)
+        sent, got = srq_workers_reports(name, client, 2)
         print(f"client: {sent}\nserver: {got}", flush=True)
         check(sent["ok"] and sent["errors"] == 0, "the client saw errors", sent)
         check(got["wrong_sender"] == 0, "datagrams named another sender than the client", got)

@@ -809,11 +809,12 @@ Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc) {
   const Shim* shim = qp->ctx->shim;
   const RemoteEndpoint* from = nullptr;
   ibv_gid source;
-  if ((wc->wc_flags & IBV_WC_GRH) && !found)
+  const bool has_grh = wc->wc_flags & IBV_WC_GRH;
+  if (has_grh && !found)
     LogOnce(
         "a UD receive's buffer was not found in the receive journal: its GRH and sender are "
         "shown as the device wrote them");
-  const bool grh = (wc->wc_flags & IBV_WC_GRH) && found;
+  const bool grh = has_grh && found;
   if (grh && ReadGrhSource(e.sge, e.num_sge, &source)) from = shim->RemoteAt(source, wc->src_qp);
   wc->src_qp = from != nullptr ? from->VirtualQpn(wc->src_qp) : qp->mode.VirtualQpn(wc->src_qp);
   if (grh)

@@ -48,7 +48,7 @@ T ReadRacing(const T* p) {
 bool RecvLog::Consume(uint64_t wr_id, Taken* out) {
   if (taken_ == nullptr) return false;
   const uint64_t tail = ReadRacing(&tail_);
-  const uint64_t cap = uint64_t{mask_} + 1;
+  const uint64_t cap = Capacity();
   // Not the oldest slot (the next post may be writing it already), nor
   // what ConsumeAll put out of reach.
   const uint64_t lo = std::max(tail >= cap ? tail - cap + 1 : 0, floor_.load());
@@ -81,7 +81,7 @@ bool RecvLog::TakeAt(uint64_t i, uint64_t wr_id, Taken* out) {
   // The copy holds post i unless post i + cap (same slot) had begun: its
   // writer had published tail_ == i + cap before it wrote the slot. Then
   // another post of the same WR may be the one.
-  if (ReadRacing(&tail_) - i >= uint64_t{mask_} + 1) return false;
+  if (ReadRacing(&tail_) - i >= Capacity()) return false;
   uint64_t next = next_.load(std::memory_order_relaxed);
   while (next < i + 1 && !next_.compare_exchange_weak(next, i + 1)) {
   }

@@ -215,6 +215,7 @@ class RecvLog {
  private:
   static constexpr uintptr_t kShared = 1;  // no thread's pointer
 
+  uint64_t Capacity() const { return uint64_t{mask_} + 1; }
   Entry* At(uint64_t i) const { return reinterpret_cast<Entry*>(&buf_[(i & mask_) * stride_]); }
 
   // Consume at post i: taken and copied if it is this WR's, untaken and

@@ -102,11 +102,7 @@ class UdJournalTest : public ShimTest {
   }
   // Sends one datagram from a_ to b_; true if b_'s receive completed.
   bool SendOne() {
-    ibv_send_wr wr{};
-    wr.opcode = IBV_WR_SEND;
-    wr.wr.ud.ah = ah_;
-    wr.wr.ud.remote_qpn = b_->qp_num;
-    wr.wr.ud.remote_qkey = kQkey;
+    ibv_send_wr wr = UdSend(nullptr, ah_, b_->qp_num);
     ibv_send_wr* bad;
     EXPECT_EQ(ibv_post_send(a_, &wr, &bad), 0);
     const auto wcs = Drain(dev().cq);
@@ -190,11 +186,7 @@ TEST_F(JournalTest, UdReceivesOfOneSrqPolledOutOfPostingOrderAreEachRewritten) {
     ASSERT_EQ(ibv_post_srq_recv(srq, &wr, &bad), 0);
   }
   for (ibv_qp* to : {b1, b2}) {  // buf[0] to b1, buf[1] to b2
-    ibv_send_wr wr{};
-    wr.opcode = IBV_WR_SEND;
-    wr.wr.ud.ah = ah;
-    wr.wr.ud.remote_qpn = to->qp_num;
-    wr.wr.ud.remote_qkey = kQkey;
+    ibv_send_wr wr = UdSend(nullptr, ah, to->qp_num);
     ibv_send_wr* bad;
     ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0);
   }
@@ -228,11 +220,7 @@ TEST_F(JournalTest, UdGrhRewriteStaysInsideTheReceiveBuffers) {
   rwr.num_sge = 2;
   ibv_recv_wr* rbad;
   ASSERT_EQ(ibv_post_recv(b, &rwr, &rbad), 0);
-  ibv_send_wr wr{};
-  wr.opcode = IBV_WR_SEND;
-  wr.wr.ud.ah = ah;
-  wr.wr.ud.remote_qpn = b->qp_num;
-  wr.wr.ud.remote_qkey = kQkey;
+  ibv_send_wr wr = UdSend(nullptr, ah, b->qp_num);
   ibv_send_wr* bad;
   ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0);
   const auto wcs = Drain(dev().cq);

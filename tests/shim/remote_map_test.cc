@@ -89,17 +89,6 @@ class RemoteMapTest : public ShimTest {
     ibv_mr* mr = dev().Reg(unused_, sizeof(unused_));
     PublishPeer(b, kPeerVqpn, mr, kPeerVrkey);
   }
-  // A UD SEND of `sge` to `qpn` through `ah`.
-  static ibv_send_wr UdSend(ibv_sge* sge, ibv_ah* ah, uint32_t qpn) {
-    ibv_send_wr wr{};
-    wr.sg_list = sge;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_SEND;
-    wr.wr.ud.ah = ah;
-    wr.wr.ud.remote_qpn = qpn;
-    wr.wr.ud.remote_qkey = kQkey;
-    return wr;
-  }
   char unused_[8] = {};
   // `a` receives one datagram `text` that `sender` sends it through an AH
   // to this device's GID, into `dst` (GRH first); its completion.

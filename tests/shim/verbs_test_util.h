@@ -261,6 +261,18 @@ inline ibv_sge Sge(const void* addr, uint32_t length, const ibv_mr* mr) {
   return ibv_sge{reinterpret_cast<uintptr_t>(addr), length, mr->lkey};
 }
 
+// A UD SEND of `sge` (none: an empty datagram) to `qpn` through `ah`.
+inline ibv_send_wr UdSend(ibv_sge* sge, ibv_ah* ah, uint32_t qpn) {
+  ibv_send_wr wr{};
+  wr.sg_list = sge;
+  wr.num_sge = sge != nullptr ? 1 : 0;
+  wr.opcode = IBV_WR_SEND;
+  wr.wr.ud.ah = ah;
+  wr.wr.ud.remote_qpn = qpn;
+  wr.wr.ud.remote_qkey = kQkey;
+  return wr;
+}
+
 // A Shim in offset mode (virtual != physical from the first resource on)
 // over a FakeBackend, with an open device. TearDown checks that the shim
 // gave back every real object and never handed a shadow to the backend.

@@ -28,6 +28,7 @@ namespace {
 
 constexpr size_t kRecentReports = 32;
 constexpr absl::Duration kDescribeTimeout = absl::Seconds(10);
+constexpr uint32_t kQpTypeUd = 4;  // IBV_QPT_UD (QpSummary.qp_type)
 
 Migrator::Options WithDefaults(Migrator::Options o) {
   if (o.host_name.empty()) {
@@ -46,6 +47,18 @@ Migrator::Options WithDefaults(Migrator::Options o) {
       absl::StatusOr<v1::InventoryHost> owner = inventory->OwnerOfGid(gid);
       if (!owner.ok()) return owner.status();
       return owner->name() == self ? "" : owner->address();
+    };
+  }
+  if (!o.list_hosts && o.inventory != nullptr) {
+    Inventory* inventory = o.inventory;
+    const std::string self = o.host_name;
+    o.list_hosts = [inventory, self]() -> absl::StatusOr<std::vector<std::string>> {
+      absl::StatusOr<std::vector<v1::InventoryHost>> hosts = inventory->Hosts();
+      if (!hosts.ok()) return hosts.status();
+      std::vector<std::string> out;
+      for (const v1::InventoryHost& h : *hosts)
+        if (h.name() != self && !h.address().empty()) out.push_back(h.address());
+      return out;
     };
   }
   if (!o.locate_peer) {
@@ -111,17 +124,26 @@ absl::StatusOr<std::string> Migrator::PeerTarget(const std::string& gid) {
   return options_.locate_peer(gid);
 }
 
-absl::StatusOr<std::set<std::string>> Migrator::PeerHosts(const v1::EndpointSummary& e) {
-  std::set<std::string> hosts;
+absl::StatusOr<Migrator::PeerHostSet> Migrator::PeerHosts(const v1::EndpointSummary& e) {
+  PeerHostSet hosts;
+  bool ud = false;
   for (const v1::QpSummary& q : e.qps()) {
+    ud |= q.qp_type() == kQpTypeUd;
     if (q.remote_physical_gid().empty()) continue;
     absl::StatusOr<std::string> t = PeerTarget(q.remote_physical_gid());
     if (!t.ok()) return t.status();
-    hosts.insert(*t);
+    hosts.named.insert(*t);
   }
   for (const std::string& gid : e.ud_peer_physical_gids()) {
     absl::StatusOr<std::string> t = PeerTarget(gid);
-    if (t.ok()) hosts.insert(*t);
+    if (t.ok()) hosts.named.insert(*t);
+  }
+  if (ud && options_.list_hosts) {
+    absl::StatusOr<std::vector<std::string>> all = options_.list_hosts();
+    if (!all.ok())
+      return Annotate(all.status(), "listing the hosts that may send datagrams to its UD QPs");
+    for (const std::string& t : *all)
+      if (!hosts.named.contains(t)) hosts.listed.insert(t);
   }
   return hosts;
 }
@@ -301,7 +323,7 @@ std::vector<std::pair<pid_t, bool>> Migrator::LocalPeersOf(const std::string& vg
     if (!vgid.empty() && e->mapping().virtual_gid() == vgid) continue;  // the endpoint itself
     bool match = false;
     for (const v1::QpSummary& q : e->qps()) {
-      if (with_ud && q.qp_type() == 4 /* IBV_QPT_UD */) match = true;
+      if (with_ud && q.qp_type() == kQpTypeUd) match = true;
       if (!q.remote_virtual_gid().empty() && q.remote_virtual_gid() == vgid &&
           (qpns.empty() || qpns.contains(q.remote_virtual_qpn())))
         match = true;

@@ -81,6 +81,12 @@ class Migrator {
     // when it is on this host; NOT_FOUND when no migrator owns it.
     // Default: the owner in `inventory`, else the GID's IPv4 and `port`.
     std::function<absl::StatusOr<std::string>(const std::string& gid)> locate_peer;
+    // Every other live host's migrator ("host:port"): any of them may send
+    // datagrams to a moving endpoint's UD QPs, which name no peer. Default:
+    // the hosts in `inventory`; without one, unset, and a UD endpoint's
+    // senders on other hosts are told only if it points address handles
+    // at them.
+    std::function<absl::StatusOr<std::vector<std::string>>()> list_hosts;
     // "host:port" -> a Transfer stub to that migrator. Required.
     std::function<std::unique_ptr<v1::Transfer::StubInterface>(const std::string& target)> connect;
     // Post-copy: the address of this host that `host` (a destination
@@ -350,11 +356,18 @@ class Migrator {
   void ResumeOne(Move* m, const std::string& device, v1::MigrationReport* out);
 
   absl::StatusOr<std::string> PeerTarget(const std::string& gid);
-  // The hosts of an endpoint's peers, each once ("" for this one): those
-  // of its connected QPs, each of which must be found, and those its
-  // address handles point at (UD peers: one no migrator owns is left out,
-  // as it has no shim to tell).
-  absl::StatusOr<std::set<std::string>> PeerHosts(const v1::EndpointSummary& e);
+  // The hosts of an endpoint's peers, each once ("" for this one).
+  struct PeerHostSet {
+    // Those of its connected QPs, each of which must be found, and those
+    // its address handles point at (UD peers: one no migrator owns is
+    // left out, as it has no shim to tell).
+    std::set<std::string> named;
+    // For an endpoint with a UD QP, every other host list_hosts knows
+    // (not in `named`): any may send to it. One that does not answer is
+    // left out of the move.
+    std::set<std::string> listed;
+  };
+  absl::StatusOr<PeerHostSet> PeerHosts(const v1::EndpointSummary& e);
   // Every connected peer's host found (NOT_FOUND naming a GID no migrator
   // owns), before anything is quiesced.
   absl::Status CheckPeersLocatable(const v1::EndpointSummary& e);

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <optional>
 
@@ -195,12 +196,14 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
   req.set_virtual_gid(e.mapping().virtual_gid());
   req.set_drain_timeout_ms(options_.drain_timeout_ms);
   for (const v1::QpSummary& q : e.qps()) req.add_virtual_qpns(q.virtual_qpn());
-  // Hosts of the peers (connected ones, and UD ones its address handles
-  // point at), this one first.
-  absl::StatusOr<std::set<std::string>> hosts = PeerHosts(e);
+  // Hosts of the peers (connected ones, UD ones its address handles point
+  // at, and for a UD endpoint every other host), this one first.
+  absl::StatusOr<PeerHostSet> hosts = PeerHosts(e);
   if (!hosts.ok()) return hosts.status();
-  std::set<std::string> remote = *std::move(hosts);
+  std::set<std::string> remote = std::move(hosts->named);
   remote.erase("");
+  const std::set<std::string> listed = std::move(hosts->listed);
+  remote.insert(listed.begin(), listed.end());
   m->blackout_start = absl::Now();
   // Every host is in the record before any is asked: a rollback, or a
   // restarted migrator, resumes the peers of each. Peers on this host
@@ -236,9 +239,32 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
         });
   });
   uint32_t peers = 0;
-  for (const absl::StatusOr<v1::QuiescePeersResponse>& r : results) {
+  std::vector<std::string> unanswered;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const absl::StatusOr<v1::QuiescePeersResponse>& r = results[i];
+    // A host asked only because any host may send datagrams is left out
+    // when its migrator does not answer (stopped, killed while its lease
+    // runs): there is no shim there it could reach either.
+    if (!r.ok() && listed.contains(targets[i]) &&
+        (r.status().code() == absl::StatusCode::kUnavailable ||
+         r.status().code() == absl::StatusCode::kDeadlineExceeded)) {
+      unanswered.push_back(targets[i]);
+      continue;
+    }
     if (!r.ok()) return r.status();
     peers += r->pids_size();
+  }
+  if (!unanswered.empty()) {
+    auto* kept = m->rec.mutable_peer_hosts();
+    kept->erase(std::remove_if(kept->begin(), kept->end(),
+                               [&](const std::string& t) {
+                                 return std::find(unanswered.begin(), unanswered.end(), t) !=
+                                        unanswered.end();
+                               }),
+                kept->end());
+    SetPhase(m, m->rec.phase(),
+             absl::StrCat("left out (their migrators do not answer): ",
+                          absl::StrJoin(unanswered, ", ")));
   }
   m->rec.mutable_report()->set_peers(peers);
   return absl::OkStatus();
@@ -1296,13 +1322,14 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   m->blackout_start = absl::Now();
   // The peers stayed suspended since the checkpoint (or resumed, if their
   // hosts restarted; they are re-pointed either way).
-  absl::StatusOr<std::set<std::string>> hosts = PeerHosts(manifest->endpoint());
+  absl::StatusOr<PeerHostSet> hosts = PeerHosts(manifest->endpoint());
   if (!hosts.ok()) {
     const absl::Status st = Annotate(hosts.status(), "nothing was restored");
     Finish(m.get(), st);
     return st;
   }
-  for (const std::string& t : *hosts) {
+  hosts->named.insert(hosts->listed.begin(), hosts->listed.end());
+  for (const std::string& t : hosts->named) {
     if (t.empty())
       m->rec.set_local_peers(true);
     else if (std::find(m->rec.peer_hosts().begin(), m->rec.peer_hosts().end(), t) ==

@@ -743,17 +743,20 @@ def stop_srq_workers(port):
         LAB.run(h, f"pkill -f 'srq_workers .*--port {port}'")
 
 
-def start_srq_workers(name, port, flags=""):
+def start_srq_workers(name, port, flags="", shim=None):
     """srq_workers' server on host1 (3 workers) and its client on host3,
     under the shim, with `flags` on both sides; returns once every worker
-    has received."""
-    ensure_daemons()
+    has received. `shim`: the environment that names another set of
+    migrators (else this file's, started if they are not running)."""
+    if shim is None:
+        ensure_daemons()
+        shim = SHIM
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
     stop_srq_workers(port)
-    run_ok(1, f"(setsid env {SHIM}{SRQ_WORKERS} --server --port {port} --threads 3 {flags} "
+    run_ok(1, f"(setsid env {shim}{SRQ_WORKERS} --server --port {port} --threads 3 {flags} "
               f"> {WORK}/{name}-server.out 2>&1 < /dev/null &)")
     wait_listening(1, port)
-    run_ok(3, f"(setsid env {SHIM}{SRQ_WORKERS} --connect {ip(1)} --port {port} --threads 3 "
+    run_ok(3, f"(setsid env {shim}{SRQ_WORKERS} --connect {ip(1)} --port {port} --threads 3 "
               f"{flags} > {WORK}/{name}-client.out 2>&1 < /dev/null &)")
     wait_until(1, f"grep -q 'received by thread: [1-9][0-9]* [1-9][0-9]* [1-9]' "
                   f"{WORK}/{name}-server.out", 120, "every worker received")

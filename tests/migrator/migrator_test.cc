@@ -1889,6 +1889,49 @@ TEST(MigratorInventoryTest, AUdPeerNoMigratorOwnsDoesNotHoldItsSenderBack) {
   EXPECT_FALSE(c.host(1).Exists(100));
 }
 
+// A process that only receives datagrams names none of its senders: with
+// an inventory, every other live host pauses and re-points its UD
+// endpoints for the move (before, host3's sender was never asked and went
+// on sending to where the receiver had been).
+TEST(MigratorInventoryTest, EveryHostLearnsWhereAUdReceiverWent) {
+  testing::Etcd etcd;
+  Cluster c("inv-udrecv", etcd.url());
+  c.host(1).Add(100, VGid(1), {FakeQp{11, 4, "", 0, ""}});
+  c.host(3).Add(300, VGid(3), {FakeQp{31, 4, "", 0, ""}});
+  MoveRun run = Migrate(c, 100, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  EXPECT_TRUE(c.host(2).Get(100).alive);
+  const FakeEndpoint sender = c.host(3).Get(300);
+  EXPECT_THAT(sender.log, Contains("peer_quiesce"));
+  ASSERT_EQ(sender.reconnected_to.size(), 1u);
+  EXPECT_EQ(sender.reconnected_to[0].virtual_gid(), VGid(1));
+  EXPECT_EQ(sender.reconnected_to[0].physical_gid(), Gid(2));
+  EXPECT_FALSE(sender.paused);
+}
+
+// A host asked only because it may send datagrams, whose migrator does not
+// answer while its lease still lists it, is left out of the move: the
+// move says so, goes on, and does not wait for it at the re-point.
+TEST(MigratorInventoryTest, AListedHostThatDoesNotAnswerIsLeftOutOfAUdEndpointsMove) {
+  testing::Etcd etcd;
+  Cluster c("inv-udgone", etcd.url());
+  c.host(1).Add(100, VGid(1), {FakeQp{11, 4, "", 0, ""}});
+  // Its server gone, its registration kept: listed, unreachable.
+  c[3].server->Shutdown();
+  c[3].server.reset();
+  std::vector<std::string> details;
+  MoveRun run = MigrateWatched(c, 100, "h2", [&](const v1::Progress& p) {
+    if (!p.detail().empty()) details.push_back(p.detail());
+  });
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  EXPECT_TRUE(c.host(2).Get(100).alive);
+  EXPECT_FALSE(c.host(1).Exists(100));
+  EXPECT_THAT(details, Contains("left out (their migrators do not answer): h3:7700"));
+  for (const std::string& d : details) EXPECT_THAT(d, Not(HasSubstr("asking again"))) << d;
+}
+
 TEST(MigratorInventoryTest, APeerGidNoMigratorOwnsIsRefusedBeforeAnythingIsQuiesced) {
   testing::Etcd etcd;
   Cluster c("inv-unknown", etcd.url());

@@ -204,6 +204,8 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
   remote.erase("");
   const std::set<std::string> listed = std::move(hosts->listed);
   remote.insert(listed.begin(), listed.end());
+  // A process that shows no GID has no device open: nobody can reach it.
+  if (req.virtual_gid().size() != 16) remote.clear();
   m->blackout_start = absl::Now();
   // Every host is in the record before any is asked: a rollback, or a
   // restarted migrator, resumes the peers of each. Peers on this host

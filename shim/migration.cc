@@ -226,26 +226,34 @@ void Shim::NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index) {
   endpoint_virtual_gid_ = mode_.VirtualGid(gid);
 }
 
-void Shim::GuessEndpointGid() {
+bool Shim::GuessGid(Context** ctx, int* index) const {
   // No QP or AH named a source GID (a UD receiver that only answers, say):
   // peers reach a RoCE v2 endpoint at its IPv4-mapped GID, the first one.
-  if (endpoint_gid_known_) return;
   for (const auto& [p, k] : shadows_) {
     if (k != Kind::kContext) continue;
-    Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
-    if (ctx->real == nullptr) continue;
+    Context* c = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
+    if (c->real == nullptr) continue;
+    *ctx = c;
+    *index = 0;
     for (int i = 0; i < 16; ++i) {
       ibv_gid g;
-      if (backend_->QueryGid(ctx->real, 1, i, &g) != 0) break;
+      if (backend_->QueryGid(c->real, 1, i, &g) != 0) break;
       static constexpr uint8_t kV4Prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
       if (memcmp(g.raw, kV4Prefix, 12) == 0) {
-        NoteEndpointGid(ctx, 1, i);
-        return;
+        *index = i;
+        break;
       }
     }
-    NoteEndpointGid(ctx, 1, 0);
-    return;
+    return true;
   }
+  return false;
+}
+
+void Shim::GuessEndpointGid() {
+  if (endpoint_gid_known_) return;
+  Context* ctx;
+  int index;
+  if (GuessGid(&ctx, &index)) NoteEndpointGid(ctx, 1, index);
 }
 
 void Shim::SetPaused(bool paused) {
@@ -1455,6 +1463,16 @@ EndpointView Shim::Describe() const {
   v.has_gid = endpoint_gid_known_;
   v.virtual_gid = endpoint_virtual_gid_;
   v.physical_gid = endpoint_physical_gid_;
+  // A process that named no GID yet is shown at the one its pause will
+  // guess (nothing recorded: a later QP or AH may still name its own), so
+  // that a move can tell its peers' hosts which endpoint it pauses them for.
+  Context* ctx;
+  int index;
+  if (!v.has_gid && GuessGid(&ctx, &index) &&
+      backend_->QueryGid(ctx->real, 1, index, &v.physical_gid) == 0) {
+    v.has_gid = true;
+    v.virtual_gid = mode_.VirtualGid(v.physical_gid);
+  }
   for (const auto& [p, k] : shadows_) {
     switch (k) {
       case Kind::kContext: {

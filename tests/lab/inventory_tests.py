@@ -287,6 +287,42 @@ def an_unknown_gid_is_refused_and_drain_auto_avoids_a_killed_host():
     mt.nothing_lost("inv-drain2", ["host1", "host2"], ["host2"])
 
 
+@inventory_test
+def a_ud_receiver_moved_goes_on_receiving_from_its_sender_on_another_host():
+    """srq_workers --ud: the server on host1 only receives datagrams (3
+    workers, UD QPs on one SRQ) from its client on host3; it names no
+    sender, and the client is no peer it could find. It moves to host2:
+    every other host of the inventory re-points its UD endpoints, so the
+    client's datagrams follow it, and each worker keeps receiving (before,
+    they stopped at the move: host3 was never told)."""
+    inventory_up()
+    name, port = "inv-ud-receiver", 18962
+    try:
+        mt.start_srq_workers(name, port, "--ud", shim=SHIM)
+        server = mt.pid_of(1, f"srq_workers --server --port {port}")
+        client = mt.pid_of(3, f"srq_workers --connect.*--port {port}")
+        under_shim(1, server)
+        r, rep = ctl(1, f"migrate {server} --to {mgmt(2)}:{PORT}")
+        check(r.rc == 0 and (rep or {}).get("ok"), "migrate the UD server host1 -> host2", r)
+        check(rep.get("peers", 0) >= 1, "the client's host was not asked", rep)
+        mt.check_moved(server, 1, 2, "the UD server")
+        at_move, now = mt.each_thread_goes_on(lambda: mt.received_by_thread(name), 3, 2, server,
+                                              "the server", "receiving")
+        print(f"server on host2: received by thread {at_move} when moved, {now} later", flush=True)
+        sent, got = mt.srq_workers_reports(name, client, 3)
+        print(f"client: {sent}\nserver: {got}", flush=True)
+        check(sent["ok"] and sent["errors"] == 0, "the client saw errors", sent)
+        check(got["wrong_sender"] == 0, "datagrams named another sender than the client", got)
+        check(got["ok"] and got["bad"] == 0, "the server saw a datagram repeated, reordered "
+              "or corrupted", got)
+        check(got["stale_slots"] == 0, "the SRQ lost a receive", got)
+    except BaseException:
+        mt.show_logs(name, hosts=())
+        raise
+    finally:
+        mt.stop_srq_workers(port)
+
+
 if __name__ == "__main__":
     import sys
     sys.exit(main(sys.argv))

@@ -148,6 +148,39 @@ TEST_F(MigrationTest, AReceiveDoneButNotYetPolledAtAPeerReconnectIsNotPostedAgai
   ASSERT_TRUE(q_.Resume().ok());
 }
 
+// A UD endpoint that named no GID (no AH, no connected QP: a receiver that
+// only answers) is described at the GID its pause takes, so that a move
+// can pause its peers' hosts toward it before pausing it (before, the
+// migrator got no GID and the hosts refused the request).
+TEST_F(MigrationTest, AUdEndpointThatNamedNoGidIsDescribedAtTheOneItsPauseTakes) {
+  ibv_qp *pud, *qud;
+  UdPair(&pud, &qud);
+  const EndpointView before = p_.Describe();
+  ASSERT_TRUE(before.has_gid);
+  EXPECT_EQ(memcmp(before.virtual_gid.raw, pdev_->gid.raw, 16), 0);
+  uint32_t drained = 0;
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  const EndpointView paused = p_.Describe();
+  EXPECT_EQ(memcmp(paused.virtual_gid.raw, before.virtual_gid.raw, 16), 0);
+  EXPECT_EQ(memcmp(paused.physical_gid.raw, before.physical_gid.raw, 16), 0);
+  ASSERT_TRUE(p_.Resume().ok());
+}
+
+// Describing it records nothing: an address handle made later names the
+// endpoint's GID (here another index of the port's table).
+TEST_F(MigrationTest, DescribingAUdEndpointLeavesItsGidToItsFirstAddressHandle) {
+  ibv_qp *pud, *qud;
+  UdPair(&pud, &qud);
+  ASSERT_TRUE(p_.Describe().has_gid);
+  pdev_->Ah(qdev_->gid, 0);
+  ibv_gid index0;
+  ASSERT_EQ(p_.QueryGid(pdev_->ctx, FakeBackend::kPort, 0, &index0), 0);
+  const EndpointView v = p_.Describe();
+  ASSERT_TRUE(v.has_gid);
+  EXPECT_EQ(memcmp(v.virtual_gid.raw, index0.raw, 16), 0);
+  EXPECT_NE(memcmp(v.virtual_gid.raw, pdev_->gid.raw, 16), 0);
+}
+
 TEST_F(MigrationTest, AUdReceiverMovedTwiceStillFindsTheBufferOfEachDatagram) {
   ibv_qp* pud = pdev_->Qp(IBV_QPT_UD);
   ibv_qp* qud = qdev_->Qp(IBV_QPT_UD);

@@ -40,26 +40,34 @@ def mgmt(host):
 
 def etcd_up():
     """Three etcd members, one on each host's management address, mutual
-    TLS for clients and between members; started afresh unless all three
-    run (each test's end stops them: see inventory_down)."""
+    TLS for clients and between members. Those that run are kept (the
+    group's tests share them: see inventory_down); one that was killed
+    while the others run joins them again from its data directory; with
+    none running, all three start afresh."""
     hosts = (1, 2, 3)
     listening = f"ss -Hltn 'sport = :{ETCD_PORT}' | grep -q ."
-    if all(r.rc == 0 for r in run_all({n: listening for n in hosts}).values()):
+    up = {n for n, r in run_all({n: listening for n in hosts}).items() if r.rc == 0}
+    if len(up) == len(hosts):
         return
     cluster = ",".join(f"m{n}=https://{mgmt(n)}:{ETCD_PEER_PORT}" for n in hosts)
-    # Every old member gone first: a new one that meets an old one is
-    # told it was bootstrapped already, and exits.
-    gone = f"! ss -Hltn 'sport = :{ETCD_PEER_PORT}' | grep -q . && ! pgrep -x etcd"
-    for n, r in run_all({n: f"pkill -9 -x etcd\n{until_script(gone, 30)}"
-                         for n in hosts}, 45).items():
-        check(r.rc == 0, f"host{n}: the old etcd member is not gone after 30s", r)
+    # A quorum runs: the others come back as the members they were (a new
+    # member that meets old ones is told it was bootstrapped already).
+    rejoin = len(up) * 2 > len(hosts)
+    if not rejoin:
+        up = set()
+        # Every old member gone first.
+        gone = f"! ss -Hltn 'sport = :{ETCD_PEER_PORT}' | grep -q . && ! pgrep -x etcd"
+        for n, r in run_all({n: f"pkill -9 -x etcd\n{until_script(gone, 30)}"
+                             for n in hosts}, 45).items():
+            check(r.rc == 0, f"host{n}: the old etcd member is not gone after 30s", r)
 
     def start(n):
         certs = f"{migrators.CERTS}/host{n}"
         tls = " ".join(f"--{side}cert-file {certs}/host.pem --{side}key-file {certs}/host.key "
                        f"--{side}trusted-ca-file {certs}/ca.pem --{side}client-cert-auth"
                        for side in ("", "peer-"))
-        return (f"mkdir -p {LOGS} && rm -rf /tmp/etcd-lab && "
+        fresh = "" if rejoin else "rm -rf /tmp/etcd-lab && "
+        return (f"mkdir -p {LOGS} && {fresh}"
                 f"setsid /usr/bin/etcd --name m{n} --data-dir /tmp/etcd-lab "
                 f"--listen-client-urls https://{mgmt(n)}:{ETCD_PORT} "
                 f"--advertise-client-urls https://{mgmt(n)}:{ETCD_PORT} "
@@ -68,7 +76,7 @@ def etcd_up():
                 f"--initial-cluster {cluster} --initial-cluster-state new {tls} "
                 f">> {LOGS}/etcd-host{n}.log 2>&1 < /dev/null &\n{until_script(listening, 60)}")
 
-    for n, r in run_all({n: start(n) for n in hosts}, 75).items():
+    for n, r in run_all({n: start(n) for n in hosts if n not in up}, 75).items():
         check(r.rc == 0, f"host{n}: etcd does not listen on port {ETCD_PORT} after 60s", r)
 
 
@@ -145,11 +153,32 @@ def show_logs():
                 print(f"--- {name} (end)\n{f.read()[-3000:]}", flush=True)
 
 
+def inventory_reset():
+    """After a test that passed: its workload stopped, and the migrators it
+    started otherwise than inventory_up does (a failpoint, another lease)
+    or left stopped (SIGSTOP) stopped too; the next test's inventory_up
+    starts them again, and keeps etcd and the others (starting all three
+    of each takes a TCG lab about 90 s)."""
+    pattern = "rdmavirt-migratord --listen 10.78.0"
+    workload = "integrity.*--port 189[5-9]"
+    odd = (f"for p in $(pgrep -f '{pattern}'); do\n"
+           f"  if ! tr '\\0' ' ' < /proc/$p/cmdline | grep -q -- '--inventory-ttl {TTL} ' ||\n"
+           f"     tr '\\0' '\\n' < /proc/$p/environ | grep -q '^RDMAVIRT_FAILPOINTS=' ||\n"
+           f"     grep -q '^State:.*stopped' /proc/$p/status; then kill -9 $p; fi\n"
+           f"done")
+    gone = until_script(f"! pgrep -f '{workload}' > /dev/null", 20)
+    script = f"pkill -f '{workload}'\n{odd}\n{gone} || pkill -9 -f '{workload}'\ntrue"
+    for n, r in run_all({n: script for n in (1, 2, 3)}, 60).items():
+        check(r.rc == 0, f"host{n}: the inventory test's workload stopped", r)
+
+
 def inventory_down():
     """These migrators stopped (SIGTERM: they leave the inventory), the
     workload's processes with them, then etcd: the other test groups find
     one migrator per host, and no etcd member taking CPU from the TCG
-    hosts (three of them slow every later test by about half)."""
+    hosts (three of them slow every later test by about half). After a
+    failed test, and once the group is done (`inventory_tests.py --down`,
+    CTest's cleanup of the group)."""
     pattern = "rdmavirt-migratord --listen 10.78.0"
     stopped = f"! pgrep -f '{pattern}' > /dev/null"
     # One still finishing a move (a failed test left it) is killed after
@@ -165,16 +194,22 @@ def inventory_down():
 
 
 def inventory_test(fn):
-    """A lab test of this file: logs shown when it fails, its migrators
-    stopped however it ends."""
+    """A lab test of this file: logs shown when it fails, and everything
+    it changed put back (inventory_reset); after a failure, the
+    inventory's migrators and etcd stopped (inventory_down)."""
     def run():
+        passed = False
         try:
             fn()
+            passed = True
         except BaseException:
             show_logs()
             raise
         finally:
-            inventory_down()
+            if passed:
+                inventory_reset()
+            else:
+                inventory_down()
     run.__name__ = fn.__name__
     run.__module__ = fn.__module__
     return lab_test(run)
@@ -325,4 +360,8 @@ def a_ud_receiver_moved_goes_on_receiving_from_its_sender_on_another_host():
 
 if __name__ == "__main__":
     import sys
+    if sys.argv[1:] == ["--down"]:
+        inventory_down()
+        print("the inventory's migrators and etcd stopped")
+        sys.exit(0)
     sys.exit(main(sys.argv))

@@ -113,7 +113,10 @@ class Migrator {
   ~Migrator();
 
   // ---- Operator
-  v1::HostInfo GetHostInfo();
+  // `wait_for_criu`: runs `criu check` if no call has yet (once; later
+  // calls wait for it); else CRIU not checked yet counts as unusable
+  // ("not checked yet").
+  v1::HostInfo GetHostInfo(bool wait_for_criu = true);
   v1::ListEndpointsResponse ListEndpoints();
   // The long operations stream Progress to `sink` and end with one that
   // carries the report. A refusal before anything was touched returns its
@@ -396,7 +399,6 @@ class Migrator {
   std::set<pid_t> quiescing_ ABSL_GUARDED_BY(mu_);
   // Endpoints restored here whose source has not resumed them yet.
   std::set<pid_t> arriving_ ABSL_GUARDED_BY(mu_);
-  bool criu_checked_ ABSL_GUARDED_BY(mu_) = false;
   // Endpoints this host suspended (Suspend), by pid, until Resume. Their
   // pids stay in moving_ meanwhile. Suspend and Resume run one at a time.
   absl::Mutex suspend_mu_ ABSL_ACQUIRED_BEFORE(mu_);
@@ -408,7 +410,11 @@ class Migrator {
   std::map<pid_t, std::map<std::string, v1::Mapping>> held_peers_ ABSL_GUARDED_BY(mu_);
   absl::Mutex guests_mu_;
   v1::GuestNicTable guest_nics_ ABSL_GUARDED_BY(guests_mu_);
-  absl::Status criu_status_ ABSL_GUARDED_BY(mu_);
+  // `criu check`, once, under a lock of its own: other calls need not
+  // wait for it.
+  absl::Mutex criu_mu_;
+  bool criu_checked_ ABSL_GUARDED_BY(criu_mu_) = false;
+  absl::Status criu_status_ ABSL_GUARDED_BY(criu_mu_);
 };
 
 // A guest's RDMA NIC in its domain XML: the <interface> with this alias

@@ -415,7 +415,11 @@ absl::Status FakeHost::Kill(pid_t pid) {
   return absl::OkStatus();
 }
 
-absl::Status FakeHost::Check() { return check_error; }
+absl::Status FakeHost::Check() {
+  if (check_entered != nullptr) check_entered->Notify();
+  if (check_gate != nullptr) check_gate->WaitForNotification();
+  return check_error;
+}
 
 absl::StatusOr<DumpStats> FakeHost::PreDump(pid_t pid, const std::string& dir,
                                             const std::string& parent) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "migrator/checkpointer.h"
 #include "migrator/process_control.h"
 #include "migrator/service_address.h"
@@ -109,6 +110,9 @@ class FakeHost final : public ShimChannel,
 
   // CRIU switches and counters.
   absl::Status check_error, predump_error, dump_error, restore_error;
+  // Set: Check() notifies `check_entered` (if set), then waits for it.
+  absl::Notification* check_gate = nullptr;
+  absl::Notification* check_entered = nullptr;
   // LazyDump fails so once the destination has restored (its pages did not
   // all go).
   absl::Status lazy_serve_error;

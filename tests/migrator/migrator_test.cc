@@ -1874,6 +1874,36 @@ TEST(MigratorInventoryTest, PeersAreFoundByTheirGidsAndTheMoveIsSeenFromEveryHos
   EXPECT_EQ(hosts->hosts_size(), 3);
 }
 
+// What a host publishes in the inventory does not wait for `criu check`
+// (3 to 15 s on a loaded TCG host, during which the host was not listed):
+// CRIU counts as not checked yet, so no move picks the host, until the
+// verdict is in.
+TEST(MigratorInventoryTest, AHostIsDescribedForTheInventoryBeforeItsCriuCheckEnds) {
+  Cluster c("criu-later");
+  absl::Notification gate, entered;
+  c.host(1).check_gate = &gate;
+  c.host(1).check_entered = &entered;
+  v1::HostInfo checked;
+  std::thread check([&] { checked = c.m(1).GetHostInfo(); });
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  absl::Notification described;
+  v1::InventoryHost early;
+  std::thread describe([&] {
+    early = c.m(1).DescribeForInventory();
+    described.Notify();
+  });
+  const bool at_once = described.WaitForNotificationWithTimeout(absl::Seconds(30));
+  gate.Notify();
+  check.join();
+  describe.join();
+  ASSERT_TRUE(at_once) << "DescribeForInventory waited for criu check";
+  EXPECT_FALSE(early.info().criu_ok());
+  EXPECT_EQ(early.info().criu_version(), "not checked yet");
+  EXPECT_EQ(early.info().devices_size(), 1);
+  EXPECT_TRUE(checked.criu_ok());
+  EXPECT_TRUE(c.m(1).DescribeForInventory().info().criu_ok());
+}
+
 // A UD peer that no migrator owns has no shim to tell where the sender
 // went: the sender moves all the same (a connected one is refused, below).
 TEST(MigratorInventoryTest, AUdPeerNoMigratorOwnsDoesNotHoldItsSenderBack) {

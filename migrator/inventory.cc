@@ -250,7 +250,7 @@ void Inventory::KeepAlive(int64_t lease) {
   }
   auto stream = endpoints_[n].lease->LeaseKeepAlive(&ctx);
   const absl::Duration every = options_.ttl / 3;
-  auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+  auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || refresh_; };
   for (;;) {
     etcdserverpb::LeaseKeepAliveRequest req;
     req.set_id(lease);
@@ -306,8 +306,12 @@ void Inventory::KeepAlive(int64_t lease) {
         published_ = value;
       }
     }
+    // Until the next keep-alive, or sooner when told that what the host
+    // offers changed (Refresh).
     absl::MutexLock lock(&mu_);
-    if (mu_.AwaitWithTimeout(absl::Condition(&stopping), every)) break;
+    mu_.AwaitWithTimeout(absl::Condition(&woken), every);
+    if (stopping_) break;
+    refresh_ = false;
   }
   {
     absl::MutexLock lock(&mu_);
@@ -315,6 +319,11 @@ void Inventory::KeepAlive(int64_t lease) {
   }
   ctx.TryCancel();
   (void)stream->Finish();
+}
+
+void Inventory::Refresh() {
+  absl::MutexLock lock(&mu_);
+  refresh_ = true;
 }
 
 void Inventory::StopRegistration(bool revoke) {

@@ -62,6 +62,9 @@ class Inventory {
   // Whether the host's keys are in etcd under a live lease (as far as the
   // last keep-alive knows).
   bool Registered() const;
+  // What `describe` says changed: it is asked again now, not at the next
+  // keep-alive (a third of the lease later).
+  void Refresh();
 
   // ---- lookups
   // The host that owns `gid` (16 bytes). NOT_FOUND "no migrator owns GID
@@ -111,6 +114,7 @@ class Inventory {
   std::string published_ ABSL_GUARDED_BY(mu_);  // the value put last
   std::vector<std::string> gid_keys_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool refresh_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ClientContext* stream_ ABSL_GUARDED_BY(mu_) = nullptr;  // to cancel
   std::thread thread_;
 };

@@ -191,15 +191,20 @@ v1::HostInfo Migrator::GetHostInfo(bool wait_for_criu) {
   for (v1::RdmaDevice& d : options_.list_devices()) *info.add_devices() = std::move(d);
   std::optional<absl::Status> criu;  // none: not checked yet
   if (wait_for_criu) {
-    absl::MutexLock lock(&criu_mu_);
-    if (!criu_checked_) {
-      // `criu check` takes a while (3 to 15 s on a loaded TCG host); its
-      // verdict does not change while we run.
-      criu_status_ = criu_->Check();
-      criu_checked_ = true;
-      if (!criu_status_.ok()) Log("CRIU does not work here: %s", criu_status_.ToString());
+    bool checked_now = false;
+    {
+      absl::MutexLock lock(&criu_mu_);
+      if (!criu_checked_) {
+        // `criu check` takes a while (3 to 15 s on a loaded TCG host); its
+        // verdict does not change while we run.
+        criu_status_ = criu_->Check();
+        criu_checked_ = checked_now = true;
+        if (!criu_status_.ok()) Log("CRIU does not work here: %s", criu_status_.ToString());
+      }
+      criu = criu_status_;
     }
-    criu = criu_status_;
+    // The inventory lists the host as not checked yet until told.
+    if (checked_now && options_.inventory != nullptr) options_.inventory->Refresh();
   } else if (criu_mu_.TryLock()) {
     if (criu_checked_) criu = criu_status_;
     criu_mu_.Unlock();

@@ -337,20 +337,15 @@ def a_ud_receiver_moved_goes_on_receiving_from_its_sender_on_another_host():
         server = mt.pid_of(1, f"srq_workers --server --port {port}")
         client = mt.pid_of(3, f"srq_workers --connect.*--port {port}")
         under_shim(1, server)
-        r, rep = ctl(1, f"migrate {server} --to {mgmt(2)}:{PORT}")
+        # One pre-copy round: the move's pre-copy is not what this tests.
+        r, rep = ctl(1, f"migrate {server} --to {mgmt(2)}:{PORT} --max-precopy 1")
         check(r.rc == 0 and (rep or {}).get("ok"), "migrate the UD server host1 -> host2", r)
         check(rep.get("peers", 0) >= 1, "the client's host was not asked", rep)
         mt.check_moved(server, 1, 2, "the UD server")
         at_move, now = mt.each_thread_goes_on(lambda: mt.received_by_thread(name), 3, 2, server,
                                               "the server", "receiving")
         print(f"server on host2: received by thread {at_move} when moved, {now} later", flush=True)
-        sent, got = mt.srq_workers_reports(name, client, 3)
-        print(f"client: {sent}\nserver: {got}", flush=True)
-        check(sent["ok"] and sent["errors"] == 0, "the client saw errors", sent)
-        check(got["wrong_sender"] == 0, "datagrams named another sender than the client", got)
-        check(got["ok"] and got["bad"] == 0, "the server saw a datagram repeated, reordered "
-              "or corrupted", got)
-        check(got["stale_slots"] == 0, "the SRQ lost a receive", got)
+        mt.check_ud_workers(*mt.srq_workers_reports(name, client, 3))
     except BaseException:
         mt.show_logs(name, hosts=())
         raise

@@ -773,6 +773,21 @@ def srq_workers_reports(name, client, client_host):
     return sent, got
 
 
+def check_ud_workers(sent, got):
+    """srq_workers --ud's verdict from both reports (client's, server's):
+    every datagram named the client as its sender, none was repeated,
+    reordered or corrupted, no receive buffer was lost, and nothing came
+    that was not sent."""
+    print(f"client: {sent}\nserver: {got}", flush=True)
+    check(sent["ok"] and sent["errors"] == 0, "the client saw errors", sent)
+    check(got["wrong_sender"] == 0, "datagrams named another sender than the client", got)
+    check(got["ok"] and got["bad"] == 0, "the server saw a datagram repeated, reordered "
+          "or corrupted", got)
+    check(got["stale_slots"] == 0, "the SRQ lost a receive", got)
+    check(all(r <= s for r, s in zip(got["received_by_thread"], sent["sent_by_qp"])),
+          "the server received more than the client sent", got, sent)
+
+
 @lab_test
 @logs_on_failure("srq-workers")
 def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
@@ -837,15 +852,7 @@ def ud_workers_sharing_an_srq_know_their_sender_after_it_moved():
         at_move, now = each_thread_goes_on(lambda: received_by_thread(name), 3, 2, client,
                                            "the client", "being received")
         print(f"client on host2: received by thread {at_move} when moved, {now} later", flush=True)
-        sent, got = srq_workers_reports(name, client, 2)
-        print(f"client: {sent}\nserver: {got}", flush=True)
-        check(sent["ok"] and sent["errors"] == 0, "the client saw errors", sent)
-        check(got["wrong_sender"] == 0, "datagrams named another sender than the client", got)
-        check(got["ok"] and got["bad"] == 0, "the server saw a datagram repeated, reordered "
-              "or corrupted", got)
-        check(got["stale_slots"] == 0, "the SRQ lost a receive", got)
-        check(all(r <= s for r, s in zip(got["received_by_thread"], sent["sent_by_qp"])),
-              "the server received more than the client sent", got, sent)
+        check_ud_workers(*srq_workers_reports(name, client, 2))
     finally:
         stop_srq_workers(port)
 

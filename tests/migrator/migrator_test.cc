@@ -350,6 +350,16 @@ TEST(AllAtOnceTest, RunsEveryCallOnceAndAtMost32AtATime) {
   EXPECT_GE(most.load(), 2) << "never two at once";
 }
 
+// `peer` was paused for h1's endpoint 100 moving to h2, re-pointed at it
+// there once, and resumed.
+void ExpectRepointedToH2(const FakeEndpoint& peer) {
+  EXPECT_THAT(peer.log, Contains("peer_quiesce"));
+  ASSERT_EQ(peer.reconnected_to.size(), 1u);
+  EXPECT_EQ(peer.reconnected_to[0].virtual_gid(), VGid(1));
+  EXPECT_EQ(peer.reconnected_to[0].physical_gid(), Gid(2));
+  EXPECT_FALSE(peer.paused);
+}
+
 // Peers on several hosts are re-pointed at once: the re-points of host1's
 // peer and of host3's wait for each other, in vain if one host were asked
 // only after the other had answered (1024 QPs take seconds to re-point).
@@ -378,12 +388,7 @@ TEST(MigratorTest, TheHostsAUdSendersAddressHandlesPointAtLearnWhereItWent) {
   MoveRun run = Migrate(c, 100, "h2");
   ASSERT_TRUE(run.status.ok()) << run.status;
   EXPECT_TRUE(run.report.ok()) << run.report.error();
-  const FakeEndpoint receiver = c.host(3).Get(300);
-  EXPECT_THAT(receiver.log, Contains("peer_quiesce"));
-  ASSERT_EQ(receiver.reconnected_to.size(), 1u);
-  EXPECT_EQ(receiver.reconnected_to[0].virtual_gid(), VGid(1));
-  EXPECT_EQ(receiver.reconnected_to[0].physical_gid(), Gid(2));
-  EXPECT_FALSE(receiver.paused);
+  ExpectRepointedToH2(c.host(3).Get(300));  // the receiver
 }
 
 TEST(MigratorTest, AHostWhoseMigratorRestartsAfterTheMoveIsAskedAgain) {
@@ -1962,12 +1967,7 @@ TEST(MigratorInventoryTest, EveryHostLearnsWhereAUdReceiverWent) {
   ASSERT_TRUE(run.status.ok()) << run.status;
   EXPECT_TRUE(run.report.ok()) << run.report.error();
   EXPECT_TRUE(c.host(2).Get(100).alive);
-  const FakeEndpoint sender = c.host(3).Get(300);
-  EXPECT_THAT(sender.log, Contains("peer_quiesce"));
-  ASSERT_EQ(sender.reconnected_to.size(), 1u);
-  EXPECT_EQ(sender.reconnected_to[0].virtual_gid(), VGid(1));
-  EXPECT_EQ(sender.reconnected_to[0].physical_gid(), Gid(2));
-  EXPECT_FALSE(sender.paused);
+  ExpectRepointedToH2(c.host(3).Get(300));  // the sender
 }
 
 // A host asked only because it may send datagrams, whose migrator does not

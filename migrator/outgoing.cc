@@ -197,15 +197,17 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
   req.set_drain_timeout_ms(options_.drain_timeout_ms);
   for (const v1::QpSummary& q : e.qps()) req.add_virtual_qpns(q.virtual_qpn());
   // Hosts of the peers (connected ones, UD ones its address handles point
-  // at, and for a UD endpoint every other host), this one first.
-  absl::StatusOr<PeerHostSet> hosts = PeerHosts(e);
-  if (!hosts.ok()) return hosts.status();
-  std::set<std::string> remote = std::move(hosts->named);
-  remote.erase("");
-  const std::set<std::string> listed = std::move(hosts->listed);
-  remote.insert(listed.begin(), listed.end());
-  // A process that shows no GID has no device open: nobody can reach it.
-  if (req.virtual_gid().size() != 16) remote.clear();
+  // at, and for a UD endpoint every other host), this one first. A process
+  // that shows no GID has no device open: nobody can reach it.
+  std::set<std::string> remote, listed;
+  if (req.virtual_gid().size() == 16) {
+    absl::StatusOr<PeerHostSet> hosts = PeerHosts(e);
+    if (!hosts.ok()) return hosts.status();
+    remote = std::move(hosts->named);
+    remote.erase("");
+    listed = std::move(hosts->listed);
+    remote.insert(listed.begin(), listed.end());
+  }
   m->blackout_start = absl::Now();
   // Every host is in the record before any is asked: a rollback, or a
   // restarted migrator, resumes the peers of each. Peers on this host
@@ -241,7 +243,7 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
         });
   });
   uint32_t peers = 0;
-  std::vector<std::string> unanswered;
+  std::set<std::string> unanswered;
   for (size_t i = 0; i < targets.size(); ++i) {
     const absl::StatusOr<v1::QuiescePeersResponse>& r = results[i];
     // A host asked only because any host may send datagrams is left out
@@ -250,7 +252,7 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
     if (!r.ok() && listed.contains(targets[i]) &&
         (r.status().code() == absl::StatusCode::kUnavailable ||
          r.status().code() == absl::StatusCode::kDeadlineExceeded)) {
-      unanswered.push_back(targets[i]);
+      unanswered.insert(targets[i]);
       continue;
     }
     if (!r.ok()) return r.status();
@@ -259,10 +261,7 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
   if (!unanswered.empty()) {
     auto* kept = m->rec.mutable_peer_hosts();
     kept->erase(std::remove_if(kept->begin(), kept->end(),
-                               [&](const std::string& t) {
-                                 return std::find(unanswered.begin(), unanswered.end(), t) !=
-                                        unanswered.end();
-                               }),
+                               [&](const std::string& t) { return unanswered.contains(t); }),
                 kept->end());
     SetPhase(m, m->rec.phase(),
              absl::StrCat("left out (their migrators do not answer): ",

@@ -226,24 +226,29 @@ void Shim::NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index) {
   endpoint_virtual_gid_ = mode_.VirtualGid(gid);
 }
 
-bool Shim::GuessGid(Context** ctx, int* index) const {
+bool Shim::GuessGid(Context** ctx, int* index, ibv_gid* gid) const {
   // No QP or AH named a source GID (a UD receiver that only answers, say):
-  // peers reach a RoCE v2 endpoint at its IPv4-mapped GID, the first one.
+  // peers reach a RoCE v2 endpoint at its IPv4-mapped GID, the first one,
+  // else at the port's first GID.
+  static constexpr uint8_t kV4Prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
   for (const auto& [p, k] : shadows_) {
     if (k != Kind::kContext) continue;
     Context* c = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
     if (c->real == nullptr) continue;
-    *ctx = c;
-    *index = 0;
+    bool found = false;
     for (int i = 0; i < 16; ++i) {
       ibv_gid g;
       if (backend_->QueryGid(c->real, 1, i, &g) != 0) break;
-      static constexpr uint8_t kV4Prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
-      if (memcmp(g.raw, kV4Prefix, 12) == 0) {
+      const bool v4 = memcmp(g.raw, kV4Prefix, 12) == 0;
+      if (i == 0 || v4) {
         *index = i;
-        break;
+        *gid = g;
+        found = true;
       }
+      if (v4) break;
     }
+    if (!found) return false;
+    *ctx = c;
     return true;
   }
   return false;
@@ -253,7 +258,8 @@ void Shim::GuessEndpointGid() {
   if (endpoint_gid_known_) return;
   Context* ctx;
   int index;
-  if (GuessGid(&ctx, &index)) NoteEndpointGid(ctx, 1, index);
+  ibv_gid gid;
+  if (GuessGid(&ctx, &index, &gid)) NoteEndpointGid(ctx, 1, index);
 }
 
 void Shim::SetPaused(bool paused) {
@@ -1468,8 +1474,7 @@ EndpointView Shim::Describe() const {
   // that a move can tell its peers' hosts which endpoint it pauses them for.
   Context* ctx;
   int index;
-  if (!v.has_gid && GuessGid(&ctx, &index) &&
-      backend_->QueryGid(ctx->real, 1, index, &v.physical_gid) == 0) {
+  if (!v.has_gid && GuessGid(&ctx, &index, &v.physical_gid)) {
     v.has_gid = true;
     v.virtual_gid = mode_.VirtualGid(v.physical_gid);
   }

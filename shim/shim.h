@@ -256,9 +256,9 @@ class Shim {
   // The port GID this endpoint's QPs use becomes its virtual GID.
   void NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index);  // requires mu_
   void GuessEndpointGid();                                           // requires mu_
-  // The device and GID index GuessEndpointGid takes; false without a
-  // device.
-  bool GuessGid(Context** ctx, int* index) const;  // requires mu_
+  // The device, GID index and physical GID GuessEndpointGid takes; false
+  // without a device.
+  bool GuessGid(Context** ctx, int* index, ibv_gid* gid) const;  // requires mu_
   template <typename T>
   std::vector<T*> All(Kind kind) const;  // requires mu_
   void DestroyReal();                    // requires mu_

@@ -32,6 +32,10 @@ ETCD_PEER_PORT = 2380
 ETCD = ",".join(f"https://10.78.0.{n}:{ETCD_PORT}" for n in (1, 2, 3))
 CTL = f"{BUILD}/tools/rdmavirtctl/rdmavirtctl"
 TTL = 10
+# What pgrep -f finds: these migrators (not migrator_tests.py's), and the
+# integrity pairs of these tests.
+MIGRATORS = "rdmavirt-migratord --listen 10.78.0"
+WORKLOAD = "integrity.*--port 189[5-9]"
 
 
 def mgmt(host):
@@ -127,7 +131,7 @@ def inventory_up():
     started side by side), all three hosts listed."""
     migrators.make_certs()
     etcd_up()
-    running = f"pgrep -f 'rdmavirt-migratord --listen 10.78.0' > /dev/null"
+    running = f"pgrep -f '{MIGRATORS}' > /dev/null"
     for n, r in run_all({n: f"{running} && exit 0\n{migrator_command(n)}"
                          for n in (1, 2, 3)}, 75).items():
         check(r.rc == 0, f"host{n}: the inventory's migrator does not listen", r)
@@ -159,15 +163,13 @@ def inventory_reset():
     or left stopped (SIGSTOP) stopped too; the next test's inventory_up
     starts them again, and keeps etcd and the others (starting all three
     of each takes a TCG lab about 90 s)."""
-    pattern = "rdmavirt-migratord --listen 10.78.0"
-    workload = "integrity.*--port 189[5-9]"
-    odd = (f"for p in $(pgrep -f '{pattern}'); do\n"
+    odd = (f"for p in $(pgrep -f '{MIGRATORS}'); do\n"
            f"  if ! tr '\\0' ' ' < /proc/$p/cmdline | grep -q -- '--inventory-ttl {TTL} ' ||\n"
            f"     tr '\\0' '\\n' < /proc/$p/environ | grep -q '^RDMAVIRT_FAILPOINTS=' ||\n"
            f"     grep -q '^State:.*stopped' /proc/$p/status; then kill -9 $p; fi\n"
            f"done")
-    gone = until_script(f"! pgrep -f '{workload}' > /dev/null", 20)
-    script = f"pkill -f '{workload}'\n{odd}\n{gone} || pkill -9 -f '{workload}'\ntrue"
+    gone = until_script(f"! pgrep -f '{WORKLOAD}' > /dev/null", 20)
+    script = f"pkill -f '{WORKLOAD}'\n{odd}\n{gone} || pkill -9 -f '{WORKLOAD}'\ntrue"
     for n, r in run_all({n: script for n in (1, 2, 3)}, 60).items():
         check(r.rc == 0, f"host{n}: the inventory test's workload stopped", r)
 
@@ -179,12 +181,11 @@ def inventory_down():
     hosts (three of them slow every later test by about half). After a
     failed test, and once the group is done (`inventory_tests.py --down`,
     CTest's cleanup of the group)."""
-    pattern = "rdmavirt-migratord --listen 10.78.0"
-    stopped = f"! pgrep -f '{pattern}' > /dev/null"
+    stopped = f"! pgrep -f '{MIGRATORS}' > /dev/null"
     # One still finishing a move (a failed test left it) is killed after
     # 20 s; then etcd.
-    script = (f"pkill -f '{pattern}'; pkill -f 'integrity.*--port 189[5-9]'\n"
-              f"{until_script(stopped, 20)} || pkill -9 -f '{pattern}'\n"
+    script = (f"pkill -f '{MIGRATORS}'; pkill -f '{WORKLOAD}'\n"
+              f"{until_script(stopped, 20)} || pkill -9 -f '{MIGRATORS}'\n"
               f"{until_script(stopped, 30)} || {{ echo 'the migrator did not stop'; exit 1; }}\n"
               f"pkill -x etcd\n"
               f"{until_script('! pgrep -x etcd > /dev/null', 30)} || "

@@ -199,7 +199,8 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
 // How one RC or UC work request with one SGE is posted on the translating
 // path, by opcode: the function that translates just what that opcode
 // carries. Opcodes past the table, and every WR of a UD QP, take the
-// chain's path.
+// chain's path; on the probed path (PostSendProbed), a UD QP's take the
+// gate, which counts them for the drain.
 constexpr int kPostOneOps = 16;
 using PostOneFn = int (*)(Qp*, ibv_send_wr*, ibv_send_wr**);
 // Chosen from kRkeyOffset: no rkey, the rkey where RDMA ops keep it, or
@@ -217,6 +218,12 @@ constexpr std::array<PostOneFn, kPostOneOps> kPostOneConnected = [] {
 constexpr std::array<PostOneFn, kPostOneOps> kPostOneDatagram = [] {
   std::array<PostOneFn, kPostOneOps> a{};
   a.fill(PostChainTranslated);
+  return a;
+}();
+[[gnu::noinline]] int PostSendNotProbed(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
+constexpr std::array<PostOneFn, kPostOneOps> kPostOneDatagramProbed = [] {
+  std::array<PostOneFn, kPostOneOps> a{};
+  a.fill(PostSendNotProbed);
   return a;
 }();
 
@@ -375,9 +382,15 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   const uint16_t path = qp->path.word();
   if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
-  if (path == static_cast<uint16_t>(Path::kTranslated) && qp->shadow.qp_base.qp_type != IBV_QPT_UD)
-      [[likely]]
-    return PostSendTranslated(qp, wr, bad);
+  if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]] {
+    // A UD QP's table sends its WRs to the gate (kPostOneDatagramProbed).
+    if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]] {
+      const uint32_t op = static_cast<uint32_t>(wr->opcode);
+      if (op < kPostOneOps) [[likely]]
+        return qp->post_one[op](qp, wr, bad);
+    }
+    if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return PostChainTranslated(qp, wr, bad);
+  }
   return PostSendNotProbed(qp, wr, bad);
 }
 
@@ -529,7 +542,7 @@ int PostSendReal(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   // An RC or UC QP is drained with a marker; a UD QP's sends are counted.
   if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return PostSendTranslated(qp, wr, bad);
   CountSignaled(qp, wr, nullptr, +1);
-  const int rc = PostSendTranslated(qp, wr, bad);
+  const int rc = PostChainTranslated(qp, wr, bad);
   if (rc != 0) CountSignaled(qp, *bad, nullptr, -1);
   return rc;
 }
@@ -783,8 +796,9 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
 // case, a QP in its home slot whose completions carry nothing else to
 // translate, is one compare.
 inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
-  Qp* qp = qps->Home(wc->qp_num);
-  if (qp->plain_qpn == wc->qp_num && !(wc->wc_flags & IBV_WC_WITH_INV)) [[likely]] {
+  const uint32_t pqpn = wc->qp_num;
+  Qp* qp = qps->Home(pqpn);
+  if (qp->plain_qpn == pqpn && !(wc->wc_flags & IBV_WC_WITH_INV)) [[likely]] {
     wc->qp_num = qp->shadow.qp_base.qp_num;
     return qp;
   }
@@ -887,21 +901,24 @@ void BackToMarked(Cq* cq) {
 }
 
 // A poll that returned several completions: all of them translated.
-[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int VirtualizeAll(const QpIndex* qps, ibv_wc* wc, int got) {
-  for (int i = 0; i < got; ++i) VirtualizeWc(qps, &wc[i]);
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int VirtualizeAll(const Cq* cq, ibv_wc* wc, int got) {
+  for (int i = 0; i < got; ++i) VirtualizeWc(cq->qps, &wc[i]);
   return got;
 }
 
 // Polls the real CQ and translates. One completion, the common case, is
 // translated here: only the index and `wc` are kept across the call.
 [[gnu::always_inline]] inline int PollAndVirtualize(Cq* cq, int n, ibv_wc* wc) {
-  const QpIndex* qps = cq->qps;
   const int got = cq->real_poll_cq(cq->real, n, wc);
-  if (got == 1) [[likely]] {
-    VirtualizeWc(qps, wc);
+  if (got != 1) [[unlikely]]
+    return got > 1 ? VirtualizeAll(cq, wc, got) : got;
+  const uint32_t pqpn = wc->qp_num;
+  const Qp* qp = QpIndex::HomeIn(cq->qp_home, pqpn);
+  if (qp->plain_qpn == pqpn && !(wc->wc_flags & IBV_WC_WITH_INV)) [[likely]] {
+    wc->qp_num = qp->shadow.qp_base.qp_num;
     return 1;
   }
-  return got > 1 ? VirtualizeAll(qps, wc, got) : got;
+  return VirtualizeAll(cq, wc, 1);
 }
 
 [[gnu::always_inline]] inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
@@ -1306,9 +1323,11 @@ void InstallContextOps(Context* ctx, bool pausable, bool probed) {
   v.open_qp = OpenQpUnsupported;
 }
 
-void InstallSendPath(Qp* qp) {
-  qp->post_one =
-      qp->shadow.qp_base.qp_type == IBV_QPT_UD ? kPostOneDatagram.data() : kPostOneConnected.data();
+void InstallSendPath(Qp* qp, bool probed) {
+  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD)
+    qp->post_one = kPostOneConnected.data();
+  else
+    qp->post_one = probed ? kPostOneDatagramProbed.data() : kPostOneDatagram.data();
 }
 
 void InstallQpExOps(Qp* qp) {

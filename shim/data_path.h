@@ -42,8 +42,8 @@ inline bool IsMarker(const Qp* qp, uint64_t wr_id) {
 // (thread_probe.h): those jump into the provider.
 void InstallContextOps(Context* ctx, bool pausable, bool probed);
 // Chooses how a new shadow QP's single work requests are posted on the
-// translating path (by its type).
-void InstallSendPath(Qp* qp);
+// translating path (by its type, and whether its process is `probed`).
+void InstallSendPath(Qp* qp, bool probed);
 // Fills a shadow QP's ibv_qp_ex function pointers where the real QP has them.
 void InstallQpExOps(Qp* qp);
 // Fills a shadow CQ's ibv_cq_ex function pointers where the real CQ has them.

@@ -37,6 +37,7 @@ class Shim;
 class MrTable;
 struct Cq;
 class QpIndex;
+struct Qp;
 
 // A send WR posted during a pause: replayed, in order, when it ends.
 struct QueuedSend {
@@ -130,6 +131,8 @@ struct Cq {
   bool extended = false;         // it was: a restore re-creates it so
   Context* ctx = nullptr;
   const QpIndex* qps = nullptr;  // for completions' qp_num
+  // qps->home_slots(): the translating poll's lookup of one completion.
+  const std::atomic<Qp*>* qp_home = nullptr;
   Channel* channel = nullptr;
   int comp_vector = 0;
   uint64_t wc_flags = 0;

@@ -509,6 +509,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   cq->pause = migratable_ ? &pause_ : nullptr;
   cq->ctx = ctx;
   cq->qps = &qp_index_;
+  cq->qp_home = qp_index_.home_slots();
   cq->channel = ch;
   cq->comp_vector = comp_vector;
   cq->wc_flags = wc_flags;
@@ -856,7 +857,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   InitMutexCond(&s.mutex, &s.cond);
   // Async events carry the real QP; its user context leads back here.
   real->qp_context = qp;
-  InstallSendPath(qp);
+  InstallSendPath(qp, probed_);
   if (qp->real_ex != nullptr) InstallQpExOps(qp);
   std::lock_guard<std::mutex> lock(mu_);
   if (!qp_index_.Insert(real->qp_num, qp)) {

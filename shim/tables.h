@@ -70,7 +70,13 @@ class QpIndex {
   QpIndex();
 
   // The QP in `pqpn`'s home slot, or the empty one: never null.
-  Qp* Home(uint32_t pqpn) const { return slots_[pqpn & kMask].load(std::memory_order_acquire); }
+  Qp* Home(uint32_t pqpn) const { return HomeIn(slots_.get(), pqpn); }
+  // The same, from the home slots' address (fixed for the index's life),
+  // which a caller may keep to save a load.
+  const std::atomic<Qp*>* home_slots() const { return slots_.get(); }
+  static Qp* HomeIn(const std::atomic<Qp*>* slots, uint32_t pqpn) {
+    return slots[pqpn & kMask].load(std::memory_order_acquire);
+  }
   Qp* Find(uint32_t pqpn) const {
     Qp* qp = Home(pqpn);
     if (qp->physical_qpn == pqpn && qp != Empty()) [[likely]]

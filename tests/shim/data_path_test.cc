@@ -836,5 +836,44 @@ TEST_F(DataPathTest, CollidingPhysicalQpnsStillCompleteWithTheirOwnVirtualQpn) {
   EXPECT_EQ(wcs[1].qp_num, a->qp_num);
 }
 
+// A migratable process's UD sends are counted for the drain (the pause
+// waits for as many signaled completions as were posted), whichever path
+// its posts take: one WR with one SGE (the probed path's table), a chain,
+// with the marks or the probe, in default mode (a UD QP translates its AH
+// from the start) and in offset mode.
+TEST(MigratableDataPathTest, EveryStackCountsAUdQpsSignaledSends) {
+  for (const bool probed : {false, true}) {
+    for (const bool offset : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "probed " << probed << ", offset " << offset);
+      FakeBackend fake;
+      Shim shim(&fake, IdentityMode{.offset = offset}, /*migratable=*/true, probed);
+      {
+        Device<Shim> dev(shim);
+        ibv_qp* a = dev.Qp(IBV_QPT_UD);
+        ibv_qp* b = dev.Qp(IBV_QPT_UD);
+        ASSERT_EQ(ToRts(shim, a, 0, {}), 0);
+        ASSERT_EQ(ToRts(shim, b, 0, {}), 0);
+        ibv_ah* ah = dev.Ah(dev.gid);
+        char src[8] = "ping";
+        ibv_mr* mr = dev.Reg(src, sizeof(src));
+        ibv_sge sge = Sge(src, 5, mr);
+        ibv_send_wr one = UdSend(&sge, ah, b->qp_num);
+        one.send_flags = IBV_SEND_SIGNALED;
+        ibv_send_wr* bad = nullptr;
+        ASSERT_EQ(ibv_post_send(a, &one, &bad), 0);
+        ASSERT_EQ(ibv_post_send(a, &one, &bad), 0);
+        ibv_send_wr chain[2] = {one, UdSend(&sge, ah, b->qp_num)};  // the second unsignaled
+        chain[0].next = &chain[1];
+        ASSERT_EQ(ibv_post_send(a, chain, &bad), 0);
+        EXPECT_EQ(fake.sends().size(), 4u);
+        EXPECT_EQ(ShimQp(a)->signaled_posted.load(), 3u) << "signaled sends counted";
+        EXPECT_TRUE(ShimQp(a)->unsignaled_tail.load()) << "the last one was unsignaled";
+        Drain(dev.cq);
+      }
+      EXPECT_EQ(fake.live_objects(), 0);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace rdmavirt::shim::testing

@@ -197,18 +197,20 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
 }
 
 // How one RC or UC work request with one SGE is posted on the translating
-// path, by opcode: the function that translates just what that opcode
-// carries. Opcodes past the table, and every WR of a UD QP, take the
-// chain's path; on the probed path (PostSendProbed), a UD QP's take the
-// gate, which counts them for the drain.
-constexpr int kPostOneOps = 16;
+// path, by its opcode's low byte (no bound to check): the function that
+// translates just what that opcode carries. Every WR of a UD QP takes
+// the chain's path; on the probed path (PostSendProbed), the gate, which
+// counts them for the drain. An opcode past 255, which no provider takes,
+// is translated as the one of its low byte would be: the provider refuses
+// it, and the WR is put back as always.
+constexpr int kPostOneOps = 256;
 using PostOneFn = int (*)(Qp*, ibv_send_wr*, ibv_send_wr**);
-// Chosen from kRkeyOffset: no rkey, the rkey where RDMA ops keep it, or
-// elsewhere.
+// Chosen from kRkeyOffset: no rkey (an unknown opcode too), the rkey
+// where RDMA ops keep it, or elsewhere.
 constexpr std::array<PostOneFn, kPostOneOps> kPostOneConnected = [] {
   std::array<PostOneFn, kPostOneOps> a{};
   for (int op = 0; op < kPostOneOps; ++op) {
-    const unsigned off = kRkeyOffset[op];
+    const unsigned off = op < static_cast<int>(kRkeyOffset.size()) ? kRkeyOffset[op] : 0;
     a[op] = off == 0                                     ? PostOneTranslated
             : off == offsetof(ibv_send_wr, wr.rdma.rkey) ? PostOneTranslatedRdma
                                                          : PostOneTranslatedRkey;
@@ -227,12 +229,14 @@ constexpr std::array<PostOneFn, kPostOneOps> kPostOneDatagramProbed = [] {
   return a;
 }();
 
+// The translating post of one WR with one SGE, by its opcode's low byte.
+inline PostOneFn PostOneOf(const Qp* qp, const ibv_send_wr* wr) {
+  return qp->post_one[static_cast<uint8_t>(wr->opcode)];
+}
+
 [[gnu::always_inline]] inline int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]] {
-    const uint32_t op = static_cast<uint32_t>(wr->opcode);
-    if (op < kPostOneOps) [[likely]]
-      return qp->post_one[op](qp, wr, bad);
-  }
+  if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]]
+    return PostOneOf(qp, wr)(qp, wr, bad);
   return PostChainTranslated(qp, wr, bad);
 }
 
@@ -384,11 +388,8 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
     return qp->real_post_send(qp->real, wr, bad);
   if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]] {
     // A UD QP's table sends its WRs to the gate (kPostOneDatagramProbed).
-    if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]] {
-      const uint32_t op = static_cast<uint32_t>(wr->opcode);
-      if (op < kPostOneOps) [[likely]]
-        return qp->post_one[op](qp, wr, bad);
-    }
+    if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]]
+      return PostOneOf(qp, wr)(qp, wr, bad);
     if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return PostChainTranslated(qp, wr, bad);
   }
   return PostSendNotProbed(qp, wr, bad);

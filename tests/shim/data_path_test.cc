@@ -506,6 +506,36 @@ TEST_F(DataPathTest, AtomicWriteTranslatesTheRkeyAndIsPutBackWhenRefused) {
   EXPECT_EQ(memcmp(&sge, &sge_before, sizeof(sge)), 0);
 }
 
+// Opcodes no provider takes: past the ones with an rkey, and past 255
+// (the one-WR path finds its translation by the opcode's low byte, here
+// RDMA WRITE's). Refused as without the shim, the WR put back.
+TEST_F(DataPathTest, AnUnknownOpcodeIsRefusedAndPutBack) {
+  auto [a, b] = dev().Pair(IBV_QPT_RC);
+  char buf[8] = {};
+  ibv_mr* mr = dev().Reg(buf, sizeof(buf));
+  for (const int op : {0x20, 0x100 | IBV_WR_RDMA_WRITE, 0xff}) {
+    SCOPED_TRACE(op);
+    ibv_sge sge = Sge(buf, sizeof(buf), mr);
+    ibv_send_wr wr{};
+    wr.opcode = static_cast<ibv_wr_opcode>(op);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.wr.rdma.remote_addr = reinterpret_cast<uintptr_t>(buf);
+    wr.wr.rdma.rkey = mr->rkey;
+    const ibv_send_wr before = wr;
+    const ibv_sge sge_before = sge;
+    const size_t refused = fake_.refused_sends().size();
+    ibv_send_wr* bad = nullptr;
+    EXPECT_EQ(ibv_post_send(a, &wr, &bad), EINVAL);
+    EXPECT_EQ(bad, &wr);
+    EXPECT_EQ(fake_.refused_sends().size(), refused + 1);
+    EXPECT_EQ(memcmp(&wr, &before, sizeof(wr)), 0);
+    EXPECT_EQ(memcmp(&sge, &sge_before, sizeof(sge)), 0);
+  }
+  EXPECT_TRUE(fake_.sends().empty());
+  EXPECT_TRUE(Drain(dev().cq).empty());
+}
+
 TEST_F(DataPathTest, RecvChainsAreTranslatedAndUntouched) {
   ibv_qp* qp = dev().Qp(IBV_QPT_RC);
   ASSERT_EQ(ToRts(shim_, qp, qp->qp_num, dev().gid), 0);

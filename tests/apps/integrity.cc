@@ -32,6 +32,12 @@
 // timeout counts this process's running time only (RunClock); nothing gives
 // up in under 5 minutes except a missing UD datagram (after 60 s).
 //
+// A run is --iterations long, or shorter with --until-file: a side that
+// finds the file stops where it is (it posts each kind of traffic up to the
+// furthest seq any kind reached), its record says where, and its peer does
+// the same when it reads that. A test then ends the workload when it has
+// done what it needed, instead of sizing it in advance.
+//
 // Usage: integrity (--server | --connect HOST) [--port P] [options], see
 // Usage(). Prints a counter line about once a second, then a JSON report
 // (also to --report FILE). Exit status 0 iff neither side saw an error.
@@ -77,7 +83,7 @@ using namespace rdmavirt::apps;  // NOLINT: the programs' shared helpers
 // ---------------------------------------------------------------------------
 // Constants.
 
-constexpr uint32_t kWireVersion = 2;
+constexpr uint32_t kWireVersion = 3;
 constexpr uint8_t kIbPort = 1;
 constexpr uint32_t kQkey = 0x11111111;
 constexpr size_t kGrhLen = 40;  // UD receives start with the GRH area
@@ -352,6 +358,7 @@ struct Status {
   uint64_t ud_sent;         // datagrams this side has sent
   uint64_t errors;          // errors this side has counted
   uint64_t canvas_written;  // canvas cells this side wrote into the peer (completed)
+  uint64_t last;            // this side sends seqs [0, last) of each kind (--until-file)
   uint64_t checksum;
 };
 
@@ -469,6 +476,13 @@ class Stream {
     return out;
   }
 
+  // The peer sends seqs [0, total) only, fewer than Reset said; false
+  // (nothing changed) if one at or past it has arrived.
+  bool End(uint64_t total) {
+    if (total < end_) return false;
+    if (total < state_.size()) state_.resize(total);
+    return true;
+  }
   uint64_t total() const { return state_.size(); }
   uint64_t handled() const { return handled_; }     // arrived or declared lost
   uint64_t first_missing() const { return next_; }  // lowest seq not handled
@@ -509,6 +523,8 @@ struct Options {
   uint64_t ballast_mib = 0;
   // MiB of each of the two canvas regions the peer writes into (0: none).
   uint64_t canvas_mib = 0;
+  // Stop early once this file exists (looked for once a second).
+  std::string until_file;
   // Testing the checker: corrupts one byte of the SEND, the ring slot, the
   // datagram and the canvas cell of this seq, and one byte of the region
   // the peer reads.
@@ -521,10 +537,13 @@ struct Options {
                "         [--device NAME (rxe0)] [--gid-index N (1)] [--iterations N (1000)]\n"
                "         [--rate ITERATIONS_PER_S (50; 0: unpaced)] [--report FILE]\n"
                "         [--ack-timeout T (20: 4.096 us * 2^T per try)] [--ud-lost-after S (60)]\n"
-               "         [--ballast MIB (0)] [--canvas MIB (0)]\n"
+               "         [--ballast MIB (0)] [--canvas MIB (0)] [--until-file PATH]\n"
                "Each iteration is one SEND, one RDMA WRITE, one RDMA READ and one UD\n"
                "datagram in each direction, and one canvas cell into a peer that has\n"
-               "--canvas: MIB on 4 KiB pages and MIB on huge pages, checked whole at the end.\n");
+               "--canvas: MIB on 4 KiB pages and MIB on huge pages, checked whole at the end.\n"
+               "--until-file: once PATH exists (looked for once a second), this side stops\n"
+               "where it is, and so does its peer when it learns of it; every message sent\n"
+               "until then is still checked.\n");
   std::exit(2);
 }
 
@@ -560,6 +579,8 @@ Options ParseArgs(int argc, char** argv) {
       o.ballast_mib = std::strtoull(value(), nullptr, 10);
     } else if (a == "--canvas") {
       o.canvas_mib = std::strtoull(value(), nullptr, 10);
+    } else if (a == "--until-file") {
+      o.until_file = value();
     } else if (a == "--inject-corruption") {
       o.inject_corruption = std::atoll(value());
     } else {
@@ -687,6 +708,10 @@ class Integrity {
   bool RcCredit() const { return rc_msgs_ < kRcRecvDepth + peer_.rc_reposted; }
   bool TxDone() const;
   bool RxDone() const;
+  // --until-file: this side sends up to the furthest seq any kind reached.
+  void Stop(const char* why);
+  // The peer's record says it sends fewer than it said at the start.
+  void PeerStops(uint64_t last);
   uint64_t Errors() const;
 
   const Options opt_;
@@ -739,8 +764,12 @@ class Integrity {
   std::string JsonPlaces() const;
 
   // Coordination.
-  Status peer_{};       // the newest record found in our mailbox
-  Status last_sent_{};  // the newest record posted to the peer's
+  uint64_t iterations_;        // this side sends seqs [0, iterations_) of each kind
+  uint64_t peer_iterations_;   // ... and the peer [0, peer_iterations_)
+  bool stopped_ = false;       // iterations_ came down (Stop)
+  double until_checked_ = -1;  // when --until-file was last looked for
+  Status peer_{};              // the newest record found in our mailbox
+  Status last_sent_{};         // the newest record posted to the peer's
   double last_status_at_ = -1;
   bool finished_ = false;    // the final record is posted: no WR will follow
   bool final_done_ = false;  // ... and it has completed
@@ -756,7 +785,10 @@ class Integrity {
 };
 
 Integrity::Integrity(const Options& opt)
-    : opt_(opt), seed_((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()) {
+    : opt_(opt),
+      seed_((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()),
+      iterations_(opt.iterations),
+      peer_iterations_(0) {
   const std::pair<Kind, size_t> slots[] = {
       {kSend, kSendSlots}, {kWrite, kRingSlots},    {kWrote, kRingSlots},   {kRead, kReadDepth},
       {kUd, kUdRecvDepth}, {kStatus, kStatusSlots}, {kCanvas, kCanvasSlots}};
@@ -914,6 +946,7 @@ void Integrity::Connect() {
     SendAll(fd.get(), &ready, 1);
     RecvAll(fd.get(), &ready, 1);
   }  // the last socket closes here
+  peer_iterations_ = remote_.iterations;
   sends_in_.Reset(remote_.iterations);
   writes_in_.Reset(remote_.iterations);
   ud_in_.Reset(remote_.iterations);
@@ -936,7 +969,7 @@ void Integrity::PostRecv(ibv_qp* qp, Kind kind, uint64_t slot) {
 
 bool Integrity::CanPost(Kind kind, uint32_t bytes) {
   const Lane& l = lanes_[kind];
-  return l.next < opt_.iterations && l.slots[l.next % l.slots.size()].seq_plus_1 == 0 &&
+  return l.next < iterations_ && l.slots[l.next % l.slots.size()].seq_plus_1 == 0 &&
          (inflight_bytes_ == 0 || inflight_bytes_ + bytes <= kMaxInflightBytes) &&
          lanes_[kind].pacer.Take(now_, opt_.rate);
 }
@@ -969,15 +1002,40 @@ uint64_t Integrity::Errors() const {
 }
 
 bool Integrity::TxDone() const {
-  const uint64_t n = opt_.iterations;
+  const uint64_t n = iterations_;
   return lanes_[kSend].done == n && peer_.sends_handled == n && lanes_[kWrite].done == n &&
          peer_.writes_handled == n && lanes_[kRead].done == n && lanes_[kUd].done == n &&
          peer_.ud_handled == n && lanes_[kCanvas].done == (remote_.canvas_bytes > 0 ? n : 0);
 }
 
 bool Integrity::RxDone() const {
-  const uint64_t n = remote_.iterations;
+  const uint64_t n = peer_iterations_;
   return sends_in_.handled() == n && writes_in_.handled() == n && ud_in_.handled() == n;
+}
+
+void Integrity::Stop(const char* why) {
+  if (stopped_) return;
+  stopped_ = true;
+  uint64_t last = 0;
+  for (const Kind k : {kSend, kWrite, kRead, kUd, kCanvas}) last = std::max(last, lanes_[k].next);
+  iterations_ = std::min(iterations_, last);
+  std::printf("integrity: stopping at %" PRIu64 " iterations: %s\n", iterations_, why);
+  std::fflush(stdout);
+}
+
+void Integrity::PeerStops(uint64_t last) {
+  for (Stream* s : {&sends_in_, &writes_in_, &ud_in_}) {
+    if (!s->End(last)) {
+      Abort(Sprintf("the peer says it sends %" PRIu64 " of each kind, but %s seq %" PRIu64
+                    " arrived",
+                    last, s->name(), s->end() - 1));
+      return;
+    }
+  }
+  peer_iterations_ = last;
+  ud_place_.resize(std::min<size_t>(ud_place_.size(), last));
+  ud_ordinal_.resize(ud_place_.size());
+  Stop("the peer stopped");
 }
 
 // ---------------------------------------------------------------------------
@@ -1320,6 +1378,7 @@ bool Integrity::PostStatus() {
            .ud_sent = lanes_[kUd].done,
            .errors = Errors(),
            .canvas_written = lanes_[kCanvas].done,
+           .last = iterations_,
            .checksum = last_sent_.checksum};
   const Lane::Slot& slot = lanes_[kStatus].slots[(s.gen + 1) % kStatusSlots];
   if (std::memcmp(&s, &last_sent_, sizeof(s)) == 0 || slot.seq_plus_1 != 0 ||
@@ -1350,6 +1409,7 @@ bool Integrity::ReadMailbox() {
   for (size_t i = 0; i < sizeof(Status) / 8; ++i) dst[i] = src[i];
   if (s.checksum != StatusChecksum(s) || s.gen <= peer_.gen) return false;
   peer_ = s;
+  if (s.last < peer_iterations_) PeerStops(s.last);
   return true;
 }
 
@@ -1388,6 +1448,10 @@ void Integrity::Run() {
     if (now_ - last_progress_ > kStallAfterS)
       Abort(Sprintf("no progress for %.0f s", kStallAfterS));
     DeclareUdLosses();
+    if (!opt_.until_file.empty() && !stopped_ && now_ - until_checked_ >= 1.0) {
+      until_checked_ = now_;
+      if (access(opt_.until_file.c_str(), F_OK) == 0) Stop(opt_.until_file.c_str());
+    }
     if (!finished_ && fatal_.empty()) {
       // Every kind gets its turn (no short-circuit).
       active |= PostSends() | PostWrites() | PostReads() | PostUd() | PostCanvas();
@@ -1492,8 +1556,9 @@ int Integrity::Report() {
   const auto n = [](uint64_t v) { return std::to_string(v); };
   const std::pair<const char*, std::string> fields[] = {
       {"role", JsonString(opt_.server ? "server" : "client")},
-      {"iterations", n(opt_.iterations)},
-      {"peer_iterations", n(remote_.iterations)},
+      {"iterations", n(iterations_)},
+      {"peer_iterations", n(peer_iterations_)},
+      {"stopped_early", stopped_ ? "true" : "false"},
       {"rate", Sprintf("%g", opt_.rate)},
       {"sends", n(lanes_[kSend].done)},
       {"recvs", n(sends_in_.tally.ok)},

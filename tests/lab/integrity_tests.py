@@ -120,6 +120,38 @@ def survives_a_pause():
 
 
 @lab_test
+def stops_early_once_its_until_file_appears():
+    # Sized for half an hour; the client is told to stop once it has sent
+    # 200 SENDs, and the server learns of it from the client's record only.
+    # Both end within minutes, every message sent until then counted.
+    stop = f"{REPORTS}/until-stop"
+    run_ok(1, f"mkdir -p {REPORTS} && rm -f {stop}")
+    server, client = run_pair("until", "--iterations 90000 --canvas 1",
+                              f"--iterations 90000 --canvas 1 --until-file {stop}",
+                              during=lambda: run_ok(2, f"touch {stop}"))
+    for side, peer in ((server, client), (client, server)):
+        r = side.report
+        check(side.result.rc == 0 and r is not None and r["ok"], "integrity failed",
+              server, client)
+        check(r["stopped_early"] and 200 <= r["iterations"] < 90000,
+              f"{r['role']} did not stop early", side)
+        check(r["peer_iterations"] == peer.report["iterations"],
+              f"{r['role']} expected another count than its peer sent", server, client)
+        for key in ("sends", "writes", "reads", "reads_verified", "ud_sent"):
+            check(r[key] == r["iterations"], f"{r['role']}: {key} is {r[key]}", side)
+        for key in ("recvs", "writes_verified", "ud_received"):
+            check(r[key] == r["peer_iterations"], f"{r['role']}: {key} is {r[key]}", side)
+        check(r["canvas_bytes_verified"] > 0 and r["canvas_peer_writes"] ==
+              peer.report["canvas_writes"], f"{r['role']}: canvas", side)
+        check(not r["ud_missing"], f"{r['role']}: datagrams past the peer's end are missing",
+              side)
+        for key in ("lost", "duplicated", "corrupted", "out_of_order", "completion_errors",
+                    "peer_errors"):
+            check(r[key] == 0, f"{r['role']}: {key} is {r[key]}", side)
+    check(client.report["elapsed_s"] < 300, "the run did not end early", client)
+
+
+@lab_test
 def detects_injected_corruption():
     # The client flips one byte of its SEND, ring slot, datagram and canvas
     # cell of seq 100, and one byte of the region the server reads: the

@@ -49,7 +49,7 @@ def pid_of(host, pattern):
 
 
 def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, port=18900,
-               canvas_mib=0, ud_lost_after=120):
+               canvas_mib=0, ud_lost_after=120, until_file=None):
     """The workload under the shim: server Q on `server`, client P on
     `client`, their output in files every host sees at the same path (CRIU
     re-opens them on the destination; the migrator stops the source before
@@ -61,10 +61,13 @@ def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, p
     socket); `port`: Q's; `ud_lost_after`: seconds after which a datagram
     known to be sent counts as lost (a move holds them for seconds; the
     fabric drops a few under load, and the workload must go on and say
-    which: verified)."""
+    which: verified); `until_file`: a path in the hosts whose creation
+    ends the workload early (integrity --until-file)."""
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
     args = (f"--iterations {iterations} --ud-lost-after {ud_lost_after} --port {port} "
             f"--canvas {canvas_mib}")
+    if until_file:
+        args += f" --until-file {until_file}"
     run_ok(server, f"(setsid env {shim}{PROG} --server {args} --report {WORK}/{name}-q.json "
                    f"> {WORK}/{name}-q.out 2>&1 < /dev/null &)")
     wait_listening(server, port)

@@ -49,7 +49,7 @@ def pid_of(host, pattern):
 
 
 def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, port=18900,
-               canvas_mib=0, ud_lost_after=120, until_file=None):
+               canvas_mib=0, ud_lost_after=120):
     """The workload under the shim: server Q on `server`, client P on
     `client`, their output in files every host sees at the same path (CRIU
     re-opens them on the destination; the migrator stops the source before
@@ -61,13 +61,11 @@ def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, p
     socket); `port`: Q's; `ud_lost_after`: seconds after which a datagram
     known to be sent counts as lost (a move holds them for seconds; the
     fabric drops a few under load, and the workload must go on and say
-    which: verified); `until_file`: a path in the hosts whose creation
-    ends the workload early (integrity --until-file)."""
+    which: verified). `iterations` bounds the run: wait_reports() ends it
+    sooner (integrity --until-file: the pair's stop file)."""
     run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
     args = (f"--iterations {iterations} --ud-lost-after {ud_lost_after} --port {port} "
-            f"--canvas {canvas_mib}")
-    if until_file:
-        args += f" --until-file {until_file}"
+            f"--canvas {canvas_mib} --until-file {WORK}/{name}-stop")
     run_ok(server, f"(setsid env {shim}{PROG} --server {args} --report {WORK}/{name}-q.json "
                    f"> {WORK}/{name}-q.out 2>&1 < /dev/null &)")
     wait_listening(server, port)
@@ -142,7 +140,26 @@ def check_report(report, what):
           f"{what}: no blackout measured", report)
 
 
+def stop_pair(name, more=100, timeout=60):
+    """Ends pair `name` (its stop file) once P has posted `more` SENDs more
+    than now, so that traffic is seen to flow where the pair runs now; at
+    once if a side has ended. Both sides stop where they are, every message
+    sent until then still checked."""
+    out = os.path.join(LAB.shared, "migration")
+
+    def ended():
+        return any(os.path.exists(os.path.join(out, f"{name}-{s}.json")) for s in "pq")
+    target = sent_by_p(name) + more
+    end = time.monotonic() + timeout
+    while not ended() and sent_by_p(name) < target and time.monotonic() < end:
+        time.sleep(0.5)
+    with open(os.path.join(out, f"{name}-stop"), "w"):
+        pass
+
+
 def wait_reports(name, timeout=900):
+    """Both sides' reports, once pair `name` was told to stop and ended."""
+    stop_pair(name)
     deadline = time.time() + timeout
     paths = [os.path.join(LAB.shared, "migration", f"{name}-{s}.json") for s in "pq"]
     while time.time() < deadline and not all(os.path.exists(p) for p in paths):

@@ -105,12 +105,19 @@ def wait_sent(h, pid, at_least, timeout=300):
     return n
 
 
+# In guest1: once it exists, P stops (and Q with it) where it is
+# (integrity --until-file).
+STOP = "/tmp/stop"
+
+
 def start_workload(iterations, hp, hq):
     """Q (server) in guest2 on vmhost`hq`, P (client) in guest1 on
-    vmhost`hp`, once Q listens; returns their agent pids."""
+    vmhost`hp`, once Q listens; returns their agent pids. The workload runs
+    `iterations` long unless stop_workload() ends it sooner."""
+    LAB.guest_exec(hp, "guest1", ["/usr/bin/busybox", "rm", "-f", STOP], timeout=20)
     # rdmavirt-guest names a NIC's Soft-RoCE device after it.
     args = ["--iterations", str(iterations), "--ud-lost-after", "1800", "--port", "18900",
-            "--device", "rxe_eth0"]
+            "--device", "rxe_eth0", "--until-file", STOP]
     q = spawn_integrity(hq, "guest2", "q", ["--server"] + args + ["--report", "/tmp/q.json"])
 
     def q_listens():
@@ -146,6 +153,14 @@ def guest_log(h, name, path):
         return LAB.guest_exec(h, name, ["/usr/bin/tail", "-c", "3000", path], timeout=20)["out"]
     except vmlab.VmLabError as e:
         return str(e)
+
+
+def stop_workload(p):
+    """Once P has posted 200 SENDs more (traffic flows where the guests run
+    now), tells it to stop: Q learns of it from P."""
+    h = where("guest1")
+    wait_sent(h, p, sent(h, "guest1") + 200)
+    LAB.guest_exec(h, "guest1", ["/usr/bin/busybox", "touch", STOP], timeout=20)
 
 
 def check_workload(p, q):
@@ -290,6 +305,7 @@ def two_guests_keep_their_connections_through_drain_migration_snapshot_and_rever
     print("revert:", report_summary(rep), flush=True)
     waiting = [e.get("peers_waiting", 0) for g in rep["resumed"] for e in g["endpoints"]]
     check(waiting == [1, 0], "the first guest back waits for the second", rep["resumed"])
+    stop_workload(p)
     check_workload(p, q)
 
     # A snapshot rdmavirtctl did not take (live connections in it) is refused.

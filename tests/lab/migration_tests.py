@@ -423,15 +423,18 @@ def a_destination_that_dies_mid_transfer_rolls_back_with_nothing_lost():
     qpid, ppid = start_pair("dies", 3000, server=3, client=1, ballast_mib=16)
     # host2's migrator is killed (SIGKILL) as soon as the final dump's
     # stream begins to arrive (its directory is made before the first byte).
-    # Its pid is looked up first and the kill is a plain kill(2).
+    # Its pid is looked up first and the kill is a plain kill(2). Incoming
+    # moves an earlier test left there (a restore kept for its source has
+    # its final dump) do not count.
     ready = f"{WORK}/dies-watcher-ready"
     watcher = LAB.submit(2, "/usr/bin/python3 -c \"import os, subprocess, time\n"
                             "pid = int(subprocess.check_output(['pgrep', '-x', "
                             "'rdmavirt-migrat']).split()[0])\n"
                             f"inc = '{STATE}/incoming'\n"
+                            "old = set(os.listdir(inc)) if os.path.isdir(inc) else set()\n"
                             f"open('{ready}', 'w').close()\n"
                             "while not any(os.path.isdir(f'{inc}/{d}/final') "
-                            "for d in os.listdir(inc)): time.sleep(0.005)\n"
+                            "for d in set(os.listdir(inc)) - old): time.sleep(0.005)\n"
                             "os.kill(pid, 9)\n"
                             "print('killed')\"", 400)
     try:

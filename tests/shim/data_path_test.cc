@@ -74,6 +74,18 @@ int PostRecv(ibv_qp* qp, void* buf, uint32_t len, const ibv_mr* mr, uint64_t wr_
   return ibv_post_recv(qp, &wr, &bad);
 }
 
+// A WR of `opcode` (any number) with one SGE, toward `buf` at `mr`'s
+// rkey where RDMA ops keep it.
+ibv_send_wr RdmaWr(int opcode, ibv_sge* sge, const char* buf, const ibv_mr* mr) {
+  ibv_send_wr wr{};
+  wr.opcode = static_cast<ibv_wr_opcode>(opcode);
+  wr.sg_list = sge;
+  wr.num_sge = 1;
+  wr.wr.rdma.remote_addr = reinterpret_cast<uintptr_t>(buf);
+  wr.wr.rdma.rkey = mr->rkey;
+  return wr;
+}
+
 bool Ipv4ChecksumOk(const uint8_t* ip) {
   uint32_t sum = 0;
   for (int i = 0; i < 20; i += 2) sum += ip[i] << 8 | ip[i + 1];
@@ -477,12 +489,7 @@ TEST_F(DataPathTest, AtomicWriteTranslatesTheRkeyAndIsPutBackWhenRefused) {
   ibv_mr* mr = dev().Reg(buf, sizeof(buf));
   ASSERT_NE(mr->rkey, ShimMr(mr)->real->rkey) << "offset mode: virtual keys";
   ibv_sge sge = Sge(buf, sizeof(buf), mr);
-  ibv_send_wr wr{};
-  wr.opcode = IBV_WR_ATOMIC_WRITE;
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.wr.rdma.remote_addr = reinterpret_cast<uintptr_t>(buf);
-  wr.wr.rdma.rkey = mr->rkey;
+  ibv_send_wr wr = RdmaWr(IBV_WR_ATOMIC_WRITE, &sge, buf, mr);
   const ibv_send_wr before = wr;
   const ibv_sge sge_before = sge;
   ibv_send_wr* bad = nullptr;
@@ -516,12 +523,7 @@ TEST_F(DataPathTest, AnUnknownOpcodeIsRefusedAndPutBack) {
   for (const int op : {0x20, 0x100 | IBV_WR_RDMA_WRITE, 0xff}) {
     SCOPED_TRACE(op);
     ibv_sge sge = Sge(buf, sizeof(buf), mr);
-    ibv_send_wr wr{};
-    wr.opcode = static_cast<ibv_wr_opcode>(op);
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.wr.rdma.remote_addr = reinterpret_cast<uintptr_t>(buf);
-    wr.wr.rdma.rkey = mr->rkey;
+    ibv_send_wr wr = RdmaWr(op, &sge, buf, mr);
     const ibv_send_wr before = wr;
     const ibv_sge sge_before = sge;
     const size_t refused = fake_.refused_sends().size();

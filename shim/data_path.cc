@@ -908,7 +908,8 @@ void BackToMarked(Cq* cq) {
 }
 
 // Polls the real CQ and translates. One completion, the common case, is
-// translated here: only the index and `wc` are kept across the call.
+// translated here (VirtualizeWc's common case, through the CQ's copy of
+// the home slots): only the CQ and `wc` are kept across the call.
 [[gnu::always_inline]] inline int PollAndVirtualize(Cq* cq, int n, ibv_wc* wc) {
   const int got = cq->real_poll_cq(cq->real, n, wc);
   if (got != 1) [[unlikely]]

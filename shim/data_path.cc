@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "shim/grh.h"
 #include "shim/log.h"
@@ -95,9 +96,19 @@ constexpr std::array<uint8_t, 32> kRkeyOffset = [] {
   return a;
 }();
 
+// A send WR's opcode as the application stored it: any number (a C
+// program may put any int in the enum; C++ may not load one outside the
+// enum's range as the enum, so it is read as the number it is).
+inline uint32_t OpcodeOf(const ibv_send_wr* wr) {
+  uint32_t op;
+  static_assert(sizeof(wr->opcode) == sizeof(op));
+  std::memcpy(&op, &wr->opcode, sizeof(op));
+  return op;
+}
+
 // Where in a WR the peer's rkey sits (0: its opcode has none).
 inline unsigned RkeyOffset(const ibv_send_wr* wr) {
-  const uint32_t op = static_cast<uint32_t>(wr->opcode);
+  const uint32_t op = OpcodeOf(wr);
   return op < kRkeyOffset.size() ? kRkeyOffset[op] : 0;
 }
 // The field of a WR that holds the peer's rkey, if its opcode has one.
@@ -231,7 +242,7 @@ constexpr std::array<PostOneFn, kPostOneOps> kPostOneDatagramProbed = [] {
 
 // The translating post of one WR with one SGE, by its opcode's low byte.
 inline PostOneFn PostOneOf(const Qp* qp, const ibv_send_wr* wr) {
-  return qp->post_one[static_cast<uint8_t>(wr->opcode)];
+  return qp->post_one[static_cast<uint8_t>(OpcodeOf(wr))];
 }
 
 [[gnu::always_inline]] inline int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {

@@ -74,11 +74,13 @@ int PostRecv(ibv_qp* qp, void* buf, uint32_t len, const ibv_mr* mr, uint64_t wr_
   return ibv_post_recv(qp, &wr, &bad);
 }
 
-// A WR of `opcode` (any number) with one SGE, toward `buf` at `mr`'s
-// rkey where RDMA ops keep it.
-ibv_send_wr RdmaWr(int opcode, ibv_sge* sge, const char* buf, const ibv_mr* mr) {
+// A WR of `opcode` (any number, stored as a C program may: C++ may not
+// make the enum hold one outside its range) with one SGE, toward `buf` at
+// `mr`'s rkey where RDMA ops keep it.
+ibv_send_wr RdmaWr(uint32_t opcode, ibv_sge* sge, const char* buf, const ibv_mr* mr) {
   ibv_send_wr wr{};
-  wr.opcode = static_cast<ibv_wr_opcode>(opcode);
+  static_assert(sizeof(wr.opcode) == sizeof(opcode));
+  std::memcpy(&wr.opcode, &opcode, sizeof(opcode));
   wr.sg_list = sge;
   wr.num_sge = 1;
   wr.wr.rdma.remote_addr = reinterpret_cast<uintptr_t>(buf);
@@ -520,7 +522,7 @@ TEST_F(DataPathTest, AnUnknownOpcodeIsRefusedAndPutBack) {
   auto [a, b] = dev().Pair(IBV_QPT_RC);
   char buf[8] = {};
   ibv_mr* mr = dev().Reg(buf, sizeof(buf));
-  for (const int op : {0x20, 0x100 | IBV_WR_RDMA_WRITE, 0xff}) {
+  for (const uint32_t op : {0x20u, 0x100u | IBV_WR_RDMA_WRITE, 0xffu}) {
     SCOPED_TRACE(op);
     ibv_sge sge = Sge(buf, sizeof(buf), mr);
     ibv_send_wr wr = RdmaWr(op, &sge, buf, mr);

@@ -140,6 +140,9 @@ struct FakeBackend::SrqObj {
 struct FakeBackend::Wr {
   uint64_t wr_id = 0;
   ibv_wr_opcode opcode = IBV_WR_SEND;
+  // The opcode the application stored is one the enum holds (the fake
+  // refuses any other, as a provider does).
+  bool known_opcode = true;
   unsigned int flags = 0;
   int num_sge = 0;
   std::vector<ibv_sge> sges;
@@ -188,7 +191,11 @@ struct FakeBackend::Ops {
   static Wr FromSendWr(const ibv_send_wr& s, ibv_qp_type type) {
     Wr w;
     w.wr_id = s.wr_id;
-    w.opcode = s.opcode;
+    // Read as a number: a C program may store any int in the enum.
+    uint32_t raw;
+    std::memcpy(&raw, &s.opcode, sizeof(raw));
+    w.known_opcode = raw <= IBV_WR_ATOMIC_WRITE;
+    w.opcode = w.known_opcode ? static_cast<ibv_wr_opcode>(raw) : IBV_WR_SEND;
     w.flags = s.send_flags;
     w.num_sge = s.num_sge;
     if (s.num_sge > 0) w.sges.assign(s.sg_list, s.sg_list + s.num_sge);
@@ -197,7 +204,7 @@ struct FakeBackend::Ops {
       for (const ibv_sge& g : w.sges)
         w.inline_data.append(reinterpret_cast<const char*>(g.addr), g.length);
     }
-    switch (s.opcode) {
+    switch (w.known_opcode ? w.opcode : -1) {
       case IBV_WR_SEND_WITH_IMM:
         w.imm = s.imm_data;
         break;
@@ -649,6 +656,7 @@ int FakeBackend::Validate(QpObj* qp, const Wr& w) const {
   if (q.state != IBV_QPS_RTS && q.state != IBV_QPS_ERR) return EINVAL;
   if (w.num_sge < 0 || static_cast<uint32_t>(w.num_sge) > qp->cap.max_send_sge) return EINVAL;
   if ((w.flags & IBV_SEND_INLINE) && w.inline_data.size() > qp->cap.max_inline_data) return EINVAL;
+  if (!w.known_opcode) return EINVAL;
   switch (w.opcode) {
     case IBV_WR_SEND:
     case IBV_WR_SEND_WITH_IMM:

@@ -806,14 +806,19 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
 // A completion's qp_num is the local QP's physical number; src_qp (UD) is
 // the sender's; a UD receive's GRH holds physical addresses. The common
 // case, a QP in its home slot whose completions carry nothing else to
-// translate, is one compare.
-inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
+// translate, is one compare (PlainQp: translated, and its QP returned;
+// null for any other, untouched).
+[[gnu::always_inline]] inline Qp* PlainQp(const std::atomic<Qp*>* home, ibv_wc* wc) {
   const uint32_t pqpn = wc->qp_num;
-  Qp* qp = qps->Home(pqpn);
-  if (qp->plain_qpn == pqpn && !(wc->wc_flags & IBV_WC_WITH_INV)) [[likely]] {
-    wc->qp_num = qp->shadow.qp_base.qp_num;
+  Qp* qp = QpIndex::HomeIn(home, pqpn);
+  if (qp->plain_qpn != pqpn || (wc->wc_flags & IBV_WC_WITH_INV)) [[unlikely]]
+    return nullptr;
+  wc->qp_num = qp->shadow.qp_base.qp_num;
+  return qp;
+}
+inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc) {
+  if (Qp* qp = PlainQp(qps->home_slots(), wc)) [[likely]]
     return qp;
-  }
   return VirtualizeWcSlow(qps, wc);
 }
 
@@ -925,12 +930,8 @@ void BackToMarked(Cq* cq) {
   const int got = cq->real_poll_cq(cq->real, n, wc);
   if (got != 1) [[unlikely]]
     return got > 1 ? VirtualizeAll(cq, wc, got) : got;
-  const uint32_t pqpn = wc->qp_num;
-  const Qp* qp = QpIndex::HomeIn(cq->qp_home, pqpn);
-  if (qp->plain_qpn == pqpn && !(wc->wc_flags & IBV_WC_WITH_INV)) [[likely]] {
-    wc->qp_num = qp->shadow.qp_base.qp_num;
+  if (PlainQp(cq->qp_home, wc) != nullptr) [[likely]]
     return 1;
-  }
   return VirtualizeAll(cq, wc, 1);
 }
 

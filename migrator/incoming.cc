@@ -110,10 +110,9 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
     const std::function<bool(v1::ImageChunk*)>& next) {
   v1::ImageChunk first;
   if (!next(&first)) return absl::InvalidArgumentError("an empty image stream");
-  std::shared_ptr<Incoming> in = FindIncoming(first.migration_id());
-  if (in == nullptr)
-    return absl::NotFoundError(
-        absl::StrCat("no migration ", first.migration_id(), " was prepared here"));
+  absl::StatusOr<std::shared_ptr<Incoming>> found = FindIncoming(first.migration_id());
+  if (!found.ok()) return found.status();
+  const std::shared_ptr<Incoming> in = *std::move(found);
   {
     absl::MutexLock lock(&in->mu);
     if (in->aborted || (in->rec.phase() != "prepared" && in->rec.phase() != "receiving"))
@@ -207,19 +206,29 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
   return *pid;
 }
 
-std::shared_ptr<Migrator::Incoming> Migrator::FindIncoming(const std::string& id) {
+absl::StatusOr<std::shared_ptr<Migrator::Incoming>> Migrator::FindIncoming(const std::string& id,
+                                                                           bool take) {
   absl::MutexLock lock(&mu_);
+  if (!incoming_.contains(id) &&
+      !mu_.AwaitWithTimeout(absl::Condition(&recovered_), options_.rpc_timeout / 2))
+    return absl::UnavailableError(
+        absl::StrCat(options_.host_name, " is still recovering the moves its previous run left (",
+                     id, " may be one of them); ask again"));
   auto it = incoming_.find(id);
-  return it == incoming_.end() ? nullptr : it->second;
+  if (it == incoming_.end())
+    return absl::NotFoundError(absl::StrCat("no migration ", id, " was prepared here"));
+  std::shared_ptr<Incoming> in = it->second;
+  if (take) incoming_.erase(it);
+  return in;
 }
 
 absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreMember(
     const v1::RestoreIncomingRequest& request) {
   const std::string& id = request.migration_id();
   const pid_t pid = request.endpoint_pid();
-  std::shared_ptr<Incoming> in = FindIncoming(id);
-  if (in == nullptr)
-    return absl::NotFoundError(absl::StrCat("no migration ", id, " was prepared here"));
+  absl::StatusOr<std::shared_ptr<Incoming>> found = FindIncoming(id);
+  if (!found.ok()) return found.status();
+  const std::shared_ptr<Incoming> in = *std::move(found);
   {
     absl::MutexLock lock(&in->mu);
     if (in->rec.phase() != "restored")
@@ -254,9 +263,9 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
     const v1::RestoreIncomingRequest& request) {
   if (request.endpoint_pid() != 0) return RestoreMember(request);
   const std::string& id = request.migration_id();
-  std::shared_ptr<Incoming> in = FindIncoming(id);
-  if (in == nullptr)
-    return absl::NotFoundError(absl::StrCat("no migration ", id, " was prepared here"));
+  absl::StatusOr<std::shared_ptr<Incoming>> found = FindIncoming(id);
+  if (!found.ok()) return found.status();
+  const std::shared_ptr<Incoming> in = *std::move(found);
   const std::string final_dir = in->dir + "/final";
   v1::MigrationRecord rec;
   {
@@ -353,14 +362,11 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
 }
 
 absl::Status Migrator::AbortIncoming(const v1::AbortIncomingRequest& request) {
-  std::shared_ptr<Incoming> in;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = incoming_.find(request.migration_id());
-    if (it == incoming_.end()) return absl::OkStatus();  // nothing (left) here
-    in = std::move(it->second);
-    incoming_.erase(it);
-  }
+  absl::StatusOr<std::shared_ptr<Incoming>> found =
+      FindIncoming(request.migration_id(), /*take=*/true);
+  if (absl::IsNotFound(found.status())) return absl::OkStatus();  // nothing (left) here
+  if (!found.ok()) return found.status();
+  const std::shared_ptr<Incoming> in = *std::move(found);
   absl::MutexLock lock(&in->mu);
   // A restore in flight finds this and kills what it restores from here on.
   in->aborted = true;
@@ -406,15 +412,10 @@ absl::Status Migrator::DropIncoming(Incoming* in, const std::string& why) {
 }
 
 absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {
-  std::shared_ptr<Incoming> in;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = incoming_.find(request.migration_id());
-    if (it != incoming_.end()) {
-      in = std::move(it->second);
-      incoming_.erase(it);
-    }
-  }
+  absl::StatusOr<std::shared_ptr<Incoming>> found =
+      FindIncoming(request.migration_id(), /*take=*/true);
+  if (!found.ok() && !absl::IsNotFound(found.status())) return found.status();
+  const std::shared_ptr<Incoming> in = found.ok() ? *std::move(found) : nullptr;
   pid_t pid = request.endpoint_pid();
   if (pid == 0 && in != nullptr) {
     absl::MutexLock lock(&in->mu);

@@ -452,6 +452,12 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
   if (m.virtual_gid().size() != 16 || (!request.resume_only() && m.physical_gid().size() != 16))
     return absl::InvalidArgumentError("a mapping needs its GIDs, 16 bytes each");
   ReachFailpoint(request.resume_endpoint() ? "serve:resume" : "serve:reconnect");
+  if (request.resume_endpoint()) {
+    // Nothing is re-pointed before this host knows whether the move is
+    // one of those a restart left to Recover(), nor asked again after.
+    absl::StatusOr<std::shared_ptr<Incoming>> in = FindIncoming(request.migration_id());
+    if (absl::IsUnavailable(in.status())) return in.status();
+  }
   for (const v1::Mapping& more : request.more_mappings())
     if (more.virtual_gid().size() != 16 ||
         (!request.resume_only() && more.physical_gid().size() != 16))

@@ -165,7 +165,9 @@ class Migrator {
   // Rolls back (as a source) or aborts (as a destination) every move a
   // previous run of the migrator left unfinished in the state directory,
   // and records the outcome. Run once at start, after the shim socket
-  // listens (shims reconnect to it within a second).
+  // listens (shims reconnect to it within a second). Until it has run, a
+  // step of an incoming move this host does not know waits for it, then
+  // is answered UNAVAILABLE (its source asks again): it may be one of them.
   void Recover();
 
  private:
@@ -312,8 +314,10 @@ class Migrator {
 
   // ---- destination side (incoming.cc)
   std::string IncomingDir(const std::string& id) const;
-  // The incoming move `id`, or nullptr.
-  std::shared_ptr<Incoming> FindIncoming(const std::string& id);
+  // The incoming move `id` (taken out of `incoming_` if `take`), or
+  // NOT_FOUND. Before Recover() has run it waits for it (half an RPC's
+  // deadline at most, then UNAVAILABLE): `id` may be a move it puts back.
+  absl::StatusOr<std::shared_ptr<Incoming>> FindIncoming(const std::string& id, bool take = false);
   // Writes its record; the first failure also stays in in->record_error.
   void PersistIncoming(Incoming* in);
   absl::Status CheckCanHost();
@@ -393,6 +397,8 @@ class Migrator {
   std::deque<v1::MigrationReport> recent_ ABSL_GUARDED_BY(mu_);
   // Shared: an abort takes a move out while its restore may still run.
   std::map<std::string, std::shared_ptr<Incoming>> incoming_ ABSL_GUARDED_BY(mu_);
+  // Set once Recover() has put back the incoming moves a previous run left.
+  bool recovered_ ABSL_GUARDED_BY(mu_) = false;
   // Pids this host peer-quiesced for each migration id.
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
   // Endpoints whose own move has begun to quiesce them (outgoing.cc).

@@ -59,6 +59,8 @@ void Migrator::Recover() {
     if (!rec.done() && rec.tree_lead().empty() && GoesForward(rec)) RecoverSource(dir, rec);
   for (auto& [dir, rec] : ListRecords(options_.state_dir + "/incoming"))
     if (!rec.done()) RecoverDestination(dir, std::move(rec));
+  absl::MutexLock lock(&mu_);
+  recovered_ = true;
 }
 
 void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record,

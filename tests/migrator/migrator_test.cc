@@ -105,8 +105,10 @@ class Cluster {
 
   static std::string Target(int n) { return absl::StrCat("h", n, ":7700"); }
 
-  // (Re)starts host n's migrator on its state directory.
-  void Start(int n) {
+  // (Re)starts host n's migrator on its state directory, and has it
+  // recover what a previous run left there, as the daemon does (unless
+  // the test does that itself, or shows what comes before it).
+  void Start(int n, bool recover = true) {
     Node& node = nodes_[n];
     Migrator::Options o;
     o.host_name = absl::StrCat("h", n);
@@ -177,6 +179,7 @@ class Cluster {
       });
       EXPECT_TRUE(st.ok()) << st;
     }
+    if (recover) node.m->Recover();
   }
 
   void Stop(int n) {
@@ -1389,7 +1392,7 @@ TEST(MigratorRecoveryTest, SourceRollsBackAReleasedStoppedProcess) {
   const std::string dir = c[1].state_dir + "/migrations/crashed-1";
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   c.Stop(1);
-  c.Start(1);
+  c.Start(1, /*recover=*/false);
   c.m(1).Recover();
   FakeEndpoint e = c.host(1).Get(100);
   EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.released && !e.paused);
@@ -1442,7 +1445,7 @@ TEST(MigratorRecoveryTest, ATreeCutBeforeItsRestoreComesBackWhole) {
   ASSERT_TRUE(WriteRecord(dirs + "crashed-2", lead).ok());
   ASSERT_TRUE(WriteRecord(dirs + "crashed-1", member).ok());
   c.Stop(1);
-  c.Start(1);
+  c.Start(1, /*recover=*/false);
   c.m(1).Recover();
   for (pid_t p : {100, 105}) {
     FakeEndpoint e = c.host(1).Get(p);
@@ -1462,7 +1465,7 @@ TEST(MigratorRecoveryTest, SourceResumesAQuiescedProcess) {
   Crash(c, /*released=*/false, /*stopped=*/false);
   ASSERT_TRUE(WriteRecord(c[1].state_dir + "/migrations/crashed-1", CrashedRecord("quiesce")).ok());
   c.Stop(1);
-  c.Start(1);
+  c.Start(1, /*recover=*/false);
   c.m(1).Recover();
   FakeEndpoint e = c.host(1).Get(100);
   EXPECT_FALSE(e.paused);
@@ -1484,7 +1487,7 @@ TEST(MigratorRecoveryTest, SourceRestoresAGoneProcessFromItsFinalDump) {
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   ASSERT_FALSE(c.host(1).Exists(100));
   c.Stop(1);
-  c.Start(1);
+  c.Start(1, /*recover=*/false);
   c.m(1).Recover();
   FakeEndpoint e = c.host(1).Get(100);
   EXPECT_TRUE(e.alive && e.connected && !e.released && !e.paused);
@@ -1513,7 +1516,7 @@ TEST(MigratorRecoveryTest, ADestinationCopyThatCannotBeKilledIsSaid) {
   v1::MigrationRecord rec = RestoringRecord("crashed-2");
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   c.Stop(2);
-  c.Start(2);
+  c.Start(2, /*recover=*/false);
   c.host(2).kill_error = absl::InternalError("task stuck in D state");
   c.m(2).Recover();
   EXPECT_TRUE(c.host(2).Exists(100));
@@ -1536,7 +1539,7 @@ TEST(MigratorRecoveryTest, DestinationKillsAHalfRestoredProcess) {
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   std::filesystem::create_directories(dir + "/final");
   c.Stop(2);
-  c.Start(2);
+  c.Start(2, /*recover=*/false);
   c.m(2).Recover();
   EXPECT_FALSE(c.host(2).Exists(100));
   EXPECT_FALSE(std::filesystem::exists(dir + "/final"));
@@ -1564,7 +1567,7 @@ v1::MigrationRecord RecoverWithThePidReused(Cluster& c, const std::string& phase
   c.Stop(1);
   c.host(1).ReusePid(100);
   EXPECT_NE(c.host(1).Identity(100), rec.identity());
-  c.Start(1);
+  c.Start(1, /*recover=*/false);
   c.m(1).Recover();
   EXPECT_TRUE(c.host(1).Exists(100));
   EXPECT_THAT(c.host(1).Events(), AllOf(Not(Contains("kill 100")), Not(Contains("continue 100"))));
@@ -1597,7 +1600,7 @@ TEST(MigratorRecoveryTest, DestinationDoesNotKillAStrangerGivenTheRestoredPid) {
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   c.Stop(2);
   c.host(2).ReusePid(100);
-  c.Start(2);
+  c.Start(2, /*recover=*/false);
   c.m(2).Recover();
   EXPECT_TRUE(c.host(2).Exists(100));
   EXPECT_THAT(c.host(2).Events(), Not(Contains("kill 100")));
@@ -1606,6 +1609,52 @@ TEST(MigratorRecoveryTest, DestinationDoesNotKillAStrangerGivenTheRestoredPid) {
   EXPECT_EQ(after->phase(), "aborted");
   EXPECT_THAT(after->report().error(),
               HasSubstr("restored process 100 was gone (its pid names another process now)"));
+}
+
+// h2's migrator restarted after it restored P (endpoint 100, moved from
+// h1) and confirmed the restore, and the source asks it to resume P
+// before its recovery has put that move back (the daemon recovers beside
+// serving, after `criu check`): the answer is UNAVAILABLE, which the
+// source asks again, not "no endpoint to resume" (which ended a move in
+// the lab with P paused) nor an abort's "nothing here" (which would leave
+// P paused for good). Once recovered, P is resumed.
+TEST(MigratorRecoveryTest, AMoveAskedAboutBeforeTheDestinationRecoveredIsAskedAgain) {
+  Cluster c("recover-dst-early");
+  FakeEndpoint& p = c.host(2).Add(100, VGid(1), {});
+  p.paused = true;
+  p.connected = false;  // its shim has not reconnected to the new run yet
+  const std::string dir = c[2].state_dir + "/incoming/moved-1";
+  v1::MigrationRecord rec = RestoringRecord("moved-1");
+  rec.set_phase("restored");
+  rec.set_confirmed(true);
+  rec.mutable_report()->set_pid(100);
+  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  c.Stop(2);
+  c.Start(2, /*recover=*/false);
+
+  v1::ReconnectPeersRequest resume;
+  resume.set_migration_id("moved-1");
+  resume.set_resume_endpoint(true);
+  resume.set_resume_only(true);
+  resume.mutable_mapping()->set_virtual_gid(VGid(1));
+  absl::StatusOr<v1::ReconnectPeersResponse> early = c.m(2).ReconnectPeers(resume);
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable) << early.status();
+  EXPECT_THAT(early.status().message(), HasSubstr("still recovering"));
+  v1::AbortIncomingRequest abort;
+  abort.set_migration_id("moved-1");
+  EXPECT_EQ(c.m(2).AbortIncoming(abort).code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(c.host(2).Get(100).paused);
+  EXPECT_TRUE(c.host(2).Exists(100));
+
+  p.connected = true;
+  c.m(2).Recover();
+  absl::StatusOr<v1::ReconnectPeersResponse> asked_again = c.m(2).ReconnectPeers(resume);
+  ASSERT_TRUE(asked_again.ok()) << asked_again.status();
+  EXPECT_FALSE(c.host(2).Get(100).paused);
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->done());
+  EXPECT_TRUE(after->report().ok());
 }
 
 // ---- guests ---------------------------------------------------------------

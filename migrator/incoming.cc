@@ -209,11 +209,8 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
 absl::StatusOr<std::shared_ptr<Migrator::Incoming>> Migrator::FindIncoming(const std::string& id,
                                                                            bool take) {
   absl::MutexLock lock(&mu_);
-  if (!incoming_.contains(id) &&
-      !mu_.AwaitWithTimeout(absl::Condition(&recovered_), options_.rpc_timeout / 2))
-    return absl::UnavailableError(
-        absl::StrCat(options_.host_name, " is still recovering the moves its previous run left (",
-                     id, " may be one of them); ask again"));
+  if (!incoming_.contains(id))
+    if (absl::Status st = AwaitRecovery(id); !st.ok()) return st;
   auto it = incoming_.find(id);
   if (it == incoming_.end())
     return absl::NotFoundError(absl::StrCat("no migration ", id, " was prepared here"));
@@ -412,10 +409,17 @@ absl::Status Migrator::DropIncoming(Incoming* in, const std::string& why) {
 }
 
 absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {
-  absl::StatusOr<std::shared_ptr<Incoming>> found =
-      FindIncoming(request.migration_id(), /*take=*/true);
-  if (!found.ok() && !absl::IsNotFound(found.status())) return found.status();
-  const std::shared_ptr<Incoming> in = found.ok() ? *std::move(found) : nullptr;
+  // Asked by a remote host once this one recovered (ReconnectPeers), or
+  // by this host for a tree it moves: no wait for recovery here.
+  std::shared_ptr<Incoming> in;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = incoming_.find(request.migration_id());
+    if (it != incoming_.end()) {
+      in = std::move(it->second);
+      incoming_.erase(it);
+    }
+  }
   pid_t pid = request.endpoint_pid();
   if (pid == 0 && in != nullptr) {
     absl::MutexLock lock(&in->mu);

@@ -448,16 +448,22 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
 
 absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
     const v1::ReconnectPeersRequest& request) {
+  {
+    // A restarted host re-points and resumes nothing before it has found
+    // again what its previous run knew: the peers among its shims, the
+    // moves it left. Asked again, it finds them; it would not, after.
+    absl::MutexLock lock(&mu_);
+    if (absl::Status st = AwaitRecovery(request.migration_id()); !st.ok()) return st;
+  }
+  return ReconnectHere(request);
+}
+
+absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectHere(
+    const v1::ReconnectPeersRequest& request) {
   const v1::Mapping& m = request.mapping();
   if (m.virtual_gid().size() != 16 || (!request.resume_only() && m.physical_gid().size() != 16))
     return absl::InvalidArgumentError("a mapping needs its GIDs, 16 bytes each");
   ReachFailpoint(request.resume_endpoint() ? "serve:resume" : "serve:reconnect");
-  if (request.resume_endpoint()) {
-    // Nothing is re-pointed before this host knows whether the move is
-    // one of those a restart left to Recover(), nor asked again after.
-    absl::StatusOr<std::shared_ptr<Incoming>> in = FindIncoming(request.migration_id());
-    if (absl::IsUnavailable(in.status())) return in.status();
-  }
   for (const v1::Mapping& more : request.more_mappings())
     if (more.virtual_gid().size() != 16 ||
         (!request.resume_only() && more.physical_gid().size() != 16))

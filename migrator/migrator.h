@@ -74,6 +74,12 @@ class Migrator {
     // or the endpoint resumed there is asked again, every second, for this
     // long: a restarted migrator finds the shims again and can do it.
     absl::Duration restart_wait = absl::Minutes(2);
+    // A restarted migrator's shims come back within this (each retries
+    // every second). Until then, and until Recover() has run, a step that
+    // needs what the previous run knew (re-pointing peers, resuming a moved
+    // endpoint, a move it does not know yet) is answered UNAVAILABLE, and
+    // the source asks again.
+    absl::Duration shims_return_within = absl::Seconds(5);
     // Where the cluster's migrators find each other (inventory.h); none:
     // one host, or peers found by their GIDs' IPv4 addresses.
     Inventory* inventory = nullptr;
@@ -159,15 +165,17 @@ class Migrator {
       const v1::RestoreIncomingRequest& request);
   absl::Status AbortIncoming(const v1::AbortIncomingRequest& request);
   absl::StatusOr<v1::QuiescePeersResponse> QuiescePeers(const v1::QuiescePeersRequest& request);
+  // Asked by another host: not before Recover() has run (UNAVAILABLE
+  // after half an RPC's deadline), nor do the steps above on a move this
+  // host does not know yet.
   absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeers(
       const v1::ReconnectPeersRequest& request);
 
   // Rolls back (as a source) or aborts (as a destination) every move a
   // previous run of the migrator left unfinished in the state directory,
   // and records the outcome. Run once at start, after the shim socket
-  // listens (shims reconnect to it within a second). Until it has run, a
-  // step of an incoming move this host does not know waits for it, then
-  // is answered UNAVAILABLE (its source asks again): it may be one of them.
+  // listens (shims reconnect to it within a second); it ends no sooner
+  // than Options::shims_return_within after the Migrator was made.
   void Recover();
 
  private:
@@ -314,9 +322,12 @@ class Migrator {
 
   // ---- destination side (incoming.cc)
   std::string IncomingDir(const std::string& id) const;
+  // OK once Recover() has run (waited for, half an RPC's deadline at
+  // most); else UNAVAILABLE, which the source of move `id` asks again.
+  absl::Status AwaitRecovery(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The incoming move `id` (taken out of `incoming_` if `take`), or
-  // NOT_FOUND. Before Recover() has run it waits for it (half an RPC's
-  // deadline at most, then UNAVAILABLE): `id` may be a move it puts back.
+  // NOT_FOUND; an unknown one once Recover() has run (AwaitRecovery): it
+  // may be one of the moves it puts back.
   absl::StatusOr<std::shared_ptr<Incoming>> FindIncoming(const std::string& id, bool take = false);
   // Writes its record; the first failure also stays in in->record_error.
   void PersistIncoming(Incoming* in);
@@ -346,6 +357,10 @@ class Migrator {
   // first move finishes (or finished) on its destination.
   void RecoverSource(const std::string& dir, v1::MigrationRecord record, bool tree_forward = false);
   void RecoverDestination(const std::string& dir, v1::MigrationRecord record);
+  // ReconnectPeers as this host's own step (a move or a recovery from
+  // here), not waiting for Recover().
+  absl::StatusOr<v1::ReconnectPeersResponse> ReconnectHere(
+      const v1::ReconnectPeersRequest& request);
 
   // Service addresses: checked where they are, then moved ("a.b.c.d/len@if"
   // entries of MigrationRecord.addresses). Add undoes itself on failure;
@@ -399,6 +414,7 @@ class Migrator {
   std::map<std::string, std::shared_ptr<Incoming>> incoming_ ABSL_GUARDED_BY(mu_);
   // Set once Recover() has put back the incoming moves a previous run left.
   bool recovered_ ABSL_GUARDED_BY(mu_) = false;
+  const absl::Time started_ = absl::Now();
   // Pids this host peer-quiesced for each migration id.
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
   // Endpoints whose own move has begun to quiesce them (outgoing.cc).

@@ -408,7 +408,7 @@ absl::Status Migrator::ReconnectOn(Move* m, const std::vector<std::string>& targ
                                                                   absl::UnknownError("not asked"));
   AllAtOnce(targets.size(), [&](size_t i) {
     results[i] = targets[i].empty()
-                     ? ReconnectPeers(req)
+                     ? ReconnectHere(req)
                      : ReconnectPeersOn(m, targets[i], req,
                                         absl::StrCat("reconnecting the peers on ", targets[i]));
   });
@@ -941,7 +941,7 @@ void Migrator::RollBackLinked(Move* lead, const std::vector<std::unique_ptr<Move
     here.set_resume_endpoint(true);
     here.set_endpoint_pid(lead->rec.report().pid());
     for (Move* x : all) here.add_tree_pids(x->rec.report().pid());
-    if (absl::StatusOr<v1::ReconnectPeersResponse> r = ReconnectPeers(here); !r.ok())
+    if (absl::StatusOr<v1::ReconnectPeersResponse> r = ReconnectHere(here); !r.ok())
       problems.push_back(std::string(r.status().message()));
   }
   for (auto it = all.rbegin(); it != all.rend(); ++it) {

@@ -59,8 +59,19 @@ void Migrator::Recover() {
     if (!rec.done() && rec.tree_lead().empty() && GoesForward(rec)) RecoverSource(dir, rec);
   for (auto& [dir, rec] : ListRecords(options_.state_dir + "/incoming"))
     if (!rec.done()) RecoverDestination(dir, std::move(rec));
+  // Meanwhile the shims connected to the previous run say Hello again:
+  // the peers a re-point must find.
+  absl::SleepFor(started_ + options_.shims_return_within - absl::Now());
   absl::MutexLock lock(&mu_);
   recovered_ = true;
+}
+
+absl::Status Migrator::AwaitRecovery(const std::string& id) {
+  if (mu_.AwaitWithTimeout(absl::Condition(&recovered_), options_.rpc_timeout / 2))
+    return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      options_.host_name, " is still finding again what its previous run left ",
+      "(moves in flight, the shims' connections) before a step of ", id, "; ask again"));
 }
 
 void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record,

@@ -119,6 +119,7 @@ class Cluster {
     o.rpc_timeout = absl::Seconds(5);
     o.transfer_timeout = absl::Seconds(10);
     o.restart_wait = absl::Seconds(3);
+    o.shims_return_within = absl::ZeroDuration();  // a fake host's never left
     o.drain_timeout_ms = 100;
     if (inventory_.empty()) {
       o.locate_peer = [this, n](const std::string& gid) -> std::string {
@@ -1639,7 +1640,7 @@ TEST(MigratorRecoveryTest, AMoveAskedAboutBeforeTheDestinationRecoveredIsAskedAg
   resume.mutable_mapping()->set_virtual_gid(VGid(1));
   absl::StatusOr<v1::ReconnectPeersResponse> early = c.m(2).ReconnectPeers(resume);
   EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable) << early.status();
-  EXPECT_THAT(early.status().message(), HasSubstr("still recovering"));
+  EXPECT_THAT(early.status().message(), HasSubstr("ask again"));
   v1::AbortIncomingRequest abort;
   abort.set_migration_id("moved-1");
   EXPECT_EQ(c.m(2).AbortIncoming(abort).code(), absl::StatusCode::kUnavailable);
@@ -1655,6 +1656,36 @@ TEST(MigratorRecoveryTest, AMoveAskedAboutBeforeTheDestinationRecoveredIsAskedAg
   ASSERT_TRUE(after.ok());
   EXPECT_TRUE(after->done());
   EXPECT_TRUE(after->report().ok());
+}
+
+// h3's migrator restarted while its endpoint 300 was paused as a peer of
+// P (endpoint 100, moved h1 -> h2), and is asked to re-point it before
+// its shim said Hello again: the answer is UNAVAILABLE, asked again once
+// it has recovered, which re-points 300. Before, h3 answered OK having
+// found no peer among its shims, and 300 stayed paused for good.
+TEST(MigratorRecoveryTest, APeerHostAskedToRePointBeforeItRecoveredIsAskedAgain) {
+  Cluster c("recover-peer-early");
+  FakeEndpoint& peer = c.host(3).Add(300, VGid(3), {FakeQp{31, 2, VGid(1), 11, Gid(1)}});
+  v1::MigratorToShim q;
+  q.mutable_peer_quiesce()->set_virtual_gid(VGid(1));
+  ASSERT_TRUE(c.host(3).Call(300, q, absl::Seconds(1)).ok());
+  peer.connected = false;
+  c.Stop(3);
+  c.Start(3, /*recover=*/false);
+
+  v1::ReconnectPeersRequest repoint;
+  repoint.set_migration_id("moved-1");
+  repoint.mutable_mapping()->set_virtual_gid(VGid(1));
+  repoint.mutable_mapping()->set_physical_gid(Gid(2));
+  absl::StatusOr<v1::ReconnectPeersResponse> early = c.m(3).ReconnectPeers(repoint);
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable) << early.status();
+  EXPECT_TRUE(c.host(3).Get(300).paused);
+
+  peer.connected = true;
+  c.m(3).Recover();
+  absl::StatusOr<v1::ReconnectPeersResponse> asked_again = c.m(3).ReconnectPeers(repoint);
+  ASSERT_TRUE(asked_again.ok()) << asked_again.status();
+  ExpectRepointedToH2(c.host(3).Get(300));
 }
 
 // ---- guests ---------------------------------------------------------------

@@ -66,7 +66,11 @@ MigratorFixture::MigratorFixture(const std::string& state_dir) {
   o.guest_nic_first = "10.9.2.1/16";
   o.guest_nic_capacity = 4;
   o.addresses = &host_;
+  o.shims_return_within = absl::ZeroDuration();  // the fake host's shims never left
   migrator_ = std::make_unique<migrator::Migrator>(o, &host_, &host_, &host_);
+  // As the daemon does at start: until then, a step of an unknown move
+  // waits for it.
+  migrator_->Recover();
 }
 
 }  // namespace rdmavirt::fuzz

@@ -39,7 +39,9 @@ class GrpcTlsTest : public ::testing::Test {
     o.state_dir = certs_ + "/state";
     o.connect = [](const std::string&) { return nullptr; };
     o.list_devices = [] { return std::vector<v1::RdmaDevice>(); };
+    o.shims_return_within = absl::ZeroDuration();
     migrator_ = std::make_unique<Migrator>(o, &host_, &host_, &host_);
+    migrator_->Recover();  // as the daemon does: a step of an unknown move waits for it
     op_ = std::make_unique<OperatorService>(migrator_.get());
     transfer_ = std::make_unique<TransferService>(migrator_.get());
     grpc::ServerBuilder b;

@@ -107,7 +107,7 @@ class Cluster {
 
   // (Re)starts host n's migrator on its state directory, and has it
   // recover what a previous run left there, as the daemon does (unless
-  // the test does that itself, or shows what comes before it).
+  // the test shows what comes before that, or sets the host up for it).
   void Start(int n, bool recover = true) {
     Node& node = nodes_[n];
     Migrator::Options o;
@@ -1393,8 +1393,7 @@ TEST(MigratorRecoveryTest, SourceRollsBackAReleasedStoppedProcess) {
   const std::string dir = c[1].state_dir + "/migrations/crashed-1";
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   c.Stop(1);
-  c.Start(1, /*recover=*/false);
-  c.m(1).Recover();
+  c.Start(1);
   FakeEndpoint e = c.host(1).Get(100);
   EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.released && !e.paused);
   EXPECT_EQ(c.host(3).Get(300).reconnected_to.back().physical_gid(), Gid(1));
@@ -1446,8 +1445,7 @@ TEST(MigratorRecoveryTest, ATreeCutBeforeItsRestoreComesBackWhole) {
   ASSERT_TRUE(WriteRecord(dirs + "crashed-2", lead).ok());
   ASSERT_TRUE(WriteRecord(dirs + "crashed-1", member).ok());
   c.Stop(1);
-  c.Start(1, /*recover=*/false);
-  c.m(1).Recover();
+  c.Start(1);
   for (pid_t p : {100, 105}) {
     FakeEndpoint e = c.host(1).Get(p);
     EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.released && !e.paused) << p;
@@ -1466,8 +1464,7 @@ TEST(MigratorRecoveryTest, SourceResumesAQuiescedProcess) {
   Crash(c, /*released=*/false, /*stopped=*/false);
   ASSERT_TRUE(WriteRecord(c[1].state_dir + "/migrations/crashed-1", CrashedRecord("quiesce")).ok());
   c.Stop(1);
-  c.Start(1, /*recover=*/false);
-  c.m(1).Recover();
+  c.Start(1);
   FakeEndpoint e = c.host(1).Get(100);
   EXPECT_FALSE(e.paused);
   EXPECT_THAT(Commands(e.log), Not(Contains("restore")));
@@ -1488,8 +1485,7 @@ TEST(MigratorRecoveryTest, SourceRestoresAGoneProcessFromItsFinalDump) {
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   ASSERT_FALSE(c.host(1).Exists(100));
   c.Stop(1);
-  c.Start(1, /*recover=*/false);
-  c.m(1).Recover();
+  c.Start(1);
   FakeEndpoint e = c.host(1).Get(100);
   EXPECT_TRUE(e.alive && e.connected && !e.released && !e.paused);
   EXPECT_EQ(c.host(1).restores, 1);
@@ -1540,8 +1536,7 @@ TEST(MigratorRecoveryTest, DestinationKillsAHalfRestoredProcess) {
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   std::filesystem::create_directories(dir + "/final");
   c.Stop(2);
-  c.Start(2, /*recover=*/false);
-  c.m(2).Recover();
+  c.Start(2);
   EXPECT_FALSE(c.host(2).Exists(100));
   EXPECT_FALSE(std::filesystem::exists(dir + "/final"));
   absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
@@ -1568,8 +1563,7 @@ v1::MigrationRecord RecoverWithThePidReused(Cluster& c, const std::string& phase
   c.Stop(1);
   c.host(1).ReusePid(100);
   EXPECT_NE(c.host(1).Identity(100), rec.identity());
-  c.Start(1, /*recover=*/false);
-  c.m(1).Recover();
+  c.Start(1);
   EXPECT_TRUE(c.host(1).Exists(100));
   EXPECT_THAT(c.host(1).Events(), AllOf(Not(Contains("kill 100")), Not(Contains("continue 100"))));
   absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
@@ -1601,8 +1595,7 @@ TEST(MigratorRecoveryTest, DestinationDoesNotKillAStrangerGivenTheRestoredPid) {
   ASSERT_TRUE(WriteRecord(dir, rec).ok());
   c.Stop(2);
   c.host(2).ReusePid(100);
-  c.Start(2, /*recover=*/false);
-  c.m(2).Recover();
+  c.Start(2);
   EXPECT_TRUE(c.host(2).Exists(100));
   EXPECT_THAT(c.host(2).Events(), Not(Contains("kill 100")));
   absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);

@@ -29,6 +29,13 @@ SHIM = f"RDMAVIRT_SOCKET={SOCK} LD_PRELOAD={BUILD}/shim/librdmavirt.so "
 LOGS = "/lab/inventory-logs"
 ETCD_PORT = 2379
 ETCD_PEER_PORT = 2380
+# etcd's raft ticks every heartbeat (100 ms by default): on TCG hosts an
+# idle member took half a CPU, three of them most of the machine's two
+# cores, and every other step of the group crawled (`rdmavirtctl ps` 7 to
+# 25 s). Ticking every 500 ms halves it (measured: 507 to 582 ticks of CPU
+# per 10 s against 201 to 240). A killed leader is replaced after 5 to
+# 10 s instead of 1 to 2; the migrators' reads wait for it.
+ETCD_TIMING = "--heartbeat-interval 500 --election-timeout 5000"
 ETCD = ",".join(f"https://10.78.0.{n}:{ETCD_PORT}" for n in (1, 2, 3))
 CTL = f"{BUILD}/tools/rdmavirtctl/rdmavirtctl"
 TTL = 10
@@ -77,7 +84,7 @@ def etcd_up():
                 f"--advertise-client-urls https://{mgmt(n)}:{ETCD_PORT} "
                 f"--listen-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
                 f"--initial-advertise-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
-                f"--initial-cluster {cluster} --initial-cluster-state new {tls} "
+                f"--initial-cluster {cluster} --initial-cluster-state new {tls} {ETCD_TIMING} "
                 f">> {LOGS}/etcd-host{n}.log 2>&1 < /dev/null &\n{until_script(listening, 60)}")
 
     for n, r in run_all({n: start(n) for n in hosts if n not in up}, 75).items():

@@ -599,11 +599,14 @@ int DrainCq(Cq* cq, uint32_t* sends) {
   }
   cq->pending_count = static_cast<uint32_t>(cq->pending.size());
   // Held completions are handed out by the translating path.
-  if (cq->pending_count > 0) {
-    cq->long_way.store(true, std::memory_order_relaxed);
-    cq->path.Set(Path::kTranslated);
-  }
+  if (cq->pending_count > 0) cq->path.SetLongWay();
   return total;
+}
+
+void MarkersLate(Cq* cq) {
+  cq->markers_late = true;
+  cq->marked_base.store(false);
+  cq->path.SetLongWay();
 }
 
 namespace {
@@ -877,7 +880,7 @@ inline int TakePending(Cq* cq, int n, ibv_wc* wc) {
 // `path` back.
 void BackToMarked(Cq* cq) {
   if (!cq->marked_base.load() || cq->pending_head.load() < cq->pending_count) return;
-  if (cq->path.Exchange(Path::kTranslated, Path::kMarked) && !cq->marked_base.load())
+  if (cq->path.EndLongWay(Path::kMarked) && !cq->marked_base.load())
     cq->path.Set(Path::kTranslated);
 }
 
@@ -913,7 +916,7 @@ void BackToMarked(Cq* cq) {
   // migratable and never paused).
   if (cq->pending_head.load(std::memory_order_acquire) >= cq->pending_count && !cq->markers_late &&
       !cq->marked_base.load(std::memory_order_relaxed))
-    cq->long_way.store(false, std::memory_order_relaxed);
+    cq->path.EndLongWay(Path::kTranslated);
   return got;
 }
 
@@ -935,8 +938,10 @@ void BackToMarked(Cq* cq) {
   return VirtualizeAll(cq, wc, 1);
 }
 
+// A poll on the translating path whose word was not compared with
+// kTranslated's, which excludes the long way (the gated entries).
 [[gnu::always_inline]] inline int PollTranslated(Cq* cq, int n, ibv_wc* wc) {
-  if (cq->long_way.load(std::memory_order_relaxed)) [[unlikely]]
+  if (cq->path.long_way()) [[unlikely]]
     return PollTranslatedSlow(cq, n, wc);
   return PollAndVirtualize(cq, n, wc);
 }
@@ -974,14 +979,15 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
   if (cq->path.Is(Path::kDirect)) [[likely]]
     return cq->real_poll_cq(cq->real, n, wc);
-  if (cq->long_way.load(std::memory_order_relaxed)) [[unlikely]]
+  if (cq->path.long_way()) [[unlikely]]
     return PollTranslatedSlow(cq, n, wc);
   return PollTranslatedOut(cq, n, wc);
 }
 
-// As PostSendInMark.
+// As PostSendInMark. The gate compared the word with kTranslated's: no
+// long way.
 [[gnu::noinline]] int PollCqInMark(Cq* cq, int n, ibv_wc* wc) {
-  const int got = PollTranslated(cq, n, wc);
+  const int got = PollAndVirtualize(cq, n, wc);
   LeaveFast();
   return got;
 }
@@ -999,9 +1005,10 @@ int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
 }
 
 // Out of line (the marked path keeps no register), and in the section:
-// its frame stays while the completions are translated.
+// its frame stays while the completions are translated. Its word was
+// kTranslated's: no long way.
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PollCqTranslatedProbed(Cq* cq, int n, ibv_wc* wc) {
-  return PollTranslated(cq, n, wc);
+  return PollAndVirtualize(cq, n, wc);
 }
 [[RDMAVIRT_PROBED_PATH]] int PollCqProbed(ibv_cq* ibcq, int n, ibv_wc* wc) {
   Cq* cq = AsCq(ibcq);
@@ -1010,7 +1017,7 @@ int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
     return cq->real_poll_cq(cq->real, n, wc);
   if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
     return PollCqTranslatedProbed(cq, n, wc);
-  return PollCqGated(cq, n, wc);  // paused
+  return PollCqGated(cq, n, wc);  // paused, or the long way
 }
 
 // Arms the real CQ. A CQ that may be paused also remembers that the

@@ -23,6 +23,10 @@ int PostSendReal(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 int PostRecvReal(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
 int PostSrqRecvReal(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad);
 int DrainCq(Cq* cq, uint32_t* sends);
+// A drain gave up before the markers it posted on `cq`'s QPs completed:
+// the CQ translates from now on and its polls drop them (the process
+// paused).
+void MarkersLate(Cq* cq);
 
 // The wr_ids of a QP's drain markers: addresses inside the shim's own
 // object, which no application WR can carry.

@@ -453,10 +453,7 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
       // from now on, and the translating path drops it.
       for (const Qp* qp : qps) {
         if (!qp->send_marker_pending || qp->send_cq == nullptr) continue;
-        qp->send_cq->markers_late = true;
-        qp->send_cq->long_way.store(true, std::memory_order_relaxed);
-        qp->send_cq->marked_base.store(false);
-        qp->send_cq->path.Set(Path::kTranslated);
+        MarkersLate(qp->send_cq);
       }
       return Error(Code::kDeadlineExceeded, "sends still in flight after " +
                                                 std::to_string(drain_timeout_ms) + " ms (" + which +

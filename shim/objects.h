@@ -120,12 +120,10 @@ struct Cq {
   // What `path` returns to once held completions are handed out.
   std::atomic<bool> marked_base{false};
   // A drain gave up before its marker came: the translating path drops it.
+  // `path` takes the long way (PathState::kLongWayBit) while completions
+  // are held (pending), markers are late, or held completions handed out
+  // must be followed by a return to the marked path (marked_base).
   bool markers_late = false;
-  // Set with any of: completions held (pending), markers_late, marked_base
-  // (each set only before the CQ is published or while the process is
-  // paused); cleared by a poller of the translating path that found none
-  // of them. The translating path tests this one flag.
-  std::atomic<bool> long_way{false};
   int (*real_poll_cq)(ibv_cq*, int, ibv_wc*) = nullptr;
   ibv_cq_ex* real_ex = nullptr;  // when created with ibv_create_cq_ex
   bool extended = false;         // it was: a restore re-creates it so

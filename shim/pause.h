@@ -72,14 +72,23 @@ enum class Path : uint8_t {
   kTranslated,
 };
 
-// A queue's or CQ's Path (low byte) and its pause flag, in one word: a
-// migratable post checks both with one compare.
+// A queue's or CQ's Path (low byte), its pause flag and a CQ's long way,
+// in one word: a migratable post or poll checks them with one compare.
 class PathState {
  public:
   static constexpr uint16_t kPausedBit = 0x100;
+  // A CQ's polls take the long way (data_path.cc, PollTranslatedSlow):
+  // completions a pause held to hand out, a drain's late markers to drop,
+  // or a way back to the marked path once they are out. Set with
+  // kTranslated only, and only while the CQ's process is paused (or the
+  // CQ unpublished); a poller clears it. The translating entries compare
+  // the word with kTranslated's: with it set, they take the gated path,
+  // which tests it, and the common poll tests nothing more.
+  static constexpr uint16_t kLongWayBit = 0x200;
 
   Path get() const { return static_cast<Path>(bits_.load(std::memory_order_relaxed) & 0xff); }
   bool paused() const { return bits_.load(std::memory_order_relaxed) & kPausedBit; }
+  bool long_way() const { return bits_.load(std::memory_order_relaxed) & kLongWayBit; }
   // On path `p` and not paused.
   bool Is(Path p) const {
     return bits_.load(std::memory_order_relaxed) == static_cast<uint16_t>(p);
@@ -92,11 +101,27 @@ class PathState {
   // a thread that stalled across a pause and its release could have read
   // what the release freed.
   uint16_t word() const { return bits_.load(std::memory_order_acquire); }
-  // The path; the pause flag is kept.
+  // The path; the pause flag and the long way are kept.
   void Set(Path p) {
     uint16_t old = bits_.load();
-    while (!bits_.compare_exchange_weak(old, (old & kPausedBit) | static_cast<uint16_t>(p))) {
+    while (!bits_.compare_exchange_weak(
+        old, (old & (kPausedBit | kLongWayBit)) | static_cast<uint16_t>(p))) {
     }
+  }
+  // kTranslated, the long way taken (control thread: while paused, or
+  // before the CQ is published); the pause flag is kept.
+  void SetLongWay() {
+    uint16_t old = bits_.load();
+    while (!bits_.compare_exchange_weak(
+        old, (old & kPausedBit) | kLongWayBit | static_cast<uint16_t>(Path::kTranslated))) {
+    }
+  }
+  // A poller that found nothing left for the long way: from kTranslated
+  // on the long way to `to`, unless paused or changed meanwhile (the next
+  // poll takes the long way again).
+  bool EndLongWay(Path to) {
+    uint16_t expected = kLongWayBit | static_cast<uint16_t>(Path::kTranslated);
+    return bits_.compare_exchange_strong(expected, static_cast<uint16_t>(to));
   }
   // Control thread (pause.h's protocol: set, then PauseGate::Close).
   void SetPaused(bool on) {

@@ -501,7 +501,6 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   // unless the mode marks them.
   cq->path.Set(mode_.offset ? Path::kTranslated : migratable_ ? Path::kMarked : Path::kDirect);
   cq->marked_base.store(cq->path.get() == Path::kMarked);
-  cq->long_way.store(cq->marked_base.load(), std::memory_order_relaxed);
   cq->cqe = cqe;
   cq->slack = slack;
   cq->real_ex = real_ex;

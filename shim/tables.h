@@ -59,12 +59,13 @@ class MrTable {
 };
 
 // Shadow QP by physical QPN: direct-mapped, with a short overflow list for
-// the rare collision (QPNs that differ only above kBits). A free slot
-// holds a QP no completion names (kNoQpn), so the completion path's
-// lookup tests no null pointer.
+// the rare collision (live QPs whose numbers differ only above kBits). A
+// free slot holds a QP no completion names (kNoQpn), so the completion
+// path's lookup tests no null pointer. 16 bits: the home slot is the QPN's
+// low half-word, taken with one zero-extending move.
 class QpIndex {
  public:
-  static constexpr uint32_t kBits = 17;
+  static constexpr uint32_t kBits = 16;
   static constexpr uint32_t kOverflow = 64;
 
   QpIndex();

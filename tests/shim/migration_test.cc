@@ -320,6 +320,35 @@ TEST_F(MigrationTest, CompletionsFoundByTheDrainWaitInTheShadowCq) {
   EXPECT_TRUE(Drain(pdev_->cq).empty());
 }
 
+// Completions a pause held are handed out on the long way; once they are
+// out, the CQ's word is its path's alone again, which the one-compare
+// entries take: the marked path after a pause, the translating one after
+// a move.
+TEST_F(MigrationTest, ACqThatHandedOutHeldCompletionsTakesItsOneCompareEntryAgain) {
+  Connect();
+  const Cq* cq = ShimCq(pdev_->cq);
+  ASSERT_TRUE(cq->path.Is(Path::kMarked));
+  for (bool move : {false, true}) {
+    PostRecv(q_, qqp_, 100, qbuf_, qmr_);
+    ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "x"), 0);  // not polled yet
+    Quiesce();
+    EXPECT_EQ(p_.Describe().pending_completions, 1u);
+    EXPECT_TRUE(cq->path.long_way());
+    if (move) {
+      ASSERT_TRUE(p_.Release().ok());
+      ASSERT_TRUE(p_.Restore("", {}).ok());
+      ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());  // Q resumes
+    } else {
+      ASSERT_TRUE(q_.Resume().ok());
+    }
+    ASSERT_TRUE(p_.Resume().ok());
+    EXPECT_EQ(WrIds(Drain(pdev_->cq)), (std::vector<uint64_t>{1})) << "move " << move;
+    EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{100}));
+    EXPECT_FALSE(cq->path.long_way()) << "move " << move;
+    EXPECT_TRUE(cq->path.Is(move ? Path::kTranslated : Path::kMarked)) << "move " << move;
+  }
+}
+
 TEST_F(MigrationTest, AQpInTheErrorStateDoesNotHoldUpTheDrain) {
   Connect();
   // Q is not ready for it: RNR, retries exhausted, P's QP in error.
@@ -789,9 +818,7 @@ TEST_F(DrainTest, AMarkerThatCompletesAfterTheDrainGaveUpIsNotShown) {
     ibv_send_wr* bad = nullptr;
     ASSERT_EQ(qp->real_post_send(qp->real, &marker, &bad), 0);
     ASSERT_EQ(Send(pqp_, 2, pbuf_ + 2048, pmr_, "two"), 0);
-    cq->markers_late = true;  // what the drain sets when it gives up
-    cq->marked_base.store(false);
-    cq->path.Set(Path::kTranslated);
+    MarkersLate(cq);  // what the drain does when it gives up
     std::vector<uint64_t> got;
     ibv_wc wc[16];
     // A poll that found only the marker finds nothing: the next one goes on.

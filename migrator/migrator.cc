@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <optional>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -246,6 +247,23 @@ absl::StatusOr<v1::EndpointSummary> Migrator::Describe(pid_t pid) {
   return r->summary();
 }
 
+// Every shim is asked at once: one slow to answer (its process stopped,
+// its control thread busy) costs its own deadline, not one per shim; a
+// peer's quiesce asks every shim of the host, inside the blackout.
+std::vector<absl::StatusOr<v1::EndpointSummary>> Migrator::DescribeAll(
+    const std::vector<ShimInfo>& shims) {
+  constexpr size_t kAtOnce = 64;
+  std::vector<absl::StatusOr<v1::EndpointSummary>> out(shims.size(),
+                                                       absl::UnknownError("not asked"));
+  for (size_t first = 0; first < shims.size(); first += kAtOnce) {
+    std::vector<std::thread> asking;
+    for (size_t i = first; i < shims.size() && i < first + kAtOnce; ++i)
+      asking.emplace_back([this, &shims, &out, i] { out[i] = Describe(shims[i].pid); });
+    for (std::thread& t : asking) t.join();
+  }
+  return out;
+}
+
 // A terminal cannot follow a process to another host, nor come back to a
 // restore. A pseudo-terminal whose master side stays behind (a shell's,
 // an ssh session's, script's) is replaced: CRIU (shell_job) gives the
@@ -324,10 +342,14 @@ absl::StatusOr<v1::EndpointSummary> Migrator::BringBack(pid_t pid, const std::st
 std::vector<std::pair<pid_t, bool>> Migrator::LocalPeersOf(const std::string& vgid,
                                                            const std::set<uint32_t>& qpns,
                                                            bool with_ud, pid_t exclude) {
+  std::vector<ShimInfo> running;
+  for (const ShimInfo& s : shims_->Connected())
+    if (s.pid != exclude && s.phase == v1::ENDPOINT_PHASE_RUNNING) running.push_back(s);
+  const std::vector<absl::StatusOr<v1::EndpointSummary>> described = DescribeAll(running);
   std::vector<std::pair<pid_t, bool>> out;  // pid, suspended
-  for (const ShimInfo& s : shims_->Connected()) {
-    if (s.pid == exclude || s.phase != v1::ENDPOINT_PHASE_RUNNING) continue;
-    absl::StatusOr<v1::EndpointSummary> e = Describe(s.pid);
+  for (size_t i = 0; i < running.size(); ++i) {
+    const ShimInfo& s = running[i];
+    const absl::StatusOr<v1::EndpointSummary>& e = described[i];
     if (!e.ok()) {
       Log("peers: cannot describe process %d: %s", s.pid, e.status().ToString());
       continue;
@@ -347,8 +369,11 @@ std::vector<std::pair<pid_t, bool>> Migrator::LocalPeersOf(const std::string& vg
 
 v1::ListEndpointsResponse Migrator::ListEndpoints() {
   v1::ListEndpointsResponse out;
-  for (const ShimInfo& s : shims_->Connected()) {
-    absl::StatusOr<v1::EndpointSummary> e = Describe(s.pid);
+  const std::vector<ShimInfo> shims = shims_->Connected();
+  std::vector<absl::StatusOr<v1::EndpointSummary>> described = DescribeAll(shims);
+  for (size_t i = 0; i < shims.size(); ++i) {
+    const ShimInfo& s = shims[i];
+    absl::StatusOr<v1::EndpointSummary>& e = described[i];
     if (e.ok()) {
       e->set_program(s.program);
       *out.add_endpoints() = *std::move(e);

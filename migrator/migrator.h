@@ -187,6 +187,8 @@ class Migrator {
   absl::StatusOr<v1::Reply> Command(pid_t pid, const v1::MigratorToShim& request,
                                     absl::Duration timeout, const char* what);
   absl::StatusOr<v1::EndpointSummary> Describe(pid_t pid);
+  // Describe of each of `shims`, all asked at once (in that order).
+  std::vector<absl::StatusOr<v1::EndpointSummary>> DescribeAll(const std::vector<ShimInfo>& shims);
   // NOT_FOUND without such a process; FAILED_PRECONDITION when it is not
   // under the shim.
   absl::Status CheckShim(pid_t pid);

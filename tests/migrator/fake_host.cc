@@ -241,6 +241,7 @@ void Rendezvous::Arrive() {
 
 absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl::Duration) {
   if (req.has_peer_reconnect() && reconnect_rendezvous != nullptr) reconnect_rendezvous->Arrive();
+  if (req.has_describe() && describe_rendezvous != nullptr) describe_rendezvous->Arrive();
   absl::MutexLock lock(&mu_);
   auto it = eps_.find(pid);
   if (it == eps_.end() || !it->second.alive || !it->second.connected)

@@ -122,6 +122,8 @@ class FakeHost final : public ShimChannel,
   std::atomic<bool> stall_restore{false};
   // Set by a test: each peer_reconnect on this host meets there first.
   Rendezvous* reconnect_rendezvous = nullptr;
+  // The same for each describe.
+  Rendezvous* describe_rendezvous = nullptr;
   std::atomic<int> restores_started{0};
   uint64_t predump_bytes = 64 << 10;
   // When set, the size of each pre-dump in turn (the last one repeats).

@@ -380,6 +380,38 @@ TEST(MigratorTest, PeersOnEveryHostAreRepointedAtOnce) {
   EXPECT_EQ(meet.arrived, 2);
   EXPECT_TRUE(meet.all_met) << "one host's peers were re-pointed after the other's";
 }
+// A host's shims are described all at once, so that one slow to answer
+// (its process stopped, say) costs one deadline, not one per shim: for
+// `rdmavirtctl ps`, and for a peer's quiesce, which describes every shim
+// of its host inside the blackout. Three describes wait for each other
+// here, in vain if they were asked one after the other.
+TEST(MigratorTest, AHostsShimsAreDescribedAtOnce) {
+  Cluster c("describe");
+  Topology(c);
+  for (pid_t pid : {301, 302})
+    c.host(3).Add(pid, VGid(pid), {FakeQp{static_cast<uint32_t>(pid), 2, "", 0, ""}});
+  Rendezvous listed;
+  listed.expected = 3;
+  c.host(3).describe_rendezvous = &listed;
+  const v1::ListEndpointsResponse ps = c.m(3).ListEndpoints();
+  ASSERT_EQ(ps.endpoints_size(), 3);
+  for (const v1::EndpointSummary& e : ps.endpoints())
+    EXPECT_FALSE(e.mapping().virtual_gid().empty()) << "process " << e.pid() << " not described";
+  {
+    absl::MutexLock lock(&listed.mu);
+    EXPECT_TRUE(listed.all_met) << "ps described the shims one after the other";
+  }
+
+  Rendezvous quiesced;  // the move's peer on host3 is found among three
+  quiesced.expected = 3;
+  c.host(3).describe_rendezvous = &quiesced;
+  MoveRun run = Migrate(c, 100, "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  ExpectRepointedToH2(c.host(3).Get(300));
+  absl::MutexLock lock(&quiesced.mu);
+  EXPECT_TRUE(quiesced.all_met) << "the peers' host described its shims one after the other";
+}
+
 // A UD sender names no peer in any QP: the hosts its address handles
 // point at are its peers' too. Its receiver on host3 is paused for the
 // move and learns where the sender went (before, host3 was never asked,

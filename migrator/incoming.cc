@@ -428,10 +428,12 @@ absl::Status Migrator::ResumeMoved(const v1::ReconnectPeersRequest& request) {
   }
   if (pid == 0) {
     // A restarted migrator: find the endpoint by its virtual GID.
-    for (const ShimInfo& s : shims_->Connected()) {
-      absl::StatusOr<v1::EndpointSummary> e = Describe(s.pid);
-      if (e.ok() && e->mapping().virtual_gid() == request.mapping().virtual_gid()) pid = s.pid;
-    }
+    const std::vector<ShimInfo> shims = shims_->Connected();
+    const std::vector<absl::StatusOr<v1::EndpointSummary>> described = DescribeAll(shims);
+    for (size_t i = 0; i < shims.size(); ++i)
+      if (described[i].ok() &&
+          described[i]->mapping().virtual_gid() == request.mapping().virtual_gid())
+        pid = shims[i].pid;
   }
   if (pid == 0)
     return absl::NotFoundError(

@@ -475,10 +475,11 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
     const v1::ReconnectPeersRequest& request) {
   {
     // A restarted host re-points and resumes nothing before it has found
-    // again what its previous run knew: the peers among its shims, the
-    // moves it left. Asked again, it finds them; it would not, after.
+    // again what its previous run knew: the moves into it, the peers
+    // among its shims. Asked again, it finds them; it would not, after.
     absl::MutexLock lock(&mu_);
-    if (absl::Status st = AwaitRecovery(request.migration_id()); !st.ok()) return st;
+    if (absl::Status st = AwaitRecovery(request.migration_id(), /*shims_too=*/true); !st.ok())
+      return st;
   }
   return ReconnectHere(request);
 }

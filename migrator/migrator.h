@@ -75,10 +75,9 @@ class Migrator {
     // long: a restarted migrator finds the shims again and can do it.
     absl::Duration restart_wait = absl::Minutes(2);
     // A restarted migrator's shims come back within this (each retries
-    // every second). Until then, and until Recover() has run, a step that
-    // needs what the previous run knew (re-pointing peers, resuming a moved
-    // endpoint, a move it does not know yet) is answered UNAVAILABLE, and
-    // the source asks again.
+    // every second). Until then a re-point or a resume, and until
+    // Recover() has put back the moves into this host a step of a move it
+    // does not know yet, is answered UNAVAILABLE, and the source asks again.
     absl::Duration shims_return_within = absl::Seconds(5);
     // Where the cluster's migrators find each other (inventory.h); none:
     // one host, or peers found by their GIDs' IPv4 addresses.
@@ -165,7 +164,8 @@ class Migrator {
       const v1::RestoreIncomingRequest& request);
   absl::Status AbortIncoming(const v1::AbortIncomingRequest& request);
   absl::StatusOr<v1::QuiescePeersResponse> QuiescePeers(const v1::QuiescePeersRequest& request);
-  // Asked by another host: not before Recover() has run (UNAVAILABLE
+  // Asked by another host: not before Recover() has put back the moves
+  // into this host and its shims had the time to come back (UNAVAILABLE
   // after half an RPC's deadline), nor do the steps above on a move this
   // host does not know yet.
   absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeers(
@@ -174,8 +174,8 @@ class Migrator {
   // Rolls back (as a source) or aborts (as a destination) every move a
   // previous run of the migrator left unfinished in the state directory,
   // and records the outcome. Run once at start, after the shim socket
-  // listens (shims reconnect to it within a second); it ends no sooner
-  // than Options::shims_return_within after the Migrator was made.
+  // listens (shims reconnect to it within a second). The moves into this
+  // host come first: other hosts' steps of them wait for that alone.
   void Recover();
 
  private:
@@ -324,12 +324,15 @@ class Migrator {
 
   // ---- destination side (incoming.cc)
   std::string IncomingDir(const std::string& id) const;
-  // OK once Recover() has run (waited for, half an RPC's deadline at
-  // most); else UNAVAILABLE, which the source of move `id` asks again.
-  absl::Status AwaitRecovery(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK once Recover() has put back the incoming moves and, with
+  // `shims_too`, Options::shims_return_within has passed since the
+  // Migrator was made (waited for, half an RPC's deadline at most); else
+  // UNAVAILABLE, which the source of move `id` asks again.
+  absl::Status AwaitRecovery(const std::string& id, bool shims_too = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The incoming move `id` (taken out of `incoming_` if `take`), or
-  // NOT_FOUND; an unknown one once Recover() has run (AwaitRecovery): it
-  // may be one of the moves it puts back.
+  // NOT_FOUND; an unknown one once Recover() has put back the incoming
+  // moves (AwaitRecovery): it may be one of them.
   absl::StatusOr<std::shared_ptr<Incoming>> FindIncoming(const std::string& id, bool take = false);
   // Writes its record; the first failure also stays in in->record_error.
   void PersistIncoming(Incoming* in);
@@ -360,7 +363,7 @@ class Migrator {
   void RecoverSource(const std::string& dir, v1::MigrationRecord record, bool tree_forward = false);
   void RecoverDestination(const std::string& dir, v1::MigrationRecord record);
   // ReconnectPeers as this host's own step (a move or a recovery from
-  // here), not waiting for Recover().
+  // here), not waiting for the recovery.
   absl::StatusOr<v1::ReconnectPeersResponse> ReconnectHere(
       const v1::ReconnectPeersRequest& request);
 
@@ -415,7 +418,7 @@ class Migrator {
   // Shared: an abort takes a move out while its restore may still run.
   std::map<std::string, std::shared_ptr<Incoming>> incoming_ ABSL_GUARDED_BY(mu_);
   // Set once Recover() has put back the incoming moves a previous run left.
-  bool recovered_ ABSL_GUARDED_BY(mu_) = false;
+  bool incoming_known_ ABSL_GUARDED_BY(mu_) = false;
   const absl::Time started_ = absl::Now();
   // Pids this host peer-quiesced for each migration id.
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);

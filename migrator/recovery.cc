@@ -17,6 +17,7 @@
 // ProcessControl::Identity): after a reboot, or once the process died and
 // its pid was given to another, the record's process is gone, and the
 // stranger is neither signalled nor killed.
+#include <algorithm>
 #include <filesystem>
 #include <map>
 
@@ -41,6 +42,17 @@ bool GoesForward(const v1::MigrationRecord& rec) {
 }  // namespace
 
 void Migrator::Recover() {
+  // Moves into this host first: a source's steps of one (its resume, its
+  // abort) are answered as soon as they are known again, not after this
+  // host's own moves. Two hosts restarted together with moves toward each
+  // other each ask the other to resume theirs (RecoverSource), and would
+  // otherwise wait for each other until one gave up.
+  for (auto& [dir, rec] : ListRecords(options_.state_dir + "/incoming"))
+    if (!rec.done()) RecoverDestination(dir, std::move(rec));
+  {
+    absl::MutexLock lock(&mu_);
+    incoming_known_ = true;
+  }
   // A tree's further endpoints need its process running here to come
   // back here, and its first move's record on the destination to come
   // back there: first moves that go back, then further endpoints, then
@@ -57,18 +69,20 @@ void Migrator::Recover() {
       RecoverSource(dir, rec, tree_forward[rec.tree_lead()]);
   for (auto& [dir, rec] : sources)
     if (!rec.done() && rec.tree_lead().empty() && GoesForward(rec)) RecoverSource(dir, rec);
-  for (auto& [dir, rec] : ListRecords(options_.state_dir + "/incoming"))
-    if (!rec.done()) RecoverDestination(dir, std::move(rec));
-  // Meanwhile the shims connected to the previous run say Hello again:
-  // the peers a re-point must find.
-  absl::SleepFor(started_ + options_.shims_return_within - absl::Now());
-  absl::MutexLock lock(&mu_);
-  recovered_ = true;
 }
 
-absl::Status Migrator::AwaitRecovery(const std::string& id) {
-  if (mu_.AwaitWithTimeout(absl::Condition(&recovered_), options_.rpc_timeout / 2))
-    return absl::OkStatus();
+absl::Status Migrator::AwaitRecovery(const std::string& id, bool shims_too) {
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout / 2;
+  bool ready = mu_.AwaitWithDeadline(absl::Condition(&incoming_known_), deadline);
+  // The shims connected to the previous run say Hello again meanwhile:
+  // the peers a re-point must find.
+  const absl::Time shims_back = started_ + options_.shims_return_within;
+  if (ready && shims_too && absl::Now() < shims_back) {
+    static const bool kNever = false;  // mu_ released until then
+    mu_.AwaitWithDeadline(absl::Condition(&kNever), std::min(shims_back, deadline));
+    ready = absl::Now() >= shims_back;
+  }
+  if (ready) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat(
       options_.host_name, " is still finding again what its previous run left ",
       "(moves in flight, the shims' connections) before a step of ", id, "; ask again"));

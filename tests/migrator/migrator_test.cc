@@ -1683,6 +1683,74 @@ TEST(MigratorRecoveryTest, AMoveAskedAboutBeforeTheDestinationRecoveredIsAskedAg
   EXPECT_TRUE(after->report().ok());
 }
 
+// Two migrators that died together, each the source of a confirmed move
+// toward the other (P, 100: h1 -> h2; Q, 200: h2 -> h1; both restored and
+// paused on their destination), recover side by side. Each one's resume
+// of its move on the other is answered once that other has put back its
+// moves into it, which its recovery does first. Before, each resume waited
+// for the other's whole recovery, itself waiting on this one: both gave up
+// (restart_wait) and left their process paused.
+TEST(MigratorRecoveryTest, TwoHostsRestartedTogetherFinishTheirMovesTowardEachOther) {
+  Cluster c("recover-crossing");
+  struct Crossing {
+    int from, to;
+    pid_t pid;
+    std::string id;
+  };
+  const Crossing moves[] = {{1, 2, 100, "p-moved"}, {2, 1, 200, "q-moved"}};
+  for (const Crossing& m : moves) {
+    c.host(m.from).Add(m.pid, VGid(m.pid), {});  // the source copy: released and stopped
+    v1::MigratorToShim q, r;
+    q.mutable_quiesce();
+    r.mutable_release();
+    ASSERT_TRUE(c.host(m.from).Call(m.pid, q, absl::Seconds(1)).ok());
+    ASSERT_TRUE(c.host(m.from).Call(m.pid, r, absl::Seconds(1)).ok());
+    ASSERT_TRUE(c.host(m.from).Stop(m.pid).ok());
+    c.host(m.to).Add(m.pid, VGid(m.pid), {}).paused = true;  // restored, confirmed
+
+    v1::MigrationRecord src;
+    src.mutable_report()->set_migration_id(m.id);
+    src.mutable_report()->set_kind("migrate");
+    src.mutable_report()->set_pid(m.pid);
+    src.set_role("source");
+    src.set_phase("reconnect");
+    src.set_destination(Cluster::Target(m.to));
+    src.set_identity(c.host(m.from).Identity(m.pid));
+    src.set_quiesced(true);
+    src.set_released(true);
+    src.set_stopped(true);
+    src.set_confirmed(true);
+    src.mutable_new_mapping()->set_virtual_gid(VGid(m.pid));
+    src.mutable_new_mapping()->set_physical_gid(Gid(m.to));
+    ASSERT_TRUE(WriteRecord(c[m.from].state_dir + "/migrations/" + m.id, src).ok());
+    v1::MigrationRecord dst = RestoringRecord(m.id);
+    dst.set_phase("restored");
+    dst.set_confirmed(true);
+    dst.set_restored_pid(m.pid);
+    dst.mutable_report()->set_pid(m.pid);
+    ASSERT_TRUE(WriteRecord(c[m.to].state_dir + "/incoming/" + m.id, dst).ok());
+  }
+  c.Stop(1);
+  c.Stop(2);
+  c.Start(1, /*recover=*/false);
+  c.Start(2, /*recover=*/false);
+  std::thread h1([&] { c.m(1).Recover(); });
+  std::thread h2([&] { c.m(2).Recover(); });
+  h1.join();
+  h2.join();
+
+  for (const Crossing& m : moves) {
+    SCOPED_TRACE(m.id);
+    EXPECT_FALSE(c.host(m.to).Get(m.pid).paused) << "not resumed on its destination";
+    EXPECT_FALSE(c.host(m.from).Exists(m.pid)) << "the stopped source copy is left";
+    absl::StatusOr<v1::MigrationRecord> after =
+        ReadRecord(c[m.from].state_dir + "/migrations/" + m.id);
+    ASSERT_TRUE(after.ok());
+    EXPECT_TRUE(after->done());
+    EXPECT_TRUE(after->report().ok()) << after->report().error();
+  }
+}
+
 // h3's migrator restarted while its endpoint 300 was paused as a peer of
 // P (endpoint 100, moved h1 -> h2), and is asked to re-point it before
 // its shim said Hello again: the answer is UNAVAILABLE, asked again once

@@ -35,6 +35,12 @@ namespace rdmavirt::shim {
 
 class Shim;
 class MrTable;
+// The objects the data path reads start and end on cache lines of their
+// own: a line shared with another allocation that another thread writes
+// (the provider's objects, the application's data) would make every post
+// or poll miss in the cache.
+inline constexpr size_t kObjectAlign = 64;
+
 struct Cq;
 class QpIndex;
 struct Qp;
@@ -111,7 +117,7 @@ struct Channel {
   std::vector<Cq*> owed;
 };
 
-struct Cq {
+struct alignas(kObjectAlign) Cq {
   ibv_cq_ex shadow;  // ibv_cq is its prefix (ibv_cq_ex_to_cq is a cast)
   ibv_cq* real = nullptr;
   // kDirect or kMarked while no completion on it needs an identity
@@ -161,7 +167,7 @@ struct Cq {
   std::atomic<bool> armed{false};  // ibv_req_notify_cq since its last event
 };
 
-struct Srq {
+struct alignas(kObjectAlign) Srq {
   ibv_srq shadow;
   ibv_srq* real = nullptr;
   PathState path;  // as Qp::path
@@ -185,7 +191,7 @@ struct QpTransition {
   int mask;
 };
 
-struct Qp {
+struct alignas(kObjectAlign) Qp {
   ibv_qp_ex shadow;  // ibv_qp is its prefix; qp_num is the virtual QPN
   ibv_qp* real = nullptr;
   // kDirect or kMarked while nothing this QP posts needs translating (no

@@ -102,20 +102,10 @@ class PathState {
   // what the release freed.
   uint16_t word() const { return bits_.load(std::memory_order_acquire); }
   // The path; the pause flag and the long way are kept.
-  void Set(Path p) {
-    uint16_t old = bits_.load();
-    while (!bits_.compare_exchange_weak(
-        old, (old & (kPausedBit | kLongWayBit)) | static_cast<uint16_t>(p))) {
-    }
-  }
+  void Set(Path p) { Replace(kPausedBit | kLongWayBit, static_cast<uint16_t>(p)); }
   // kTranslated, the long way taken (control thread: while paused, or
   // before the CQ is published); the pause flag is kept.
-  void SetLongWay() {
-    uint16_t old = bits_.load();
-    while (!bits_.compare_exchange_weak(
-        old, (old & kPausedBit) | kLongWayBit | static_cast<uint16_t>(Path::kTranslated))) {
-    }
-  }
+  void SetLongWay() { Replace(kPausedBit, kLongWayBit | static_cast<uint16_t>(Path::kTranslated)); }
   // A poller that found nothing left for the long way: from kTranslated
   // on the long way to `to`, unless paused or changed meanwhile (the next
   // poll takes the long way again).
@@ -130,13 +120,14 @@ class PathState {
     else
       bits_.fetch_and(static_cast<uint16_t>(~kPausedBit));
   }
-  // From `from` to `to`, unless paused or changed meanwhile.
-  bool Exchange(Path from, Path to) {
-    uint16_t expected = static_cast<uint16_t>(from);
-    return bits_.compare_exchange_strong(expected, static_cast<uint16_t>(to));
-  }
 
  private:
+  // The word's `keep` bits, the rest replaced by `bits`.
+  void Replace(uint16_t keep, uint16_t bits) {
+    uint16_t old = bits_.load();
+    while (!bits_.compare_exchange_weak(old, static_cast<uint16_t>((old & keep) | bits))) {
+    }
+  }
   std::atomic<uint16_t> bits_{static_cast<uint16_t>(Path::kTranslated)};
 };
 

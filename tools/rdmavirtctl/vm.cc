@@ -1,5 +1,6 @@
 #include "tools/rdmavirtctl/vm.h"
 
+#include <dlfcn.h>
 #include <libvirt/libvirt-qemu.h>
 #include <libvirt/libvirt.h>
 #include <libvirt/virterror.h>
@@ -11,6 +12,7 @@
 #include <memory>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -42,16 +44,99 @@ uint64_t MicrosSince(absl::Time t) {
   return static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - t));
 }
 
+// libvirt's functions, looked up when the first VM command opens a
+// connection (Open). rdmavirtctl is not linked with libvirt: its
+// libraries (47 more, glib, gnutls and krb5 among them) made every
+// command, VM or not, load them at start (68 million instructions before
+// main against 26 million without, most of them symbol lookups; on a lab
+// host, 0.50 to 0.70 s per `--help` against 0.66 to 1.0 s).
+#define RDMAVIRT_LIBVIRT_FUNCTIONS(X) \
+  X(virConnectClose)                  \
+  X(virConnectListAllDomains)         \
+  X(virConnectOpen)                   \
+  X(virDomainAttachDeviceFlags)       \
+  X(virDomainDetachDeviceAlias)       \
+  X(virDomainFree)                    \
+  X(virDomainGetMetadata)             \
+  X(virDomainGetName)                 \
+  X(virDomainGetXMLDesc)              \
+  X(virDomainInterfaceAddresses)      \
+  X(virDomainInterfaceFree)           \
+  X(virDomainIsActive)                \
+  X(virDomainIsPersistent)            \
+  X(virDomainLookupByName)            \
+  X(virDomainMigrate3)                \
+  X(virDomainRevertToSnapshot)        \
+  X(virDomainSnapshotCreateXML)       \
+  X(virDomainSnapshotDelete)          \
+  X(virDomainSnapshotFree)            \
+  X(virDomainSnapshotGetXMLDesc)      \
+  X(virDomainSnapshotLookupByName)    \
+  X(virDomainSnapshotNum)             \
+  X(virGetLastErrorMessage)           \
+  X(virSetErrorFunc)                  \
+  X(virTypedParamsAddString)          \
+  X(virTypedParamsFree)
+// And libvirt-qemu's, for the guest agent.
+#define RDMAVIRT_LIBVIRT_QEMU_FUNCTIONS(X) X(virDomainQemuAgentCommand)
+
+struct Libvirt {
+#define RDMAVIRT_LIBVIRT_FIELD(name) decltype(&::name) name = nullptr;
+  RDMAVIRT_LIBVIRT_FUNCTIONS(RDMAVIRT_LIBVIRT_FIELD)
+  RDMAVIRT_LIBVIRT_QEMU_FUNCTIONS(RDMAVIRT_LIBVIRT_FIELD)
+#undef RDMAVIRT_LIBVIRT_FIELD
+};
+// Set by LoadLibvirt; every other use of libvirt follows a connection
+// Open made.
+const Libvirt* lv = nullptr;
+
+// Loads libvirt.so.0 and libvirt-qemu.so.0 (once per process) and looks
+// their functions up.
+absl::Status LoadLibvirt() {
+  static const absl::Status loaded = [] {
+    static Libvirt api;
+    auto open = [](const char* file) -> absl::StatusOr<void*> {
+      void* h = dlopen(file, RTLD_NOW | RTLD_GLOBAL);
+      if (h == nullptr)
+        return absl::FailedPreconditionError(
+            absl::StrCat("VM commands need libvirt (Debian: libvirt0): ", dlerror()));
+      return h;
+    };
+    auto find = [](void* h, const char* file, const char* name, auto* fn) -> absl::Status {
+      *fn = reinterpret_cast<std::remove_reference_t<decltype(*fn)>>(dlsym(h, name));
+      if (*fn == nullptr)
+        return absl::FailedPreconditionError(absl::StrCat(file, " has no ", name));
+      return absl::OkStatus();
+    };
+    absl::StatusOr<void*> core = open("libvirt.so.0");
+    if (!core.ok()) return core.status();
+    absl::StatusOr<void*> qemu = open("libvirt-qemu.so.0");
+    if (!qemu.ok()) return qemu.status();
+    absl::Status st;
+#define RDMAVIRT_LIBVIRT_FIND(name) \
+  if (st.ok()) st = find(*core, "libvirt.so.0", #name, &api.name);
+    RDMAVIRT_LIBVIRT_FUNCTIONS(RDMAVIRT_LIBVIRT_FIND)
+#undef RDMAVIRT_LIBVIRT_FIND
+#define RDMAVIRT_LIBVIRT_FIND(name) \
+  if (st.ok()) st = find(*qemu, "libvirt-qemu.so.0", #name, &api.name);
+    RDMAVIRT_LIBVIRT_QEMU_FUNCTIONS(RDMAVIRT_LIBVIRT_FIND)
+#undef RDMAVIRT_LIBVIRT_FIND
+    if (st.ok()) lv = &api;
+    return st;
+  }();
+  return loaded;
+}
+
 std::string LibvirtError(absl::string_view what) {
-  const char* m = virGetLastErrorMessage();
+  const char* m = lv->virGetLastErrorMessage();
   return absl::StrCat(what, ": ", m != nullptr ? m : "unknown libvirt error");
 }
 
 struct ConnDeleter {
-  void operator()(virConnectPtr c) const { virConnectClose(c); }
+  void operator()(virConnectPtr c) const { lv->virConnectClose(c); }
 };
 struct DomainDeleter {
-  void operator()(virDomainPtr d) const { virDomainFree(d); }
+  void operator()(virDomainPtr d) const { lv->virDomainFree(d); }
 };
 using Conn = std::unique_ptr<virConnect, ConnDeleter>;
 using Domain = std::unique_ptr<virDomain, DomainDeleter>;
@@ -61,15 +146,16 @@ using Domain = std::unique_ptr<virDomain, DomainDeleter>;
 void QuietLibvirtError(void*, virErrorPtr) {}
 
 absl::StatusOr<Conn> Open(const std::string& uri) {
-  static const bool quiet = (virSetErrorFunc(nullptr, QuietLibvirtError), true);
+  if (absl::Status st = LoadLibvirt(); !st.ok()) return st;
+  static const bool quiet = (lv->virSetErrorFunc(nullptr, QuietLibvirtError), true);
   (void)quiet;
-  Conn c(virConnectOpen(uri.c_str()));
+  Conn c(lv->virConnectOpen(uri.c_str()));
   if (c == nullptr) return absl::UnavailableError(LibvirtError(absl::StrCat("libvirt at ", uri)));
   return c;
 }
 
 absl::StatusOr<std::string> DomainXml(virDomainPtr d) {
-  char* x = virDomainGetXMLDesc(d, 0);
+  char* x = lv->virDomainGetXMLDesc(d, 0);
   if (x == nullptr) return absl::UnavailableError(LibvirtError("the domain's XML"));
   std::string out(x);
   free(x);
@@ -93,7 +179,7 @@ std::string JsonQuote(absl::string_view s) {
 
 // One command to the guest agent; its "return" value.
 absl::StatusOr<Value> Agent(virDomainPtr d, const std::string& json, int timeout_s) {
-  char* r = virDomainQemuAgentCommand(d, json.c_str(), timeout_s, 0);
+  char* r = lv->virDomainQemuAgentCommand(d, json.c_str(), timeout_s, 0);
   if (r == nullptr) return absl::UnavailableError(LibvirtError("the guest agent"));
   std::string text(r);
   free(r);
@@ -174,7 +260,7 @@ absl::StatusOr<v1::GuestReport> GuestStep(virDomainPtr d, const VmOptions& o,
 std::string GuestAddress(virDomainPtr d, const std::string& mac) {
   virDomainInterfacePtr* ifaces = nullptr;
   const int n =
-      virDomainInterfaceAddresses(d, &ifaces, VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT, 0);
+      lv->virDomainInterfaceAddresses(d, &ifaces, VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT, 0);
   std::string out;
   for (int i = 0; i < n; ++i) {
     if (ifaces[i]->hwaddr != nullptr && absl::EqualsIgnoreCase(ifaces[i]->hwaddr, mac)) {
@@ -182,7 +268,7 @@ std::string GuestAddress(virDomainPtr d, const std::string& mac) {
         if (ifaces[i]->addrs[j].type == VIR_IP_ADDR_TYPE_IPV4 && out.empty())
           out = absl::StrCat(ifaces[i]->addrs[j].addr, "/", ifaces[i]->addrs[j].prefix);
     }
-    virDomainInterfaceFree(ifaces[i]);
+    lv->virDomainInterfaceFree(ifaces[i]);
   }
   free(ifaces);
   return out;
@@ -191,7 +277,7 @@ std::string GuestAddress(virDomainPtr d, const std::string& mac) {
 // Unplugs the device with `alias` and waits until it is gone (the guest
 // lets go of it asynchronously).
 absl::Status Unplug(virDomainPtr d, const std::string& alias, absl::Duration timeout) {
-  if (virDomainDetachDeviceAlias(d, alias.c_str(), VIR_DOMAIN_AFFECT_LIVE) < 0)
+  if (lv->virDomainDetachDeviceAlias(d, alias.c_str(), VIR_DOMAIN_AFFECT_LIVE) < 0)
     return absl::UnavailableError(LibvirtError("unplugging the RDMA NIC"));
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
@@ -208,7 +294,7 @@ absl::Status Unplug(virDomainPtr d, const std::string& alias, absl::Duration tim
 absl::Status Plug(virDomainPtr d, const std::string& xml, bool persistent) {
   unsigned flags = VIR_DOMAIN_AFFECT_LIVE;
   if (persistent) flags |= VIR_DOMAIN_AFFECT_CONFIG;
-  if (virDomainAttachDeviceFlags(d, xml.c_str(), flags) < 0)
+  if (lv->virDomainAttachDeviceFlags(d, xml.c_str(), flags) < 0)
     return absl::UnavailableError(LibvirtError("plugging the RDMA NIC"));
   return absl::OkStatus();
 }
@@ -311,18 +397,18 @@ int RunVmMigrate(const VmOptions& o, v1::VmReport* out) {
   // ---- checks: nothing is touched until both sides said yes.
   absl::StatusOr<Conn> src = Open(o.connect);
   if (!src.ok()) return fail(std::string(src.status().message()), false);
-  Domain dom(virDomainLookupByName(src->get(), o.domain.c_str()));
+  Domain dom(lv->virDomainLookupByName(src->get(), o.domain.c_str()));
   if (dom == nullptr) return fail(LibvirtError(absl::StrCat("domain ", o.domain)), false);
-  if (virDomainIsActive(dom.get()) != 1)
+  if (lv->virDomainIsActive(dom.get()) != 1)
     return fail(absl::StrCat("domain ", o.domain, " is not running"), false);
-  const bool persistent = virDomainIsPersistent(dom.get()) == 1;
-  if (const int n = virDomainSnapshotNum(dom.get(), 0); n > 0)
+  const bool persistent = lv->virDomainIsPersistent(dom.get()) == 1;
+  if (const int n = lv->virDomainSnapshotNum(dom.get(), 0); n > 0)
     return fail(absl::StrCat("domain ", o.domain, " has ", n,
                              " snapshot(s), and libvirt does not migrate a domain with "
                              "snapshots; delete them first (virsh snapshot-delete)"),
                 false);
-  char* meta = virDomainGetMetadata(dom.get(), VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
-                                    VIR_DOMAIN_AFFECT_LIVE);
+  char* meta = lv->virDomainGetMetadata(dom.get(), VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
+                                        VIR_DOMAIN_AFFECT_LIVE);
   if (meta == nullptr)
     return fail(
         absl::StrCat("domain ", o.domain, " is not an RDMA guest (no <metadata> element in ",
@@ -442,13 +528,13 @@ int RunVmMigrate(const VmOptions& o, v1::VmReport* out) {
   virTypedParameterPtr params = nullptr;
   int nparams = 0, maxparams = 0;
   if (!o.migrate_uri.empty())
-    virTypedParamsAddString(&params, &nparams, &maxparams, VIR_MIGRATE_PARAM_URI,
-                            o.migrate_uri.c_str());
+    lv->virTypedParamsAddString(&params, &nparams, &maxparams, VIR_MIGRATE_PARAM_URI,
+                                o.migrate_uri.c_str());
   unsigned flags = VIR_MIGRATE_LIVE;
   if (persistent) flags |= VIR_MIGRATE_PERSIST_DEST | VIR_MIGRATE_UNDEFINE_SOURCE;
   if (o.unsafe) flags |= VIR_MIGRATE_UNSAFE;
-  Domain ddom(virDomainMigrate3(dom.get(), dst->get(), params, nparams, flags));
-  virTypedParamsFree(params, nparams);
+  Domain ddom(lv->virDomainMigrate3(dom.get(), dst->get(), params, nparams, flags));
+  lv->virTypedParamsFree(params, nparams);
   if (ddom == nullptr) return resume_here(LibvirtError("libvirt's migration"));
   rep.set_migrate_us(MicrosSince(t));
   moved = true;
@@ -583,15 +669,16 @@ int Drain(const DrainOptions& o) {
   }
   virDomainPtr* doms = nullptr;
   const int n =
-      src.ok() ? virConnectListAllDomains(src->get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE) : 0;
+      src.ok() ? lv->virConnectListAllDomains(src->get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE)
+               : 0;
   for (int i = 0; i < n; ++i) {
-    char* meta = virDomainGetMetadata(doms[i], VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
-                                      VIR_DOMAIN_AFFECT_LIVE);
+    char* meta = lv->virDomainGetMetadata(doms[i], VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
+                                          VIR_DOMAIN_AFFECT_LIVE);
     if (meta != nullptr) {
-      guests.push_back(virDomainGetName(doms[i]));
+      guests.push_back(lv->virDomainGetName(doms[i]));
       free(meta);
     }
-    virDomainFree(doms[i]);
+    lv->virDomainFree(doms[i]);
   }
   free(doms);
   std::sort(guests.begin(), guests.end());
@@ -734,7 +821,7 @@ namespace {
 constexpr char kGroupHeader[] = "rdmavirt group:";
 
 struct SnapshotDeleter {
-  void operator()(virDomainSnapshotPtr s) const { virDomainSnapshotFree(s); }
+  void operator()(virDomainSnapshotPtr s) const { lv->virDomainSnapshotFree(s); }
 };
 using Snap = std::unique_ptr<virDomainSnapshot, SnapshotDeleter>;
 
@@ -776,14 +863,14 @@ absl::Status OpenMembers(const std::vector<std::string>& labels, const std::stri
     absl::StatusOr<Conn> c = Open(m.uri);
     if (!c.ok()) return c.status();
     m.conn = *std::move(c);
-    m.dom.reset(virDomainLookupByName(m.conn.get(), m.domain.c_str()));
+    m.dom.reset(lv->virDomainLookupByName(m.conn.get(), m.domain.c_str()));
     if (m.dom == nullptr)
       return absl::NotFoundError(LibvirtError(absl::StrCat("domain ", m.domain, " at ", m.uri)));
     if (running) {
-      if (virDomainIsActive(m.dom.get()) != 1)
+      if (lv->virDomainIsActive(m.dom.get()) != 1)
         return absl::FailedPreconditionError(absl::StrCat("domain ", m.domain, " is not running"));
-      char* meta = virDomainGetMetadata(m.dom.get(), VIR_DOMAIN_METADATA_ELEMENT, kGuestMetadataUri,
-                                        VIR_DOMAIN_AFFECT_LIVE);
+      char* meta = lv->virDomainGetMetadata(m.dom.get(), VIR_DOMAIN_METADATA_ELEMENT,
+                                            kGuestMetadataUri, VIR_DOMAIN_AFFECT_LIVE);
       if (meta == nullptr)
         return absl::FailedPreconditionError(
             absl::StrCat("domain ", m.domain, " is not an RDMA guest (no <metadata> element in ",
@@ -923,7 +1010,7 @@ int Snapshot(const SnapshotOptions& o) {
   for (const Member& m : members) {
     names.push_back(m.Label());
     rep.add_members(m.Label());
-    Snap existing(virDomainSnapshotLookupByName(m.dom.get(), o.name.c_str(), 0));
+    Snap existing(lv->virDomainSnapshotLookupByName(m.dom.get(), o.name.c_str(), 0));
     if (existing != nullptr)
       return fail(
           absl::StrCat(m.domain, " already has a snapshot ", o.name, "; nothing was suspended"),
@@ -956,10 +1043,10 @@ int Snapshot(const SnapshotOptions& o) {
   for (Member& m : members) {
     fprintf(stderr, "%s: taking snapshot %s (memory and disks)\n", m.domain.c_str(),
             o.name.c_str());
-    Snap s(virDomainSnapshotCreateXML(m.dom.get(), xml.c_str(), 0));
+    Snap s(lv->virDomainSnapshotCreateXML(m.dom.get(), xml.c_str(), 0));
     if (s == nullptr) {
       const std::string cause = LibvirtError(absl::StrCat("snapshot of ", m.domain));
-      for (Snap& done : taken) virDomainSnapshotDelete(done.get(), 0);
+      for (Snap& done : taken) lv->virDomainSnapshotDelete(done.get(), 0);
       const std::string back = ResumeMembers(o, members, members.size(), &rep);
       return fail(
           absl::StrCat(cause, back.empty() ? "" : " (resuming: ", back, back.empty() ? "" : ")"),
@@ -989,11 +1076,11 @@ int Revert(const SnapshotOptions& o) {
   std::vector<Member> first;
   if (absl::Status st = OpenMembers({o.vm.domain}, o.vm.connect, false, &first); !st.ok())
     return fail(absl::StrCat(st.message(), "; nothing was reverted"));
-  Snap own(virDomainSnapshotLookupByName(first[0].dom.get(), o.name.c_str(), 0));
+  Snap own(lv->virDomainSnapshotLookupByName(first[0].dom.get(), o.name.c_str(), 0));
   if (own == nullptr)
     return fail(LibvirtError(absl::StrCat("snapshot ", o.name, " of ", o.vm.domain)) +
                 "; nothing was reverted");
-  char* desc = virDomainSnapshotGetXMLDesc(own.get(), 0);
+  char* desc = lv->virDomainSnapshotGetXMLDesc(own.get(), 0);
   if (desc == nullptr) return fail(LibvirtError(absl::StrCat("snapshot ", o.name)));
   const std::vector<std::string> labels = GroupMembers(ElementText(desc, "description"));
   free(desc);
@@ -1017,7 +1104,7 @@ int Revert(const SnapshotOptions& o) {
   std::vector<Snap> snaps;
   for (const Member& m : members) {
     rep.add_members(m.Label());
-    Snap s(virDomainSnapshotLookupByName(m.dom.get(), o.name.c_str(), 0));
+    Snap s(lv->virDomainSnapshotLookupByName(m.dom.get(), o.name.c_str(), 0));
     if (s == nullptr)
       return fail(absl::StrCat(m.domain, " (", m.uri, ") has no snapshot ", o.name,
                                "; nothing was reverted"));
@@ -1028,7 +1115,7 @@ int Revert(const SnapshotOptions& o) {
   absl::Time t = absl::Now();
   for (size_t i = 0; i < members.size(); ++i) {
     fprintf(stderr, "%s: reverting to %s\n", members[i].domain.c_str(), o.name.c_str());
-    if (virDomainRevertToSnapshot(snaps[i].get(), VIR_DOMAIN_SNAPSHOT_REVERT_RUNNING) < 0) {
+    if (lv->virDomainRevertToSnapshot(snaps[i].get(), VIR_DOMAIN_SNAPSHOT_REVERT_RUNNING) < 0) {
       std::string done;
       for (size_t j = 0; j < i; ++j) absl::StrAppend(&done, j ? ", " : "", members[j].domain);
       return fail(absl::StrCat(LibvirtError(absl::StrCat("reverting ", members[i].domain)),

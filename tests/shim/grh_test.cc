@@ -6,6 +6,8 @@
 
 #include <cstring>
 
+#include "tests/shim/verbs_test_util.h"
+
 namespace rdmavirt::shim {
 namespace {
 
@@ -35,7 +37,7 @@ ibv_gid V4Mapped(const uint8_t a[4]) {
   return g;
 }
 
-bool Same(const ibv_gid& a, const ibv_gid& b) { return memcmp(a.raw, b.raw, 16) == 0; }
+using testing::GidEq;
 
 TEST(GrhTest, Ipv4SentBetweenHostsCarriesAChecksum) {
   uint8_t grh[40];
@@ -50,7 +52,7 @@ TEST(GrhTest, Ipv4LoopedBackOnOneHostHasNoChecksumAndIsStillIpv4) {
   ibv_sge sge{reinterpret_cast<uint64_t>(grh), sizeof(grh), 0};
   ibv_gid source;
   ASSERT_TRUE(ReadGrhSource(&sge, 1, &source));
-  EXPECT_TRUE(Same(source, V4Mapped(kSrc)));
+  EXPECT_TRUE(GidEq(source, V4Mapped(kSrc)));
 }
 
 TEST(GrhTest, Ipv6GrhWhoseBytesLookLikeIpv4WithoutItsChecksumIsIpv6) {
@@ -81,7 +83,7 @@ TEST(GrhTest, RewritingALoopedBackHeaderMapsBothAddressesAndFillsTheChecksum) {
   uint8_t grh[40];
   Ipv4Grh(grh, false);
   const uint8_t virt[4] = {10, 9, 9, 9};
-  RewriteGrh(grh, [&](const ibv_gid& g) { return Same(g, V4Mapped(kSrc)) ? V4Mapped(virt) : g; });
+  RewriteGrh(grh, [&](const ibv_gid& g) { return GidEq(g, V4Mapped(kSrc)) ? V4Mapped(virt) : g; });
   const uint8_t* ip = grh + 20;
   EXPECT_EQ(memcmp(ip + 12, virt, 4), 0);
   EXPECT_EQ(memcmp(ip + 16, kDst, 4), 0);

@@ -4,6 +4,8 @@
 
 #include <cstring>
 
+#include "tests/shim/verbs_test_util.h"
+
 namespace rdmavirt::shim {
 namespace {
 
@@ -18,7 +20,7 @@ ibv_gid Ipv4Mapped(uint8_t a, uint8_t b, uint8_t c, uint8_t d) {
   return MakeGid({0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, a, b, c, d});
 }
 
-bool Same(const ibv_gid& a, const ibv_gid& b) { return memcmp(a.raw, b.raw, 16) == 0; }
+using testing::GidEq;
 
 TEST(IdentityModeTest, DefaultModeIsTheIdentity) {
   const IdentityMode mode;
@@ -31,8 +33,8 @@ TEST(IdentityModeTest, DefaultModeIsTheIdentity) {
     EXPECT_EQ(mode.PhysicalRkey(v), v);
   }
   const ibv_gid g = Ipv4Mapped(10, 77, 0, 9);
-  EXPECT_TRUE(Same(mode.VirtualGid(g), g));
-  EXPECT_TRUE(Same(mode.PhysicalGid(g), g));
+  EXPECT_TRUE(GidEq(mode.VirtualGid(g), g));
+  EXPECT_TRUE(GidEq(mode.PhysicalGid(g), g));
 }
 
 TEST(IdentityModeTest, OffsetModeMarksQpnsAndRkeys) {
@@ -60,26 +62,26 @@ TEST(IdentityModeTest, OffsetModeKeepsIpv4MappedGidsIpv4Mapped) {
   const IdentityMode mode{.offset = true};
   const ibv_gid phys = Ipv4Mapped(10, 77, 0, 9);
   const ibv_gid virt = mode.VirtualGid(phys);
-  EXPECT_FALSE(Same(virt, phys));
-  EXPECT_TRUE(Same(virt, Ipv4Mapped(10, 77, 0 | kGidMarkerBit, 9)));
-  EXPECT_TRUE(Same(mode.PhysicalGid(virt), phys));
+  EXPECT_FALSE(GidEq(virt, phys));
+  EXPECT_TRUE(GidEq(virt, Ipv4Mapped(10, 77, 0 | kGidMarkerBit, 9)));
+  EXPECT_TRUE(GidEq(mode.PhysicalGid(virt), phys));
 }
 
 TEST(IdentityModeTest, OffsetModeMarksLinkLocalGids) {
   const IdentityMode mode{.offset = true};
   const ibv_gid ll = MakeGid({0xfe, 0x80, 0, 0, 0, 0, 0, 0, 2, 0x16, 0x3e, 0xff, 0xfe, 0x4d, 0, 9});
   const ibv_gid virt = mode.VirtualGid(ll);
-  EXPECT_FALSE(Same(virt, ll));
+  EXPECT_FALSE(GidEq(virt, ll));
   EXPECT_EQ(virt.raw[kGidMarkerByte], kGidMarkerBit);
   EXPECT_EQ(memcmp(virt.raw, ll.raw, kGidMarkerByte), 0);
-  EXPECT_TRUE(Same(mode.PhysicalGid(virt), ll));
+  EXPECT_TRUE(GidEq(mode.PhysicalGid(virt), ll));
 }
 
 TEST(IdentityModeTest, OffsetModePhysicalGidOfUnmarkedGidIsItself) {
   // A GID from outside (no marker) passes through PhysicalGid unchanged.
   const IdentityMode mode{.offset = true};
   const ibv_gid g = Ipv4Mapped(192, 168, 1, 1);
-  EXPECT_TRUE(Same(mode.PhysicalGid(g), g));
+  EXPECT_TRUE(GidEq(mode.PhysicalGid(g), g));
 }
 
 TEST(IdentityModeTest, OffsetModeLeavesAnEmptyGidEmpty) {
@@ -87,8 +89,8 @@ TEST(IdentityModeTest, OffsetModeLeavesAnEmptyGidEmpty) {
   // all 1024 entries of rxe's table in offset mode.
   const IdentityMode mode{.offset = true};
   const ibv_gid empty{};
-  EXPECT_TRUE(Same(mode.VirtualGid(empty), empty));
-  EXPECT_TRUE(Same(mode.PhysicalGid(empty), empty));
+  EXPECT_TRUE(GidEq(mode.VirtualGid(empty), empty));
+  EXPECT_TRUE(GidEq(mode.PhysicalGid(empty), empty));
 }
 
 TEST(VirtualLkeyTest, SlotRoundTripsInBothModes) {

@@ -12,7 +12,6 @@
 #include <memory>
 #include <thread>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -50,79 +49,69 @@ uint64_t MicrosSince(absl::Time t) {
 // command, VM or not, load them at start (68 million instructions before
 // main against 26 million without, most of them symbol lookups; on a lab
 // host, 0.50 to 0.70 s per `--help` against 0.66 to 1.0 s).
-#define RDMAVIRT_LIBVIRT_FUNCTIONS(X) \
-  X(virConnectClose)                  \
-  X(virConnectListAllDomains)         \
-  X(virConnectOpen)                   \
-  X(virDomainAttachDeviceFlags)       \
-  X(virDomainDetachDeviceAlias)       \
-  X(virDomainFree)                    \
-  X(virDomainGetMetadata)             \
-  X(virDomainGetName)                 \
-  X(virDomainGetXMLDesc)              \
-  X(virDomainInterfaceAddresses)      \
-  X(virDomainInterfaceFree)           \
-  X(virDomainIsActive)                \
-  X(virDomainIsPersistent)            \
-  X(virDomainLookupByName)            \
-  X(virDomainMigrate3)                \
-  X(virDomainRevertToSnapshot)        \
-  X(virDomainSnapshotCreateXML)       \
-  X(virDomainSnapshotDelete)          \
-  X(virDomainSnapshotFree)            \
-  X(virDomainSnapshotGetXMLDesc)      \
-  X(virDomainSnapshotLookupByName)    \
-  X(virDomainSnapshotNum)             \
-  X(virGetLastErrorMessage)           \
-  X(virSetErrorFunc)                  \
-  X(virTypedParamsAddString)          \
-  X(virTypedParamsFree)
-// And libvirt-qemu's, for the guest agent.
-#define RDMAVIRT_LIBVIRT_QEMU_FUNCTIONS(X) X(virDomainQemuAgentCommand)
+#define RDMAVIRT_LIBVIRT_FUNCTIONS(X)     \
+  X(kCore, virConnectClose)               \
+  X(kCore, virConnectListAllDomains)      \
+  X(kCore, virConnectOpen)                \
+  X(kCore, virDomainAttachDeviceFlags)    \
+  X(kCore, virDomainDetachDeviceAlias)    \
+  X(kCore, virDomainFree)                 \
+  X(kCore, virDomainGetMetadata)          \
+  X(kCore, virDomainGetName)              \
+  X(kCore, virDomainGetXMLDesc)           \
+  X(kCore, virDomainInterfaceAddresses)   \
+  X(kCore, virDomainInterfaceFree)        \
+  X(kCore, virDomainIsActive)             \
+  X(kCore, virDomainIsPersistent)         \
+  X(kCore, virDomainLookupByName)         \
+  X(kCore, virDomainMigrate3)             \
+  X(kCore, virDomainRevertToSnapshot)     \
+  X(kCore, virDomainSnapshotCreateXML)    \
+  X(kCore, virDomainSnapshotDelete)       \
+  X(kCore, virDomainSnapshotFree)         \
+  X(kCore, virDomainSnapshotGetXMLDesc)   \
+  X(kCore, virDomainSnapshotLookupByName) \
+  X(kCore, virDomainSnapshotNum)          \
+  X(kCore, virGetLastErrorMessage)        \
+  X(kCore, virSetErrorFunc)               \
+  X(kCore, virTypedParamsAddString)       \
+  X(kCore, virTypedParamsFree)            \
+  X(kQemu, virDomainQemuAgentCommand)
+
+// The libraries, by the index the list names them with: libvirt-qemu's
+// one function drives the guest agent.
+constexpr int kCore = 0;
+constexpr int kQemu = 1;
+constexpr const char* kLibvirtFiles[] = {"libvirt.so.0", "libvirt-qemu.so.0"};
 
 struct Libvirt {
-#define RDMAVIRT_LIBVIRT_FIELD(name) decltype(&::name) name = nullptr;
+#define RDMAVIRT_LIBVIRT_FIELD(lib, name) decltype(&::name) name = nullptr;
   RDMAVIRT_LIBVIRT_FUNCTIONS(RDMAVIRT_LIBVIRT_FIELD)
-  RDMAVIRT_LIBVIRT_QEMU_FUNCTIONS(RDMAVIRT_LIBVIRT_FIELD)
 #undef RDMAVIRT_LIBVIRT_FIELD
 };
 // Set by LoadLibvirt; every other use of libvirt follows a connection
 // Open made.
 const Libvirt* lv = nullptr;
 
-// Loads libvirt.so.0 and libvirt-qemu.so.0 (once per process) and looks
-// their functions up.
+// Loads both libraries (once per process) and looks their functions up.
 absl::Status LoadLibvirt() {
-  static const absl::Status loaded = [] {
-    static Libvirt api;
-    auto open = [](const char* file) -> absl::StatusOr<void*> {
-      void* h = dlopen(file, RTLD_NOW | RTLD_GLOBAL);
-      if (h == nullptr)
+  static const absl::Status loaded = []() -> absl::Status {
+    void* handles[2];
+    for (int i : {kCore, kQemu}) {
+      handles[i] = dlopen(kLibvirtFiles[i], RTLD_NOW | RTLD_GLOBAL);
+      if (handles[i] == nullptr)
         return absl::FailedPreconditionError(
             absl::StrCat("VM commands need libvirt (Debian: libvirt0): ", dlerror()));
-      return h;
-    };
-    auto find = [](void* h, const char* file, const char* name, auto* fn) -> absl::Status {
-      *fn = reinterpret_cast<std::remove_reference_t<decltype(*fn)>>(dlsym(h, name));
-      if (*fn == nullptr)
-        return absl::FailedPreconditionError(absl::StrCat(file, " has no ", name));
-      return absl::OkStatus();
-    };
-    absl::StatusOr<void*> core = open("libvirt.so.0");
-    if (!core.ok()) return core.status();
-    absl::StatusOr<void*> qemu = open("libvirt-qemu.so.0");
-    if (!qemu.ok()) return qemu.status();
-    absl::Status st;
-#define RDMAVIRT_LIBVIRT_FIND(name) \
-  if (st.ok()) st = find(*core, "libvirt.so.0", #name, &api.name);
+    }
+    static Libvirt api;
+#define RDMAVIRT_LIBVIRT_FIND(lib, name)                                       \
+  api.name = reinterpret_cast<decltype(api.name)>(dlsym(handles[lib], #name)); \
+  if (api.name == nullptr)                                                     \
+    return absl::FailedPreconditionError(absl::StrCat(kLibvirtFiles[lib], " has no ", #name));
     RDMAVIRT_LIBVIRT_FUNCTIONS(RDMAVIRT_LIBVIRT_FIND)
 #undef RDMAVIRT_LIBVIRT_FIND
-#define RDMAVIRT_LIBVIRT_FIND(name) \
-  if (st.ok()) st = find(*qemu, "libvirt-qemu.so.0", #name, &api.name);
-    RDMAVIRT_LIBVIRT_QEMU_FUNCTIONS(RDMAVIRT_LIBVIRT_FIND)
-#undef RDMAVIRT_LIBVIRT_FIND
-    if (st.ok()) lv = &api;
-    return st;
+    lv = &api;
+    return absl::OkStatus();
   }();
   return loaded;
 }

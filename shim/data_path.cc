@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -158,30 +159,35 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
 }
 // ... one whose peer's rkey is `off` bytes into the WR. The SGE and the
 // rkey are found again through `wr` after the call, so fewer registers are
-// kept across it.
+// kept across it. kToMoved: the QP's peer may have moved (QpSendTable),
+// and its rkeys are looked up in what it published; else they are made
+// physical as the mode says (one AND).
+template <bool kToMoved>
 [[gnu::always_inline]] inline int PostOneWithRkeyAt(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad,
                                                     unsigned off) {
   auto rkey = [wr, off] { return reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(wr) + off); };
-  const uint32_t lkey = wr->sg_list->lkey;
   const uint32_t r = *rkey();
+  *rkey() = kToMoved ? PeerRkey(qp, r) : r & qp->physical_rkey_mask;
+  const uint32_t lkey = wr->sg_list->lkey;
   wr->sg_list->lkey = qp->mrs.ToPhysicalAt(&wr->sg_list->lkey);
-  *rkey() = PeerRkey(qp, r);
   const int rc = qp->real_post_send(qp->real, wr, bad);
   *rkey() = r;
   wr->sg_list->lkey = lkey;
   return rc;
 }
 // RDMA WRITE (with or without immediate) and READ: the rkey at wr.rdma.rkey.
+template <bool kToMoved>
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostOneTranslatedRdma(Qp* qp, ibv_send_wr* wr,
                                                                   ibv_send_wr** bad) {
-  return PostOneWithRkeyAt(qp, wr, bad, offsetof(ibv_send_wr, wr.rdma.rkey));
+  return PostOneWithRkeyAt<kToMoved>(qp, wr, bad, offsetof(ibv_send_wr, wr.rdma.rkey));
 }
 // Any other opcode: the rkey where the opcode has one.
+template <bool kToMoved>
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostOneTranslatedRkey(Qp* qp, ibv_send_wr* wr,
                                                                   ibv_send_wr** bad) {
   const unsigned off = RkeyOffset(wr);
   if (off == 0) return PostOneTranslated(qp, wr, bad);
-  return PostOneWithRkeyAt(qp, wr, bad, off);
+  return PostOneWithRkeyAt<kToMoved>(qp, wr, bad, off);
 }
 
 // Posts a chain with every identity translated in place, restoring the
@@ -217,14 +223,16 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
 constexpr int kPostOneOps = 256;
 using PostOneFn = int (*)(Qp*, ibv_send_wr*, ibv_send_wr**);
 // Chosen from kRkeyOffset: no rkey (an unknown opcode too), the rkey
-// where RDMA ops keep it, or elsewhere.
+// where RDMA ops keep it, or elsewhere. Two tables: for a QP whose peer
+// has moved (its rkeys looked up in what it published) and for the rest.
+template <bool kToMoved>
 constexpr std::array<PostOneFn, kPostOneOps> kPostOneConnected = [] {
   std::array<PostOneFn, kPostOneOps> a{};
   for (int op = 0; op < kPostOneOps; ++op) {
     const unsigned off = op < static_cast<int>(kRkeyOffset.size()) ? kRkeyOffset[op] : 0;
     a[op] = off == 0                                     ? PostOneTranslated
-            : off == offsetof(ibv_send_wr, wr.rdma.rkey) ? PostOneTranslatedRdma
-                                                         : PostOneTranslatedRkey;
+            : off == offsetof(ibv_send_wr, wr.rdma.rkey) ? PostOneTranslatedRdma<kToMoved>
+                                                         : PostOneTranslatedRkey<kToMoved>;
   }
   return a;
 }();
@@ -242,7 +250,7 @@ constexpr std::array<PostOneFn, kPostOneOps> kPostOneDatagramProbed = [] {
 
 // The translating post of one WR with one SGE, by its opcode's low byte.
 inline PostOneFn PostOneOf(const Qp* qp, const ibv_send_wr* wr) {
-  return qp->post_one[static_cast<uint8_t>(OpcodeOf(wr))];
+  return qp->post_one.load(std::memory_order_relaxed)[static_cast<uint8_t>(OpcodeOf(wr))];
 }
 
 [[gnu::always_inline]] inline int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
@@ -392,17 +400,33 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
     return PostSendInMark(qp, wr, bad);
   return PostSendGated(qp, wr, bad);
 }
+// A post on the translating path, its word compared already: a UD QP's
+// table sends its WRs to the gate (kPostOneDatagramProbed).
+[[gnu::always_inline]] inline int PostSendTranslatedProbed(Qp* qp, ibv_send_wr* wr,
+                                                           ibv_send_wr** bad) {
+  if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]]
+    return PostOneOf(qp, wr)(qp, wr, bad);
+  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return PostChainTranslated(qp, wr, bad);
+  return PostSendNotProbed(qp, wr, bad);
+}
 [[RDMAVIRT_PROBED_PATH]] int PostSendProbed(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
   const uint16_t path = qp->path.word();
   if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
-  if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]] {
-    // A UD QP's table sends its WRs to the gate (kPostOneDatagramProbed).
-    if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]]
-      return PostOneOf(qp, wr)(qp, wr, bad);
-    if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return PostChainTranslated(qp, wr, bad);
-  }
+  if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
+    return PostSendTranslatedProbed(qp, wr, bad);
+  return PostSendNotProbed(qp, wr, bad);
+}
+// The same, for a context whose queues translate (offset mode, or a
+// process after a move: InstallTranslatingOps): that path compared first.
+[[RDMAVIRT_PROBED_PATH]] int PostSendProbedTranslating(ibv_qp* ibqp, ibv_send_wr* wr,
+                                                       ibv_send_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  const uint16_t path = qp->path.word();
+  if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
+    return PostSendTranslatedProbed(qp, wr, bad);
+  if (path == static_cast<uint16_t>(Path::kMarked)) return qp->real_post_send(qp->real, wr, bad);
   return PostSendNotProbed(qp, wr, bad);
 }
 
@@ -766,6 +790,24 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
   return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
 }
 
+// PostRecvProbedOn for a context whose queues translate: that path
+// compared first and taken here.
+template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
+          int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
+[[gnu::always_inline]] inline int PostRecvProbedTranslatingOn(
+    Queue* q, ibv_recv_wr* wr, ibv_recv_wr** bad,
+    int (*claiming)(Queue*, ibv_recv_wr*, ibv_recv_wr**, bool)) {
+  const uint16_t path = q->path.word();
+  if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
+    return PostRecvTranslatedProbedOn<Queue, kReal, kGated>(q, wr, bad, claiming);
+  if (path == static_cast<uint16_t>(Path::kMarked)) {
+    int rc;
+    if (PostOneRecvOn<false>(q, wr, bad, &rc)) return rc;
+    if (RecvsOf(q)->unowned()) return claiming(q, wr, bad, false);
+  }
+  return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
+}
+
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostRecvClaiming(Qp* qp, ibv_recv_wr* wr,
                                                              ibv_recv_wr** bad, bool translate) {
   return PostRecvClaimingOn<Qp, PostRecvReal, PostRecvGated>(qp, wr, bad, translate);
@@ -792,6 +834,16 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
   return PostRecvProbedOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(
       AsSrq(ibsrq), wr, bad, PostSrqRecvTranslatedProbed, PostSrqRecvClaiming);
 }
+[[RDMAVIRT_PROBED_PATH]] int PostRecvProbedTranslating(ibv_qp* ibqp, ibv_recv_wr* wr,
+                                                       ibv_recv_wr** bad) {
+  return PostRecvProbedTranslatingOn<Qp, PostRecvReal, PostRecvGated>(AsQp(ibqp), wr, bad,
+                                                                      PostRecvClaiming);
+}
+[[RDMAVIRT_PROBED_PATH]] int PostSrqRecvProbedTranslating(ibv_srq* ibsrq, ibv_recv_wr* wr,
+                                                          ibv_recv_wr** bad) {
+  return PostRecvProbedTranslatingOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(AsSrq(ibsrq), wr, bad,
+                                                                             PostSrqRecvClaiming);
+}
 
 // VirtualizeWc beyond the QPN, out of line: what the drain and a release
 // count, an invalidated rkey, a UD sender and its GRH.
@@ -811,10 +863,18 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
 // case, a QP in its home slot whose completions carry nothing else to
 // translate, is one compare (PlainQp: translated, and its QP returned;
 // null for any other, untouched).
+//
+// An invalidated rkey (IBV_WC_WITH_INV) is not looked for there: a
+// successful receive carries one only when the peer's SEND_WITH_INV
+// invalidated one of this process's rkeys, and only a memory window's
+// (type 2) can be invalidated from a peer (rxe and mlx5 refuse it for a
+// registered region: the receive completes in error, without flags).
+// The shim refuses ibv_alloc_mw (AllocMwUnsupported): if it ever takes
+// memory windows, QPs whose PD has one must not be plain.
 [[gnu::always_inline]] inline Qp* PlainQp(const std::atomic<Qp*>* home, ibv_wc* wc) {
   const uint32_t pqpn = wc->qp_num;
   Qp* qp = QpIndex::HomeIn(home, pqpn);
-  if (qp->plain_qpn != pqpn || (wc->wc_flags & IBV_WC_WITH_INV)) [[unlikely]]
+  if (qp->plain_qpn != pqpn) [[unlikely]]
     return nullptr;
   wc->qp_num = qp->shadow.qp_base.qp_num;
   return qp;
@@ -1019,6 +1079,16 @@ int PollCqPausable(ibv_cq* ibcq, int n, ibv_wc* wc) {
     return PollCqTranslatedProbed(cq, n, wc);
   return PollCqGated(cq, n, wc);  // paused, or the long way
 }
+// The same, for a context whose queues translate: that path compared
+// first and translated here (the marked path keeps the frame it needs).
+[[RDMAVIRT_PROBED_PATH]] int PollCqProbedTranslating(ibv_cq* ibcq, int n, ibv_wc* wc) {
+  Cq* cq = AsCq(ibcq);
+  const uint16_t path = cq->path.word();
+  if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
+    return PollAndVirtualize(cq, n, wc);
+  if (path == static_cast<uint16_t>(Path::kMarked)) return cq->real_poll_cq(cq->real, n, wc);
+  return PollCqGated(cq, n, wc);
+}
 
 // Arms the real CQ. A CQ that may be paused also remembers that the
 // application waits for an event: during a pause (the real CQ may be
@@ -1038,6 +1108,8 @@ int ReqNotifyCq(ibv_cq* ibcq, int solicited_only) {
   return rc;
 }
 
+// Refused: PlainQp relies on it (no rkey of the process can be
+// invalidated by a peer).
 ibv_mw* AllocMwUnsupported(ibv_pd*, ibv_mw_type) {
   LogOnce("memory windows are not supported (ibv_alloc_mw: EOPNOTSUPP)");
   errno = EOPNOTSUPP;
@@ -1344,11 +1416,34 @@ void InstallContextOps(Context* ctx, bool pausable, bool probed) {
   v.open_qp = OpenQpUnsupported;
 }
 
+void InstallTranslatingOps(Context* ctx) {
+  ibv_context* s = Shadow(ctx);
+  if (s->ops.post_send != PostSendProbed) return;  // not a probed process
+  // One pointer each, which application threads may be reading: either
+  // entry is right on every path, only faster on its own.
+  std::atomic_ref(s->ops.post_send).store(PostSendProbedTranslating, std::memory_order_relaxed);
+  std::atomic_ref(s->ops.post_recv).store(PostRecvProbedTranslating, std::memory_order_relaxed);
+  std::atomic_ref(s->ops.post_srq_recv)
+      .store(PostSrqRecvProbedTranslating, std::memory_order_relaxed);
+  std::atomic_ref(s->ops.poll_cq).store(PollCqProbedTranslating, std::memory_order_relaxed);
+}
+
+void SetPeer(Qp* qp, const RemoteEndpoint* remote, bool probed) {
+  // The table that looks the peer up is right without one too.
+  if (remote != nullptr && qp->shadow.qp_base.qp_type != IBV_QPT_UD)
+    qp->post_one.store(kPostOneConnected<true>.data(), std::memory_order_release);
+  qp->remote.store(remote, std::memory_order_release);
+  InstallSendPath(qp, probed);
+}
+
 void InstallSendPath(Qp* qp, bool probed) {
+  const PostOneFn* table;
   if (qp->shadow.qp_base.qp_type != IBV_QPT_UD)
-    qp->post_one = kPostOneConnected.data();
+    table = qp->remote.load(std::memory_order_relaxed) != nullptr ? kPostOneConnected<true>.data()
+                                                                  : kPostOneConnected<false>.data();
   else
-    qp->post_one = probed ? kPostOneDatagramProbed.data() : kPostOneDatagram.data();
+    table = probed ? kPostOneDatagramProbed.data() : kPostOneDatagram.data();
+  qp->post_one.store(table, std::memory_order_release);
 }
 
 void InstallQpExOps(Qp* qp) {

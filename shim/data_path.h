@@ -45,9 +45,20 @@ inline bool IsMarker(const Qp* qp, uint64_t wr_id) {
 // except posts and polls on the marked path when `probed`
 // (thread_probe.h): those jump into the provider.
 void InstallContextOps(Context* ctx, bool pausable, bool probed);
-// Chooses how a new shadow QP's single work requests are posted on the
-// translating path (by its type, and whether its process is `probed`).
+// A probed process's context whose queues translate (offset mode, or the
+// process has moved): its post and poll entries compare the translating
+// path first. Either entry is right on every path; this only orders the
+// compares. Safe while application threads post and poll.
+void InstallTranslatingOps(Context* ctx);
+// Chooses how a shadow QP's single work requests are posted on the
+// translating path (by its type, whether its process is `probed`, and
+// whether its peer has moved: SetPeer).
 void InstallSendPath(Qp* qp, bool probed);
+// Connects a QP to its peer as the shim knows it (`remote`: where a moved
+// peer is now; null: one that never moved), with the table of its single
+// sends that goes with it (InstallSendPath). Safe while the application
+// posts: a post that sees the peer finds the table that looks it up.
+void SetPeer(Qp* qp, const RemoteEndpoint* remote, bool probed);
 // Fills a shadow QP's ibv_qp_ex function pointers where the real QP has them.
 void InstallQpExOps(Qp* qp);
 // Fills a shadow CQ's ibv_cq_ex function pointers where the real CQ has them.

@@ -106,12 +106,12 @@ class MrLookup {
   }
 
  private:
-  // One load of the whole entry (virtual key above, physical below): a
+  // One load of the whole entry (physical key above, virtual below): a
   // key is never paired with another registration's physical key, even
   // while its slot is being reused.
   uint32_t Translate(uint32_t vlkey, uint32_t index) const {
     const uint64_t e = entries_[index].load(std::memory_order_relaxed);
-    return static_cast<uint32_t>(e >> 32) == vlkey ? static_cast<uint32_t>(e) : vlkey;
+    return static_cast<uint32_t>(e) == vlkey ? static_cast<uint32_t>(e >> 32) : vlkey;
   }
   const std::atomic<uint64_t>* entries_ = nullptr;
 };

@@ -1143,6 +1143,9 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
   // Completions carry the new QPNs: every CQ translates from now on.
   for (Cq* cq : All<Cq>(Kind::kCq)) CqTranslates(cq);
   for (Qp* qp : All<Qp>(Kind::kQp)) qp->path.Set(QpPath(*qp));
+  for (const auto& [p, k] : shadows_)
+    if (k == Kind::kContext)
+      InstallTranslatingOps(AsContext(static_cast<ibv_context*>(const_cast<void*>(p))));
   gid_moved_.store(
       memcmp(endpoint_physical_gid_.raw, mode_.PhysicalGid(endpoint_virtual_gid_).raw, 16) != 0);
   return {};
@@ -1163,10 +1166,17 @@ Status Shim::ResumeNow() {
     });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued SRQ receives", rc));
   }
-  for (Qp* qp : All<Qp>(Kind::kQp)) {
-    int rc = Repost(qp->recvs, &qp->queued_recvs,
-                    [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
+  // Every queue's receives before any send: the application posted a
+  // receive during the pause before a send to it (of another of its QPs,
+  // or a peer's that waits for this one's), and a send replayed first
+  // would find no receive (RNR) where it found one without the pause.
+  const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
+  for (Qp* qp : qps) {
+    const int rc = Repost(qp->recvs, &qp->queued_recvs,
+                          [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued receives", rc));
+  }
+  for (Qp* qp : qps) {
     for (QueuedSend& s : qp->queued_sends) {
       ibv_sge inline_sge;
       s.wr.next = nullptr;
@@ -1179,7 +1189,7 @@ Status Shim::ResumeNow() {
         s.wr.sg_list = s.sge.data();
       }
       ibv_send_wr* bad = nullptr;
-      rc = PostSendReal(qp, &s.wr, &bad);
+      const int rc = PostSendReal(qp, &s.wr, &bad);
       if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued sends", rc));
     }
     qp->queued_sends.clear();

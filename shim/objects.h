@@ -200,8 +200,10 @@ struct alignas(kObjectAlign) Qp {
   int (*real_post_send)(ibv_qp*, ibv_send_wr*, ibv_send_wr**) = nullptr;
   int (*real_post_recv)(ibv_qp*, ibv_recv_wr*, ibv_recv_wr**) = nullptr;
   // The translating path's post of one WR with one SGE, by opcode
-  // (data_path.cc: InstallSendPath).
-  int (*const* post_one)(Qp*, ibv_send_wr*, ibv_send_wr**) = nullptr;
+  // (data_path.cc: InstallSendPath): by the QP's type, and for RC and UC
+  // whether `remote` is set. Set before `remote` is, cleared after it is:
+  // a post that sees `remote` set finds the table that looks it up.
+  std::atomic<int (*const*)(Qp*, ibv_send_wr*, ibv_send_wr**)> post_one{nullptr};
   ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
   MrLookup mrs;                  // the shim's MR table
   IdentityMode mode;

@@ -164,6 +164,9 @@ ibv_context* Shim::OpenDevice(ibv_device* device) {
   InitMutexCond(&s->mutex, nullptr);
   InstallContextOps(ctx, migratable_, probed_);
   std::lock_guard<std::mutex> lock(mu_);
+  // Its queues translate from the start (moved_: a device opened after
+  // the process moved has new identities too).
+  if (mode_.offset || moved_) InstallTranslatingOps(ctx);
   Register(s, Kind::kContext);
   return s;
 }
@@ -984,7 +987,7 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
     NoteEndpointGid(qp->ctx, attr->ah_attr.port_num, attr->ah_attr.grh.sgid_index);
   qp->remote_gid = remote_gid;
   qp->remote_qpn = remote_qpn;
-  qp->remote.store(remote, std::memory_order_release);
+  SetPeer(qp, remote, probed_);
   if (remote != nullptr) qp->path.Set(Path::kTranslated);
   qp->transitions.push_back({*attr, mask});
   q->state = qp->real->state;
@@ -1259,7 +1262,7 @@ const RemoteEndpoint* Shim::PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> 
     Qp* qp = static_cast<Qp*>(const_cast<void*>(p));
     if (memcmp(qp->remote_gid.raw, gid.raw, 16) != 0 || !r->Owns(qp->remote_qpn)) continue;
     qp->path.Set(Path::kTranslated);
-    qp->remote.store(r, std::memory_order_release);
+    SetPeer(qp, r, probed_);
   }
   return r;
 }

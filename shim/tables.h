@@ -45,7 +45,7 @@ class MrTable {
     return true;
   }
   void Set(uint32_t slot, uint32_t vlkey, uint32_t plkey) {
-    entries_[slot + 1].store(uint64_t{vlkey} << 32 | plkey, std::memory_order_release);
+    entries_[slot + 1].store(uint64_t{plkey} << 32 | vlkey, std::memory_order_release);
   }
   void Clear(uint32_t slot) { entries_[slot + 1].store(0, std::memory_order_release); }
 

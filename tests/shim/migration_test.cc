@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "shim/data_path.h"
+#include "shim/thread_probe.h"
 #include "tests/shim/verbs_test_util.h"
 
 namespace rdmavirt::shim::testing {
@@ -25,6 +26,8 @@ std::vector<uint64_t> WrIds(const std::vector<ibv_wc>& wcs) {
 
 class MigrationTest : public TwoEndpointsTest {
  protected:
+  explicit MigrationTest(bool probed = false) : TwoEndpointsTest(probed) {}
+
   // An RC QP on each side, connected to the other.
   void Connect(ibv_qp_type type = IBV_QPT_RC, int access = kAllRemoteAccess) {
     pqp_ = pdev_->Qp(type);
@@ -299,6 +302,102 @@ TEST_F(MigrationTest, PostsDuringAPauseAreQueuedAndReplayedInOrder) {
   EXPECT_STREQ(qbuf_, "a");
   EXPECT_STREQ(qbuf_ + 64, "b");
   EXPECT_EQ(WrIds(Drain(pdev_->cq)), (std::vector<uint64_t>{1, 2}));
+}
+
+// Processes whose pause probes their threads (a process's default). Once
+// one has moved, its context's entries compare the translating path first
+// (InstallTranslatingOps); they must still be right on every path: the
+// moved queues' (translated), a pause's (queued), and the marked path of
+// a CQ made after the move.
+class ProbedMigrationTest : public MigrationTest {
+ protected:
+  ProbedMigrationTest() : MigrationTest(/*probed=*/true) {}
+  void SetUp() override {
+    std::string why;
+    ASSERT_TRUE(InstallThreadProbe(&why)) << why;
+  }
+};
+
+TEST_F(ProbedMigrationTest, AMovedProcessesEntriesAreRightOnEveryPath) {
+  Connect();
+  for (int i = 0; i < 4; ++i) PostRecv(q_, qqp_, 100 + i, qbuf_ + 64 * i, qmr_);
+  const ibv_context_ops before = pdev_->ctx->ops;
+  Move();
+  EXPECT_NE(pdev_->ctx->ops.post_send, before.post_send) << "the translating path first";
+  EXPECT_NE(pdev_->ctx->ops.poll_cq, before.poll_cq);
+  EXPECT_NE(pdev_->ctx->ops.post_recv, before.post_recv);
+
+  // Translated: P's QP and CQ carry new physical identities.
+  PostRecv(p_, pqp_, 200, pbuf_ + 1024, pmr_);
+  ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "moved"), 0);
+  EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{100}));
+  EXPECT_STREQ(qbuf_, "moved");
+  ASSERT_EQ(Send(qqp_, 9, qbuf_ + 2048, qmr_, "back"), 0);
+  const std::vector<ibv_wc> back = Drain(pdev_->cq);
+  ASSERT_EQ(WrIds(back), (std::vector<uint64_t>{1, 200}));
+  EXPECT_EQ(back[1].qp_num, pqp_->qp_num) << "the virtual QPN";
+  EXPECT_STREQ(pbuf_ + 1024, "back");
+  EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{9}));
+
+  // Marked: a CQ made after the move, whose QPs' completions carry their
+  // virtual QPNs (the QPs translate: the process's lkeys have diverged).
+  ibv_cq* cq = pdev_->Cq();
+  ibv_qp* a = pdev_->Qp(IBV_QPT_RC, 4, nullptr, cq, cq);
+  ibv_qp* b = pdev_->Qp(IBV_QPT_RC, 4, nullptr, cq, cq);
+  ASSERT_EQ(ToRts(p_, a, b->qp_num, pdev_->gid), 0);
+  ASSERT_EQ(ToRts(p_, b, a->qp_num, pdev_->gid), 0);
+  ASSERT_EQ(ShimCq(cq)->path.get(), Path::kMarked);
+  ASSERT_EQ(ShimQp(a)->path.get(), Path::kTranslated);
+  PostRecv(p_, b, 300, pbuf_ + 3000, pmr_);
+  ASSERT_EQ(Send(a, 2, pbuf_ + 3100, pmr_, "new"), 0);
+  const std::vector<ibv_wc> got = Drain(cq);
+  ASSERT_EQ(WrIds(got), (std::vector<uint64_t>{300, 2}));  // the fake: receive first
+  EXPECT_EQ(got[0].qp_num, b->qp_num);
+  EXPECT_STREQ(pbuf_ + 3000, "new");
+
+  // Paused: posts are queued, then replayed in order.
+  uint32_t drained = 0;
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  const int calls = fake_.post_send_calls();
+  ASSERT_EQ(Send(pqp_, 3, pbuf_ + 2048, pmr_, "c"), 0);
+  ASSERT_EQ(Send(a, 4, pbuf_ + 3100, pmr_, "d"), 0);
+  const size_t recvs = fake_.recvs().size();
+  PostRecv(p_, b, 301, pbuf_ + 3200, pmr_);
+  EXPECT_EQ(fake_.post_send_calls(), calls) << "nothing reached the device";
+  EXPECT_EQ(fake_.recvs().size(), recvs) << "nothing reached the device";
+  ibv_wc wc;
+  EXPECT_EQ(ibv_poll_cq(pdev_->cq, 1, &wc), 0);
+  EXPECT_EQ(ibv_poll_cq(cq, 1, &wc), 0);
+  ASSERT_TRUE(p_.Resume().ok());
+  EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{101}));
+  EXPECT_STREQ(qbuf_ + 64, "c");
+  EXPECT_EQ(WrIds(Drain(cq)), (std::vector<uint64_t>{301, 4}));
+  EXPECT_STREQ(pbuf_ + 3200, "d");
+  EXPECT_EQ(WrIds(Drain(pdev_->cq)), (std::vector<uint64_t>{3}));
+}
+
+// During a pause the application posts a receive on each of two of its
+// QPs, then a send from each to the other. At the resume every receive is
+// posted again before any send: a send replayed before its peer's receive
+// would fail (RNR), where it succeeded without the pause. Before, each QP's
+// receives and then its sends were replayed, QP after QP: one direction
+// failed, whichever QP came first.
+TEST_F(MigrationTest, ReceivesQueuedInAPauseArePostedBeforeAnyQueuedSend) {
+  auto [a, b] = pdev_->Pair(IBV_QPT_RC);
+  uint32_t drained = 0;
+  ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+  PostRecv(p_, a, 10, pbuf_, pmr_);
+  PostRecv(p_, b, 20, pbuf_ + 64, pmr_);
+  ASSERT_EQ(Send(a, 11, pbuf_ + 128, pmr_, "to b"), 0);
+  ASSERT_EQ(Send(b, 21, pbuf_ + 192, pmr_, "to a"), 0);
+  ASSERT_TRUE(p_.Resume().ok());
+  const std::vector<ibv_wc> wcs = Drain(pdev_->cq);
+  ASSERT_EQ(wcs.size(), 4u);
+  for (const ibv_wc& wc : wcs)
+    EXPECT_EQ(wc.status, IBV_WC_SUCCESS)
+        << "wr_id " << wc.wr_id << ": " << ibv_wc_status_str(wc.status);
+  EXPECT_STREQ(pbuf_, "to a");
+  EXPECT_STREQ(pbuf_ + 64, "to b");
 }
 
 TEST_F(MigrationTest, CompletionsFoundByTheDrainWaitInTheShadowCq) {

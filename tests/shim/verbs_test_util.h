@@ -309,7 +309,10 @@ inline RemoteMapping ToMapping(const EndpointView& v) {
 // never destroyed a CQ whose events were not all acknowledged.
 class TwoEndpointsTest : public ::testing::Test {
  protected:
-  TwoEndpointsTest() : p_(&fake_, IdentityMode{}, true), q_(&fake_, IdentityMode{}, true) {
+  // `probed`: the shims' pause probes threads (a process's default)
+  // instead of marking each call.
+  explicit TwoEndpointsTest(bool probed = false)
+      : p_(&fake_, IdentityMode{}, true, probed), q_(&fake_, IdentityMode{}, true, probed) {
     p_.set_app_thread_wait_ms(0);
     q_.set_app_thread_wait_ms(0);
     pdev_ = std::make_unique<Device<Shim>>(p_);

@@ -159,7 +159,7 @@ inline bool PatchSendWr(const Qp* qp, ibv_send_wr* wr, Patches* p) {
 }
 // ... one whose peer's rkey is `off` bytes into the WR. The SGE and the
 // rkey are found again through `wr` after the call, so fewer registers are
-// kept across it. kToMoved: the QP's peer may have moved (QpSendTable),
+// kept across it. kToMoved: the QP's peer may have moved (SetPeer),
 // and its rkeys are looked up in what it published; else they are made
 // physical as the mode says (one AND).
 template <bool kToMoved>
@@ -1418,7 +1418,7 @@ void InstallContextOps(Context* ctx, bool pausable, bool probed) {
 
 void InstallTranslatingOps(Context* ctx) {
   ibv_context* s = Shadow(ctx);
-  if (s->ops.post_send != PostSendProbed) return;  // not a probed process
+  if (s->ops.post_send != PostSendProbed) return;  // not probed, or swapped already
   // One pointer each, which application threads may be reading: either
   // entry is right on every path, only faster on its own.
   std::atomic_ref(s->ops.post_send).store(PostSendProbedTranslating, std::memory_order_relaxed);

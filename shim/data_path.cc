@@ -732,6 +732,21 @@ int PostSrqRecvPausable(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return PostRecvNotMarked<Srq, PostSrqRecvReal, PostSrqRecvGated>(srq, wr, bad);
 }
 
+// A probed receive on the path its word named (translating with
+// kTranslate, else marked): one WR with one SGE by the queue's owner, or
+// the queue's first (`claiming`), else the gate.
+template <bool kTranslate, typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
+          int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
+[[gnu::always_inline]] inline int PostRecvAsOwnerOn(Queue* q, ibv_recv_wr* wr, ibv_recv_wr** bad,
+                                                    int (*claiming)(Queue*, ibv_recv_wr*,
+                                                                    ibv_recv_wr**, bool)) {
+  int rc;
+  if (PostOneRecvOn<kTranslate>(q, wr, bad, &rc)) [[likely]]
+    return rc;
+  if (RecvsOf(q)->unowned()) return claiming(q, wr, bad, kTranslate);
+  return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
+}
+
 // The receive entries of a migratable process whose pause probes its
 // threads (thread_probe.h): one WR with one SGE is journaled and posted
 // without a mark, translated if its queue needs it. The journal takes
@@ -749,14 +764,9 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
                                                    int (*claiming)(Queue*, ibv_recv_wr*,
                                                                    ibv_recv_wr**, bool)) {
   const uint16_t path = q->path.word();
-  int rc;
-  if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]] {
-    if (PostOneRecvOn<false>(q, wr, bad, &rc)) [[likely]]
-      return rc;
-    if (RecvsOf(q)->unowned()) return claiming(q, wr, bad, false);
-  } else if (path == static_cast<uint16_t>(Path::kTranslated)) {
-    return translated(q, wr, bad);
-  }
+  if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]]
+    return PostRecvAsOwnerOn<false, Queue, kReal, kGated>(q, wr, bad, claiming);
+  if (path == static_cast<uint16_t>(Path::kTranslated)) return translated(q, wr, bad);
   return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
 }
 
@@ -775,21 +785,6 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
   return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
 }
 
-// The translating half, out of line (the marked path keeps its few
-// registers), in the section; entered once the path word said so.
-template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
-          int (*kGated)(Queue*, ibv_recv_wr*, ibv_recv_wr**)>
-[[gnu::always_inline]] inline int PostRecvTranslatedProbedOn(Queue* q, ibv_recv_wr* wr,
-                                                             ibv_recv_wr** bad,
-                                                             int (*claiming)(Queue*, ibv_recv_wr*,
-                                                                             ibv_recv_wr**, bool)) {
-  int rc;
-  if (PostOneRecvOn<true>(q, wr, bad, &rc)) [[likely]]
-    return rc;
-  if (RecvsOf(q)->unowned()) return claiming(q, wr, bad, true);
-  return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
-}
-
 // PostRecvProbedOn for a context whose queues translate: that path
 // compared first and taken here.
 template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
@@ -799,22 +794,23 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
     int (*claiming)(Queue*, ibv_recv_wr*, ibv_recv_wr**, bool)) {
   const uint16_t path = q->path.word();
   if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
-    return PostRecvTranslatedProbedOn<Queue, kReal, kGated>(q, wr, bad, claiming);
-  if (path == static_cast<uint16_t>(Path::kMarked)) {
-    int rc;
-    if (PostOneRecvOn<false>(q, wr, bad, &rc)) return rc;
-    if (RecvsOf(q)->unowned()) return claiming(q, wr, bad, false);
-  }
+    return PostRecvAsOwnerOn<true, Queue, kReal, kGated>(q, wr, bad, claiming);
+  if (path == static_cast<uint16_t>(Path::kMarked))
+    return PostRecvAsOwnerOn<false, Queue, kReal, kGated>(q, wr, bad, claiming);
   return PostRecvNotMarked<Queue, kReal, kGated>(q, wr, bad);
 }
 
+// The entries' out-of-line parts, in the section: a queue's first
+// receive, and the translating half of an entry that tests the marked
+// path first (out of line, so that the marked path keeps its few
+// registers).
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostRecvClaiming(Qp* qp, ibv_recv_wr* wr,
                                                              ibv_recv_wr** bad, bool translate) {
   return PostRecvClaimingOn<Qp, PostRecvReal, PostRecvGated>(qp, wr, bad, translate);
 }
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostRecvTranslatedProbed(Qp* qp, ibv_recv_wr* wr,
                                                                      ibv_recv_wr** bad) {
-  return PostRecvTranslatedProbedOn<Qp, PostRecvReal, PostRecvGated>(qp, wr, bad, PostRecvClaiming);
+  return PostRecvAsOwnerOn<true, Qp, PostRecvReal, PostRecvGated>(qp, wr, bad, PostRecvClaiming);
 }
 [[RDMAVIRT_PROBED_PATH]] int PostRecvProbed(ibv_qp* ibqp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return PostRecvProbedOn<Qp, PostRecvReal, PostRecvGated>(
@@ -827,8 +823,8 @@ template <typename Queue, int (*kReal)(Queue*, ibv_recv_wr*, ibv_recv_wr**),
 }
 [[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostSrqRecvTranslatedProbed(Srq* srq, ibv_recv_wr* wr,
                                                                         ibv_recv_wr** bad) {
-  return PostRecvTranslatedProbedOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(srq, wr, bad,
-                                                                            PostSrqRecvClaiming);
+  return PostRecvAsOwnerOn<true, Srq, PostSrqRecvReal, PostSrqRecvGated>(srq, wr, bad,
+                                                                         PostSrqRecvClaiming);
 }
 [[RDMAVIRT_PROBED_PATH]] int PostSrqRecvProbed(ibv_srq* ibsrq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return PostRecvProbedOn<Srq, PostSrqRecvReal, PostSrqRecvGated>(
@@ -1428,22 +1424,32 @@ void InstallTranslatingOps(Context* ctx) {
   std::atomic_ref(s->ops.poll_cq).store(PollCqProbedTranslating, std::memory_order_relaxed);
 }
 
+namespace {
+
+// The table of a QP's single sends on the translating path, by its type
+// and its peer (non-null: where a moved peer is now).
+const PostOneFn* SendTable(const Qp* qp, const RemoteEndpoint* remote, bool probed) {
+  if (qp->shadow.qp_base.qp_type == IBV_QPT_UD)
+    return probed ? kPostOneDatagramProbed.data() : kPostOneDatagram.data();
+  return remote != nullptr ? kPostOneConnected<true>.data() : kPostOneConnected<false>.data();
+}
+
+}  // namespace
+
 void SetPeer(Qp* qp, const RemoteEndpoint* remote, bool probed) {
-  // The table that looks the peer up is right without one too.
-  if (remote != nullptr && qp->shadow.qp_base.qp_type != IBV_QPT_UD)
-    qp->post_one.store(kPostOneConnected<true>.data(), std::memory_order_release);
+  // A post that sees a peer must find the table that looks it up, which
+  // is right without one too: that table before the peer, the other after
+  // the peer is cleared.
+  if (remote != nullptr)
+    qp->post_one.store(SendTable(qp, remote, probed), std::memory_order_release);
   qp->remote.store(remote, std::memory_order_release);
-  InstallSendPath(qp, probed);
+  if (remote == nullptr)
+    qp->post_one.store(SendTable(qp, nullptr, probed), std::memory_order_release);
 }
 
 void InstallSendPath(Qp* qp, bool probed) {
-  const PostOneFn* table;
-  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD)
-    table = qp->remote.load(std::memory_order_relaxed) != nullptr ? kPostOneConnected<true>.data()
-                                                                  : kPostOneConnected<false>.data();
-  else
-    table = probed ? kPostOneDatagramProbed.data() : kPostOneDatagram.data();
-  qp->post_one.store(table, std::memory_order_release);
+  qp->post_one.store(SendTable(qp, qp->remote.load(std::memory_order_relaxed), probed),
+                     std::memory_order_release);
 }
 
 void InstallQpExOps(Qp* qp) {

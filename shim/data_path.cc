@@ -892,7 +892,10 @@ Qp* VirtualizeWcRest(Qp* qp, ibv_wc* wc) {
   }
   if (wc->wc_flags & IBV_WC_WITH_INV)
     wc->invalidated_rkey = qp->mode.VirtualRkey(wc->invalidated_rkey);
-  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return qp;
+  // Only a UD receive names a sender and may carry a GRH; a send's
+  // completion must not take a receive's record (their wr_ids may be
+  // equal).
+  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD || !(wc->opcode & IBV_WC_RECV)) return qp;
   // A sender that moved is known by where it is now (the GRH's source).
   RecvLog::Taken e;
   const bool found = qp->recvs->Consume(wc->wr_id, &e);

@@ -599,8 +599,19 @@ int Shim::ResizeCq(ibv_cq* c, int cqe) {
   Cq* cq = FindCq(c);
   ControlScope scope(this, cq != nullptr);
   if (cq == nullptr) return backend_->ResizeCq(c, cqe);
+  // The provider refuses a size below the completions the CQ holds
+  // (EINVAL); the slack would make room for them. So a shrink is asked
+  // first at the size the application gave, less what the shadow holds.
+  bool shrunk = false;
+  if (cq->slack > 0 && cqe < cq->shadow.cqe) {
+    const int64_t held = int64_t{cq->pending_count} - cq->pending_head.load();
+    if (cqe < 1 || cqe < held) return EINVAL;
+    const int rc = backend_->ResizeCq(cq->real, std::max<int>(1, cqe - static_cast<int>(held)));
+    if (rc != 0) return rc;
+    shrunk = true;
+  }
   int slack = 0, rc = 0;
-  const bool ok = WithSlack(
+  bool ok = WithSlack(
       cqe, CqSlack(),
       [&](int n) -> const Cq* {
         rc = backend_->ResizeCq(cq->real, n);
@@ -608,6 +619,12 @@ int Shim::ResizeCq(ibv_cq* c, int cqe) {
         return rc == 0 ? cq : nullptr;
       },
       &slack);
+  if (!ok && shrunk) {
+    // At the size asked, with what slack its rounding gave.
+    ok = true;
+    rc = 0;
+    slack = std::max(0, cq->real->cqe - cqe);
+  }
   if (ok) {
     cq->slack = slack;
     cq->shadow.cqe = cq->real->cqe - slack;

@@ -3,10 +3,12 @@ hosts behave the same natively and with librdmavirt.so preloaded, in
 offset mode (virtual identities differ from physical ones from the start,
 so every translation is exercised)."""
 
+import json
 import re
 import sys
 
-from labtest import (BUILD, LAB, check, lab_test, main, server_client, wait_until)
+from labtest import (BUILD, LAB, ROOT, Failure, check, lab_test, main, server_client,
+                     wait_until)
 
 SHIM = f"LD_PRELOAD={BUILD}/shim/librdmavirt.so RDMAVIRT_ID_MODE=offset "
 # Default mode: identities equal the hardware's until a move, so the shim's
@@ -183,6 +185,54 @@ def rare_verbs_same_natively_and_under_the_shim_in_every_mode():
         check(r.rc == 0, f"{mode}: exit {r.rc}", native, r)
         check(r.out == native.out, f"{mode}: transcript differs from the native one", native, r)
         check(r.err == "", f"{mode}: wrote to stderr", r)
+
+
+PYVERBS = f"python3 {ROOT}/tests/lab/pyverbs_outcomes.py rxe0"
+
+
+def pyverbs_outcomes(name, r):
+    check(r.rc == 0, f"{name}: the pyverbs suite did not run to its end (exit {r.rc})", r)
+    try:
+        return json.loads(r.out.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise Failure(f"{name}: no outcomes printed\n  {r!r}")
+
+
+def refused_memory_window(test_id, outcome):
+    # The shim refuses ibv_alloc_mw (EOPNOTSUPP, docs/shim.md): the suite
+    # skips its memory-window tests for it, and nothing else.
+    return ("mw" in test_id.rsplit(".", 1)[-1].lower() and outcome.startswith("skip:")
+            and re.search(r"(?i)\bMW\b|memory window", outcome) is not None)
+
+
+@lab_test
+def pyverbs_suite_same_natively_and_under_the_shim_in_every_mode():
+    # rdma-core's own test suite (python3-pyverbs): every test has the same
+    # outcome under the shim as natively (default, offset and migratable),
+    # but the memory-window ones, which it skips for the shim's refusal. It
+    # found two bugs: ibv_resize_cq below the completions a CQ holds went
+    # through (the markers' slack; test_resize_cq), and a UD QP's send
+    # completions took its receives' records, so datagrams kept their
+    # physical GRH (the shim then says so on stderr; test_cq_events_ud).
+    runs = {
+        "native": LAB.run(1, PYVERBS, 300),
+        "default": LAB.run(1, SHIM_DEFAULT + PYVERBS, 300),
+        "offset": LAB.run(1, SHIM + PYVERBS, 300),
+        "migratable": LAB.run(1, "RDMAVIRT_SOCKET=/tmp/no-migrator.sock " + SHIM_DEFAULT +
+                              PYVERBS, 300),
+    }
+    native = pyverbs_outcomes("native", runs["native"])
+    passed = [t for t, o in native.items() if o == "ok"]
+    check(len(passed) >= 80, f"natively only {len(passed)} tests passed", runs["native"])
+    for mode, r in runs.items():
+        if mode == "native":
+            continue
+        got = pyverbs_outcomes(mode, r)
+        check(set(got) == set(native), f"{mode}: another set of tests ran", r)
+        differ = {t: (native[t], got[t]) for t in native
+                  if got[t] != native[t] and not refused_memory_window(t, got[t])}
+        check(not differ, f"{mode}: outcomes differ from the native ones: {differ}", r)
+        check("receive journal" not in r.err, f"{mode}: a UD receive was not found", r)
 
 
 def gids_masked(text):

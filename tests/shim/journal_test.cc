@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <vector>
 
 #include "tests/shim/verbs_test_util.h"
 
@@ -160,6 +161,40 @@ TEST_F(UdJournalTest, ARefusedReceiveKeepsEarlierOnesJournaled) {
   ASSERT_EQ(bad, &wrs[1]);
   ASSERT_TRUE(SendOne());
   EXPECT_TRUE(GidEq(Source(buf_), dev().gid));
+}
+
+// A UD QP's send completion takes nothing from its receive journal: with
+// the same wr_id on a send and a receive (rdma-core's pyverbs tests use 0
+// for all), the send's completion, polled first, used to take the
+// receive's record, and the datagram then kept its physical GRH.
+TEST_F(UdJournalTest, ASendCompletionWithTheReceivesWrIdLeavesItsRecord) {
+  ibv_sge recv_sge = Sge(buf_, 64, mr_);
+  ibv_recv_wr recv{};
+  recv.wr_id = 7;
+  recv.sg_list = &recv_sge;
+  recv.num_sge = 1;
+  ibv_recv_wr* bad_recv = nullptr;
+  ASSERT_EQ(ibv_post_recv(b_, &recv, &bad_recv), 0);
+  recv_sge = Sge(buf_ + 128, 64, mr_);  // a_'s datagram lands apart
+  ASSERT_EQ(ibv_post_recv(a_, &recv, &bad_recv), 0);
+  // b_ sends first (signaled, wr_id 7), then a_ sends to b_.
+  ibv_send_wr from_b = UdSend(nullptr, ah_, a_->qp_num);
+  from_b.wr_id = 7;
+  from_b.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  ASSERT_EQ(ibv_post_send(b_, &from_b, &bad), 0);
+  ibv_send_wr from_a = UdSend(nullptr, ah_, b_->qp_num);
+  ASSERT_EQ(ibv_post_send(a_, &from_a, &bad), 0);
+  const auto wcs = Drain(dev().cq);
+  ASSERT_EQ(wcs.size(), 3u);
+  std::vector<ibv_wc_opcode> of_b;  // b_'s completions, in polling order
+  for (const ibv_wc& wc : wcs) {
+    ASSERT_EQ(wc.status, IBV_WC_SUCCESS);
+    if (wc.qp_num == b_->qp_num) of_b.push_back(wc.opcode);
+  }
+  const std::vector<ibv_wc_opcode> send_then_recv = {IBV_WC_SEND, IBV_WC_RECV};
+  ASSERT_EQ(of_b, send_then_recv) << "b_'s send completion is polled before its receive";
+  EXPECT_TRUE(GidEq(Source(buf_), dev().gid)) << "b_'s datagram shows the virtual source";
 }
 
 // Two UD QPs share an SRQ and complete on CQs of their own: a datagram

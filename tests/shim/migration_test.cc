@@ -856,6 +856,46 @@ TEST_F(DrainTest, AMarkerFitsACqTheApplicationSizedForOneCompletion) {
   EXPECT_EQ(WrIds(Drain(small)), (std::vector<uint64_t>{1}));
 }
 
+// ibv_resize_cq below the completions a CQ holds is refused (EINVAL), as
+// the provider refuses it natively: the slack the real CQ keeps for the
+// drain's markers must not take them. rdma-core's pyverbs test_resize_cq
+// found it (rxe refuses natively; under the shim the resize went through).
+TEST_F(DrainTest, ShrinkingACqBelowTheCompletionsItHoldsIsRefused) {
+  ibv_cq* small = pdev_->Cq(nullptr, nullptr, 3);
+  ASSERT_NE(small, nullptr);
+  pqp_ = pdev_->Qp(IBV_QPT_RC, 4, nullptr, small, pdev_->cq);
+  qqp_ = qdev_->Qp(IBV_QPT_RC);
+  ASSERT_EQ(ToRts(p_, pqp_, qqp_->qp_num, qdev_->gid), 0);
+  ASSERT_EQ(ToRts(q_, qqp_, pqp_->qp_num, pdev_->gid), 0);
+  ASSERT_EQ(p_.ResizeCq(small, 1), 0) << "an empty CQ shrinks";
+  EXPECT_GE(small->cqe, 1);
+  ASSERT_EQ(p_.ResizeCq(small, 7), 0);
+  EXPECT_GE(small->cqe, 7);
+  // Completions up to the depth the CQ shows, less one (as pyverbs does).
+  const int cqe = small->cqe;
+  const int n = std::min(cqe - 1, 100);
+  ASSERT_GE(n, 6);
+  for (int i = 0; i < n; ++i) {
+    ASSERT_EQ(PostRecvOf(qqp_, 2000 + i, qbuf_, 16, qmr_), 0);
+    ASSERT_EQ(Send(pqp_, 100 + i, pbuf_, pmr_, "x"), 0);
+  }
+  EXPECT_EQ(p_.ResizeCq(small, 1), EINVAL) << n << " completions do not fit in 1";
+  EXPECT_EQ(p_.ResizeCq(small, n - 1), EINVAL) << "nor in " << n - 1;
+  EXPECT_EQ(small->cqe, cqe) << "a refused resize leaves the CQ as it was";
+  EXPECT_EQ(p_.ResizeCq(small, n), 0) << "they fit in " << n;
+  std::vector<uint64_t> want;
+  for (int i = 0; i < n; ++i) want.push_back(100 + i);
+  EXPECT_EQ(WrIds(Drain(small)), want) << "nothing lost";
+  EXPECT_EQ(p_.ResizeCq(small, 1), 0) << "empty again, it shrinks";
+  // A pause after it still has the slack for its marker.
+  ASSERT_EQ(Send(pqp_, 1, pbuf_, pmr_, "one"), 0);
+  uint32_t drained = 0;
+  const Status st = p_.Quiesce(300, &drained);
+  ASSERT_TRUE(st.ok()) << st.message;
+  ASSERT_TRUE(p_.Resume().ok());
+  EXPECT_EQ(WrIds(Drain(small)), (std::vector<uint64_t>{1}));
+}
+
 // Many QPs on one CQ (qp_holder's 1024, UCX's): the drain's markers and
 // the release's and the reconnect's flushes go out for many QPs at a time,
 // within the CQ's room, not one QP per round (each round a poll and a

@@ -60,12 +60,16 @@ def perftest_test(prog, iters):
         check(re.search(r"^\s*\d+\s+" + str(iters) + r"\s", c.out, re.M),
               "no result line", c)
         check("0x80" in c.out, "shim run did not show virtual QPNs", c)
-    test.__name__ = prog
+    test.__name__ = re.sub(r"\W+", "_", prog.replace(" -", " ")).strip("_")
     lab_test(test)
 
 
+# Each program, then UD and completion events (ib_send_bw -e waits on a
+# completion channel).
 for p, n in (("ib_send_bw", 200), ("ib_write_bw", 200), ("ib_read_bw", 200),
-             ("ib_atomic_bw", 200), ("ib_send_lat", 100), ("ib_write_lat", 100)):
+             ("ib_atomic_bw", 200), ("ib_send_lat", 100), ("ib_write_lat", 100),
+             ("ib_read_lat", 100), ("ib_atomic_lat", 100), ("ib_send_lat -c UD", 100),
+             ("ib_send_bw -e", 200)):
     perftest_test(p, n)
 
 
@@ -100,6 +104,10 @@ def cm_test(name, server_cmd, client_cmd, same_output):
 cm_test("rping", "rping -s -a 10.77.0.1 -C 20 -v", "rping -c -a 10.77.0.1 -C 20 -v", True)
 cm_test("udaddy", "udaddy -b 10.77.0.1", "udaddy -s 10.77.0.1 -b 10.77.0.2", True)
 cm_test("rdma_server_client", "rdma_server", "rdma_client -s 10.77.0.1", True)
+# Four RC connections at once, and rsockets' I/O stream.
+cm_test("ucmatose_four_connections", "ucmatose -c 4 -C 20", "ucmatose -s 10.77.0.1 -c 4 -C 20",
+        True)
+cm_test("riostream", "riostream -S 4096 -C 100", "riostream -S 4096 -C 100 -s 10.77.0.1", False)
 
 
 @lab_test

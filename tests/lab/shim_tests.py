@@ -170,6 +170,19 @@ def verbs_coverage_identical_default_mode():
     check(ss.err == "" and sc.err == "", "the shim wrote to stderr", ss, sc)
 
 
+def every_mode(cmd, timeout):
+    """`cmd` on host1 natively, then under the shim in default and offset
+    modes, and migratable (a migrator socket configured, none running:
+    every queue gated): their results by mode."""
+    return {
+        "native": LAB.run(1, cmd, timeout),
+        "default": LAB.run(1, SHIM_DEFAULT + cmd, timeout),
+        "offset": LAB.run(1, SHIM + cmd, timeout),
+        "migratable": LAB.run(1, "RDMAVIRT_SOCKET=/tmp/no-migrator.sock " + SHIM_DEFAULT + cmd,
+                              timeout),
+    }
+
+
 RARE = f"{BUILD}/tests/apps/verbs_rare"
 
 
@@ -180,13 +193,7 @@ def rare_verbs_same_natively_and_under_the_shim_in_every_mode():
     # queries and CQs, resize, rereg, refusals, completion and async
     # events, fork. Default mode, offset mode, and a migratable process
     # (a migrator socket configured, none running: every queue gated).
-    runs = {
-        "native": LAB.run(1, RARE, 120),
-        "default": LAB.run(1, SHIM_DEFAULT + RARE, 120),
-        "offset": LAB.run(1, SHIM + RARE, 120),
-        "migratable": LAB.run(1, "RDMAVIRT_SOCKET=/tmp/no-migrator.sock " + SHIM_DEFAULT + RARE,
-                              120),
-    }
+    runs = every_mode(RARE, 120)
     native = runs["native"]
     check(native.rc == 0 and "all checks passed" in native.out, "native run failed", native)
     for mode, r in runs.items():
@@ -222,13 +229,7 @@ def pyverbs_suite_same_natively_and_under_the_shim_in_every_mode():
     # through (the markers' slack; test_resize_cq), and a UD QP's send
     # completions took its receives' records, so datagrams kept their
     # physical GRH (the shim then says so on stderr; test_cq_events_ud).
-    runs = {
-        "native": LAB.run(1, PYVERBS, 300),
-        "default": LAB.run(1, SHIM_DEFAULT + PYVERBS, 300),
-        "offset": LAB.run(1, SHIM + PYVERBS, 300),
-        "migratable": LAB.run(1, "RDMAVIRT_SOCKET=/tmp/no-migrator.sock " + SHIM_DEFAULT +
-                              PYVERBS, 300),
-    }
+    runs = every_mode(PYVERBS, 300)
     native = pyverbs_outcomes("native", runs["native"])
     passed = [t for t, o in native.items() if o == "ok"]
     check(len(passed) >= 80, f"natively only {len(passed)} tests passed", runs["native"])

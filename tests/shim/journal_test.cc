@@ -168,15 +168,8 @@ TEST_F(UdJournalTest, ARefusedReceiveKeepsEarlierOnesJournaled) {
 // for all), the send's completion, polled first, used to take the
 // receive's record, and the datagram then kept its physical GRH.
 TEST_F(UdJournalTest, ASendCompletionWithTheReceivesWrIdLeavesItsRecord) {
-  ibv_sge recv_sge = Sge(buf_, 64, mr_);
-  ibv_recv_wr recv{};
-  recv.wr_id = 7;
-  recv.sg_list = &recv_sge;
-  recv.num_sge = 1;
-  ibv_recv_wr* bad_recv = nullptr;
-  ASSERT_EQ(ibv_post_recv(b_, &recv, &bad_recv), 0);
-  recv_sge = Sge(buf_ + 128, 64, mr_);  // a_'s datagram lands apart
-  ASSERT_EQ(ibv_post_recv(a_, &recv, &bad_recv), 0);
+  ASSERT_EQ(PostRecvOf(b_, 7, buf_, 64, mr_), 0);
+  ASSERT_EQ(PostRecvOf(a_, 7, buf_ + 128, 64, mr_), 0);  // a_'s datagram lands apart
   // b_ sends first (signaled, wr_id 7), then a_ sends to b_.
   ibv_send_wr from_b = UdSend(nullptr, ah_, a_->qp_num);
   from_b.wr_id = 7;

@@ -261,6 +261,17 @@ inline ibv_sge Sge(const void* addr, uint32_t length, const ibv_mr* mr) {
   return ibv_sge{reinterpret_cast<uintptr_t>(addr), length, mr->lkey};
 }
 
+// Posts one receive WR of one SGE (`len` bytes at `buf`).
+inline int PostRecvOf(ibv_qp* qp, uint64_t wr_id, char* buf, uint32_t len, const ibv_mr* mr) {
+  ibv_sge sge = Sge(buf, len, mr);
+  ibv_recv_wr wr{};
+  wr.wr_id = wr_id;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  ibv_recv_wr* bad = nullptr;
+  return ibv_post_recv(qp, &wr, &bad);
+}
+
 // A UD SEND of `sge` (none: an empty datagram) to `qpn` through `ah`.
 inline ibv_send_wr UdSend(ibv_sge* sge, ibv_ah* ah, uint32_t qpn) {
   ibv_send_wr wr{};
@@ -344,15 +355,6 @@ class TwoEndpointsTest : public ::testing::Test {
     ASSERT_TRUE(p_.Resume().ok());
   }
 
-  int PostRecvOf(ibv_qp* qp, uint64_t wr_id, char* buf, uint32_t len, ibv_mr* mr) {
-    ibv_sge sge = Sge(buf, len, mr);
-    ibv_recv_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    ibv_recv_wr* bad = nullptr;
-    return ibv_post_recv(qp, &wr, &bad);
-  }
   // `text` (with its NUL) from buf; on UD, through `ah` to QPN `to`.
   int Send(ibv_qp* qp, uint64_t wr_id, char* buf, ibv_mr* mr, const char* text,
            ibv_ah* ah = nullptr, uint32_t to = 0) {

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -647,17 +648,61 @@ int Shim::DestroyCq(ibv_cq* c) {
 
 namespace {
 
-// Waits until the real channel's fd is readable (true) or the shim wakes
-// the waiter through the channel's eventfd (false: look again). A channel
-// the application made nonblocking is not waited on: it polls the fd
-// itself, and ibv_get_cq_event then returns at once, as without the shim.
-bool WaitForEvent(Channel* ch, int real_fd) {
+enum class Wait { kReady, kAgain, kInterrupted };
+
+// Whether a signal handled by this thread since `probes` (its count of
+// the thread probe's signals then) would have ended libibverbs' read(2)
+// of the channel, which the kernel restarts after a handler installed
+// with SA_RESTART, where poll(2) is never restarted. Which signal ended
+// the poll is not known. The probe's own (SA_RESTART) is counted; else
+// the read would have ended if any signal the thread takes and that can
+// come while it waits (not a fault's) has a handler without SA_RESTART:
+// a program that installs one expects EINTR from its waits.
+bool EndsTheRead(uint32_t probes) {
+  if (ThreadProbeTakenHere() != probes) return false;
+  sigset_t blocked;
+  if (pthread_sigmask(SIG_BLOCK, nullptr, &blocked) != 0) sigemptyset(&blocked);
+  const int probe = ThreadProbeSignal();
+  for (int sig = 1; sig <= SIGRTMAX; ++sig) {
+    switch (sig) {
+      case SIGKILL:
+      case SIGSTOP:
+      case SIGSEGV:
+      case SIGBUS:
+      case SIGFPE:
+      case SIGILL:
+      case SIGTRAP:
+      case SIGSYS:
+        continue;
+      default:
+        break;
+    }
+    if (sig == probe || sigismember(&blocked, sig) == 1) continue;
+    struct sigaction sa;
+    if (sigaction(sig, nullptr, &sa) != 0) continue;  // libc's own
+    const bool handled = (sa.sa_flags & SA_SIGINFO)
+                             ? sa.sa_sigaction != nullptr
+                             : sa.sa_handler != SIG_DFL && sa.sa_handler != SIG_IGN;
+    if (handled && !(sa.sa_flags & SA_RESTART)) return true;
+  }
+  return false;
+}
+
+// Waits for the real channel to have an event, or for a release to wake
+// the waiter through the channel's eventfd (kAgain: look again), or for a
+// signal that would have ended the application's own wait (EndsTheRead).
+// A channel the application made nonblocking is not waited on: it polls
+// the fd itself, and ibv_get_cq_event then returns at once, as without
+// the shim.
+Wait WaitForEvent(Channel* ch, int real_fd) {
   const int flags = fcntl(real_fd, F_GETFL);
-  if (flags >= 0 && (flags & O_NONBLOCK)) return true;
+  if (flags >= 0 && (flags & O_NONBLOCK)) return Wait::kReady;
   pollfd fds[2] = {{real_fd, POLLIN, 0}, {ch->wake_fd, POLLIN, 0}};
+  const uint32_t probes = ThreadProbeTakenHere();
   const int n = poll(fds, ch->wake_fd >= 0 ? 2 : 1, -1);
-  if (n < 0) return false;  // EINTR: look again
-  return !(fds[1].revents & POLLIN) && (fds[0].revents & (POLLIN | POLLERR | POLLHUP));
+  if (n < 0) return errno == EINTR && EndsTheRead(probes) ? Wait::kInterrupted : Wait::kAgain;
+  const bool ready = !(fds[1].revents & POLLIN) && (fds[0].revents & (POLLIN | POLLERR | POLLHUP));
+  return ready ? Wait::kReady : Wait::kAgain;
 }
 
 }  // namespace
@@ -720,14 +765,18 @@ int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) 
       real = ch->real;
       ++ch->in_use;
     }
-    const bool ready = WaitForEvent(ch, real->fd);
+    const Wait wait = WaitForEvent(ch, real->fd);
     {
       std::lock_guard<std::mutex> lock(ch->mu);
-      if (!ready || ch->released || ch->real != real) {
+      if (wait != Wait::kReady || ch->released || ch->real != real) {
         --ch->in_use;
         ch->cv.notify_all();
-        continue;
+        if (wait != Wait::kInterrupted) continue;
       }
+    }
+    if (wait == Wait::kInterrupted) {
+      errno = EINTR;
+      return -1;
     }
     ibv_cq* real_cq = nullptr;
     void* real_context = nullptr;

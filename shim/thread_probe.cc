@@ -145,8 +145,11 @@ Verdict Classify(uintptr_t pc) {
   return w.started && w.frames <= kMaxFrames ? kOutside : kUnknown;
 }
 
+__thread uint32_t tls_probes_taken __attribute__((tls_model("initial-exec"))) = 0;
+
 void OnProbe(int, siginfo_t* si, void* ucv) {
   const int saved = errno;
+  ++tls_probes_taken;
   const uint32_t seq = static_cast<uint32_t>(si->si_value.sival_int);
   if (si->si_code == SI_QUEUE && si->si_pid == getpid() &&
       seq == g_awaited.load(std::memory_order_acquire)) {
@@ -487,6 +490,8 @@ bool InstallThreadProbe(std::string* error) {
 }
 
 int ThreadProbeSignal() { return g_signal.load(std::memory_order_acquire); }
+
+uint32_t ThreadProbeTakenHere() { return tls_probes_taken; }
 
 uint64_t ThreadProbeInsideAnswers() { return g_inside_answers.load(std::memory_order_relaxed); }
 

@@ -46,6 +46,11 @@ bool InstallThreadProbe(std::string* error);
 // The probe's signal once installed, else 0. Read by the mask interposers.
 int ThreadProbeSignal();
 
+// How many times the probe's signal was taken by the calling thread: a
+// wait that the signal ended (poll(2) returns EINTR after any handler)
+// tells the probe's from the application's by it.
+uint32_t ThreadProbeTakenHere();
+
 // How many times a thread asked answered that it was inside (or could not
 // tell): for tests and diagnostics.
 uint64_t ThreadProbeInsideAnswers();

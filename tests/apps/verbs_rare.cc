@@ -14,16 +14,20 @@
 //   verbs_rare [-d DEVICE]      exit 0 when every check passed
 #include <infiniband/verbs.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/apps/app_common.h"
@@ -184,6 +188,70 @@ std::string EthMac(const char* ifname) {
   std::string s(buf);
   while (!s.empty() && s.back() == '\n') s.pop_back();
   return s;
+}
+
+std::atomic<int> g_alarms{0};
+void OnAlarm(int) { g_alarms.fetch_add(1); }
+
+// Whether thread `tid` sleeps (state S in /proc) within `timeout_ms`.
+bool AsleepWithin(pid_t tid, int timeout_ms) {
+  const std::string path = "/proc/self/task/" + std::to_string(tid) + "/stat";
+  for (int waited = 0; waited <= timeout_ms; ++waited) {
+    FILE* f = fopen(path.c_str(), "r");
+    char line[512] = {};
+    const bool read = f != nullptr && fgets(line, sizeof line, f) != nullptr;
+    if (f != nullptr) fclose(f);
+    const char* paren = read ? strrchr(line, ')') : nullptr;
+    if (paren != nullptr && paren[1] == ' ' && paren[2] == 'S') return true;
+    usleep(1000);
+  }
+  return false;
+}
+
+// What ibv_get_cq_event returned when SIGALRM, handled with `flags`,
+// came while it waited on the armed `cq`: another thread sends the
+// signal once this one sleeps, and makes the event (an RDMA WRITE on
+// `qp`) only if the wait has not ended 2 s after it. A timed loop ends
+// so (qperf stops its tests with SIGALRM): libibverbs' read(2) returns
+// EINTR after a handler installed without SA_RESTART, and goes on
+// waiting after one with it.
+struct Interrupted {
+  int rc;
+  int err;
+  bool event;
+};
+Interrupted GetCqEventThroughAlarm(ibv_comp_channel* channel, ibv_cq* cq, int flags, ibv_qp* qp,
+                                   ibv_mr* mr, void* src, uint64_t remote, uint32_t rkey) {
+  struct sigaction sa {};
+  sa.sa_handler = OnAlarm;
+  sa.sa_flags = flags;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGALRM, &sa, nullptr);
+  g_alarms.store(0);
+  if (ibv_req_notify_cq(cq, 0) != 0) Die("ibv_req_notify_cq");
+  const pid_t self = gettid();
+  const pthread_t self_thread = pthread_self();
+  std::atomic<bool> returned{false};
+  std::thread signaller([&] {
+    if (!AsleepWithin(self, 10000)) Die("the waiter never slept in ibv_get_cq_event");
+    pthread_kill(self_thread, SIGALRM);
+    for (int waited = 0; waited < 2000 && !returned.load(); ++waited) usleep(1000);
+    if (!returned.load()) PostSend(qp, IBV_WR_RDMA_WRITE, mr, src, 64, 6, remote, rkey);
+  });
+  ibv_cq* got = nullptr;
+  void* tag = nullptr;
+  errno = 0;
+  Interrupted out{ibv_get_cq_event(channel, &got, &tag), errno, false};
+  returned.store(true);
+  signaller.join();
+  out.event = out.rc == 0 && got == cq;
+  if (out.event) {
+    ibv_ack_cq_events(cq, 1);
+    PollN(cq, 1);
+  }
+  signal(SIGALRM, SIG_DFL);
+  if (g_alarms.load() != 1) Die("SIGALRM handled %d times", g_alarms.load());
+  return out;
 }
 
 }  // namespace
@@ -422,6 +490,13 @@ int main(int argc, char** argv) {
     Check(rc == 0 && got == evcq && tag == &cq_tag, "the event names the application's CQ");
     if (rc == 0) ibv_ack_cq_events(evcq, 1);
     Say("its completion: %s", ibv_wc_status_str(PollN(evcq, 1)[0].status));
+    for (int flags : {0, SA_RESTART}) {
+      const Interrupted w = GetCqEventThroughAlarm(
+          channel, evcq, flags, e1, mr, src, reinterpret_cast<uintptr_t>(target_buf), target->rkey);
+      Say("ibv_get_cq_event, SIGALRM handled %s SA_RESTART: %d, errno %s, the event: %s",
+          flags ? "with" : "without", w.rc, w.rc == 0 ? "-" : strerrorname_np(w.err),
+          YesNo(w.event));
+    }
     ibv_destroy_qp(e1);
     ibv_destroy_qp(e2);
   }

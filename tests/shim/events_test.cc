@@ -6,13 +6,17 @@
 // are handed out exactly once, through ibv_start_poll or ibv_poll_cq.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -170,6 +174,112 @@ TEST_F(BlockingEventsTest, AThreadBlockedInGetCqEventThroughAMoveGetsTheEventFor
   app.join();
   EXPECT_EQ(got.load(), 1) << "the waiter did not get the held completion after the move";
   EXPECT_EQ(p_.steps_on_app_threads(), 2) << "the restore and the resume ran on the waiter";
+}
+
+// A thread's state letter in /proc (S: asleep in a system call).
+char TaskState(pid_t tid) {
+  std::ifstream stat("/proc/self/task/" + std::to_string(tid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  const size_t end = line.rfind(')');
+  return end == std::string::npos || end + 2 >= line.size() ? '?' : line[end + 2];
+}
+
+std::atomic<int> g_usr1_taken{0};
+void OnUsr1(int) { g_usr1_taken.fetch_add(1); }
+
+// SIGUSR1's handler, installed with `flags` for the test's life.
+class Usr1Handler {
+ public:
+  explicit Usr1Handler(int flags) {
+    struct sigaction sa {};
+    sa.sa_handler = OnUsr1;
+    sa.sa_flags = flags;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGUSR1, &sa, &old_);
+    g_usr1_taken.store(0);
+  }
+  ~Usr1Handler() { sigaction(SIGUSR1, &old_, nullptr); }
+
+ private:
+  struct sigaction old_ {};
+};
+
+// A thread waits in ibv_get_cq_event on an armed CQ with nothing to
+// deliver, and takes SIGUSR1 there. libibverbs waits in read(2), which
+// a handler installed without SA_RESTART ends with EINTR and one with
+// SA_RESTART does not; the shim waits in poll(2), which every handler
+// ends. What the waiter returned, or 0 with `event` true when only the
+// completion sent after the signal ended its wait.
+struct WaitOutcome {
+  int rc = 1;
+  int err = 0;
+  bool event = false;
+  int handled = 0;
+};
+
+class SignalledWaitTest : public EventsTest {
+ protected:
+  SignalledWaitTest() : EventsTest(/*blocking=*/true) {}
+
+  WaitOutcome SignalTheWaiter() {
+    ibv_comp_channel* ch = pdev_->Channel();
+    ibv_cq* cq = pdev_->Cq(ch);
+    Connect(cq);
+    PostRecvP(1);
+    WaitOutcome out;
+    std::atomic<pid_t> tid{0};
+    std::atomic<bool> returned{false};
+    std::thread app([&] {
+      tid.store(gettid());
+      if (ibv_req_notify_cq(cq, 0) != 0) return;
+      ibv_cq* ev_cq = nullptr;
+      void* ev_ctx = nullptr;
+      errno = 0;
+      out.rc = p_.GetCqEvent(ch, &ev_cq, &ev_ctx);
+      out.err = errno;
+      out.event = out.rc == 0 && ev_cq == cq;
+      if (out.event) p_.AckCqEvents(cq, 1);
+      returned.store(true);
+    });
+    // Until it waits in the channel, asleep.
+    const Channel* shadow_ch = reinterpret_cast<const Channel*>(ch);
+    for (const auto end = steady_clock::now() + std::chrono::seconds(5);
+         steady_clock::now() < end;) {
+      bool in_use;
+      {
+        std::lock_guard<std::mutex> lock(const_cast<Channel*>(shadow_ch)->mu);
+        in_use = shadow_ch->in_use == 1;
+      }
+      if (in_use && tid.load() != 0 && TaskState(tid.load()) == 'S') break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    pthread_kill(app.native_handle(), SIGUSR1);
+    // Returned by the signal, or still waiting a while after it.
+    for (const auto end = steady_clock::now() + std::chrono::seconds(2);
+         !returned.load() && steady_clock::now() < end;)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    out.handled = g_usr1_taken.load();
+    if (!returned.load()) SendToP(10);  // an event, so that the waiter returns
+    app.join();
+    return out;
+  }
+};
+
+TEST_F(SignalledWaitTest, AHandlerWithoutSaRestartEndsTheWaitWithEintrAsItEndsLibibverbsRead) {
+  Usr1Handler handler(/*flags=*/0);
+  const WaitOutcome out = SignalTheWaiter();
+  EXPECT_EQ(out.handled, 1);
+  EXPECT_EQ(out.rc, -1) << "the wait went on after the signal (event: " << out.event << ")";
+  EXPECT_EQ(out.err, EINTR);
+}
+
+TEST_F(SignalledWaitTest, AHandlerWithSaRestartLeavesTheWaitToTheEventAsLibibverbsRead) {
+  Usr1Handler handler(SA_RESTART);
+  const WaitOutcome out = SignalTheWaiter();
+  EXPECT_EQ(out.handled, 1);
+  EXPECT_EQ(out.rc, 0) << "errno " << out.err;
+  EXPECT_TRUE(out.event);
 }
 
 // UCX makes its channel's fd (and the device's async fd) non-blocking and

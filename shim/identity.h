@@ -38,6 +38,9 @@ inline constexpr uint32_t kRkeyMarker = 0x80000000;
 // whose fifth byte is below 0x80).
 inline constexpr int kGidMarkerByte = 14;
 inline constexpr uint8_t kGidMarkerBit = 0x80;
+// A UD send to a multicast group names this QPN (IB's permissive QPN): a
+// group's, never an endpoint's, so never translated.
+inline constexpr uint32_t kMulticastQpn = 0xffffff;
 
 struct IdentityMode {
   bool offset = false;
@@ -47,7 +50,9 @@ struct IdentityMode {
   }
   // A number without the marker is not a virtual QPN of an unmoved peer
   // (for example a physical QPN handed out by the kernel's CM): unchanged.
-  uint32_t PhysicalQpn(uint32_t virt) const { return offset ? (virt & ~kQpnMarker) : virt; }
+  uint32_t PhysicalQpn(uint32_t virt) const {
+    return offset && virt != kMulticastQpn ? (virt & ~kQpnMarker) : virt;
+  }
   uint32_t VirtualRkey(uint32_t physical) const {
     return offset ? (physical | kRkeyMarker) : physical;
   }
@@ -56,9 +61,12 @@ struct IdentityMode {
   uint32_t PhysicalRkeyMask() const { return offset ? ~kRkeyMarker : ~uint32_t{0}; }
   // An empty GID-table entry (all zeros) stays empty: tools such as
   // ibv_devinfo list only the entries that are not.
+  // A multicast GID names a group, not an endpoint: it is the same for
+  // every member and stays as it is.
   ibv_gid VirtualGid(const ibv_gid& physical) const {
     ibv_gid v = physical;
-    if (offset && !IsZero(physical)) v.raw[kGidMarkerByte] |= kGidMarkerBit;
+    if (offset && !IsZero(physical) && !IsMulticast(physical))
+      v.raw[kGidMarkerByte] |= kGidMarkerBit;
     return v;
   }
   static bool IsZero(const ibv_gid& g) {
@@ -66,9 +74,17 @@ struct IdentityMode {
     for (uint8_t b : g.raw) any |= b;
     return any == 0;
   }
+  // IPv6 multicast (ff00::/8), or IPv4 multicast mapped (::ffff:224.0.0.0/4),
+  // as RoCE v2 and rdma_cm's joins use.
+  static bool IsMulticast(const ibv_gid& g) {
+    if (g.raw[0] == 0xff) return true;
+    for (int i = 0; i < 10; ++i)
+      if (g.raw[i] != 0) return false;
+    return g.raw[10] == 0xff && g.raw[11] == 0xff && (g.raw[12] & 0xf0) == 0xe0;
+  }
   ibv_gid PhysicalGid(const ibv_gid& virt) const {
     ibv_gid p = virt;
-    if (offset) p.raw[kGidMarkerByte] &= static_cast<uint8_t>(~kGidMarkerBit);
+    if (offset && !IsMulticast(virt)) p.raw[kGidMarkerByte] &= static_cast<uint8_t>(~kGidMarkerBit);
     return p;
   }
 };

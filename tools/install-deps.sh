@@ -9,7 +9,7 @@ packages=(
   build-essential cmake pkg-config git
   # verbs
   libibverbs-dev librdmacm-dev rdma-core ibverbs-utils rdmacm-utils
-  ibverbs-providers perftest python3-pyverbs qperf
+  ibverbs-providers perftest python3-pyverbs qperf libfabric-bin
   # protos and RPC
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libssl-dev openssl

@@ -295,5 +295,45 @@ def qperf_same_natively_and_under_the_shim_in_every_mode():
         check(s.rc == 0 and s.err == "", f"{mode}: the qperf server failed", s)
 
 
+@lab_test
+def libfabric_verbs_pingpong_same_natively_and_under_the_shim_in_every_mode():
+    # libfabric's verbs provider (Debian's 1.17): RC endpoints connected
+    # through the RDMA CM, and UD datagrams with address handles; -c checks
+    # every message's bytes.
+    for ep in ("msg", "dgram"):
+        cmd = f"fi_pingpong -p verbs -e {ep} -I 100 -S 64 -c"
+        for mode, env in MODES.items():
+            s, c = server_client(env + cmd, env + cmd + " host1", 47592, timeout=90)
+            for side in (s, c):
+                check(side.rc == 0 and side.err == "", f"{ep}, {mode}: fi_pingpong failed", s, c)
+            check(re.search(r"^64\s+100\s+=100\s", c.out, re.M), f"{ep}, {mode}: not 100 of 100", c)
+
+
+MCKEY = "mckey -m 239.1.130.3 -C 10"
+
+
+@lab_test
+def mckey_multicast_same_natively_and_under_the_shim_in_every_mode():
+    # librdmacm's multicast join, a UD QP attached to the group and sends
+    # to the group's GID and QPN (0xffffff): neither is an endpoint's, and
+    # the group's third octet has the bit offset mode marks in unicast
+    # GIDs. Before, in offset mode the sender's datagrams went to QPN
+    # 0x7fffff and the group's receiver never got one.
+    for mode, env in MODES.items():
+        LAB.run(1, "rm -f /tmp/mckey.out")
+        job = LAB.submit(
+            1, f"set -o pipefail; {env}stdbuf -oL {MCKEY} -b 10.77.0.1 | tee /tmp/mckey.out", 60)
+        try:
+            wait_until(1, "grep -q receiving /tmp/mckey.out", 30, "mckey's receiver in the group")
+            c = LAB.run(2, f"{env}{MCKEY} -b 10.77.0.2 -s", 60)
+        except BaseException:
+            LAB.kill(1, job)
+            raise
+        s = LAB.wait(1, job, 75)
+        check(c.rc == 0 and "return status 0" in c.out, f"{mode}: the sender failed", c)
+        check(s.rc == 0 and "data transfers complete" in s.out and "return status 0" in s.out,
+              f"{mode}: the receiver did not get the sender's 10 datagrams", s, c)
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

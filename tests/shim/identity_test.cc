@@ -84,6 +84,28 @@ TEST(IdentityModeTest, OffsetModePhysicalGidOfUnmarkedGidIsItself) {
   EXPECT_TRUE(GidEq(mode.PhysicalGid(g), g));
 }
 
+TEST(IdentityModeTest, OffsetModeLeavesMulticastGroupsAndTheirQpnAlone) {
+  // mckey under the shim in offset mode: a send to ::ffff:239.1.2.3 went
+  // to QPN 0x7fffff, and no member of the group received it. A group's
+  // GID (and its third octet's high bit) is every member's, not an
+  // endpoint's.
+  const IdentityMode mode{.offset = true};
+  EXPECT_EQ(mode.PhysicalQpn(kMulticastQpn), kMulticastQpn);
+  EXPECT_EQ(mode.VirtualQpn(kMulticastQpn), kMulticastQpn);
+  for (const ibv_gid& group :
+       {Ipv4Mapped(239, 1, 2, 3), Ipv4Mapped(239, 1, 130, 3), Ipv4Mapped(224, 0, 0, 251),
+        MakeGid({0xff, 0x12, 0x40, 0x1b, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0x80, 1})}) {
+    EXPECT_TRUE(IdentityMode::IsMulticast(group));
+    EXPECT_TRUE(GidEq(mode.VirtualGid(group), group));
+    EXPECT_TRUE(GidEq(mode.PhysicalGid(group), group));
+  }
+  // Unicast neighbours of the ranges are still marked.
+  for (const ibv_gid& unicast : {Ipv4Mapped(223, 1, 2, 3), Ipv4Mapped(240, 1, 2, 3)}) {
+    EXPECT_FALSE(IdentityMode::IsMulticast(unicast));
+    EXPECT_FALSE(GidEq(mode.VirtualGid(unicast), unicast));
+  }
+}
+
 TEST(IdentityModeTest, OffsetModeLeavesAnEmptyGidEmpty) {
   // ibv_devinfo -v lists only nonzero GIDs: a marked empty entry showed
   // all 1024 entries of rxe's table in offset mode.

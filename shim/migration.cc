@@ -1092,6 +1092,10 @@ Status Shim::RecreateReal(const std::string& device) {
     if (const int rc = ReplayTransitions(qp); rc != 0)
       return Error(Code::kInternal, Errno("replaying a QP's transitions", rc));
     qp->shadow.qp_base.state = qp->real->state;
+    for (const Qp::Group& g : qp->groups) {
+      if (const int rc = backend_->AttachMcast(qp->real, &g.gid, g.lid); rc != 0)
+        return Error(Code::kInternal, Errno("attaching a QP to its multicast group again", rc));
+    }
   }
   for (Ah* ah : All<Ah>(Kind::kAh)) {
     ah->real = CreateHomeAhLocked(ah->pd, ah->attr);

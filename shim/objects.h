@@ -234,6 +234,13 @@ struct alignas(kObjectAlign) Qp {
   RecvLog own_recvs;
   ibv_qp_init_attr_ex init{};
   std::vector<QpTransition> transitions;
+  // The multicast groups the QP is attached to (UD), attached again to
+  // the QP a restore creates (under the shim's mutex).
+  struct Group {
+    ibv_gid gid;
+    uint16_t lid;
+  };
+  std::vector<Group> groups;
 
   // Migration (migration.cc). The drain of an RC or UC QP posts a marker
   // (a signaled zero-length RDMA WRITE) and waits for its completion: the

@@ -1209,16 +1209,34 @@ int Shim::DestroyAh(ibv_ah* a) {
   return 0;
 }
 
+namespace {
+
+bool SameGroup(const Qp::Group& g, const ibv_gid& gid, uint16_t lid) {
+  return g.lid == lid && memcmp(g.gid.raw, gid.raw, sizeof(gid.raw)) == 0;
+}
+
+}  // namespace
+
 int Shim::AttachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
   Qp* qp = FindQp(q);
   ControlScope scope(this, qp != nullptr);
-  return backend_->AttachMcast(qp ? qp->real : q, gid, lid);
+  const int rc = backend_->AttachMcast(qp ? qp->real : q, gid, lid);
+  if (rc != 0 || qp == nullptr) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Qp::Group& g : qp->groups)
+    if (SameGroup(g, *gid, lid)) return 0;
+  qp->groups.push_back({*gid, lid});
+  return 0;
 }
 
 int Shim::DetachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
   Qp* qp = FindQp(q);
   ControlScope scope(this, qp != nullptr);
-  return backend_->DetachMcast(qp ? qp->real : q, gid, lid);
+  const int rc = backend_->DetachMcast(qp ? qp->real : q, gid, lid);
+  if (rc != 0 || qp == nullptr) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  std::erase_if(qp->groups, [&](const Qp::Group& g) { return SameGroup(g, *gid, lid); });
+  return 0;
 }
 
 const RemoteEndpoint* Shim::FindRemoteLocked(const ibv_gid& gid) const {

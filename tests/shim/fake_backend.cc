@@ -170,6 +170,7 @@ struct FakeBackend::QpObj {
   std::deque<RecvWr> rq;
   std::vector<Wr> batch;  // between wr_start and wr_complete
   int batch_error = 0;
+  std::vector<ibv_gid> groups;  // multicast, attached
 };
 struct FakeBackend::AhObj {
   ibv_ah ah;
@@ -1928,16 +1929,29 @@ int FakeBackend::DestroyAh(ibv_ah* ah) {
   return 0;
 }
 
-int FakeBackend::AttachMcast(ibv_qp* qp, const ibv_gid* /*gid*/, uint16_t /*lid*/) {
+int FakeBackend::AttachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t /*lid*/) {
   std::lock_guard<std::mutex> lock(mu_);
   QpObj* q = Lookup(qps_, qp);
-  return q != nullptr && qp->qp_type == IBV_QPT_UD ? 0 : EINVAL;
+  if (q == nullptr || qp->qp_type != IBV_QPT_UD) return EINVAL;
+  q->groups.push_back(*gid);
+  return 0;
 }
 
-int FakeBackend::DetachMcast(ibv_qp* qp, const ibv_gid* /*gid*/, uint16_t /*lid*/) {
+int FakeBackend::DetachMcast(ibv_qp* qp, const ibv_gid* gid, uint16_t /*lid*/) {
   std::lock_guard<std::mutex> lock(mu_);
   QpObj* q = Lookup(qps_, qp);
-  return q != nullptr && qp->qp_type == IBV_QPT_UD ? 0 : EINVAL;
+  if (q == nullptr || qp->qp_type != IBV_QPT_UD) return EINVAL;
+  const auto same = [gid](const ibv_gid& g) { return memcmp(g.raw, gid->raw, 16) == 0; };
+  const auto it = std::find_if(q->groups.begin(), q->groups.end(), same);
+  if (it == q->groups.end()) return EINVAL;  // as rxe: not attached
+  q->groups.erase(it);
+  return 0;
+}
+
+std::vector<ibv_gid> FakeBackend::mcast_groups(const ibv_qp* qp) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const QpObj* q = Lookup(qps_, qp);
+  return q != nullptr ? q->groups : std::vector<ibv_gid>{};
 }
 
 }  // namespace rdmavirt::shim

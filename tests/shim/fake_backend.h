@@ -202,6 +202,8 @@ class FakeBackend final : public VerbsBackend {
   std::vector<AhRecord> ahs() const;
   std::vector<ibv_async_event> acked_async_events() const;
   std::vector<std::pair<ibv_cq*, unsigned int>> acked_cq_events() const;
+  // The multicast groups a real QP is attached to.
+  std::vector<ibv_gid> mcast_groups(const ibv_qp* qp) const;
   // CQ destroys with events read and not acknowledged: libibverbs would
   // have waited for them forever. Zero in a correct shim.
   int blocked_destroys() const;

@@ -184,6 +184,35 @@ TEST_F(MigrationTest, DescribingAUdEndpointLeavesItsGidToItsFirstAddressHandle) 
   EXPECT_NE(memcmp(v.virtual_gid.raw, pdev_->gid.raw, 16), 0);
 }
 
+TEST_F(MigrationTest, AUdQpIsAttachedToItsMulticastGroupsAgainAfterAMove) {
+  // A multicast receiver (mckey, rdma_join_multicast) attaches its UD QP
+  // once: the QP a restore creates must be in the same groups, or it
+  // receives nothing more.
+  ibv_qp* pud = nullptr;
+  ibv_qp* qud = nullptr;
+  UdPair(&pud, &qud);
+  ibv_gid group{};
+  group.raw[10] = group.raw[11] = 0xff;
+  const uint8_t addr[4] = {239, 1, 130, 3};
+  memcpy(&group.raw[12], addr, 4);
+  ibv_gid left = group;
+  left.raw[15] = 4;
+  ASSERT_EQ(p_.AttachMcast(pud, &group, 0), 0);
+  ASSERT_EQ(p_.AttachMcast(pud, &left, 0), 0);
+  ASSERT_EQ(p_.DetachMcast(pud, &left, 0), 0);
+  // The shadow QP leads its shim object (objects.h). The release
+  // destroyed the real QP and its groups with it.
+  auto real_of = [](ibv_qp* shadow) { return reinterpret_cast<const Qp*>(shadow)->real; };
+  Move();
+  std::vector<ibv_gid> groups = fake_.mcast_groups(real_of(pud));
+  ASSERT_EQ(groups.size(), 1u) << "the restored QP is not in exactly its one group";
+  EXPECT_EQ(memcmp(groups[0].raw, group.raw, 16), 0);
+  // Detached after the move: the next move leaves it out.
+  ASSERT_EQ(p_.DetachMcast(pud, &group, 0), 0);
+  Move();
+  EXPECT_TRUE(fake_.mcast_groups(real_of(pud)).empty());
+}
+
 TEST_F(MigrationTest, AUdReceiverMovedTwiceStillFindsTheBufferOfEachDatagram) {
   ibv_qp* pud = pdev_->Qp(IBV_QPT_UD);
   ibv_qp* qud = qdev_->Qp(IBV_QPT_UD);

@@ -58,6 +58,16 @@ bool Retryable(const grpc::Status& st) {
          st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
 }
 
+// A member that answered while its cluster elects a leader (the leader
+// was killed, say): it will serve once the election is over.
+bool Electing(const grpc::Status& st) {
+  return st.error_code() == grpc::StatusCode::UNAVAILABLE &&
+         (absl::StrContains(st.error_message(), "leader changed") ||
+          absl::StrContains(st.error_message(), "no leader"));
+}
+
+constexpr absl::Duration kElectionRetry = absl::Milliseconds(200);
+
 }  // namespace
 
 std::string GidKey(const std::string& gid) { return absl::BytesToHexString(gid); }
@@ -114,11 +124,19 @@ absl::Status Inventory::Call(
   std::vector<std::string> failures;
   for (size_t i = 0; i < endpoints_.size(); ++i) {
     const size_t n = (first + i) % endpoints_.size();
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-    // A member being reconnected to gets until the deadline.
-    ctx.set_wait_for_ready(true);
-    const grpc::Status st = call(endpoints_[n], &ctx);
+    const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+    grpc::Status st;
+    for (;;) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(deadline));
+      // A member being reconnected to gets until the deadline.
+      ctx.set_wait_for_ready(true);
+      st = call(endpoints_[n], &ctx);
+      // One in an election is asked again until then: the other members
+      // may be the one that went away and one as busy.
+      if (!Electing(st) || absl::Now() + kElectionRetry >= deadline) break;
+      absl::SleepFor(kElectionRetry);
+    }
     if (st.ok()) {
       current_.store(n);
       return absl::OkStatus();

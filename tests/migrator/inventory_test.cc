@@ -5,6 +5,7 @@
 
 #include <arpa/inet.h>
 
+#include <atomic>
 #include <functional>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "migrator/addresses.h"
 #include "migrator/tls.h"
@@ -179,6 +181,61 @@ TEST_F(InventoryTest, WithoutEtcdCallsSayItCannotBeReached) {
   EXPECT_EQ(owner.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(owner.status().message().find("no migrator owns"), std::string::npos);
   inv->StopRegistration(false);
+}
+
+// An etcd member in an election: its first answers are etcd's "leader
+// changed", then it serves (no key).
+class ElectingKv final : public etcdserverpb::KV::Service {
+ public:
+  explicit ElectingKv(int refusals) : refusals_(refusals) {}
+  grpc::Status Range(grpc::ServerContext*, const etcdserverpb::RangeRequest*,
+                     etcdserverpb::RangeResponse*) override {
+    ++calls_;
+    if (refusals_.fetch_sub(1) > 0)
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "etcdserver: leader changed");
+    return grpc::Status::OK;
+  }
+  int calls() const { return calls_.load(); }
+
+ private:
+  std::atomic<int> refusals_;
+  std::atomic<int> calls_{0};
+};
+
+TEST(InventoryElectionTest, AMemberInAnElectionIsAskedAgainUntilItServes) {
+  // In the lab, etcd's member on host1 (the leader) was killed: host3's
+  // member answered "leader changed", host2's was too slow, and
+  // `rdmavirtctl hosts` failed with the cluster two thirds up.
+  ElectingKv kv(/*refusals=*/3);
+  int port = 0;
+  std::unique_ptr<grpc::Server> server =
+      grpc::ServerBuilder()
+          .AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port)
+          .RegisterService(&kv)
+          .BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto inv = Connect(absl::StrCat("http://127.0.0.1:", port));
+  absl::StatusOr<std::vector<v1::InventoryHost>> hosts = inv->Hosts();
+  ASSERT_TRUE(hosts.ok()) << hosts.status();
+  EXPECT_TRUE(hosts->empty());
+  EXPECT_EQ(kv.calls(), 4);
+  // One that stays in its election fails the call at its deadline.
+  ElectingKv stuck(/*refusals=*/1000000);
+  int stuck_port = 0;
+  std::unique_ptr<grpc::Server> stuck_server =
+      grpc::ServerBuilder()
+          .AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &stuck_port)
+          .RegisterService(&stuck)
+          .BuildAndStart();
+  ASSERT_NE(stuck_server, nullptr);
+  auto stuck_inv = Connect(absl::StrCat("http://127.0.0.1:", stuck_port));
+  hosts = stuck_inv->Hosts();
+  EXPECT_EQ(hosts.status().code(), absl::StatusCode::kUnavailable) << hosts.status();
+  EXPECT_NE(hosts.status().message().find("leader changed"), std::string::npos) << hosts.status();
+  stuck_inv->StopRegistration(false);
+  inv->StopRegistration(false);
+  server->Shutdown();
+  stuck_server->Shutdown();
 }
 
 TEST_F(InventoryTest, AnEtcdThatLostItsDataGetsTheHostAgain) {

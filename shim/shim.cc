@@ -772,11 +772,9 @@ int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) 
         --ch->in_use;
         ch->cv.notify_all();
         if (wait != Wait::kInterrupted) continue;
+        errno = EINTR;
+        return -1;
       }
-    }
-    if (wait == Wait::kInterrupted) {
-      errno = EINTR;
-      return -1;
     }
     ibv_cq* real_cq = nullptr;
     void* real_context = nullptr;

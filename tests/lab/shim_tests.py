@@ -73,11 +73,14 @@ for p, n in (("ib_send_bw", 200), ("ib_write_bw", 200), ("ib_read_bw", 200),
     perftest_test(p, n)
 
 
-def cm_pair(server_cmd, client_cmd):
-    """librdmacm programs listen on no TCP port: wait for the CM listener."""
+def cm_pair(server_cmd, client_cmd, ready="rdma res show cm_id | grep -q LISTEN",
+            what="a CM listener"):
+    """librdmacm programs listen on no TCP port: the client starts once
+    `ready` (a command on host1) succeeds, by default once the server's CM
+    listener is there."""
     job = LAB.submit(1, server_cmd, 90)
     try:
-        wait_until(1, "rdma res show cm_id | grep -q LISTEN", 30, "a CM listener")
+        wait_until(1, ready, 30, what)
         c = LAB.run(2, client_cmd, 90)
     except BaseException:
         LAB.kill(1, job)
@@ -321,15 +324,9 @@ def mckey_multicast_same_natively_and_under_the_shim_in_every_mode():
     # 0x7fffff and the group's receiver never got one.
     for mode, env in MODES.items():
         LAB.run(1, "rm -f /tmp/mckey.out")
-        job = LAB.submit(
-            1, f"set -o pipefail; {env}stdbuf -oL {MCKEY} -b 10.77.0.1 | tee /tmp/mckey.out", 60)
-        try:
-            wait_until(1, "grep -q receiving /tmp/mckey.out", 30, "mckey's receiver in the group")
-            c = LAB.run(2, f"{env}{MCKEY} -b 10.77.0.2 -s", 60)
-        except BaseException:
-            LAB.kill(1, job)
-            raise
-        s = LAB.wait(1, job, 75)
+        s, c = cm_pair(f"set -o pipefail; {env}stdbuf -oL {MCKEY} -b 10.77.0.1 | tee /tmp/mckey.out",
+                       f"{env}{MCKEY} -b 10.77.0.2 -s", ready="grep -q receiving /tmp/mckey.out",
+                       what="mckey's receiver in the group")
         check(c.rc == 0 and "return status 0" in c.out, f"{mode}: the sender failed", c)
         check(s.rc == 0 and "data transfers complete" in s.out and "return status 0" in s.out,
               f"{mode}: the receiver did not get the sender's 10 datagrams", s, c)

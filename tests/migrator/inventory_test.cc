@@ -202,17 +202,21 @@ class ElectingKv final : public etcdserverpb::KV::Service {
   std::atomic<int> calls_{0};
 };
 
+// `kv` served on a port of 127.0.0.1, in `*port`.
+std::unique_ptr<grpc::Server> Serve(ElectingKv* kv, int* port) {
+  return grpc::ServerBuilder()
+      .AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port)
+      .RegisterService(kv)
+      .BuildAndStart();
+}
+
 TEST(InventoryElectionTest, AMemberInAnElectionIsAskedAgainUntilItServes) {
   // In the lab, etcd's member on host1 (the leader) was killed: host3's
   // member answered "leader changed", host2's was too slow, and
   // `rdmavirtctl hosts` failed with the cluster two thirds up.
   ElectingKv kv(/*refusals=*/3);
   int port = 0;
-  std::unique_ptr<grpc::Server> server =
-      grpc::ServerBuilder()
-          .AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port)
-          .RegisterService(&kv)
-          .BuildAndStart();
+  std::unique_ptr<grpc::Server> server = Serve(&kv, &port);
   ASSERT_NE(server, nullptr);
   auto inv = Connect(absl::StrCat("http://127.0.0.1:", port));
   absl::StatusOr<std::vector<v1::InventoryHost>> hosts = inv->Hosts();
@@ -222,11 +226,7 @@ TEST(InventoryElectionTest, AMemberInAnElectionIsAskedAgainUntilItServes) {
   // One that stays in its election fails the call at its deadline.
   ElectingKv stuck(/*refusals=*/1000000);
   int stuck_port = 0;
-  std::unique_ptr<grpc::Server> stuck_server =
-      grpc::ServerBuilder()
-          .AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &stuck_port)
-          .RegisterService(&stuck)
-          .BuildAndStart();
+  std::unique_ptr<grpc::Server> stuck_server = Serve(&stuck, &stuck_port);
   ASSERT_NE(stuck_server, nullptr);
   auto stuck_inv = Connect(absl::StrCat("http://127.0.0.1:", stuck_port));
   hosts = stuck_inv->Hosts();

@@ -224,13 +224,7 @@ TEST_F(MigrationTest, AUdReceiverMovedTwiceStillFindsTheBufferOfEachDatagram) {
   static char rbuf[kDepth * kSlot];
   ibv_mr* rmr = qdev_->Reg(rbuf, sizeof(rbuf));
   auto post_recv = [&](uint64_t slot) {
-    ibv_sge sge = Sge(rbuf + kSlot * slot, kSlot, rmr);
-    ibv_recv_wr wr{};
-    wr.wr_id = slot;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    ibv_recv_wr* bad = nullptr;
-    return ibv_post_recv(qud, &wr, &bad);
+    return PostRecvOf(qud, slot, rbuf + kSlot * slot, kSlot, rmr);
   };
   for (int i = 0; i < kDepth; ++i) ASSERT_EQ(post_recv(i), 0);
   // Q moves twice (its receives re-posted each time), then P moves (so

@@ -242,9 +242,23 @@ constexpr std::array<PostOneFn, kPostOneOps> kPostOneDatagram = [] {
   return a;
 }();
 [[gnu::noinline]] int PostSendNotProbed(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
-constexpr std::array<PostOneFn, kPostOneOps> kPostOneDatagramProbed = [] {
+// Every opcode to the gate: a UD QP's translating table in a probed
+// process (its sends are counted there), and what a probed entry finds on
+// a QP that is paused or on no path of its own (Qp::post_probed).
+constexpr std::array<PostOneFn, kPostOneOps> kPostOneGate = [] {
   std::array<PostOneFn, kPostOneOps> a{};
   a.fill(PostSendNotProbed);
+  return a;
+}();
+// A QP on the marked path, reached from an entry that compared no word:
+// the provider's entry by a tail call, as the marked path's own entry.
+[[gnu::noinline, RDMAVIRT_PROBED_PATH]] int PostOneToProvider(Qp* qp, ibv_send_wr* wr,
+                                                              ibv_send_wr** bad) {
+  return qp->real_post_send(qp->real, wr, bad);
+}
+constexpr std::array<PostOneFn, kPostOneOps> kPostOneProvider = [] {
+  std::array<PostOneFn, kPostOneOps> a{};
+  a.fill(PostOneToProvider);
   return a;
 }();
 
@@ -362,6 +376,17 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
     return qp->real_post_send(qp->real, wr, bad);
   return PostSendTranslated(qp, wr, bad);
 }
+// The same in offset mode, where every queue translates: one WR with one
+// SGE through the table its path chose (Qp::post_probed), no word
+// compared.
+int PostSendTranslatingFirst(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  Qp* qp = AsQp(ibqp);
+  if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]]
+    return qp->post_probed.load(std::memory_order_acquire)[static_cast<uint8_t>(OpcodeOf(wr))](
+        qp, wr, bad);
+  if (qp->path.Is(Path::kDirect)) return qp->real_post_send(qp->real, wr, bad);
+  return PostChainTranslated(qp, wr, bad);
+}
 
 // The translating path inside a mark EnterGate raised (a migratable
 // process after a move): out of line, so that the marked path keeps its
@@ -400,34 +425,32 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
     return PostSendInMark(qp, wr, bad);
   return PostSendGated(qp, wr, bad);
 }
-// A post on the translating path, its word compared already: a UD QP's
-// table sends its WRs to the gate (kPostOneDatagramProbed).
-[[gnu::always_inline]] inline int PostSendTranslatedProbed(Qp* qp, ibv_send_wr* wr,
-                                                           ibv_send_wr** bad) {
+// A probed post but the marked path's: one WR with one SGE through the
+// table its path word chose (Qp::post_probed, read as an acquire: what
+// the table's function reads of the QP is not read before it), which
+// spares the entry that word's compare; the rest by the word. A UD QP's
+// translating table sends its WRs to the gate (kPostOneGate).
+[[gnu::always_inline]] inline int PostSendProbedOn(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]]
-    return PostOneOf(qp, wr)(qp, wr, bad);
-  if (qp->shadow.qp_base.qp_type != IBV_QPT_UD) return PostChainTranslated(qp, wr, bad);
+    return qp->post_probed.load(std::memory_order_acquire)[static_cast<uint8_t>(OpcodeOf(wr))](
+        qp, wr, bad);
+  const uint16_t path = qp->path.word();
+  if (path == static_cast<uint16_t>(Path::kTranslated) && qp->shadow.qp_base.qp_type != IBV_QPT_UD)
+    return PostChainTranslated(qp, wr, bad);
+  if (path == static_cast<uint16_t>(Path::kMarked)) return qp->real_post_send(qp->real, wr, bad);
   return PostSendNotProbed(qp, wr, bad);
 }
 [[RDMAVIRT_PROBED_PATH]] int PostSendProbed(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
-  const uint16_t path = qp->path.word();
-  if (path == static_cast<uint16_t>(Path::kMarked)) [[likely]]
+  if (qp->path.word() == static_cast<uint16_t>(Path::kMarked)) [[likely]]
     return qp->real_post_send(qp->real, wr, bad);
-  if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
-    return PostSendTranslatedProbed(qp, wr, bad);
-  return PostSendNotProbed(qp, wr, bad);
+  return PostSendProbedOn(qp, wr, bad);
 }
 // The same, for a context whose queues translate (offset mode, or a
-// process after a move: InstallTranslatingOps): that path compared first.
+// process after a move: InstallTranslatingOps): no word compared first.
 [[RDMAVIRT_PROBED_PATH]] int PostSendProbedTranslating(ibv_qp* ibqp, ibv_send_wr* wr,
                                                        ibv_send_wr** bad) {
-  Qp* qp = AsQp(ibqp);
-  const uint16_t path = qp->path.word();
-  if (path == static_cast<uint16_t>(Path::kTranslated)) [[likely]]
-    return PostSendTranslatedProbed(qp, wr, bad);
-  if (path == static_cast<uint16_t>(Path::kMarked)) return qp->real_post_send(qp->real, wr, bad);
-  return PostSendNotProbed(qp, wr, bad);
+  return PostSendProbedOn(AsQp(ibqp), wr, bad);
 }
 
 // Receive WRs: only their SGEs' lkeys are identities. Every WR is also
@@ -1417,6 +1440,8 @@ void InstallContextOps(Context* ctx, bool pausable, bool probed) {
 
 void InstallTranslatingOps(Context* ctx) {
   ibv_context* s = Shadow(ctx);
+  // Not migratable: never paused, so one pointer for good.
+  if (s->ops.post_send == PostSend) s->ops.post_send = PostSendTranslatingFirst;
   if (s->ops.post_send != PostSendProbed) return;  // not probed, or swapped already
   // One pointer each, which application threads may be reading: either
   // entry is right on every path, only faster on its own.
@@ -1433,26 +1458,51 @@ namespace {
 // and its peer (non-null: where a moved peer is now).
 const PostOneFn* SendTable(const Qp* qp, const RemoteEndpoint* remote, bool probed) {
   if (qp->shadow.qp_base.qp_type == IBV_QPT_UD)
-    return probed ? kPostOneDatagramProbed.data() : kPostOneDatagram.data();
+    return probed ? kPostOneGate.data() : kPostOneDatagram.data();
   return remote != nullptr ? kPostOneConnected<true>.data() : kPostOneConnected<false>.data();
 }
 
+// The translating table, and the probed entries' table after it.
+void InstallSendTable(Qp* qp, const PostOneFn* table) {
+  qp->post_one.store(table, std::memory_order_release);
+  PublishSendPath(qp);
+}
+
 }  // namespace
+
+void PublishSendPath(Qp* qp) {
+  const uint16_t path = qp->path.word();
+  // kDirect: a process the migrator cannot move, never paused.
+  const bool provider =
+      path == static_cast<uint16_t>(Path::kMarked) || path == static_cast<uint16_t>(Path::kDirect);
+  const PostOneFn* table = path == static_cast<uint16_t>(Path::kTranslated)
+                               ? qp->post_one.load(std::memory_order_relaxed)
+                           : provider ? kPostOneProvider.data()
+                                      : kPostOneGate.data();
+  qp->post_probed.store(table, std::memory_order_release);
+}
+
+void SetQpPath(Qp* qp, Path path) {
+  qp->path.Set(path);
+  PublishSendPath(qp);
+}
+
+void SetQpPaused(Qp* qp, bool paused) {
+  qp->path.SetPaused(paused);
+  PublishSendPath(qp);
+}
 
 void SetPeer(Qp* qp, const RemoteEndpoint* remote, bool probed) {
   // A post that sees a peer must find the table that looks it up, which
   // is right without one too: that table before the peer, the other after
   // the peer is cleared.
-  if (remote != nullptr)
-    qp->post_one.store(SendTable(qp, remote, probed), std::memory_order_release);
+  if (remote != nullptr) InstallSendTable(qp, SendTable(qp, remote, probed));
   qp->remote.store(remote, std::memory_order_release);
-  if (remote == nullptr)
-    qp->post_one.store(SendTable(qp, nullptr, probed), std::memory_order_release);
+  if (remote == nullptr) InstallSendTable(qp, SendTable(qp, nullptr, probed));
 }
 
 void InstallSendPath(Qp* qp, bool probed) {
-  qp->post_one.store(SendTable(qp, qp->remote.load(std::memory_order_relaxed), probed),
-                     std::memory_order_release);
+  InstallSendTable(qp, SendTable(qp, qp->remote.load(std::memory_order_relaxed), probed));
 }
 
 void InstallQpExOps(Qp* qp) {

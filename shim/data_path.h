@@ -54,6 +54,13 @@ void InstallTranslatingOps(Context* ctx);
 // translating path (by its type, whether its process is `probed`, and
 // whether its peer has moved: SetPeer).
 void InstallSendPath(Qp* qp, bool probed);
+// Points the probed entries' table of a QP's single sends (Qp::post_probed)
+// at what its path word says now. Every change of a QP's path goes
+// through SetQpPath or SetQpPaused, which call it (the caller holds the
+// shim's lock).
+void PublishSendPath(Qp* qp);
+void SetQpPath(Qp* qp, Path path);
+void SetQpPaused(Qp* qp, bool paused);
 // Connects a QP to its peer as the shim knows it (`remote`: where a moved
 // peer is now; null: one that never moved), with the table of its single
 // sends that goes with it (InstallSendPath). Safe while the application

@@ -265,7 +265,7 @@ void Shim::GuessEndpointGid() {
 void Shim::SetPaused(bool paused) {
   for (const auto& [p, k] : shadows_) {
     void* o = const_cast<void*>(p);
-    if (k == Kind::kQp) static_cast<Qp*>(o)->path.SetPaused(paused);
+    if (k == Kind::kQp) SetQpPaused(static_cast<Qp*>(o), paused);
     if (k == Kind::kCq) static_cast<Cq*>(o)->path.SetPaused(paused);
     if (k == Kind::kSrq) static_cast<Srq*>(o)->path.SetPaused(paused);
   }
@@ -1146,7 +1146,7 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
   moved_ = true;
   // Completions carry the new QPNs: every CQ translates from now on.
   for (Cq* cq : All<Cq>(Kind::kCq)) CqTranslates(cq);
-  for (Qp* qp : All<Qp>(Kind::kQp)) qp->path.Set(QpPath(*qp));
+  for (Qp* qp : All<Qp>(Kind::kQp)) SetQpPath(qp, QpPath(*qp));
   for (const auto& [p, k] : shadows_)
     if (k == Kind::kContext)
       InstallTranslatingOps(AsContext(static_cast<ibv_context*>(const_cast<void*>(p))));

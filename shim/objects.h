@@ -204,6 +204,13 @@ struct alignas(kObjectAlign) Qp {
   // whether `remote` is set. Set before `remote` is, cleared after it is:
   // a post that sees `remote` set finds the table that looks it up.
   std::atomic<int (*const*)(Qp*, ibv_send_wr*, ibv_send_wr**)> post_one{nullptr};
+  // What a probed entry dispatches one WR with one SGE through, its path
+  // word not compared (data_path.cc: PublishSendPath): `post_one` while
+  // `path` is exactly kTranslated, the provider's entry while exactly
+  // kMarked, else the gate for every opcode. Written again after every
+  // change of `path` or of `post_one` (under the shim's lock): a pause
+  // points it at the gate before it asks the threads where they are.
+  std::atomic<int (*const*)(Qp*, ibv_send_wr*, ibv_send_wr**)> post_probed{nullptr};
   ibv_qp_ex* real_ex = nullptr;  // when created with send_ops_flags
   MrLookup mrs;                  // the shim's MR table
   IdentityMode mode;

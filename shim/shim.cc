@@ -92,7 +92,7 @@ void Shim::KeysDiverged() {
   if (!keys_identity_) return;
   keys_identity_ = false;
   for (const auto& [p, kind] : shadows_) {
-    if (kind == Kind::kQp) static_cast<Qp*>(const_cast<void*>(p))->path.Set(Path::kTranslated);
+    if (kind == Kind::kQp) SetQpPath(static_cast<Qp*>(const_cast<void*>(p)), Path::kTranslated);
     if (kind == Kind::kSrq) static_cast<Srq*>(const_cast<void*>(p))->path.Set(Path::kTranslated);
   }
 }
@@ -931,8 +931,8 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
     errno = ENOMEM;
     return nullptr;
   }
-  qp->path.Set(QpPath(*qp));
-  qp->path.SetPaused(paused_);  // created between two steps of a pause
+  SetQpPath(qp, QpPath(*qp));
+  SetQpPaused(qp, paused_);  // created between two steps of a pause
   // A migratable process counts a UD QP's sends and an SRQ's receives
   // where they complete.
   if (migratable_ && qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
@@ -1052,7 +1052,7 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
   qp->remote_gid = remote_gid;
   qp->remote_qpn = remote_qpn;
   SetPeer(qp, remote, probed_);
-  if (remote != nullptr) qp->path.Set(Path::kTranslated);
+  if (remote != nullptr) SetQpPath(qp, Path::kTranslated);
   qp->transitions.push_back({*attr, mask});
   q->state = qp->real->state;
   return 0;
@@ -1343,7 +1343,7 @@ const RemoteEndpoint* Shim::PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> 
     if (kind != Kind::kQp) continue;
     Qp* qp = static_cast<Qp*>(const_cast<void*>(p));
     if (memcmp(qp->remote_gid.raw, gid.raw, 16) != 0 || !r->Owns(qp->remote_qpn)) continue;
-    qp->path.Set(Path::kTranslated);
+    SetQpPath(qp, Path::kTranslated);
     SetPeer(qp, r, probed_);
   }
   return r;

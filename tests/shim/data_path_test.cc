@@ -909,5 +909,57 @@ TEST(MigratableDataPathTest, EveryStackCountsAUdQpsSignaledSends) {
   }
 }
 
+// A migratable process in default mode posts on the marked path while its
+// keys are the hardware's. An MR whose key takes a slot another MR holds
+// gets a virtual lkey of the shim's, and every QP translates from then on
+// (Shim::KeysDiverged), while the application runs: the probed entry,
+// which finds a single WR's function through a table its QP's path chose
+// (Qp::post_probed), must reach the translating one at the next post.
+TEST(MigratableDataPathTest, QpsTranslateTheSendAfterAnMrMadeTheKeysDiverge) {
+  for (const bool probed : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "probed " << probed);
+    FakeBackend fake;
+    Shim shim(&fake, IdentityMode{}, /*migratable=*/true, probed);
+    {
+      Device<Shim> dev(shim);
+      auto [a, b] = dev.Pair(IBV_QPT_RC);
+      char first[8] = "first";
+      ibv_mr* mr1 = dev.Reg(first, sizeof(first));
+      ASSERT_EQ(mr1->lkey, ShimMr(mr1)->real->lkey) << "the hardware's key, its slot free";
+      ASSERT_EQ(ShimQp(a)->path.get(), Path::kMarked);
+      char got[2][8] = {};
+      ibv_mr* dst = dev.Reg(got, sizeof(got));
+      ASSERT_EQ(ShimQp(a)->path.get(), Path::kMarked);
+      for (int i = 0; i < 2; ++i) ASSERT_EQ(PostRecvOf(b, 10 + i, got[i], 8, dst), 0);
+      ibv_sge sge = Sge(first, sizeof(first), mr1);
+      ibv_send_wr wr{};
+      wr.wr_id = 1;
+      wr.sg_list = &sge;
+      wr.num_sge = 1;
+      wr.opcode = IBV_WR_SEND;
+      wr.send_flags = IBV_SEND_SIGNALED;
+      ibv_send_wr* bad = nullptr;
+      ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0);
+
+      fake.SetNextMrIndex(ShimMr(mr1)->real->lkey >> 8);
+      char second[8] = "second";
+      ibv_mr* mr2 = dev.Reg(second, sizeof(second));
+      ASSERT_NE(mr2->lkey, ShimMr(mr2)->real->lkey) << "a key of the shim's: the slot was taken";
+      ASSERT_EQ(ShimQp(a)->path.get(), Path::kTranslated);
+      sge = Sge(second, sizeof(second), mr2);
+      wr.wr_id = 2;
+      ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0);
+      EXPECT_EQ(fake.sends().back().lkeys, std::vector<uint32_t>{ShimMr(mr2)->real->lkey});
+      EXPECT_EQ(sge.lkey, mr2->lkey) << "the application's SGE is put back";
+      std::vector<ibv_wc> wcs = Drain(dev.cq);
+      for (const ibv_wc& wc : wcs) EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << wc.wr_id;
+      EXPECT_EQ(wcs.size(), 4u);
+      EXPECT_STREQ(got[0], "first");
+      EXPECT_STREQ(got[1], "second");
+    }
+    EXPECT_EQ(fake.live_objects(), 0);
+  }
+}
+
 }  // namespace
 }  // namespace rdmavirt::shim::testing

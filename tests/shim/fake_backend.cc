@@ -998,6 +998,10 @@ void FakeBackend::SetNextQpn(uint32_t qpn) {
   std::lock_guard<std::mutex> lock(mu_);
   forced_qpn_ = qpn;
 }
+void FakeBackend::SetNextMrIndex(uint32_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  next_mr_index_ = index;
+}
 void FakeBackend::InjectAsyncEvent(ibv_context* ctx, const ibv_async_event& event) {
   std::lock_guard<std::mutex> lock(mu_);
   ContextObj* c = Lookup(contexts_, ctx);

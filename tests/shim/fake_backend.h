@@ -174,6 +174,9 @@ class FakeBackend final : public VerbsBackend {
   void FailNext(Op op, int error);
   // The next QP created gets this QPN (to force QpIndex collisions).
   void SetNextQpn(uint32_t qpn);
+  // The next MRs registered get key indexes (bits 8..23) from this one on
+  // (to make a key share another's slot in the shim's MR table).
+  void SetNextMrIndex(uint32_t index);
   // Queues an asynchronous event for GetAsyncEvent on `ctx`; its element
   // must be one of this fake's objects.
   void InjectAsyncEvent(ibv_context* ctx, const ibv_async_event& event);

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
+#include "shim/thread_probe.h"
 #include "tests/shim/verbs_test_util.h"
 
 namespace rdmavirt::shim::testing {
@@ -55,6 +57,10 @@ ibv_gid MovedPeerGid() {
 
 class RemoteMapTest : public ShimTest {
  protected:
+  RemoteMapTest() = default;
+  RemoteMapTest(IdentityMode mode, bool migratable, bool probed)
+      : ShimTest(mode, migratable, probed) {}
+
   // Publishes that the peer known as MovedPeerGid() now lives at the fake's
   // GID, with `peer`'s QPN behind `vqpn` and `mr`'s rkey behind `vrkey`.
   void PublishPeer(ibv_qp* peer, uint32_t vqpn, ibv_mr* mr, uint32_t vrkey) {
@@ -111,11 +117,15 @@ class RemoteMapTest : public ShimTest {
     return wc;
   }
   static constexpr uint32_t kPeerVrkey = 0x80abcd42;
+  // An RC QP connected to a peer published as moved before, then one
+  // connected before: their RDMA reaches the peer's new MR.
+  void ConnectToAMovedPeer();
+  void PublishToAConnectedQp();
   // Another endpoint behind the same virtual GID, that did not move.
   static constexpr uint32_t kOtherVqpn = 0x800778;
 };
 
-TEST_F(RemoteMapTest, ConnectingToAMovedPeerUsesItsPublishedLocation) {
+void RemoteMapTest::ConnectToAMovedPeer() {
   auto [a, b] = Qps();
   char dst[64] = {};
   ibv_mr* dmr = dev().Reg(dst, sizeof(dst));
@@ -161,7 +171,7 @@ TEST_F(RemoteMapTest, ConnectingToAMovedPeerUsesItsPublishedLocation) {
   EXPECT_STREQ(dst, "moved and found");
 }
 
-TEST_F(RemoteMapTest, APublicationReachesQpsAlreadyConnected) {
+void RemoteMapTest::PublishToAConnectedQp() {
   auto [a, b] = Qps();
   char dst[16] = {};
   ibv_mr* dmr = dev().Reg(dst, sizeof(dst));
@@ -185,6 +195,29 @@ TEST_F(RemoteMapTest, APublicationReachesQpsAlreadyConnected) {
   EXPECT_EQ(fake_.sends().back().rkey, ShimMr(dmr)->real->rkey);
   Drain(dev().cq);
 }
+
+TEST_F(RemoteMapTest, ConnectingToAMovedPeerUsesItsPublishedLocation) { ConnectToAMovedPeer(); }
+TEST_F(RemoteMapTest, APublicationReachesQpsAlreadyConnected) { PublishToAConnectedQp(); }
+
+// The same in a process the migrator may move, whose pause probes its
+// threads, in default mode: its QPs start on the marked path, whose
+// probed entry dispatches a single WR through a table chosen by the path
+// (Qp::post_probed). A QP that connects to a moved peer, or whose peer's
+// move is published while it runs, goes to the translating path, and its
+// next post must find the table that translates.
+class ProbedRemoteMapTest : public RemoteMapTest {
+ protected:
+  ProbedRemoteMapTest() : RemoteMapTest(IdentityMode{}, /*migratable=*/true, /*probed=*/true) {}
+  void SetUp() override {
+    std::string why;
+    ASSERT_TRUE(InstallThreadProbe(&why)) << why;
+  }
+};
+
+TEST_F(ProbedRemoteMapTest, ConnectingToAMovedPeerUsesItsPublishedLocation) {
+  ConnectToAMovedPeer();
+}
+TEST_F(ProbedRemoteMapTest, APublicationReachesQpsAlreadyConnected) { PublishToAConnectedQp(); }
 
 TEST_F(RemoteMapTest, UdAddressHandlesTowardAMovedPeer) {
   auto [a, b] = UdQps();

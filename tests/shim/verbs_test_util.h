@@ -289,7 +289,9 @@ inline ibv_send_wr UdSend(ibv_sge* sge, ibv_ah* ah, uint32_t qpn) {
 // gave back every real object and never handed a shadow to the backend.
 class ShimTest : public ::testing::Test {
  protected:
-  ShimTest() : shim_(&fake_, IdentityMode{.offset = true}) {
+  ShimTest() : ShimTest(IdentityMode{.offset = true}) {}
+  explicit ShimTest(IdentityMode mode, bool migratable = false, bool probed = false)
+      : shim_(&fake_, mode, migratable, probed) {
     dev_ = std::make_unique<Device<Shim>>(shim_);
   }
   void TearDown() override {

@@ -1066,6 +1066,15 @@ int PollCq(ibv_cq* ibcq, int n, ibv_wc* wc) {
   return PollTranslatedOut(cq, n, wc);
 }
 
+// The same in offset mode, where every CQ translates: that path compared
+// first (its word exactly kTranslated's: no long way).
+int PollCqTranslatingFirst(ibv_cq* ibcq, int n, ibv_wc* wc) {
+  Cq* cq = AsCq(ibcq);
+  if (cq->path.Is(Path::kTranslated)) [[likely]]
+    return PollAndVirtualize(cq, n, wc);
+  return PollCq(ibcq, n, wc);
+}
+
 // As PostSendInMark. The gate compared the word with kTranslated's: no
 // long way.
 [[gnu::noinline]] int PollCqInMark(Cq* cq, int n, ibv_wc* wc) {
@@ -1442,6 +1451,7 @@ void InstallTranslatingOps(Context* ctx) {
   ibv_context* s = Shadow(ctx);
   // Not migratable: never paused, so one pointer for good.
   if (s->ops.post_send == PostSend) s->ops.post_send = PostSendTranslatingFirst;
+  if (s->ops.poll_cq == PollCq) s->ops.poll_cq = PollCqTranslatingFirst;
   if (s->ops.post_send != PostSendProbed) return;  // not probed, or swapped already
   // One pointer each, which application threads may be reading: either
   // entry is right on every path, only faster on its own.

@@ -814,11 +814,49 @@ Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count, bool lock_re
     }
     locked_registered_ = LockUnlocked(all);
   }
+  StopItimers();
   released_ = true;
   // Whatever brings the endpoint back (a CRIU restore, most likely) must
   // reopen the device on an application thread; see OnAppThread.
   app_thread_steps_.store(true);
   return {};
+}
+
+// CRIU before 4.1 (Debian 12 has 3.17) dumps the process's interval
+// timers but arms one again at the restore only if it repeats
+// (criu/pie/restorer.c tests it_interval): a one-shot alarm(2) or
+// setitimer(2) armed when the process was dumped never fires after its
+// restore. A program that ends a timed phase with SIGALRM (perftest's
+// duration mode, qperf) then runs on for ever on the destination. So the
+// release stops the three timers, keeping what was left of each, and the
+// resume arms them again: they stand still while the process does not run,
+// as CRIU means them to, whichever CRIU dumps it, and a timer cannot fire
+// between the release and the dump to be armed again after. One the
+// application armed itself in the meantime (its threads run while it is
+// paused) is left as it set it.
+void Shim::StopItimers() {
+  static constexpr int kWhich[3] = {ITIMER_REAL, ITIMER_VIRTUAL, ITIMER_PROF};
+  const itimerval off{};
+  for (int i = 0; i < 3; ++i) {
+    itimer_stopped_[i] = false;
+    itimerval left{};
+    if (setitimer(kWhich[i], &off, &left) != 0) continue;
+    if (left.it_value.tv_sec == 0 && left.it_value.tv_usec == 0) continue;
+    stopped_itimers_[i] = left;
+    itimer_stopped_[i] = true;
+  }
+}
+
+void Shim::RestartItimers() {
+  static constexpr int kWhich[3] = {ITIMER_REAL, ITIMER_VIRTUAL, ITIMER_PROF};
+  for (int i = 0; i < 3; ++i) {
+    if (!itimer_stopped_[i]) continue;
+    itimer_stopped_[i] = false;
+    itimerval now{};
+    if (getitimer(kWhich[i], &now) != 0) continue;
+    if (now.it_value.tv_sec != 0 || now.it_value.tv_usec != 0) continue;  // armed meanwhile
+    setitimer(kWhich[i], &stopped_itimers_[i], nullptr);
+  }
 }
 
 std::vector<std::pair<uintptr_t, uintptr_t>> Shim::WritableRegistered() {
@@ -1208,6 +1246,7 @@ Status Shim::ResumeNow() {
   SetPaused(false);
   pause_.Open();
   paused_ = false;
+  RestartItimers();
   OpenControl();
   OweEvents(owed);
   if (!st.ok()) LogOnce(st.message.c_str());

@@ -13,6 +13,7 @@
 #define RDMAVIRT_SHIM_SHIM_H_
 
 #include <infiniband/verbs.h>
+#include <sys/time.h>
 
 #include <algorithm>
 #include <atomic>
@@ -262,6 +263,11 @@ class Shim {
   template <typename T>
   std::vector<T*> All(Kind kind) const;  // requires mu_
   void DestroyReal();                    // requires mu_
+  // The process's interval timers (setitimer(2), alarm(2)) across a
+  // release: stopped, what was left of each kept, and armed again at the
+  // resume (migration.cc says why).
+  void StopItimers();     // requires mu_
+  void RestartItimers();  // requires mu_
   Status ReleaseNow(const KnownPages& known, DirtyCount* count, bool lock_registered);
   std::vector<std::pair<uintptr_t, uintptr_t>> WritableRegisteredLocked();  // requires mu_
   Status RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers);
@@ -422,6 +428,9 @@ class Shim {
   std::vector<EpollRegistration> epoll_regs_;
   // What a post-copy's release locked, unlocked by the restore ([begin, end)).
   std::vector<std::pair<uintptr_t, uintptr_t>> locked_registered_;
+  // What StopItimers found armed (ITIMER_REAL, _VIRTUAL, _PROF), by which.
+  itimerval stopped_itimers_[3] = {};
+  bool itimer_stopped_[3] = {};
   bool moved_ = false;  // re-created at least once: GIDs differ from the port's
   bool endpoint_gid_known_ = false;
   uint8_t endpoint_port_ = 0;

@@ -3,6 +3,8 @@
 // re-created with new physical identities, Q re-pointed at it; every
 // receive, send and completion accounted for.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/time.h>
 
 #include <cstring>
 #include <functional>
@@ -79,6 +81,85 @@ class MigrationTest : public TwoEndpointsTest {
 
   int released_live_ = -1;
 };
+
+// CRIU before 4.1 arms an interval timer again at a restore only if it
+// repeats: a one-shot alarm armed at the dump never fired on the
+// destination (perftest's duration mode ran on for ever). The release
+// stops the process's timers, keeping what was left of each, and the
+// resume arms them again; one the application armed in between is its own.
+class ItimerTest : public MigrationTest {
+ protected:
+  void SetUp() override {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;  // in case: neither should fire here
+    ASSERT_EQ(sigaction(SIGALRM, &ignore, &alrm_), 0);
+    ASSERT_EQ(sigaction(SIGPROF, &ignore, &prof_), 0);
+  }
+  void TearDown() override {
+    const itimerval off{};
+    setitimer(ITIMER_REAL, &off, nullptr);
+    setitimer(ITIMER_PROF, &off, nullptr);
+    sigaction(SIGALRM, &alrm_, nullptr);
+    sigaction(SIGPROF, &prof_, nullptr);
+    MigrationTest::TearDown();
+  }
+  static itimerval Timer(int which) {
+    itimerval v{};
+    EXPECT_EQ(getitimer(which, &v), 0);
+    return v;
+  }
+  static double Seconds(const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; }
+  void Release() {
+    uint32_t drained = 0;
+    ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
+    ASSERT_TRUE(p_.Release().ok());
+  }
+  void RestoreAndResume() {
+    ASSERT_TRUE(p_.Restore("", {}).ok());
+    ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
+    ASSERT_TRUE(p_.Resume().ok());
+  }
+  struct sigaction alrm_ {};
+  struct sigaction prof_ {};
+};
+
+TEST_F(ItimerTest, TimersStandStillWhileReleasedAndRunAgainAfterTheMove) {
+  Connect();
+  itimerval one_shot{};
+  one_shot.it_value.tv_sec = 300;
+  ASSERT_EQ(setitimer(ITIMER_REAL, &one_shot, nullptr), 0);
+  itimerval periodic{};
+  periodic.it_value.tv_sec = periodic.it_interval.tv_sec = 200;
+  ASSERT_EQ(setitimer(ITIMER_PROF, &periodic, nullptr), 0);
+
+  Release();
+  EXPECT_EQ(Seconds(Timer(ITIMER_REAL).it_value), 0) << "stopped: nothing fires before the dump";
+  EXPECT_EQ(Seconds(Timer(ITIMER_PROF).it_value), 0);
+  RestoreAndResume();
+
+  const itimerval real = Timer(ITIMER_REAL);
+  EXPECT_GT(Seconds(real.it_value), 290) << "armed again with what was left";
+  EXPECT_LE(Seconds(real.it_value), 300);
+  EXPECT_EQ(Seconds(real.it_interval), 0) << "still a one-shot timer";
+  const itimerval prof = Timer(ITIMER_PROF);
+  EXPECT_GT(Seconds(prof.it_value), 190);
+  EXPECT_EQ(Seconds(prof.it_interval), 200);
+}
+
+TEST_F(ItimerTest, ATimerTheApplicationArmsWhileReleasedIsLeftAsItSetIt) {
+  Connect();
+  itimerval before{};
+  before.it_value.tv_sec = 300;
+  ASSERT_EQ(setitimer(ITIMER_REAL, &before, nullptr), 0);
+  Release();
+  itimerval own{};
+  own.it_value.tv_sec = 100;
+  ASSERT_EQ(setitimer(ITIMER_REAL, &own, nullptr), 0);
+  RestoreAndResume();
+  EXPECT_LE(Seconds(Timer(ITIMER_REAL).it_value), 100) << "the application's, not the one stopped";
+  EXPECT_GT(Seconds(Timer(ITIMER_REAL).it_value), 90);
+}
 
 TEST_F(MigrationTest, ReceivesAndSendsCarryOnAcrossAMoveInOrder) {
   Connect();

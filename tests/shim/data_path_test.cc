@@ -105,12 +105,7 @@ TEST_F(DataPathTest, RcSendTranslatesLkeysAndCompletesWithVirtualQpns) {
   ibv_mr* dmr = dev().Reg(dst, sizeof(dst));
   ASSERT_EQ(PostRecv(b, dst, sizeof(dst), dmr, 7), 0);
   ibv_sge sge = Sge(src, 17, smr);
-  ibv_send_wr wr{};
-  wr.wr_id = 9;
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.opcode = IBV_WR_SEND;
-  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr wr = SignaledSend(&sge, 9);
   ibv_send_wr* bad = nullptr;
   ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0);
 
@@ -932,12 +927,7 @@ TEST(MigratableDataPathTest, QpsTranslateTheSendAfterAnMrMadeTheKeysDiverge) {
       ASSERT_EQ(ShimQp(a)->path.get(), Path::kMarked);
       for (int i = 0; i < 2; ++i) ASSERT_EQ(PostRecvOf(b, 10 + i, got[i], 8, dst), 0);
       ibv_sge sge = Sge(first, sizeof(first), mr1);
-      ibv_send_wr wr{};
-      wr.wr_id = 1;
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
-      wr.opcode = IBV_WR_SEND;
-      wr.send_flags = IBV_SEND_SIGNALED;
+      ibv_send_wr wr = SignaledSend(&sge, 1);
       ibv_send_wr* bad = nullptr;
       ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0);
 

@@ -272,6 +272,17 @@ inline int PostRecvOf(ibv_qp* qp, uint64_t wr_id, char* buf, uint32_t len, const
   return ibv_post_recv(qp, &wr, &bad);
 }
 
+// A signaled SEND of one SGE.
+inline ibv_send_wr SignaledSend(ibv_sge* sge, uint64_t wr_id) {
+  ibv_send_wr wr{};
+  wr.wr_id = wr_id;
+  wr.sg_list = sge;
+  wr.num_sge = 1;
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  return wr;
+}
+
 // A UD SEND of `sge` (none: an empty datagram) to `qpn` through `ah`.
 inline ibv_send_wr UdSend(ibv_sge* sge, ibv_ah* ah, uint32_t qpn) {
   ibv_send_wr wr{};

@@ -827,7 +827,7 @@ Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count, bool lock_re
 // (criu/pie/restorer.c tests it_interval): a one-shot alarm(2) or
 // setitimer(2) armed when the process was dumped never fires after its
 // restore. A program that ends a timed phase with SIGALRM (perftest's
-// duration mode, qperf) then runs on for ever on the destination. So the
+// duration mode) then runs on for ever on the destination. So the
 // release stops the three timers, keeping what was left of each, and the
 // resume arms them again: they stand still while the process does not run,
 // as CRIU means them to, whichever CRIU dumps it, and a timer cannot fire

@@ -266,6 +266,11 @@ constexpr std::array<PostOneFn, kPostOneOps> kPostOneProvider = [] {
 inline PostOneFn PostOneOf(const Qp* qp, const ibv_send_wr* wr) {
   return qp->post_one.load(std::memory_order_relaxed)[static_cast<uint8_t>(OpcodeOf(wr))];
 }
+// The same through the table the QP's path chose (Qp::post_probed), read
+// as an acquire: what its function reads of the QP is not read before it.
+inline PostOneFn ProbedOneOf(const Qp* qp, const ibv_send_wr* wr) {
+  return qp->post_probed.load(std::memory_order_acquire)[static_cast<uint8_t>(OpcodeOf(wr))];
+}
 
 [[gnu::always_inline]] inline int PostSendTranslated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]]
@@ -382,8 +387,7 @@ int PostSend(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
 int PostSendTranslatingFirst(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   Qp* qp = AsQp(ibqp);
   if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]]
-    return qp->post_probed.load(std::memory_order_acquire)[static_cast<uint8_t>(OpcodeOf(wr))](
-        qp, wr, bad);
+    return ProbedOneOf(qp, wr)(qp, wr, bad);
   if (qp->path.Is(Path::kDirect)) return qp->real_post_send(qp->real, wr, bad);
   return PostChainTranslated(qp, wr, bad);
 }
@@ -426,14 +430,12 @@ int PostSendPausable(ibv_qp* ibqp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return PostSendGated(qp, wr, bad);
 }
 // A probed post but the marked path's: one WR with one SGE through the
-// table its path word chose (Qp::post_probed, read as an acquire: what
-// the table's function reads of the QP is not read before it), which
-// spares the entry that word's compare; the rest by the word. A UD QP's
-// translating table sends its WRs to the gate (kPostOneGate).
+// table its path word chose (ProbedOneOf), which spares the entry that
+// word's compare; the rest by the word. A UD QP's translating table sends
+// its WRs to the gate (kPostOneGate).
 [[gnu::always_inline]] inline int PostSendProbedOn(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   if (wr != nullptr && wr->next == nullptr && wr->num_sge == 1) [[likely]]
-    return qp->post_probed.load(std::memory_order_acquire)[static_cast<uint8_t>(OpcodeOf(wr))](
-        qp, wr, bad);
+    return ProbedOneOf(qp, wr)(qp, wr, bad);
   const uint16_t path = qp->path.word();
   if (path == static_cast<uint16_t>(Path::kTranslated) && qp->shadow.qp_base.qp_type != IBV_QPT_UD)
     return PostChainTranslated(qp, wr, bad);

@@ -834,28 +834,28 @@ Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count, bool lock_re
 // between the release and the dump to be armed again after. One the
 // application armed itself in the meantime (its threads run while it is
 // paused) is left as it set it.
+namespace {
+
+// stopped_itimers_'s order.
+constexpr int kItimers[3] = {ITIMER_REAL, ITIMER_VIRTUAL, ITIMER_PROF};
+
+bool Armed(const itimerval& t) { return t.it_value.tv_sec != 0 || t.it_value.tv_usec != 0; }
+
+}  // namespace
+
 void Shim::StopItimers() {
-  static constexpr int kWhich[3] = {ITIMER_REAL, ITIMER_VIRTUAL, ITIMER_PROF};
   const itimerval off{};
-  for (int i = 0; i < 3; ++i) {
-    itimer_stopped_[i] = false;
-    itimerval left{};
-    if (setitimer(kWhich[i], &off, &left) != 0) continue;
-    if (left.it_value.tv_sec == 0 && left.it_value.tv_usec == 0) continue;
-    stopped_itimers_[i] = left;
-    itimer_stopped_[i] = true;
-  }
+  for (int i = 0; i < 3; ++i)
+    if (setitimer(kItimers[i], &off, &stopped_itimers_[i]) != 0) stopped_itimers_[i] = {};
 }
 
 void Shim::RestartItimers() {
-  static constexpr int kWhich[3] = {ITIMER_REAL, ITIMER_VIRTUAL, ITIMER_PROF};
   for (int i = 0; i < 3; ++i) {
-    if (!itimer_stopped_[i]) continue;
-    itimer_stopped_[i] = false;
+    const itimerval left = stopped_itimers_[i];
+    stopped_itimers_[i] = {};
     itimerval now{};
-    if (getitimer(kWhich[i], &now) != 0) continue;
-    if (now.it_value.tv_sec != 0 || now.it_value.tv_usec != 0) continue;  // armed meanwhile
-    setitimer(kWhich[i], &stopped_itimers_[i], nullptr);
+    if (!Armed(left) || getitimer(kItimers[i], &now) != 0) continue;
+    if (!Armed(now)) setitimer(kItimers[i], &left, nullptr);  // else armed meanwhile
   }
 }
 

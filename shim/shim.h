@@ -428,9 +428,9 @@ class Shim {
   std::vector<EpollRegistration> epoll_regs_;
   // What a post-copy's release locked, unlocked by the restore ([begin, end)).
   std::vector<std::pair<uintptr_t, uintptr_t>> locked_registered_;
-  // What StopItimers found armed (ITIMER_REAL, _VIRTUAL, _PROF), by which.
+  // What StopItimers found of ITIMER_REAL, _VIRTUAL and _PROF (zero: not
+  // armed, or armed again by RestartItimers).
   itimerval stopped_itimers_[3] = {};
-  bool itimer_stopped_[3] = {};
   bool moved_ = false;  // re-created at least once: GIDs differ from the port's
   bool endpoint_gid_known_ = false;
   uint8_t endpoint_port_ = 0;

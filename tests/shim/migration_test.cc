@@ -66,12 +66,20 @@ class MigrationTest : public TwoEndpointsTest {
   // P moves: both pause, P releases and is re-created, Q re-points, P resumes.
   // `q_paused` runs once Q has paused and P not yet.
   void Move(const std::function<void()>& q_paused = nullptr) {
+    Release(q_paused);
+    RestoreAndResume();
+  }
+  // Move's halves: both pause and P releases; P is re-created, Q
+  // re-pointed, P resumed.
+  void Release(const std::function<void()>& q_paused = nullptr) {
     uint32_t drained = 0;
     ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
     if (q_paused) q_paused();
     ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
     ASSERT_TRUE(p_.Release().ok());
     released_live_ = fake_.live_objects();
+  }
+  void RestoreAndResume() {
     const Status st = p_.Restore("", {});
     ASSERT_TRUE(st.ok()) << st.message;
     const Status rq = q_.PeerReconnect(ToMapping(p_.Describe()));
@@ -109,17 +117,6 @@ class ItimerTest : public MigrationTest {
     return v;
   }
   static double Seconds(const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; }
-  void Release() {
-    uint32_t drained = 0;
-    ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
-    ASSERT_TRUE(p_.Quiesce(1000, &drained).ok());
-    ASSERT_TRUE(p_.Release().ok());
-  }
-  void RestoreAndResume() {
-    ASSERT_TRUE(p_.Restore("", {}).ok());
-    ASSERT_TRUE(q_.PeerReconnect(ToMapping(p_.Describe())).ok());
-    ASSERT_TRUE(p_.Resume().ok());
-  }
   struct sigaction alrm_ {};
   struct sigaction prof_ {};
 };

@@ -298,6 +298,31 @@ absl::StatusOr<std::string> Migrator::TreeTerminal(pid_t pid) {
   return pty;
 }
 
+absl::Status Migrator::CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& endpoints) {
+  std::vector<pid_t> tree = procs_->Descendants(root);
+  tree.insert(tree.begin(), root);
+  for (pid_t p : tree) {
+    const bool shimmed = std::find(endpoints.begin(), endpoints.end(), p) != endpoints.end();
+    for (const std::string& file : procs_->RdmaFiles(p)) {
+      if (shimmed && absl::StartsWith(file, "/dev/infiniband/uverbs")) continue;
+      std::string why;
+      if (file == "/dev/infiniband/rdma_cm")
+        why =
+            ", an RDMA CM channel (librdmacm), whose connections live in the kernel and "
+            "cannot be checkpointed: a program that connects through the RDMA CM cannot be "
+            "moved (UCX opens one unless UCX_SOCKADDR_TLS_PRIORITY=tcp)";
+      else if (absl::StartsWith(file, "/dev/infiniband/uverbs"))
+        why = ", an RDMA device opened outside the rdmavirt shim, which CRIU cannot dump";
+      else
+        why = ", which CRIU cannot dump";
+      return absl::FailedPreconditionError(absl::StrCat(
+          "process ", p, p == root ? "" : absl::StrCat(" (a descendant of process ", root, ")"),
+          " holds ", file, why, "; nothing was quiesced"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<pid_t>> Migrator::EndpointsOfTree(pid_t root) {
   const absl::Status own = CheckShim(root);
   if (!own.ok() && !absl::IsFailedPrecondition(own)) return own;

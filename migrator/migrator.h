@@ -198,6 +198,13 @@ class Migrator {
   // cannot give back (another kind, /dev/tty held open, or two
   // pseudo-terminals).
   absl::StatusOr<std::string> TreeTerminal(pid_t pid);
+  // OK when every RDMA device file that `root` and its descendants hold is
+  // one the release closes: a verbs device of one of `endpoints` (the
+  // processes under the shim). FAILED_PRECONDITION, naming the process
+  // and the file, for any other (an RDMA CM channel, a MAD port, a verbs
+  // device opened outside the shim): CRIU cannot dump it, and finding it
+  // at the final dump would cost the pre-copy and a blackout.
+  absl::Status CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& endpoints);
   // The processes under the shim that a move of `root` (with its
   // descendants, as CRIU dumps it) takes: `root` first if it is one, then
   // its descendants that are, parents before children.

@@ -1115,6 +1115,7 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   }
   absl::StatusOr<std::string> terminal = TreeTerminal(root);
   if (!terminal.ok()) return terminal.status();
+  if (absl::Status st = CheckTreeRdmaFiles(root, *endpoints); !st.ok()) return st;
   std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
   m->rec.set_terminal(*terminal);
   if (pid != root) {
@@ -1215,6 +1216,7 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
   if (absl::Status st = CheckShim(pid); !st.ok()) return st;
   absl::StatusOr<std::string> terminal = TreeTerminal(pid);
   if (!terminal.ok()) return terminal.status();
+  if (absl::Status st = CheckTreeRdmaFiles(pid, {pid}); !st.ok()) return st;
   if (absl::Status st = ValidateCheckpointDir(request.dir()); !st.ok()) return st;
   {
     absl::MutexLock lock(&mu_);

@@ -181,6 +181,19 @@ class RealProcessControl final : public ProcessControl {
     return out;
   }
 
+  std::vector<std::string> RdmaFiles(pid_t pid) override {
+    std::set<std::string> out;
+    for (const auto& [fd, rdev] : CharDeviceFds(pid)) {
+      char target[256];
+      const std::string link = absl::StrCat("/proc/", pid, "/fd/", fd);
+      const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
+      if (n <= 0) continue;
+      std::string path(target, n);
+      if (path.starts_with("/dev/infiniband/")) out.insert(std::move(path));
+    }
+    return {out.begin(), out.end()};
+  }
+
   absl::Status Stop(pid_t pid) override {
     if (kill(pid, SIGSTOP) != 0) return absl::ErrnoToStatus(errno, absl::StrCat("SIGSTOP ", pid));
     if (absl::Status st = WaitStopped(pid); !st.ok()) return st;

@@ -48,6 +48,9 @@ class ProcessControl {
   // sides move with the tree, as an MPI daemon and the ranks whose output
   // it reads through one).
   virtual std::vector<std::string> Terminals(pid_t pid, const std::set<int>& masters_in_tree) = 0;
+  // The RDMA device files the process holds open (under /dev/infiniband:
+  // "/dev/infiniband/uverbs0", "/dev/infiniband/rdma_cm"), each once.
+  virtual std::vector<std::string> RdmaFiles(pid_t pid) = 0;
 };
 
 // kill(2) and /proc.

@@ -162,6 +162,17 @@ void FakeHost::AddPtyMaster(pid_t pid, int index) {
   pty_masters_[pid].insert(index);
 }
 
+void FakeHost::AddRdmaFile(pid_t pid, const std::string& path) {
+  absl::MutexLock lock(&mu_);
+  rdma_files_[pid].push_back(path);
+}
+
+std::vector<std::string> FakeHost::RdmaFiles(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  auto it = rdma_files_.find(pid);
+  return it == rdma_files_.end() ? std::vector<std::string>{} : it->second;
+}
+
 std::set<int> FakeHost::PtyMasters(pid_t pid) {
   absl::MutexLock lock(&mu_);
   auto it = pty_masters_.find(pid);

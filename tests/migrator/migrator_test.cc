@@ -629,6 +629,57 @@ TEST(MigratorTest, RefusesATerminalCriuCannotGiveBackBeforeQuiescingAnything) {
   }
 }
 
+// An RDMA device file that the release does not close (an RDMA CM
+// channel, a MAD port, a verbs device a process outside the shim opened)
+// is refused before anything is quiesced, naming who holds it, by a move
+// and by a checkpoint: CRIU refused it only at the final dump, after the
+// pre-copy and inside the blackout. An endpoint's own verbs device moves.
+TEST(MigratorTest, RefusesAnRdmaFileTheReleaseDoesNotCloseBeforeQuiescingAnything) {
+  struct Held {
+    pid_t holder;
+    const char* file;
+    const char* said;
+  };
+  for (const Held& h : {Held{100, "/dev/infiniband/rdma_cm",
+                             "process 100 holds /dev/infiniband/rdma_cm, an RDMA CM channel"},
+                        Held{100, "/dev/infiniband/umad0",
+                             "process 100 holds /dev/infiniband/umad0, which CRIU cannot dump"},
+                        Held{101, "/dev/infiniband/uverbs0",
+                             "process 101 (a descendant of process 100) holds "
+                             "/dev/infiniband/uverbs0, an RDMA device opened outside the "
+                             "rdmavirt shim"}}) {
+    SCOPED_TRACE(h.file);
+    Cluster c("rdmafile");
+    Topology(c);
+    c.host(1).AddPlainProcess(101);
+    c.host(1).AddChild(100, 101);
+    c.host(1).AddRdmaFile(100, "/dev/infiniband/uverbs0");
+    c.host(1).AddRdmaFile(h.holder, h.file);
+    MoveRun run = Migrate(c, 100, "h2");
+    EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+    EXPECT_THAT(std::string(run.status.message()), HasSubstr(h.said));
+    EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
+    EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+    EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+    EXPECT_EQ(c.host(1).predumps, 0);
+    EXPECT_EQ(c.host(1).dumps, 0);
+    v1::CheckpointRequest req;
+    req.set_pid(100);
+    req.set_dir(TempDir("rdmafile-ckpt") + "/cp");
+    const absl::Status st = c.m(1).Checkpoint(req, nullptr);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(h.said));
+    EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+    EXPECT_EQ(c.host(1).dumps, 0);
+  }
+  // Only the endpoint's own verbs device: it moves.
+  Cluster c("rdmafile-ok");
+  Topology(c);
+  c.host(1).AddRdmaFile(100, "/dev/infiniband/uverbs0");
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_TRUE(run.status.ok()) << run.status;
+}
+
 // A pseudo-terminal whose master side stays behind (a shell's, an ssh
 // session's) is replaced: the destination restores the process with a new
 // one, and so does a restore from a checkpoint of it; a process without

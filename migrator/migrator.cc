@@ -312,7 +312,9 @@ absl::Status Migrator::CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& 
             "cannot be checkpointed: a program that connects through the RDMA CM cannot be "
             "moved (UCX opens one unless UCX_SOCKADDR_TLS_PRIORITY=tcp)";
       else if (absl::StartsWith(file, "/dev/infiniband/uverbs"))
-        why = ", an RDMA device opened outside the rdmavirt shim, which CRIU cannot dump";
+        why =
+            ", an RDMA device of a process this step does not release (not under the rdmavirt "
+            "shim, or a descendant, which a checkpoint does not release), which CRIU cannot dump";
       else
         why = ", which CRIU cannot dump";
       return absl::FailedPreconditionError(absl::StrCat(

@@ -202,7 +202,7 @@ class Migrator {
   // one the release closes: a verbs device of one of `endpoints` (the
   // processes under the shim). FAILED_PRECONDITION, naming the process
   // and the file, for any other (an RDMA CM channel, a MAD port, a verbs
-  // device opened outside the shim): CRIU cannot dump it, and finding it
+  // device of another process of the tree): CRIU cannot dump it, and finding it
   // at the final dump would cost the pre-copy and a blackout.
   absl::Status CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& endpoints);
   // The processes under the shim that a move of `root` (with its

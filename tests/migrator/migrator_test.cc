@@ -646,8 +646,8 @@ TEST(MigratorTest, RefusesAnRdmaFileTheReleaseDoesNotCloseBeforeQuiescingAnythin
                              "process 100 holds /dev/infiniband/umad0, which CRIU cannot dump"},
                         Held{101, "/dev/infiniband/uverbs0",
                              "process 101 (a descendant of process 100) holds "
-                             "/dev/infiniband/uverbs0, an RDMA device opened outside the "
-                             "rdmavirt shim"}}) {
+                             "/dev/infiniband/uverbs0, an RDMA device of a process this step "
+                             "does not release"}}) {
     SCOPED_TRACE(h.file);
     Cluster c("rdmafile");
     Topology(c);

@@ -273,9 +273,14 @@ std::vector<absl::StatusOr<v1::EndpointSummary>> Migrator::DescribeAll(
 // one) is dumped and restored as a pair. Any other terminal is refused
 // before anything is quiesced: CRIU cannot dump a process holding /dev/tty
 // open, nor give back a console or a serial line.
+std::vector<pid_t> Migrator::TreeOf(pid_t root) {
+  std::vector<pid_t> tree = procs_->Descendants(root);
+  tree.insert(tree.begin(), root);
+  return tree;
+}
+
 absl::StatusOr<std::string> Migrator::TreeTerminal(pid_t pid) {
-  std::vector<pid_t> tree = procs_->Descendants(pid);
-  tree.insert(tree.begin(), pid);
+  const std::vector<pid_t> tree = TreeOf(pid);
   std::set<int> masters;
   for (pid_t p : tree) masters.merge(procs_->PtyMasters(p));
   std::string pty;
@@ -299,9 +304,7 @@ absl::StatusOr<std::string> Migrator::TreeTerminal(pid_t pid) {
 }
 
 absl::Status Migrator::CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& endpoints) {
-  std::vector<pid_t> tree = procs_->Descendants(root);
-  tree.insert(tree.begin(), root);
-  for (pid_t p : tree) {
+  for (pid_t p : TreeOf(root)) {
     const bool shimmed = std::find(endpoints.begin(), endpoints.end(), p) != endpoints.end();
     for (const std::string& file : procs_->RdmaFiles(p)) {
       if (shimmed && absl::StartsWith(file, "/dev/infiniband/uverbs")) continue;

@@ -198,6 +198,8 @@ class Migrator {
   // cannot give back (another kind, /dev/tty held open, or two
   // pseudo-terminals).
   absl::StatusOr<std::string> TreeTerminal(pid_t pid);
+  // `root`, then its descendants, parents before children: what a dump takes.
+  std::vector<pid_t> TreeOf(pid_t root);
   // OK when every RDMA device file that `root` and its descendants hold is
   // one the release closes: a verbs device of one of `endpoints` (the
   // processes under the shim). FAILED_PRECONDITION, naming the process

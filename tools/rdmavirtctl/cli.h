@@ -3,10 +3,12 @@
 #ifndef RDMAVIRT_TOOLS_RDMAVIRTCTL_CLI_H_
 #define RDMAVIRT_TOOLS_RDMAVIRTCTL_CLI_H_
 
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
 
+#include "absl/time/time.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/grpcpp.h"
 #include "rdmavirt/v1/migrator.grpc.pb.h"
@@ -17,6 +19,15 @@ inline constexpr int kOk = 0, kFailed = 1, kUsage = 2, kUnreachable = 3;
 
 // Indented, with the protos' field names.
 std::string Json(const google::protobuf::Message& m);
+
+// `m` on stdout: its Json with `json`, else as `text` shows it.
+template <typename M>
+void Show(bool json, const M& m, std::string (*text)(const M&)) {
+  printf("%s", json ? (Json(m) + "\n").c_str() : text(m).c_str());
+}
+
+// Microseconds from `t` to now, for the reports' step times.
+uint64_t MicrosSince(absl::Time t);
 
 class Client {
  public:

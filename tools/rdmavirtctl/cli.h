@@ -3,6 +3,7 @@
 #ifndef RDMAVIRT_TOOLS_RDMAVIRTCTL_CLI_H_
 #define RDMAVIRT_TOOLS_RDMAVIRTCTL_CLI_H_
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -37,6 +38,19 @@ class Client {
   // kOk, or kUnreachable after saying why (on stderr).
   int Connect();
   v1::Operator::Stub* stub() { return stub_.get(); }
+  // A unary RPC of the Operator service (&v1::Operator::Stub::Status, ...).
+  template <typename Request, typename Response>
+  using Rpc = grpc::Status (v1::Operator::Stub::*)(grpc::ClientContext*, const Request&, Response*);
+  // Calls `rpc` after Connect; with `deadline_s` > 0 it gives up (with
+  // DEADLINE_EXCEEDED) that many seconds from now.
+  template <typename Request, typename Response>
+  grpc::Status Call(Rpc<Request, Response> rpc, const Request& request, Response* response,
+                    int deadline_s = 0) {
+    grpc::ClientContext ctx;
+    if (deadline_s > 0)
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_s));
+    return (stub_.get()->*rpc)(&ctx, request, response);
+  }
   const std::string& target() const { return target_; }
   // A failed RPC, said on stderr: kFailed, or kUnreachable when the daemon
   // went away.

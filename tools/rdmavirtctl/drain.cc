@@ -59,10 +59,9 @@ namespace {
 int FreeGuestNics(const std::string& tls_dir, const std::string& target) {
   Client c(tls_dir, target);
   if (c.Connect() != kOk) return -1;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
   v1::HostInfo info;
-  if (!c.stub()->GetHostInfo(&ctx, v1::HostInfoRequest(), &info).ok() || !info.has_guest_nics())
+  if (!c.Call(&v1::Operator::Stub::GetHostInfo, v1::HostInfoRequest(), &info, 20).ok() ||
+      !info.has_guest_nics())
     return -1;
   return static_cast<int>(info.guest_nics().capacity()) -
          static_cast<int>(info.guest_nics().in_use());
@@ -70,10 +69,9 @@ int FreeGuestNics(const std::string& tls_dir, const std::string& target) {
 
 // The inventory's live hosts, as --host's migrator reads them.
 absl::StatusOr<std::vector<v1::InventoryHost>> LiveHosts(Client* here) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::ListHostsResponse out;
-  const grpc::Status st = here->stub()->ListHosts(&ctx, v1::ListHostsRequest(), &out);
+  const grpc::Status st =
+      here->Call(&v1::Operator::Stub::ListHosts, v1::ListHostsRequest(), &out, 30);
   if (!st.ok())
     return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
   return std::vector<v1::InventoryHost>(out.hosts().begin(), out.hosts().end());
@@ -150,9 +148,9 @@ class DrainRun {
   }
 
   int ListProcesses() {
-    grpc::ClientContext ctx;
     v1::ListEndpointsResponse list;
-    grpc::Status st = here_.stub()->ListEndpoints(&ctx, v1::ListEndpointsRequest(), &list);
+    grpc::Status st =
+        here_.Call(&v1::Operator::Stub::ListEndpoints, v1::ListEndpointsRequest(), &list);
     if (!st.ok()) return here_.Failed("drain: listing the processes", st);
     procs_.assign(list.endpoints().begin(), list.endpoints().end());
     return kOk;
@@ -160,9 +158,8 @@ class DrainRun {
 
   // This host's name in the inventory, and the inventory's live hosts.
   int ReadInventory() {
-    grpc::ClientContext ctx;
     v1::HostInfo info;
-    grpc::Status st = here_.stub()->GetHostInfo(&ctx, v1::HostInfoRequest(), &info);
+    grpc::Status st = here_.Call(&v1::Operator::Stub::GetHostInfo, v1::HostInfoRequest(), &info);
     if (!st.ok()) return here_.Failed("drain: asking this host's name", st);
     self_ = info.hostname();
     return Refresh() ? kOk : kFailed;

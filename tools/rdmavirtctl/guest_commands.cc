@@ -192,20 +192,19 @@ int EndpointCommand(const Args& args) {
   if (int rc = HostTarget(args, &target); rc != kOk) return rc;
   Client client(args.tls_dir, target);
   if (int rc = client.Connect(); rc != kOk) return rc;
-  grpc::ClientContext ctx;
   if (args.command == "guest-event") {
     v1::GuestEventResponse out;
-    const grpc::Status st = client.stub()->GuestEvent(&ctx, event, &out);
+    const grpc::Status st = client.Call(&v1::Operator::Stub::GuestEvent, event, &out);
     return st.ok() ? kOk : client.Failed("guest-event", st);
   }
   v1::GuestReport out;
   grpc::Status st;
   if (args.command == "suspend") {
-    st = client.stub()->Suspend(&ctx, suspend, &out);
+    st = client.Call(&v1::Operator::Stub::Suspend, suspend, &out);
   } else {
     v1::ResumeRequest req;
     req.set_device(Opt(args, "--device"));
-    st = client.stub()->Resume(&ctx, req, &out);
+    st = client.Call(&v1::Operator::Stub::Resume, req, &out);
   }
   if (!st.ok()) return client.Failed(args.command.c_str(), st);
   Show(args.json, out, GuestReportText);

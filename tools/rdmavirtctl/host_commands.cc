@@ -122,40 +122,32 @@ int MoveRequestsOf(const Args& args, MoveRequests* r) {
   return kOk;
 }
 
-// One listing RPC, shown as JSON or as `text` says.
-template <typename Response>
-int List(Client* client, const Args& args, const grpc::Status& st, const Response& out,
-         std::string (*text)(const Response&)) {
+// One listing RPC, its answer shown as JSON or as `text` says.
+template <typename Request, typename Response>
+int List(Client* client, const Args& args, Client::Rpc<Request, Response> rpc,
+         const Request& request, std::string (*text)(const Response&)) {
+  Response out;
+  const grpc::Status st = client->Call(rpc, request, &out);
   if (!st.ok()) return client->Failed(args.command.c_str(), st);
   Show(args.json, out, text);
   return kOk;
 }
 
 int Call(Client* client, const Args& args, const MoveRequests& r) {
-  grpc::ClientContext ctx;
-  v1::Operator::Stub* stub = client->stub();
-  if (args.command == "ps") {
-    v1::ListEndpointsResponse out;
-    const grpc::Status st = stub->ListEndpoints(&ctx, v1::ListEndpointsRequest(), &out);
-    return List(client, args, st, out, EndpointTable);
-  }
-  if (args.command == "host") {
-    v1::HostInfo out;
-    const grpc::Status st = stub->GetHostInfo(&ctx, v1::HostInfoRequest(), &out);
-    return List(client, args, st, out, HostText);
-  }
-  if (args.command == "hosts") {
-    v1::ListHostsResponse out;
-    const grpc::Status st = stub->ListHosts(&ctx, v1::ListHostsRequest(), &out);
-    return List(client, args, st, out, HostsTable);
-  }
+  using Stub = v1::Operator::Stub;
+  if (args.command == "ps")
+    return List(client, args, &Stub::ListEndpoints, v1::ListEndpointsRequest(), EndpointTable);
+  if (args.command == "host")
+    return List(client, args, &Stub::GetHostInfo, v1::HostInfoRequest(), HostText);
+  if (args.command == "hosts")
+    return List(client, args, &Stub::ListHosts, v1::ListHostsRequest(), HostsTable);
   if (args.command == "status") {
-    v1::StatusResponse out;
     v1::StatusRequest req;
     req.set_all(args.all);
-    const grpc::Status st = stub->Status(&ctx, req, &out);
-    return List(client, args, st, out, StatusText);
+    return List(client, args, &Stub::Status, req, StatusText);
   }
+  grpc::ClientContext ctx;
+  Stub* stub = client->stub();
   if (args.command == "migrate")
     return FollowMove(client, args, "migrate", stub->Migrate(&ctx, r.migrate));
   if (args.command == "checkpoint")

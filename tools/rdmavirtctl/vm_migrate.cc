@@ -166,9 +166,8 @@ class VmMove {
                                   ") is unreachable; nothing was suspended"));
       return rc;
     }
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    grpc::Status st = dest_migrator_.stub()->GetHostInfo(&ctx, v1::HostInfoRequest(), &dest_info_);
+    grpc::Status st = dest_migrator_.Call(&v1::Operator::Stub::GetHostInfo, v1::HostInfoRequest(),
+                                          &dest_info_, 30);
     if (!st.ok())
       return Fail(absl::StrCat("the destination's migrator: ", st.error_message()), false);
     if (!dest_info_.has_guest_nics())
@@ -184,11 +183,9 @@ class VmMove {
 
   // A NIC of the destination, held for the guest.
   int AllocateNic() {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     v1::AllocateGuestNicRequest req;
     req.set_domain(o_.domain);
-    grpc::Status st = dest_migrator_.stub()->AllocateGuestNic(&ctx, req, &nic_);
+    grpc::Status st = dest_migrator_.Call(&v1::Operator::Stub::AllocateGuestNic, req, &nic_, 30);
     if (!st.ok())
       return Fail(absl::StrCat("the destination ", dest_info_.hostname(), ": ", st.error_message(),
                                "; nothing was suspended"),
@@ -198,13 +195,11 @@ class VmMove {
   }
 
   void GiveBackNic() {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     v1::GuestEventRequest req;
     req.set_domain(o_.domain);
     req.set_event("stopped");
     v1::GuestEventResponse out;
-    (void)dest_migrator_.stub()->GuestEvent(&ctx, req, &out);
+    (void)dest_migrator_.Call(&v1::Operator::Stub::GuestEvent, req, &out, 10);
   }
 
   int Suspend() {

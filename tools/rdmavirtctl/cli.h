@@ -1,5 +1,7 @@
 // What the commands of rdmavirtctl share: exit codes, JSON output and a
 // client of a host's rdmavirt-migratord (Operator service, mutual TLS).
+// A Client is used from one thread at a time (the CLI's main thread); its
+// failures are said on stderr and returned as exit codes.
 #ifndef RDMAVIRT_TOOLS_RDMAVIRTCTL_CLI_H_
 #define RDMAVIRT_TOOLS_RDMAVIRTCTL_CLI_H_
 

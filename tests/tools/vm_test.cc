@@ -1,6 +1,8 @@
 // rdmavirtctl's VM helpers that need no libvirt: naming, XML, group
 // snapshots' descriptions, hosts files.
-#include "tools/rdmavirtctl/vm.h"
+#include "tools/rdmavirtctl/domain_xml.h"
+#include "tools/rdmavirtctl/drain.h"
+#include "tools/rdmavirtctl/snapshot.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

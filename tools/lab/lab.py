@@ -159,6 +159,24 @@ def kernel_dir():
     return kdir
 
 
+def stage_modules(kdir, stage):
+    """The kernel modules of kernel_dir() `kdir`, in load order, into `stage`."""
+    shutil.copytree(os.path.join(kdir, "modules"), os.path.join(stage, "modules"))
+    shutil.copy(os.path.join(kdir, "modules.order"), stage)
+
+
+def pack_initramfs(stage, out):
+    """Directory `stage` as an uncompressed newc cpio at `out`; removes `stage`.
+
+    The lab's hosts (build_initramfs) and vmlab.py's guests boot from it.
+    """
+    files = _run(["find", "."], cwd=stage).stdout
+    with open(out, "wb") as f:
+        subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=stage,
+                       input=files.encode(), stdout=f, check=True)
+    shutil.rmtree(stage)
+
+
 def build_initramfs(kdir, out):
     """A busybox initramfs with the lab's modules and both init stages."""
     busybox = "/bin/busybox"
@@ -169,16 +187,11 @@ def build_initramfs(kdir, out):
     for d in ("bin", "proc", "sys", "dev", "tmp"):
         os.makedirs(os.path.join(stage, d))
     shutil.copy(busybox, os.path.join(stage, "bin/busybox"))
-    shutil.copytree(os.path.join(kdir, "modules"), os.path.join(stage, "modules"))
-    shutil.copy(os.path.join(kdir, "modules.order"), stage)
+    stage_modules(kdir, stage)
     shutil.copy(os.path.join(GUEST_DIR, "init"), os.path.join(stage, "init"))
     shutil.copy(os.path.join(GUEST_DIR, "stage2"), os.path.join(stage, "stage2"))
     os.chmod(os.path.join(stage, "init"), 0o755)
-    files = _run(["find", "."], cwd=stage).stdout
-    with open(out, "wb") as f:
-        subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=stage,
-                       input=files.encode(), stdout=f, check=True)
-    shutil.rmtree(stage)
+    pack_initramfs(stage, out)
 
 
 # ---------------------------------------------------------------- the lab

@@ -141,8 +141,7 @@ def build_guest_initramfs(kdir, build_dir, tls_dir, out):
            if open(src, "rb").read(4) == b"\x7fELF"]
     for lib in _libs(elf):
         put(lib, lib)
-    shutil.copytree(os.path.join(kdir, "modules"), os.path.join(stage, "modules"))
-    shutil.copy(os.path.join(kdir, "modules.order"), stage)
+    labmod.stage_modules(kdir, stage)
     with open(os.path.join(stage, "etc/passwd"), "w") as f:
         f.write("root:x:0:0:root:/root:/bin/bash\n")
     with open(os.path.join(stage, "etc/group"), "w") as f:
@@ -151,11 +150,7 @@ def build_guest_initramfs(kdir, build_dir, tls_dir, out):
     if os.path.isdir("/etc/ld.so.conf.d"):
         shutil.copytree("/etc/ld.so.conf.d", os.path.join(stage, "etc/ld.so.conf.d"))
     _run(["ldconfig", "-r", stage])
-    files = _run(["find", "."], cwd=stage).stdout
-    with open(out, "wb") as f:
-        subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=stage,
-                       input=files.encode(), stdout=f, check=True)
-    shutil.rmtree(stage)
+    labmod.pack_initramfs(stage, out)
 
 
 # ------------------------------------------------------------ the lab

@@ -28,6 +28,10 @@ std::string Json(const google::protobuf::Message& m) {
   return out;
 }
 
+uint64_t MicrosSince(absl::Time t) {
+  return static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - t));
+}
+
 namespace {
 
 // Why no TCP connection to `target` ("host:port", "[v6]:port") can be made

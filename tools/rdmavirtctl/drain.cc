@@ -1,0 +1,304 @@
+#include "tools/rdmavirtctl/drain.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "migrator/addresses.h"
+#include "tools/rdmavirtctl/cli.h"
+#include "tools/rdmavirtctl/libvirt.h"
+
+namespace rdmavirt::ctl {
+
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseHostsFile(
+    absl::string_view text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  int n = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++n;
+    line = absl::StripAsciiWhitespace(line.substr(0, line.find('#')));
+    if (line.empty()) continue;
+    std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    if (f.size() != 2 || !absl::StrContains(f[0], "://") || !migrator::ParseHostPort(f[1]).ok())
+      return absl::InvalidArgumentError(absl::StrCat(
+          "line ", n, ": want \"LIBVIRT-URI MIGRATOR-HOST:PORT\", got \"", line, "\""));
+    out.emplace_back(std::string(f[0]), std::string(f[1]));
+  }
+  if (out.empty()) return absl::InvalidArgumentError("no hosts listed");
+  return out;
+}
+
+std::string PickProcessHost(const std::vector<v1::InventoryHost>& hosts, const std::string& self,
+                            const std::set<std::string>& dead,
+                            const std::map<std::string, int>& placed) {
+  const v1::InventoryHost* best = nullptr;
+  int best_count = 0;
+  for (const v1::InventoryHost& h : hosts) {
+    if (h.name() == self || dead.contains(h.name()) || h.address().empty()) continue;
+    if (!h.info().criu_ok() || h.active_ports() == 0) continue;
+    const auto it = placed.find(h.name());
+    const int count = it == placed.end() ? 0 : it->second;
+    if (best == nullptr || count < best_count || (count == best_count && h.name() < best->name())) {
+      best = &h;
+      best_count = count;
+    }
+  }
+  return best == nullptr ? "" : best->address();
+}
+
+namespace {
+
+// Free RDMA NICs for guests at a migrator; -1 when it cannot say.
+int FreeGuestNics(const std::string& tls_dir, const std::string& target) {
+  Client c(tls_dir, target);
+  if (c.Connect() != kOk) return -1;
+  v1::HostInfo info;
+  if (!c.Call(&v1::Operator::Stub::GetHostInfo, v1::HostInfoRequest(), &info, 20).ok() ||
+      !info.has_guest_nics())
+    return -1;
+  return static_cast<int>(info.guest_nics().capacity()) -
+         static_cast<int>(info.guest_nics().in_use());
+}
+
+// The inventory's live hosts, as --host's migrator reads them.
+absl::StatusOr<std::vector<v1::InventoryHost>> LiveHosts(Client* here) {
+  v1::ListHostsResponse out;
+  const grpc::Status st =
+      here->Call(&v1::Operator::Stub::ListHosts, v1::ListHostsRequest(), &out, 30);
+  if (!st.ok())
+    return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
+  return std::vector<v1::InventoryHost>(out.hosts().begin(), out.hosts().end());
+}
+
+void PrintDrainReport(const DrainOptions& o, const v1::DrainReport& rep) {
+  if (o.vm.json) {
+    printf("%s\n", Json(rep).c_str());
+    return;
+  }
+  for (const std::string& p : rep.plan())
+    printf("%s%s\n", o.dry_run ? "would move " : "", p.c_str());
+  if (o.dry_run) return;
+  printf("drain: %d guests and %d processes moved, %d stayed\n",
+         rep.vms_size() - static_cast<int>(std::count_if(rep.vms().begin(), rep.vms().end(),
+                                                         [](const auto& v) { return !v.ok(); })),
+         rep.processes_size() -
+             static_cast<int>(std::count_if(rep.processes().begin(), rep.processes().end(),
+                                            [](const auto& p) { return !p.ok(); })),
+         rep.stayed_size());
+  for (const std::string& s : rep.stayed()) printf("  stayed: %s\n", s.c_str());
+}
+
+// One drain, step by step: what is here, then where each goes, guests
+// first. A guest or process that cannot move stays, with the reason in the
+// report; the drain goes on with the next.
+class DrainRun {
+ public:
+  explicit DrainRun(const DrainOptions& o) : o_(o), here_(o.vm.tls_dir, o.host) {
+    rep_.set_dry_run(o.dry_run);
+  }
+
+  int Run() {
+    // ---- what is here (--connect none: a host without libvirt, processes only)
+    if (int rc = ListGuests(); rc != kOk) return Finish(rc);
+    if (here_.Connect() != kOk) return Finish(kUnreachable);
+    if (int rc = ListProcesses(); rc != kOk) return Finish(rc);
+    // ---- where each goes
+    if (o_.from_inventory) {
+      if (int rc = ReadInventory(); rc != kOk) return Finish(rc);
+    }
+    for (const std::string& g : guests_) MoveGuest(g);
+    for (const v1::EndpointSummary& e : procs_) MoveProcess(e);
+    return Finish(kOk);
+  }
+
+ private:
+  int Finish(int rc) {
+    rep_.set_ok(rc == kOk && rep_.stayed_size() == 0);
+    PrintDrainReport(o_, rep_);
+    if (rc != kOk) return rc;
+    return rep_.ok() ? kOk : kFailed;
+  }
+
+  // The running RDMA guests of this host's libvirt, by name.
+  int ListGuests() {
+    if (o_.vm.connect == "none") return kOk;
+    absl::StatusOr<Conn> src = Open(o_.vm.connect);
+    if (!src.ok()) {
+      fprintf(stderr, "rdmavirtctl: drain: %s (--connect none drains processes only)\n",
+              std::string(src.status().message()).c_str());
+      return kUnreachable;
+    }
+    src_ = *std::move(src);
+    virDomainPtr* doms = nullptr;
+    const int n = lv->virConnectListAllDomains(src_.get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE);
+    for (int i = 0; i < n; ++i) {
+      if (IsRdmaGuest(doms[i])) guests_.push_back(lv->virDomainGetName(doms[i]));
+      lv->virDomainFree(doms[i]);
+    }
+    free(doms);
+    std::sort(guests_.begin(), guests_.end());
+    return kOk;
+  }
+
+  int ListProcesses() {
+    v1::ListEndpointsResponse list;
+    grpc::Status st =
+        here_.Call(&v1::Operator::Stub::ListEndpoints, v1::ListEndpointsRequest(), &list);
+    if (!st.ok()) return here_.Failed("drain: listing the processes", st);
+    procs_.assign(list.endpoints().begin(), list.endpoints().end());
+    return kOk;
+  }
+
+  // This host's name in the inventory, and the inventory's live hosts.
+  int ReadInventory() {
+    v1::HostInfo info;
+    grpc::Status st = here_.Call(&v1::Operator::Stub::GetHostInfo, v1::HostInfoRequest(), &info);
+    if (!st.ok()) return here_.Failed("drain: asking this host's name", st);
+    self_ = info.hostname();
+    return Refresh() ? kOk : kFailed;
+  }
+
+  // The inventory again, before each move: a host that died meanwhile is
+  // gone from it once its lease expires.
+  bool Refresh() {
+    if (!o_.from_inventory) return true;
+    absl::StatusOr<std::vector<v1::InventoryHost>> hosts = LiveHosts(&here_);
+    if (!hosts.ok()) {
+      fprintf(stderr, "rdmavirtctl: drain: the inventory: %s\n",
+              std::string(hosts.status().message()).c_str());
+      return false;
+    }
+    live_ = *std::move(hosts);
+    return true;
+  }
+
+  std::vector<std::pair<std::string, std::string>> GuestCandidates() const {
+    if (!o_.from_inventory) return o_.candidates;
+    std::vector<std::pair<std::string, std::string>> c;
+    for (const v1::InventoryHost& h : live_)
+      if (h.name() != self_ && !dead_.contains(h.name()) && !h.libvirt_uri().empty())
+        c.emplace_back(h.libvirt_uri(), h.address());
+    return c;
+  }
+
+  // The destination of a guest: --to, or the candidate with the most free
+  // RDMA NICs for guests; false when none has one.
+  bool PickGuestHost(std::string* uri, std::string* migrator_target) const {
+    if (!o_.vm.to.empty()) {
+      *uri = o_.vm.to;
+      *migrator_target = o_.vm.to_migrator;
+      return true;
+    }
+    int best = 0;
+    for (const auto& [u, m] : GuestCandidates()) {
+      const int free_nics = FreeGuestNics(o_.vm.tls_dir, m);
+      if (free_nics > best) {
+        best = free_nics;
+        *uri = u;
+        *migrator_target = m;
+      }
+    }
+    return best > 0;
+  }
+
+  void MoveGuest(const std::string& g) {
+    std::string uri, m;
+    if (!o_.dry_run) Refresh();
+    if (!PickGuestHost(&uri, &m)) {
+      rep_.add_stayed(absl::StrCat(g, ": no candidate host has a free RDMA NIC for guests"));
+      return;
+    }
+    rep_.add_plan(absl::StrCat(g, " -> ", uri));
+    if (o_.dry_run) return;
+    fprintf(stderr, "drain: [%d/%zu] %s -> %s\n", rep_.vms_size() + 1, guests_.size(), g.c_str(),
+            uri.c_str());
+    VmOptions vo = o_.vm;
+    vo.domain = g;
+    vo.to = uri;
+    vo.to_migrator = m;
+    v1::VmReport* r = rep_.add_vms();
+    if (RunVmMigrate(vo, r) != kOk || !r->ok()) rep_.add_stayed(absl::StrCat(g, ": ", r->error()));
+  }
+
+  std::string NameOf(const std::string& address) const {
+    for (const v1::InventoryHost& h : live_)
+      if (h.address() == address) return h.name();
+    return address;
+  }
+
+  // The destination of a process: --to-migrator, the inventory's pick, or
+  // the first candidate; "" if none.
+  std::string ProcessHost() const {
+    if (!o_.vm.to_migrator.empty()) return o_.vm.to_migrator;
+    if (o_.from_inventory) return PickProcessHost(live_, self_, dead_, placed_);
+    return o_.candidates.empty() ? "" : o_.candidates[0].second;
+  }
+
+  void MoveProcess(const v1::EndpointSummary& e) {
+    if (!o_.dry_run) Refresh();
+    for (;;) {
+      const std::string dest = ProcessHost();
+      if (dest.empty()) {
+        rep_.add_stayed(absl::StrCat("pid ", e.pid(), ": no destination",
+                                     o_.from_inventory ? " (no other live host can take it)" : ""));
+        return;
+      }
+      rep_.add_plan(absl::StrCat("pid ", e.pid(), " (", e.program(), ") -> ", dest));
+      ++placed_[NameOf(dest)];
+      if (o_.dry_run) return;
+      if (!CouldNotStartOn(e, dest)) return;
+    }
+  }
+
+  // Moves `e` to `dest`, its outcome in the report. True when the
+  // destination did not answer before anything was touched: it is not
+  // picked again, and the process tries the next host.
+  bool CouldNotStartOn(const v1::EndpointSummary& e, const std::string& dest) {
+    fprintf(stderr, "drain: pid %d (%s) -> %s\n", e.pid(), e.program().c_str(), dest.c_str());
+    grpc::ClientContext ctx;
+    v1::MigrateRequest req;
+    req.set_pid(e.pid());
+    req.set_destination(dest);
+    std::unique_ptr<grpc::ClientReader<v1::Progress>> reader = here_.stub()->Migrate(&ctx, req);
+    v1::Progress p;
+    v1::MigrationReport* r = rep_.add_processes();
+    while (reader->Read(&p))
+      if (p.has_report()) *r = p.report();
+    const grpc::Status st = reader->Finish();
+    if (st.ok() && r->ok()) return false;
+    if (o_.from_inventory && st.error_code() == grpc::StatusCode::UNAVAILABLE &&
+        !r->rolled_back()) {
+      fprintf(stderr, "drain: %s cannot take it (%s); trying another host\n", dest.c_str(),
+              st.error_message().c_str());
+      dead_.insert(NameOf(dest));
+      --placed_[NameOf(dest)];
+      return true;
+    }
+    rep_.add_stayed(absl::StrCat("pid ", e.pid(), ": ", st.ok() ? r->error() : st.error_message()));
+    return false;
+  }
+
+  const DrainOptions& o_;
+  v1::DrainReport rep_;
+  Conn src_;  // this host's libvirt, held for the drain
+  std::vector<std::string> guests_;
+  Client here_;
+  std::vector<v1::EndpointSummary> procs_;
+  std::string self_;            // this host's name in the inventory
+  std::set<std::string> dead_;  // hosts a move could not start on
+  std::map<std::string, int> placed_;
+  std::vector<v1::InventoryHost> live_;
+};
+
+}  // namespace
+
+int Drain(const DrainOptions& o) { return DrainRun(o).Run(); }
+
+}  // namespace rdmavirt::ctl

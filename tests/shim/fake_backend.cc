@@ -11,7 +11,7 @@
 #include <cstring>
 #include <deque>
 
-#include "shim/async_event.h"
+#include "shim/core/async_event.h"
 
 namespace rdmavirt::shim {
 namespace {

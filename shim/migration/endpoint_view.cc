@@ -1,0 +1,157 @@
+// Shim::Describe and the endpoint's own GID: what the migrator is told of
+// the endpoint (endpoint_view.h).
+#include "shim/migration/endpoint_view.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "shim/core/shim.h"
+
+namespace rdmavirt::shim {
+
+void Shim::NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index) {
+  if (endpoint_gid_known_) return;
+  ibv_gid gid;
+  if (backend_->QueryGid(ctx->real, port, sgid_index, &gid) != 0) return;
+  endpoint_gid_known_ = true;
+  endpoint_port_ = port;
+  endpoint_sgid_index_ = sgid_index;
+  endpoint_physical_gid_ = gid;
+  endpoint_virtual_gid_ = mode_.VirtualGid(gid);
+}
+
+bool Shim::GuessGid(Context** ctx, int* index, ibv_gid* gid) const {
+  // No QP or AH named a source GID (a UD receiver that only answers, say):
+  // peers reach a RoCE v2 endpoint at its IPv4-mapped GID, the first one,
+  // else at the port's first GID.
+  static constexpr uint8_t kV4Prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  for (const auto& [p, k] : shadows_) {
+    if (k != Kind::kContext) continue;
+    Context* c = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
+    if (c->real == nullptr) continue;
+    bool found = false;
+    for (int i = 0; i < 16; ++i) {
+      ibv_gid g;
+      if (backend_->QueryGid(c->real, 1, i, &g) != 0) break;
+      const bool v4 = memcmp(g.raw, kV4Prefix, 12) == 0;
+      if (i == 0 || v4) {
+        *index = i;
+        *gid = g;
+        found = true;
+      }
+      if (v4) break;
+    }
+    if (!found) return false;
+    *ctx = c;
+    return true;
+  }
+  return false;
+}
+
+void Shim::GuessEndpointGid() {
+  if (endpoint_gid_known_) return;
+  Context* ctx;
+  int index;
+  ibv_gid gid;
+  if (GuessGid(&ctx, &index, &gid)) NoteEndpointGid(ctx, 1, index);
+}
+
+EndpointView Shim::Describe() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  EndpointView v;
+  v.paused = paused_;
+  v.released = released_;
+  v.has_gid = endpoint_gid_known_;
+  v.virtual_gid = endpoint_virtual_gid_;
+  v.physical_gid = endpoint_physical_gid_;
+  // A process that named no GID yet is shown at the one its pause will
+  // guess (nothing recorded: a later QP or AH may still name its own), so
+  // that a move can tell its peers' hosts which endpoint it pauses them for.
+  Context* ctx;
+  int index;
+  if (!v.has_gid && GuessGid(&ctx, &index, &v.physical_gid)) {
+    v.has_gid = true;
+    v.virtual_gid = mode_.VirtualGid(v.physical_gid);
+  }
+  for (const auto& [p, k] : shadows_) {
+    switch (k) {
+      case Kind::kContext: {
+        ++v.devices;
+        const Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
+        if (ctx->real != nullptr && ctx->real->device != nullptr)
+          v.device = ctx->real->device->name;
+        break;
+      }
+      case Kind::kPd:
+        ++v.pds;
+        break;
+      case Kind::kMr: {
+        const Mr* mr = static_cast<const Mr*>(p);
+        ++v.mrs;
+        v.registered_bytes += mr->shadow.length;
+        if (mr->real != nullptr) v.rkeys.emplace_back(mr->shadow.rkey, mr->real->rkey);
+        break;
+      }
+      case Kind::kCq: {
+        const Cq* cq = static_cast<const Cq*>(p);
+        ++v.cqs;
+        v.pending_completions += cq->pending_count - cq->pending_head.load();
+        break;
+      }
+      case Kind::kSrq:
+        ++v.srqs;
+        break;
+      case Kind::kQp: {
+        const Qp* qp = static_cast<const Qp*>(p);
+        ++v.qps;
+        QpView q;
+        q.virtual_qpn = qp->shadow.qp_base.qp_num;
+        q.physical_qpn = qp->physical_qpn;
+        q.qp_type = qp->shadow.qp_base.qp_type;
+        q.state = qp->shadow.qp_base.state;
+        for (const QpTransition& t : qp->transitions) {
+          if (t.mask & IBV_QP_DEST_QPN) q.remote_virtual_qpn = t.attr.dest_qp_num;
+          if ((t.mask & IBV_QP_AV) && t.attr.ah_attr.is_global) q.connected = true;
+        }
+        if (q.connected) {
+          q.remote_virtual_gid = qp->remote_gid;
+          const RemoteEndpoint* r = qp->remote.load();
+          q.remote_physical_gid = r ? r->physical_gid() : mode_.PhysicalGid(qp->remote_gid);
+        }
+        q.outstanding_recvs = static_cast<uint32_t>(qp->outstanding.size());
+        q.queued_sends = static_cast<uint32_t>(qp->queued_sends.size());
+        if (qp->real != nullptr) v.qpns.emplace_back(q.virtual_qpn, qp->physical_qpn);
+        v.qp_list.push_back(q);
+        break;
+      }
+      case Kind::kAh: {
+        const Ah* ah = static_cast<const Ah*>(p);
+        ++v.ahs;
+        if (!ah->attr.is_global) break;
+        const RemoteEndpoint* r = FindRemoteLocked(ah->attr.grh.dgid);
+        const ibv_gid g = r ? r->physical_gid() : mode_.PhysicalGid(ah->attr.grh.dgid);
+        auto same = [&g](const ibv_gid& o) { return memcmp(o.raw, g.raw, 16) == 0; };
+        if (std::none_of(v.ud_peer_physical_gids.begin(), v.ud_peer_physical_gids.end(), same))
+          v.ud_peer_physical_gids.push_back(g);
+        break;
+      }
+      case Kind::kChannel:
+        break;
+    }
+  }
+  return v;
+}
+
+}  // namespace rdmavirt::shim

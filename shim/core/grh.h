@@ -68,6 +68,28 @@ void RewriteGrh(uint8_t* grh, Map map) {
   }
 }
 
+// Which way CopyGrhArea copies.
+inline constexpr bool kGrhFromSges = false;
+inline constexpr bool kGrhToSges = true;
+
+// Copies the 40-byte GRH area between `grh` and the first SGEs of a
+// receive, where it may be scattered; the bytes the SGEs hold of it
+// (fewer than 40: the buffers hold no GRH).
+template <bool kToSges>
+inline uint32_t CopyGrhArea(const ibv_sge* sge, uint32_t num_sge, uint8_t* grh) {
+  constexpr uint32_t kGrh = 40;
+  uint32_t got = 0;
+  for (uint32_t i = 0; i < num_sge && got < kGrh; ++i) {
+    const uint32_t n = sge[i].length < kGrh - got ? sge[i].length : kGrh - got;
+    if constexpr (kToSges)
+      memcpy(reinterpret_cast<void*>(sge[i].addr), grh + got, n);
+    else
+      memcpy(grh + got, reinterpret_cast<const void*>(sge[i].addr), n);
+    got += n;
+  }
+  return got;
+}
+
 // The GRH area may be scattered over the first SGEs of the receive: rewrite
 // it where it lies (in place when the first SGE holds it all).
 template <typename Map>
@@ -78,20 +100,10 @@ void RewriteGrhInSges(const ibv_sge* sge, uint32_t num_sge, Map map) {
     return;
   }
   uint8_t grh[kGrh];
-  uint32_t got = 0;
-  for (uint32_t i = 0; i < num_sge && got < kGrh; ++i) {
-    const uint32_t n = sge[i].length < kGrh - got ? sge[i].length : kGrh - got;
-    memcpy(grh + got, reinterpret_cast<const void*>(sge[i].addr), n);
-    got += n;
-  }
-  if (got < kGrh) return;  // buffers too small to hold a GRH: nothing there
+  // Buffers too small to hold a GRH: nothing there.
+  if (CopyGrhArea<kGrhFromSges>(sge, num_sge, grh) < kGrh) return;
   RewriteGrh(grh, map);
-  got = 0;
-  for (uint32_t i = 0; i < num_sge && got < kGrh; ++i) {
-    const uint32_t n = sge[i].length < kGrh - got ? sge[i].length : kGrh - got;
-    memcpy(reinterpret_cast<void*>(sge[i].addr), grh + got, n);
-    got += n;
-  }
+  CopyGrhArea<kGrhToSges>(sge, num_sge, grh);
 }
 
 // The source address of the GRH area at the front of a UD receive; false
@@ -99,13 +111,7 @@ void RewriteGrhInSges(const ibv_sge* sge, uint32_t num_sge, Map map) {
 inline bool ReadGrhSource(const ibv_sge* sge, uint32_t num_sge, ibv_gid* out) {
   constexpr uint32_t kGrh = 40;
   uint8_t grh[kGrh];
-  uint32_t got = 0;
-  for (uint32_t i = 0; i < num_sge && got < kGrh; ++i) {
-    const uint32_t n = sge[i].length < kGrh - got ? sge[i].length : kGrh - got;
-    memcpy(grh + got, reinterpret_cast<const void*>(sge[i].addr), n);
-    got += n;
-  }
-  if (got < kGrh) return false;
+  if (CopyGrhArea<kGrhFromSges>(sge, num_sge, grh) < kGrh) return false;
   switch (LayoutOf(grh)) {
     case GrhLayout::kIpv4:
       *out = ibv_gid{};

@@ -706,6 +706,79 @@ Wait WaitForEvent(Channel* ch, int real_fd) {
   return ready ? Wait::kReady : Wait::kAgain;
 }
 
+// What a thread in GetCqEvent does next, decided under the channel's
+// mutex: look again (a step is pending, or the release ended), return
+// EAGAIN (released, and the caller does not block), hand out an event
+// the shim owes (*owed), or read the real channel (*real, marked in use).
+enum class Turn { kAgain, kWouldBlock, kOwed, kRead };
+Turn NextTurn(const Shim* shim, Channel* ch, Cq** owed, ibv_comp_channel** real) {
+  std::unique_lock<std::mutex> lock(ch->mu);
+  if (ch->released && ch->owed.empty() && !shim->step_pending()) {
+    // Released (the device is closed for a move): wait for the
+    // restore, or return at once to a nonblocking caller.
+    const int flags = fcntl(ch->shadow.fd, F_GETFL);
+    if (flags >= 0 && (flags & O_NONBLOCK)) return Turn::kWouldBlock;
+    ch->cv.wait(lock,
+                [shim, ch] { return !ch->released || !ch->owed.empty() || shim->step_pending(); });
+    if (shim->step_pending()) return Turn::kAgain;
+  }
+  if (!ch->owed.empty()) {
+    *owed = ch->owed.front();
+    ch->owed.erase(ch->owed.begin());
+    return Turn::kOwed;
+  }
+  if (ch->released || shim->step_pending()) return Turn::kAgain;
+  // Nothing owed or pending, not released: whatever woke us is seen.
+  uint64_t count;
+  while (ch->wake_fd >= 0 && read(ch->wake_fd, &count, sizeof count) == sizeof count) {
+  }
+  *real = ch->real;
+  ++ch->in_use;
+  return Turn::kRead;
+}
+
+// An event the shim owes the waiter (the resume found completions the
+// pause had moved into the shadow CQ): no real CQ delivered it.
+void DeliverOwed(Cq* owed, ibv_cq** cq, void** cq_context) {
+  owed->armed.store(false, std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> events(owed->events_mu);
+    ++owed->events_absorbed;  // no real CQ delivered it
+  }
+  *cq = reinterpret_cast<ibv_cq*>(&owed->shadow);
+  *cq_context = owed->shadow.cq_context;
+}
+
+// Waits on the real channel a NextTurn marked in use and reads its event
+// (*real_cq), then marks it no longer in use. kAgain: woken, or released
+// meanwhile (a release that closed the device under the read, EIO, waits
+// for the restore rather than fail the application); kInterrupted: a
+// signal ended the wait; kFailed: the read's error (*rc).
+enum class Read { kAgain, kInterrupted, kFailed, kEvent };
+Read ReadEvent(VerbsBackend* backend, Channel* ch, ibv_comp_channel* real, ibv_cq** real_cq,
+               int* rc) {
+  const Wait wait = WaitForEvent(ch, real->fd);
+  {
+    std::lock_guard<std::mutex> lock(ch->mu);
+    if (wait != Wait::kReady || ch->released || ch->real != real) {
+      --ch->in_use;
+      ch->cv.notify_all();
+      return wait != Wait::kInterrupted ? Read::kAgain : Read::kInterrupted;
+    }
+  }
+  void* real_context = nullptr;
+  *rc = backend->GetCqEvent(real, real_cq, &real_context);
+  bool stale;
+  {
+    std::lock_guard<std::mutex> lock(ch->mu);
+    --ch->in_use;
+    ch->cv.notify_all();
+    stale = ch->released || ch->real != real;
+  }
+  if (*rc != 0) return stale ? Read::kAgain : Read::kFailed;
+  return Read::kEvent;
+}
+
 }  // namespace
 
 void Shim::NoteEventDelivered(Cq* cq, ibv_cq* real) {
@@ -730,68 +803,32 @@ int Shim::GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) 
     // left for one (OnAppThread), so that a program whose only thread
     // waits here reopens the device with its own credentials.
     RunPendingStep();
+    Cq* owed = nullptr;
     ibv_comp_channel* real = nullptr;
-    {
-      std::unique_lock<std::mutex> lock(ch->mu);
-      if (ch->released && ch->owed.empty() && !step_pending()) {
-        // Released (the device is closed for a move): wait for the
-        // restore, or return at once to a nonblocking caller.
-        const int flags = fcntl(ch->shadow.fd, F_GETFL);
-        if (flags >= 0 && (flags & O_NONBLOCK)) {
-          errno = EAGAIN;
-          return -1;
-        }
-        ch->cv.wait(lock,
-                    [this, ch] { return !ch->released || !ch->owed.empty() || step_pending(); });
-        if (step_pending()) continue;
-      }
-      if (!ch->owed.empty()) {
-        Cq* owed = ch->owed.front();
-        ch->owed.erase(ch->owed.begin());
-        lock.unlock();
-        owed->armed.store(false, std::memory_order_relaxed);
-        {
-          std::lock_guard<std::mutex> events(owed->events_mu);
-          ++owed->events_absorbed;  // no real CQ delivered it
-        }
-        *cq = reinterpret_cast<ibv_cq*>(&owed->shadow);
-        *cq_context = owed->shadow.cq_context;
-        return 0;
-      }
-      if (ch->released || step_pending()) continue;
-      // Nothing owed or pending, not released: whatever woke us is seen.
-      uint64_t count;
-      while (ch->wake_fd >= 0 && read(ch->wake_fd, &count, sizeof count) == sizeof count) {
-      }
-      real = ch->real;
-      ++ch->in_use;
-    }
-    const Wait wait = WaitForEvent(ch, real->fd);
-    {
-      std::lock_guard<std::mutex> lock(ch->mu);
-      if (wait != Wait::kReady || ch->released || ch->real != real) {
-        --ch->in_use;
-        ch->cv.notify_all();
-        if (wait != Wait::kInterrupted) continue;
-        errno = EINTR;
+    switch (NextTurn(this, ch, &owed, &real)) {
+      case Turn::kAgain:
+        continue;
+      case Turn::kWouldBlock:
+        errno = EAGAIN;
         return -1;
-      }
+      case Turn::kOwed:
+        DeliverOwed(owed, cq, cq_context);
+        return 0;
+      case Turn::kRead:
+        break;
     }
     ibv_cq* real_cq = nullptr;
-    void* real_context = nullptr;
-    const int rc = backend_->GetCqEvent(real, &real_cq, &real_context);
-    bool stale;
-    {
-      std::lock_guard<std::mutex> lock(ch->mu);
-      --ch->in_use;
-      ch->cv.notify_all();
-      stale = ch->released || ch->real != real;
-    }
-    if (rc != 0) {
-      // A release closed the device under the read (EIO): wait for the
-      // restore rather than fail the application.
-      if (stale) continue;
-      return rc;
+    int rc = 0;
+    switch (ReadEvent(backend_, ch, real, &real_cq, &rc)) {
+      case Read::kAgain:
+        continue;
+      case Read::kInterrupted:
+        errno = EINTR;
+        return -1;
+      case Read::kFailed:
+        return rc;
+      case Read::kEvent:
+        break;
     }
     Cq* shadow = static_cast<Cq*>(real_cq->cq_context);
     NoteEventDelivered(shadow, real_cq);
@@ -882,6 +919,27 @@ int Shim::DestroySrq(ibv_srq* s) {
 
 // ---------------------------------------------------------------- QP
 
+namespace {
+
+// The ibv_qp the application holds: the real one's as the application
+// should see it.
+void FillShadowQp(ibv_qp* s, Context* ctx, Pd* pd, const ibv_qp* real,
+                  const ibv_qp_init_attr_ex& init, const IdentityMode& mode) {
+  s->context = Shadow(ctx);
+  s->qp_context = init.qp_context;
+  s->pd = &pd->shadow;
+  s->send_cq = init.send_cq;
+  s->recv_cq = init.recv_cq;
+  s->srq = init.srq;
+  s->handle = real->handle;
+  s->qp_num = mode.VirtualQpn(real->qp_num);
+  s->state = real->state;
+  s->qp_type = real->qp_type;
+  InitMutexCond(&s->mutex, &s->cond);
+}
+
+}  // namespace
+
 ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr_ex& init) {
   Qp* qp = NewZeroed<Qp>();
   if (qp == nullptr) return nullptr;
@@ -910,18 +968,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
     return nullptr;
   }
   if (init.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS) qp->real_ex = backend_->QpToQpEx(real);
-  ibv_qp& s = qp->shadow.qp_base;
-  s.context = Shadow(ctx);
-  s.qp_context = init.qp_context;
-  s.pd = &pd->shadow;
-  s.send_cq = init.send_cq;
-  s.recv_cq = init.recv_cq;
-  s.srq = init.srq;
-  s.handle = real->handle;
-  s.qp_num = mode_.VirtualQpn(real->qp_num);
-  s.state = real->state;
-  s.qp_type = real->qp_type;
-  InitMutexCond(&s.mutex, &s.cond);
+  FillShadowQp(&qp->shadow.qp_base, ctx, pd, real, init, mode_);
   // Async events carry the real QP; its user context leads back here.
   real->qp_context = qp;
   InstallSendPath(qp, probed_);

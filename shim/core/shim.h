@@ -39,6 +39,9 @@
 
 namespace rdmavirt::shim {
 
+class HeldFdNumbers;  // restore.cc
+struct DrainMarkers;  // release.cc
+
 class Shim {
  public:
   // Entries a migratable process's real CQs get beyond the application's:
@@ -320,10 +323,34 @@ class Shim {
   Status RunStep(const std::function<Status()>& step);
   Status ControlBusy();
   void ControlIdle();
+  // The restore's sequence (restore.cc), one step per kind of object.
   Status RecreateReal(const std::string& device);  // requires mu_
+  // The device named `device` ("" = the first) and the list it is in (the
+  // caller frees it), or NOT_FOUND / UNAVAILABLE with the list freed.
+  Status FindDevice(const std::string& device, ibv_device*** list, ibv_device** dev);
+  Status OpenContexts(ibv_device* dev, HeldFdNumbers* held);  // requires mu_
+  Status RecreatePds();                                       // requires mu_
+  Status ReregisterMrs();                                     // requires mu_
+  void UnlockRegistered();                                    // requires mu_
+  Status RecreateChannels(HeldFdNumbers* held);               // requires mu_
+  void RegisterEventFdsAgain();                               // requires mu_
+  Status RecreateCqs();                                       // requires mu_
+  Status RecreateSrqs();                                      // requires mu_
+  Status RecreateQps();                                       // requires mu_
+  Status RecreateAhs();                                       // requires mu_
+  Status RepostOutstanding();                                 // requires mu_
+  void RefreshEndpointGid();                                  // requires mu_
   Status Reconnect(Qp* qp);                        // requires mu_
   // Quiesce's second half: the drain, on an application thread if need be.
   Status DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward);
+  // A round of the drain's markers: each send CQ gets as many as its slack
+  // allows. The QPs still waiting for one; `why` says what failed.
+  uint64_t PostMarkers(std::vector<DrainMarkers>* markers, std::string* why);  // requires mu_
+  // Sends not yet known complete: outstanding markers and UD QPs' signaled
+  // sends. `*unsignaled_tail`: a UD QP's last sends were unsignaled.
+  // When `late`, `which` names each QP still waited for.
+  uint64_t SendsInFlight(const std::vector<Qp*>& qps, bool late, bool* unsignaled_tail,
+                         std::string* which);  // requires mu_
   // CQ entries a migratable process's real CQs have beyond the depth the
   // application asked for: room for the drain's markers, one send marker
   // and one receive marker outstanding per CQ at a time (release.cc), so
@@ -349,6 +376,8 @@ class Shim {
   void FailAndCountRecvs(const std::vector<Qp*>& qps);             // requires mu_, paused
   static uint32_t FlushBound(const Qp* qp);  // completions a QP's move to ERR may bring
   void FailAndCountRecvsOf(const std::vector<Qp*>& qps);  // their flushes fit their CQs
+  // Each QP to the error state, a marker receive behind its receives.
+  void StartRecvFlushes(const std::vector<Qp*>& qps);  // requires mu_
   void LogResume();               // RDMAVIRT_LOG=moves: each QP's receives at the resume
   int ReplayTransitions(Qp* qp);  // requires mu_
   int RealQpState(const Qp* qp);  // the HCA's, or -1

@@ -23,7 +23,6 @@ inline Cq* AsCq(ibv_cq* c) { return reinterpret_cast<Cq*>(c); }
 inline Cq* AsCq(ibv_cq_ex* c) { return reinterpret_cast<Cq*>(c); }
 inline Srq* AsSrq(ibv_srq* s) { return reinterpret_cast<Srq*>(s); }
 
-int PostSendGated(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 int PostRecvGated(Qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
 int PostSrqRecvGated(Srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad);
 [[gnu::always_inline]] inline Qp* VirtualizeWc(const QpIndex* qps, ibv_wc* wc);
@@ -280,18 +279,17 @@ inline PostOneFn ProbedOneOf(const Qp* qp, const ibv_send_wr* wr) {
 
 // Posts during a pause: copied (with an inline send's bytes, which the
 // application may reuse as soon as the call returns) and reported as
-// posted. The pause may have ended while this thread waited for the
-// queue: then the post goes through after all.
-int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  std::unique_lock<std::mutex> lock(qp->pause->queue_mu());
-  if (!qp->path.paused()) {
-    lock.unlock();
-    return PostSendGated(qp, wr, bad);
-  }
+// posted (*rc). False, with nothing queued, when the pause ended while
+// this thread waited for the queue: the post is to go through after all.
+bool QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad, int* rc) {
+  std::lock_guard<std::mutex> lock(qp->pause->queue_mu());
+  if (!qp->path.paused()) return false;
+  *rc = 0;
   for (ibv_send_wr* w = wr; w != nullptr; w = w->next) {
     if (w->num_sge < 0 || static_cast<uint32_t>(w->num_sge) > qp->init.cap.max_send_sge + 0u) {
       *bad = w;  // the provider refuses it too
-      return EINVAL;
+      *rc = EINVAL;
+      return true;
     }
     QueuedSend q{};
     q.wr = *w;
@@ -305,7 +303,7 @@ int QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
     }
     qp->queued_sends.push_back(std::move(q));
   }
-  return 0;
+  return true;
 }
 
 int QueueRecvsInto(PauseGate* pause, const PathState& path, std::vector<QueuedRecv>* queue,
@@ -358,10 +356,21 @@ inline void CountSignaled(Qp* qp, const ibv_send_wr* wr, const ibv_send_wr* stop
   if (sign > 0) qp->unsignaled_tail.store(unsignaled_tail, std::memory_order_relaxed);
 }
 
-// A post that found its process paused: queued, reported as posted.
+// A post that found its process paused: first the step the control
+// thread left for an application thread, if any; then queued, reported as
+// posted; or, the pause over by then, posted inside the thread's mark
+// (and, paused again meanwhile, the same once more).
 [[gnu::noinline]] int PostSendPaused(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
-  qp->ctx->shim->RunPendingStep();
-  return QueueSends(qp, wr, bad);
+  for (;;) {
+    qp->ctx->shim->RunPendingStep();
+    int rc = 0;
+    if (QueueSends(qp, wr, bad, &rc)) return rc;
+    if (Enter(qp->path)) {
+      rc = PostSendReal(qp, wr, bad);
+      LeaveFast();
+      return rc;
+    }
+  }
 }
 
 // The slow path of a migratable process's posts: translating, inside the

@@ -213,6 +213,74 @@ std::string EncodeReply(uint64_t id, const Status& status, const EndpointView& v
   return m.data();
 }
 
+namespace {
+
+// A release's known pages and post-copy flag; false if malformed.
+bool DecodeRelease(std::string_view body, ControlRequest* out) {
+  WireReader b(body);
+  std::string_view addrs, digests;
+  while (b.Next()) {
+    if (b.field() == 1 && b.is_bytes()) addrs = b.bytes();
+    if (b.field() == 2 && b.is_bytes()) digests = b.bytes();
+    if (b.field() == 3 && b.is_varint()) out->lock_registered = b.varint() != 0;
+  }
+  return b.ok() && out->known.Decode(addrs, digests);
+}
+
+// A restore's device and peers.
+bool DecodeRestore(std::string_view body, ControlRequest* out, std::string* why) {
+  WireReader b(body);
+  while (b.Next()) {
+    if (b.field() == 1 && b.is_bytes()) out->device = std::string(b.bytes());
+    if (b.field() == 2 && b.is_bytes()) {
+      RemoteMapping m;
+      if (!DecodeMapping(b.bytes(), &m, why)) return false;
+      out->peers.push_back(std::move(m));
+    }
+  }
+  if (!b.ok()) return *why = "a malformed restore request", false;
+  return true;
+}
+
+// A peer quiesce's drain timeout and the GID the drain is toward.
+bool DecodePeerQuiesce(std::string_view body, ControlRequest* out, std::string* why) {
+  WireReader b(body);
+  while (b.Next()) {
+    if (b.field() == 2 && b.is_varint())
+      out->drain_timeout_ms = static_cast<uint32_t>(b.varint());
+    if (b.field() == 1 && b.is_bytes()) {
+      if (b.bytes().size() != 16) return *why = "peer_quiesce: a GID is 16 bytes", false;
+      memcpy(out->toward.raw, b.bytes().data(), 16);
+      out->has_toward = true;
+    }
+  }
+  if (!b.ok()) return *why = "a malformed peer_quiesce request", false;
+  return true;
+}
+
+// A peer reconnect's mappings, the first one first, and keep_paused.
+bool DecodePeerReconnect(std::string_view body, ControlRequest* out, std::string* why) {
+  WireReader b(body);
+  bool have = false;
+  std::vector<RemoteMapping> more;
+  while (b.Next()) {
+    if ((b.field() == 1 || b.field() == 2) && b.is_bytes()) {
+      if (b.field() == 1 && have)
+        return *why = "a peer_reconnect request with two first mappings", false;
+      RemoteMapping m;
+      if (!DecodeMapping(b.bytes(), &m, why)) return false;
+      (b.field() == 1 ? out->peers : more).push_back(std::move(m));
+      have = have || b.field() == 1;
+    }
+    if (b.field() == 3 && b.is_varint()) out->keep_paused = b.varint() != 0;
+  }
+  for (RemoteMapping& m : more) out->peers.push_back(std::move(m));
+  if (!b.ok() || !have) return *why = "a peer_reconnect request without a mapping", false;
+  return true;
+}
+
+}  // namespace
+
 bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* why) {
   *out = ControlRequest{};
   WireReader r(message);
@@ -235,71 +303,25 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
         if (!DrainTimeout(body, &out->drain_timeout_ms))
           return *why = "a malformed quiesce request", false;
         break;
-      case f::kRelease: {
+      case f::kRelease:
         out->kind = Kind::kRelease;
-        WireReader b(body);
-        std::string_view addrs, digests;
-        while (b.Next()) {
-          if (b.field() == 1 && b.is_bytes()) addrs = b.bytes();
-          if (b.field() == 2 && b.is_bytes()) digests = b.bytes();
-          if (b.field() == 3 && b.is_varint()) out->lock_registered = b.varint() != 0;
-        }
-        if (!b.ok() || !out->known.Decode(addrs, digests))
-          return *why = "a malformed release request (its known pages)", false;
+        if (!DecodeRelease(body, out)) return *why = "a malformed release request (its known pages)", false;
         break;
-      }
-      case f::kRestore: {
+      case f::kRestore:
         out->kind = Kind::kRestore;
-        WireReader b(body);
-        while (b.Next()) {
-          if (b.field() == 1 && b.is_bytes()) out->device = std::string(b.bytes());
-          if (b.field() == 2 && b.is_bytes()) {
-            RemoteMapping m;
-            if (!DecodeMapping(b.bytes(), &m, why)) return false;
-            out->peers.push_back(std::move(m));
-          }
-        }
-        if (!b.ok()) return *why = "a malformed restore request", false;
+        if (!DecodeRestore(body, out, why)) return false;
         break;
-      }
       case f::kResume:
         out->kind = Kind::kResume;
         break;
-      case f::kPeerQuiesce: {
+      case f::kPeerQuiesce:
         out->kind = Kind::kPeerQuiesce;
-        WireReader b(body);
-        while (b.Next()) {
-          if (b.field() == 2 && b.is_varint())
-            out->drain_timeout_ms = static_cast<uint32_t>(b.varint());
-          if (b.field() == 1 && b.is_bytes()) {
-            if (b.bytes().size() != 16) return *why = "peer_quiesce: a GID is 16 bytes", false;
-            memcpy(out->toward.raw, b.bytes().data(), 16);
-            out->has_toward = true;
-          }
-        }
-        if (!b.ok()) return *why = "a malformed peer_quiesce request", false;
+        if (!DecodePeerQuiesce(body, out, why)) return false;
         break;
-      }
-      case f::kPeerReconnect: {
+      case f::kPeerReconnect:
         out->kind = Kind::kPeerReconnect;
-        WireReader b(body);
-        bool have = false;
-        std::vector<RemoteMapping> more;
-        while (b.Next()) {
-          if ((b.field() == 1 || b.field() == 2) && b.is_bytes()) {
-            if (b.field() == 1 && have)
-              return *why = "a peer_reconnect request with two first mappings", false;
-            RemoteMapping m;
-            if (!DecodeMapping(b.bytes(), &m, why)) return false;
-            (b.field() == 1 ? out->peers : more).push_back(std::move(m));
-            have = have || b.field() == 1;
-          }
-          if (b.field() == 3 && b.is_varint()) out->keep_paused = b.varint() != 0;
-        }
-        for (RemoteMapping& m : more) out->peers.push_back(std::move(m));
-        if (!b.ok() || !have) return *why = "a peer_reconnect request without a mapping", false;
+        if (!DecodePeerReconnect(body, out, why)) return false;
         break;
-      }
       case f::kDescribe:
         out->kind = Kind::kDescribe;
         break;

@@ -21,6 +21,44 @@
 
 namespace rdmavirt::shim {
 
+namespace {
+
+// A QP as the migrator sees it: its identities, its peer's, and what the
+// pause holds of its work.
+void DescribeQp(const Qp* qp, const IdentityMode& mode, EndpointView* v) {
+  ++v->qps;
+  QpView q;
+  q.virtual_qpn = qp->shadow.qp_base.qp_num;
+  q.physical_qpn = qp->physical_qpn;
+  q.qp_type = qp->shadow.qp_base.qp_type;
+  q.state = qp->shadow.qp_base.state;
+  for (const QpTransition& t : qp->transitions) {
+    if (t.mask & IBV_QP_DEST_QPN) q.remote_virtual_qpn = t.attr.dest_qp_num;
+    if ((t.mask & IBV_QP_AV) && t.attr.ah_attr.is_global) q.connected = true;
+  }
+  if (q.connected) {
+    q.remote_virtual_gid = qp->remote_gid;
+    const RemoteEndpoint* r = qp->remote.load();
+    q.remote_physical_gid = r ? r->physical_gid() : mode.PhysicalGid(qp->remote_gid);
+  }
+  q.outstanding_recvs = static_cast<uint32_t>(qp->outstanding.size());
+  q.queued_sends = static_cast<uint32_t>(qp->queued_sends.size());
+  if (qp->real != nullptr) v->qpns.emplace_back(q.virtual_qpn, qp->physical_qpn);
+  v->qp_list.push_back(q);
+}
+
+// Where a UD peer an address handle points at is now (`r`: the moved
+// endpoint behind its GID, if any), once per GID.
+void NoteUdPeer(const ibv_gid& virtual_gid, const RemoteEndpoint* r, const IdentityMode& mode,
+                EndpointView* v) {
+  const ibv_gid g = r ? r->physical_gid() : mode.PhysicalGid(virtual_gid);
+  auto same = [&g](const ibv_gid& o) { return memcmp(o.raw, g.raw, 16) == 0; };
+  if (std::none_of(v->ud_peer_physical_gids.begin(), v->ud_peer_physical_gids.end(), same))
+    v->ud_peer_physical_gids.push_back(g);
+}
+
+}  // namespace
+
 void Shim::NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index) {
   if (endpoint_gid_known_) return;
   ibv_gid gid;
@@ -113,38 +151,13 @@ EndpointView Shim::Describe() const {
       case Kind::kSrq:
         ++v.srqs;
         break;
-      case Kind::kQp: {
-        const Qp* qp = static_cast<const Qp*>(p);
-        ++v.qps;
-        QpView q;
-        q.virtual_qpn = qp->shadow.qp_base.qp_num;
-        q.physical_qpn = qp->physical_qpn;
-        q.qp_type = qp->shadow.qp_base.qp_type;
-        q.state = qp->shadow.qp_base.state;
-        for (const QpTransition& t : qp->transitions) {
-          if (t.mask & IBV_QP_DEST_QPN) q.remote_virtual_qpn = t.attr.dest_qp_num;
-          if ((t.mask & IBV_QP_AV) && t.attr.ah_attr.is_global) q.connected = true;
-        }
-        if (q.connected) {
-          q.remote_virtual_gid = qp->remote_gid;
-          const RemoteEndpoint* r = qp->remote.load();
-          q.remote_physical_gid = r ? r->physical_gid() : mode_.PhysicalGid(qp->remote_gid);
-        }
-        q.outstanding_recvs = static_cast<uint32_t>(qp->outstanding.size());
-        q.queued_sends = static_cast<uint32_t>(qp->queued_sends.size());
-        if (qp->real != nullptr) v.qpns.emplace_back(q.virtual_qpn, qp->physical_qpn);
-        v.qp_list.push_back(q);
+      case Kind::kQp:
+        DescribeQp(static_cast<const Qp*>(p), mode_, &v);
         break;
-      }
       case Kind::kAh: {
         const Ah* ah = static_cast<const Ah*>(p);
         ++v.ahs;
-        if (!ah->attr.is_global) break;
-        const RemoteEndpoint* r = FindRemoteLocked(ah->attr.grh.dgid);
-        const ibv_gid g = r ? r->physical_gid() : mode_.PhysicalGid(ah->attr.grh.dgid);
-        auto same = [&g](const ibv_gid& o) { return memcmp(o.raw, g.raw, 16) == 0; };
-        if (std::none_of(v.ud_peer_physical_gids.begin(), v.ud_peer_physical_gids.end(), same))
-          v.ud_peer_physical_gids.push_back(g);
+        if (ah->attr.is_global) NoteUdPeer(ah->attr.grh.dgid, FindRemoteLocked(ah->attr.grh.dgid), mode_, &v);
         break;
       }
       case Kind::kChannel:

@@ -92,6 +92,117 @@ int StatusFlags(int fd) {
   return flags < 0 ? 0 : flags;
 }
 
+// Moves what every CQ holds into its shadow CQ, adding the successful
+// sends to `*sends`.
+Status DrainCqs(const std::vector<Cq*>& cqs, uint32_t* sends) {
+  for (Cq* cq : cqs) {
+    const int rc = DrainCq(cq, sends);
+    if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ during the drain", -rc));
+  }
+  return {};
+}
+
+// Whether a drain `toward` a peer (nullptr: every peer) drains `qp`.
+bool DrainsToward(const Qp* qp, const ibv_gid* toward) {
+  return toward == nullptr || memcmp(qp->remote_gid.raw, toward->raw, 16) == 0;
+}
+
+// Polls the QPs' CQs until each QP's last flush is in (its marker receive,
+// or as many flushes as its full queue held), 5 s at most.
+void AwaitRecvFlushes(const std::vector<Qp*>& qps) {
+  const uint64_t deadline = NowUs() + 5000000;
+  for (;;) {
+    std::vector<Cq*> cqs;
+    for (Qp* qp : qps) {
+      if (qp->recv_cq != nullptr && std::find(cqs.begin(), cqs.end(), qp->recv_cq) == cqs.end())
+        cqs.push_back(qp->recv_cq);
+      if (qp->send_cq != nullptr && std::find(cqs.begin(), cqs.end(), qp->send_cq) == cqs.end())
+        cqs.push_back(qp->send_cq);
+    }
+    for (Cq* cq : cqs) DrainCq(cq, nullptr);
+    bool all = true;
+    for (Qp* qp : qps) {
+      if (!qp->recv_marker_seen && qp->recv_flushes_expected != 0 &&
+          qp->recv_flushes >= qp->recv_flushes_expected)
+        qp->recv_marker_seen = true;
+      all &= qp->recv_marker_seen;
+    }
+    if (all) break;
+    if (NowUs() > deadline) {
+      LogOnce("flushes of posted receives did not all come within 5 s; counted what came");
+      break;
+    }
+    usleep(200);
+  }
+}
+
+// Each QP's receives still posted, from its flushes: the last ones logged.
+void TakeFlushedRecvs(const std::vector<Qp*>& qps) {
+  for (Qp* qp : qps) {
+    qp->flushing = false;
+    qp->recv_flushes_expected = 0;
+    if (qp->srq != nullptr) continue;
+    // The receives still posted are the last ones logged.
+    qp->outstanding = Copy(qp->own_recvs.Recent(qp->recv_flushes));
+    qp->own_recvs.ConsumeAll();
+    if (LogMoves()) {
+      char line[200];
+      snprintf(line, sizeof line, "release: QP 0x%x (%s): %u receives still posted%s",
+               qp->shadow.qp_base.qp_num, QpTypeName(qp->shadow.qp_base.qp_type), qp->recv_flushes,
+               qp->recv_marker_seen ? "" : ", not all flushes came");
+      Log(line);
+    }
+  }
+}
+
+}  // namespace
+
+// The QPs of one send CQ a drain posts markers on: those still to get
+// one, and those whose marker is outstanding.
+struct DrainMarkers {
+  Cq* cq;
+  std::vector<Qp*> waiting;
+  std::vector<Qp*> outstanding;
+};
+
+namespace {
+
+// The RC and UC QPs whose sends a marker drains, by send CQ in order.
+std::vector<DrainMarkers> QpsToMark(const std::vector<Qp*>& qps, const ibv_gid* toward) {
+  std::vector<DrainMarkers> markers;
+  for (Qp* qp : qps) {
+    qp->send_marker_pending = false;
+    if (qp->real == nullptr || qp->shadow.qp_base.qp_type == IBV_QPT_UD || qp->drained) continue;
+    if (!DrainsToward(qp, toward)) continue;
+    // A QP never brought to RTS has sent nothing (and refuses the post);
+    // one in the error state completes the marker at once, flushed.
+    if (qp->shadow.qp_base.state != IBV_QPS_RTS && qp->shadow.qp_base.state != IBV_QPS_SQD)
+      continue;
+    auto it = std::find_if(markers.begin(), markers.end(),
+                           [qp](const DrainMarkers& m) { return m.cq == qp->send_cq; });
+    if (it == markers.end()) {
+      markers.push_back({qp->send_cq, {}, {}});
+      it = markers.end() - 1;
+    }
+    it->waiting.push_back(qp);
+  }
+  return markers;
+}
+
+void MarkDrained(const std::vector<Qp*>& qps, const ibv_gid* toward) {
+  for (Qp* qp : qps)
+    if (qp->shadow.qp_base.qp_type != IBV_QPT_UD && DrainsToward(qp, toward)) qp->drained = true;
+}
+
+// A marker that completes after the drain gave up is the shim's: its CQ
+// translates from now on, and the translating path drops it.
+void LeaveLateMarkers(const std::vector<Qp*>& qps) {
+  for (const Qp* qp : qps) {
+    if (!qp->send_marker_pending || qp->send_cq == nullptr) continue;
+    MarkersLate(qp->send_cq);
+  }
+}
+
 }  // namespace
 
 void Shim::SetPaused(bool paused) {
@@ -175,118 +286,44 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const i
   return st;
 }
 
+// Every send posted completes before the pause ends: an RC or UC QP's
+// send queue completes in order, so once a marker posted behind the
+// application's sends has completed, they have (signaled or not). A UD
+// QP waits until its signaled sends are counted done. Completions found
+// meanwhile go to the shadow CQs. A peer's quiesce drains only its QPs
+// toward the endpoint that moves: the others are paused, not re-made.
+//
+// A marker's completion takes a CQ entry the application did not size
+// its CQ for (it keeps what it has in flight within its CQ's depth): the
+// real CQs have `slack` more, and each send CQ has at most slack - 1
+// markers outstanding at a time (one if it got less), so that many QPs
+// on one CQ drain in a few rounds, not one after the other. What the CQs
+// hold already goes to the shadow CQs first.
 Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!paused_ || released_)
     return Error(Code::kFailedPrecondition, "the drain needs a paused endpoint");
   const std::vector<Cq*> cqs = All<Cq>(Kind::kCq);
   const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
-  std::string why;
-
-  // Every send posted completes before the pause ends: an RC or UC QP's
-  // send queue completes in order, so once a marker posted behind the
-  // application's sends has completed, they have (signaled or not). A UD
-  // QP waits until its signaled sends are counted done. Completions found
-  // meanwhile go to the shadow CQs. A peer's quiesce drains only its QPs
-  // toward the endpoint that moves: the others are paused, not re-made.
-  //
-  // A marker's completion takes a CQ entry the application did not size
-  // its CQ for (it keeps what it has in flight within its CQ's depth): the
-  // real CQs have `slack` more, and each send CQ has at most slack - 1
-  // markers outstanding at a time (one if it got less), so that many QPs
-  // on one CQ drain in a few rounds, not one after the other. What the CQs
-  // hold already goes to the shadow CQs first.
   uint32_t sends = 0;
-  for (Cq* cq : cqs) {
-    const int rc = DrainCq(cq, &sends);
-    if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ during the drain", -rc));
-  }
-  std::vector<std::pair<Cq*, std::vector<Qp*>>> to_mark;  // per send CQ, in order
-  std::vector<std::vector<Qp*>> marking;                  // each CQ's markers outstanding
-  for (Qp* qp : qps) {
-    qp->send_marker_pending = false;
-    if (qp->real == nullptr || qp->shadow.qp_base.qp_type == IBV_QPT_UD || qp->drained) continue;
-    if (toward != nullptr && memcmp(qp->remote_gid.raw, toward->raw, 16) != 0) continue;
-    // A QP never brought to RTS has sent nothing (and refuses the post);
-    // one in the error state completes the marker at once, flushed.
-    if (qp->shadow.qp_base.state != IBV_QPS_RTS && qp->shadow.qp_base.state != IBV_QPS_SQD)
-      continue;
-    auto it = std::find_if(to_mark.begin(), to_mark.end(),
-                           [qp](const auto& e) { return e.first == qp->send_cq; });
-    if (it == to_mark.end()) {
-      to_mark.push_back({qp->send_cq, {}});
-      marking.emplace_back();
-      it = to_mark.end() - 1;
-    }
-    it->second.push_back(qp);
-  }
+  if (Status st = DrainCqs(cqs, &sends); !st.ok()) return st;
+  std::vector<DrainMarkers> markers = QpsToMark(qps, toward);
   const uint64_t deadline = NowUs() + uint64_t{drain_timeout_ms} * 1000;
   bool unsignaled_tail = false;
   for (;;) {
-    uint64_t in_flight = 0;
-    for (size_t i = 0; i < to_mark.size(); ++i) {
-      std::vector<Qp*>& out = marking[i];
-      out.erase(std::remove_if(out.begin(), out.end(),
-                               [](const Qp* qp) { return !qp->send_marker_pending; }),
-                out.end());
-      std::vector<Qp*>& waiting = to_mark[i].second;
-      const Cq* cq = to_mark[i].first;
-      const size_t budget = cq != nullptr && cq->slack > 2 ? cq->slack - 1 : 1;
-      size_t posted = 0;
-      // A full send queue refuses the marker (ENOMEM): again next round.
-      while (out.size() < budget && posted < waiting.size() &&
-             PostSendMarker(waiting[posted], &why)) {
-        if (waiting[posted]->send_marker_pending) out.push_back(waiting[posted]);
-        ++posted;
-      }
-      waiting.erase(waiting.begin(), waiting.begin() + static_cast<ptrdiff_t>(posted));
-      in_flight += waiting.size();
-    }
+    std::string why;
+    uint64_t in_flight = PostMarkers(&markers, &why);
     if (!why.empty()) return Error(Code::kInternal, why);
-    for (Cq* cq : cqs) {
-      const int rc = DrainCq(cq, &sends);
-      if (rc < 0) return Error(Code::kInternal, Errno("polling a CQ during the drain", -rc));
-    }
-    unsignaled_tail = false;
+    if (Status st = DrainCqs(cqs, &sends); !st.ok()) return st;
     std::string which;
     const bool late = NowUs() > deadline;
-    for (const Qp* qp : qps) {
-      uint64_t left = qp->send_marker_pending ? 1 : 0;
-      if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
-        const uint64_t posted = qp->signaled_posted.load();
-        const uint64_t done = qp->sends_done.load();
-        unsignaled_tail |= qp->unsignaled_tail.load();
-        // A QP in the error state completes nothing more with success:
-        // nothing to wait for on it.
-        if (posted > done && RealQpState(qp) != IBV_QPS_ERR) left = posted - done;
-      }
-      if (left == 0) continue;
-      in_flight += left;
-      if (late) {
-        char buf[160];
-        snprintf(buf, sizeof(buf), "%sQP 0x%x: %s, state %s", which.empty() ? "" : "; ",
-                 qp->shadow.qp_base.qp_num,
-                 qp->send_marker_pending
-                     ? "sends in flight"
-                     : (std::to_string(left) + " signaled send(s) in flight").c_str(),
-                 QpStateName(RealQpState(qp)));
-        which += buf;
-      }
-    }
+    in_flight += SendsInFlight(qps, late, &unsignaled_tail, &which);
     if (in_flight == 0) {
-      for (Qp* qp : qps)
-        if (qp->shadow.qp_base.qp_type != IBV_QPT_UD &&
-            (toward == nullptr || memcmp(qp->remote_gid.raw, toward->raw, 16) == 0))
-          qp->drained = true;
+      MarkDrained(qps, toward);
       break;
     }
     if (late) {
-      // A marker that completes later is the shim's: its CQ translates
-      // from now on, and the translating path drops it.
-      for (const Qp* qp : qps) {
-        if (!qp->send_marker_pending || qp->send_cq == nullptr) continue;
-        MarkersLate(qp->send_cq);
-      }
+      LeaveLateMarkers(qps);
       return Error(Code::kDeadlineExceeded, "sends still in flight after " +
                                                 std::to_string(drain_timeout_ms) + " ms (" + which +
                                                 ")");
@@ -301,6 +338,57 @@ Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const 
   }
   *drained_sends = sends;
   return {};
+}
+
+uint64_t Shim::PostMarkers(std::vector<DrainMarkers>* markers, std::string* why) {
+  uint64_t waiting_total = 0;
+  for (DrainMarkers& m : *markers) {
+    std::vector<Qp*>& out = m.outstanding;
+    out.erase(std::remove_if(out.begin(), out.end(),
+                             [](const Qp* qp) { return !qp->send_marker_pending; }),
+              out.end());
+    std::vector<Qp*>& waiting = m.waiting;
+    const size_t budget = m.cq != nullptr && m.cq->slack > 2 ? m.cq->slack - 1 : 1;
+    size_t posted = 0;
+    // A full send queue refuses the marker (ENOMEM): again next round.
+    while (out.size() < budget && posted < waiting.size() && PostSendMarker(waiting[posted], why)) {
+      if (waiting[posted]->send_marker_pending) out.push_back(waiting[posted]);
+      ++posted;
+    }
+    waiting.erase(waiting.begin(), waiting.begin() + static_cast<ptrdiff_t>(posted));
+    waiting_total += waiting.size();
+  }
+  return waiting_total;
+}
+
+uint64_t Shim::SendsInFlight(const std::vector<Qp*>& qps, bool late, bool* unsignaled_tail,
+                             std::string* which) {
+  uint64_t in_flight = 0;
+  *unsignaled_tail = false;
+  for (const Qp* qp : qps) {
+    uint64_t left = qp->send_marker_pending ? 1 : 0;
+    if (qp->shadow.qp_base.qp_type == IBV_QPT_UD) {
+      const uint64_t posted = qp->signaled_posted.load();
+      const uint64_t done = qp->sends_done.load();
+      *unsignaled_tail |= qp->unsignaled_tail.load();
+      // A QP in the error state completes nothing more with success:
+      // nothing to wait for on it.
+      if (posted > done && RealQpState(qp) != IBV_QPS_ERR) left = posted - done;
+    }
+    if (left == 0) continue;
+    in_flight += left;
+    if (late) {
+      char buf[160];
+      snprintf(buf, sizeof(buf), "%sQP 0x%x: %s, state %s", which->empty() ? "" : "; ",
+               qp->shadow.qp_base.qp_num,
+               qp->send_marker_pending
+                   ? "sends in flight"
+                   : (std::to_string(left) + " signaled send(s) in flight").c_str(),
+               QpStateName(RealQpState(qp)));
+      *which += buf;
+    }
+  }
+  return in_flight;
 }
 
 void Shim::SettleUnacknowledgedReceives(const std::vector<Qp*>& qps) {
@@ -379,6 +467,12 @@ void Shim::FailAndCountRecvs(const std::vector<Qp*>& qps) {
 }
 
 void Shim::FailAndCountRecvsOf(const std::vector<Qp*>& qps) {
+  StartRecvFlushes(qps);
+  AwaitRecvFlushes(qps);
+  TakeFlushedRecvs(qps);
+}
+
+void Shim::StartRecvFlushes(const std::vector<Qp*>& qps) {
   // To the error state, so that nothing completes after the count; a
   // QP's receives still posted are flushed, in order, and a marker
   // receive posted behind them (flushed by a second move to the error
@@ -412,45 +506,6 @@ void Shim::FailAndCountRecvsOf(const std::vector<Qp*>& qps) {
       // The receive queue is full: every slot of it is flushed.
       qp->recv_marker_seen = false;
       qp->recv_flushes_expected = qp->init.cap.max_recv_wr;
-    }
-  }
-  const uint64_t deadline = NowUs() + 5000000;
-  for (;;) {
-    std::vector<Cq*> cqs;
-    for (Qp* qp : qps) {
-      if (qp->recv_cq != nullptr && std::find(cqs.begin(), cqs.end(), qp->recv_cq) == cqs.end())
-        cqs.push_back(qp->recv_cq);
-      if (qp->send_cq != nullptr && std::find(cqs.begin(), cqs.end(), qp->send_cq) == cqs.end())
-        cqs.push_back(qp->send_cq);
-    }
-    for (Cq* cq : cqs) DrainCq(cq, nullptr);
-    bool all = true;
-    for (Qp* qp : qps) {
-      if (!qp->recv_marker_seen && qp->recv_flushes_expected != 0 &&
-          qp->recv_flushes >= qp->recv_flushes_expected)
-        qp->recv_marker_seen = true;
-      all &= qp->recv_marker_seen;
-    }
-    if (all) break;
-    if (NowUs() > deadline) {
-      LogOnce("flushes of posted receives did not all come within 5 s; counted what came");
-      break;
-    }
-    usleep(200);
-  }
-  for (Qp* qp : qps) {
-    qp->flushing = false;
-    qp->recv_flushes_expected = 0;
-    if (qp->srq != nullptr) continue;
-    // The receives still posted are the last ones logged.
-    qp->outstanding = Copy(qp->own_recvs.Recent(qp->recv_flushes));
-    qp->own_recvs.ConsumeAll();
-    if (LogMoves()) {
-      char line[200];
-      snprintf(line, sizeof line, "release: QP 0x%x (%s): %u receives still posted%s",
-               qp->shadow.qp_base.qp_num, QpTypeName(qp->shadow.qp_base.qp_type), qp->recv_flushes,
-               qp->recv_marker_seen ? "" : ", not all flushes came");
-      Log(line);
     }
   }
 }

@@ -85,6 +85,8 @@ int KeepFdNumber(int fresh, int known) {
   return known;
 }
 
+}  // namespace
+
 // The fd numbers the application knows, each held by a placeholder (a
 // /dev/null fd) from the start of a re-creation until its fd is re-created
 // under it: otherwise the device's command fd, the write relay's ring or
@@ -126,7 +128,6 @@ class HeldFdNumbers {
  private:
   std::vector<int> held_;
 };
-}  // namespace
 
 void Shim::LogResume() {
   // What the application can count on from each QP's receive queue: the
@@ -203,47 +204,76 @@ int Shim::ReplayTransitions(Qp* qp) {
   return 0;
 }
 
+// The sequence of a restore: every hardware resource again, parents
+// before children, under the identities and fd numbers the application
+// knows, then what the release took out of the queues. A failing step
+// leaves what it made to the caller's DestroyReal.
 Status Shim::RecreateReal(const std::string& device) {
+  ibv_device** list = nullptr;
+  ibv_device* dev = nullptr;
+  if (Status st = FindDevice(device, &list, &dev); !st.ok()) return st;
+  HeldFdNumbers held(EventFds());
+  Status st = OpenContexts(dev, &held);
+  backend_->FreeDeviceList(list);
+  if (!st.ok()) return st;
+  if (st = RecreatePds(); !st.ok()) return st;
+  if (st = ReregisterMrs(); !st.ok()) return st;
+  UnlockRegistered();
+  if (st = RecreateChannels(&held); !st.ok()) return st;
+  RegisterEventFdsAgain();
+  if (st = RecreateCqs(); !st.ok()) return st;
+  if (st = RecreateSrqs(); !st.ok()) return st;
+  if (st = RecreateQps(); !st.ok()) return st;
+  if (st = RecreateAhs(); !st.ok()) return st;
+  if (st = RepostOutstanding(); !st.ok()) return st;
+  RefreshEndpointGid();
+  return {};
+}
+
+Status Shim::FindDevice(const std::string& device, ibv_device*** list, ibv_device** dev) {
   int num = 0;
-  ibv_device** list = backend_->GetDeviceList(&num);
-  if (list == nullptr || num == 0) {
-    if (list != nullptr) backend_->FreeDeviceList(list);
+  *list = backend_->GetDeviceList(&num);
+  if (*list == nullptr || num == 0) {
+    if (*list != nullptr) backend_->FreeDeviceList(*list);
     return Error(Code::kUnavailable, "no RDMA device on this host");
   }
-  ibv_device* dev = nullptr;
-  for (int i = 0; i < num && dev == nullptr; ++i)
-    if (device.empty() || device == list[i]->name) dev = list[i];
-  if (dev == nullptr) {
-    backend_->FreeDeviceList(list);
+  for (int i = 0; i < num && *dev == nullptr; ++i)
+    if (device.empty() || device == (*list)[i]->name) *dev = (*list)[i];
+  if (*dev == nullptr) {
+    backend_->FreeDeviceList(*list);
     return Error(Code::kNotFound, "no RDMA device named " + device);
   }
-  HeldFdNumbers held(EventFds());
-  Status st;
+  return {};
+}
+
+Status Shim::OpenContexts(ibv_device* dev, HeldFdNumbers* held) {
   for (const auto& [p, k] : shadows_) {
     if (k != Kind::kContext) continue;
     Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
     ctx->real = backend_->OpenDevice(dev);
-    if (ctx->real == nullptr) {
-      st = Error(Code::kUnavailable, Errno("opening the RDMA device", errno));
-      break;
-    }
+    if (ctx->real == nullptr) return Error(Code::kUnavailable, Errno("opening the RDMA device", errno));
     ibv_context* s = Shadow(ctx);
     s->device = ctx->real->device;
     s->cmd_fd = ctx->real->cmd_fd;
-    s->async_fd = held.Keep(ctx->real->async_fd, s->async_fd);
+    s->async_fd = held->Keep(ctx->real->async_fd, s->async_fd);
     ctx->real->async_fd = s->async_fd;
     KeepNonBlocking(s->async_fd, ctx->async_fd_flags);
     s->num_comp_vectors = ctx->real->num_comp_vectors;
     RelayWrites(ctx);
   }
-  backend_->FreeDeviceList(list);
-  if (!st.ok()) return st;
+  return {};
+}
 
+Status Shim::RecreatePds() {
   for (Pd* pd : All<Pd>(Kind::kPd)) {
     pd->real = backend_->AllocPd(pd->ctx->real);
     if (pd->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_alloc_pd", errno));
     pd->shadow.handle = pd->real->handle;
   }
+  return {};
+}
+
+Status Shim::ReregisterMrs() {
   for (Mr* mr : All<Mr>(Kind::kMr)) {
     // Same address, same length: the memory came back where it was.
     mr->real =
@@ -258,23 +288,34 @@ Status Shim::RecreateReal(const std::string& device) {
     mrs_.Set(mr->slot, mr->shadow.lkey, mr->real->lkey);
     if (mr->real->lkey != mr->shadow.lkey) KeysDiverged();
   }
-  // Registered again: the pages are pinned, the release's lock is no
-  // longer needed.
+  return {};
+}
+
+// Registered again: the pages are pinned, the release's lock is no longer
+// needed.
+void Shim::UnlockRegistered() {
   for (const auto& [begin, end] : locked_registered_)
     munlock(reinterpret_cast<void*>(begin), end - begin);
   locked_registered_.clear();
+}
+
+Status Shim::RecreateChannels(HeldFdNumbers* held) {
   for (Channel* ch : All<Channel>(Kind::kChannel)) {
     ch->real = backend_->CreateCompChannel(ch->ctx->real);
     if (ch->real == nullptr)
       return Error(Code::kResourceExhausted, Errno("ibv_create_comp_channel", errno));
-    ch->shadow.fd = held.Keep(ch->real->fd, ch->shadow.fd);
+    ch->shadow.fd = held->Keep(ch->real->fd, ch->shadow.fd);
     ch->real->fd = ch->shadow.fd;
     KeepNonBlocking(ch->shadow.fd, ch->fd_flags);
     ReopenChannel(ch);
   }
-  // The fds are back under their numbers; the application's epoll sets
-  // lost them when the release closed them. A number that could not be
-  // kept (KeepFdNumber) now names another file: not registered.
+  return {};
+}
+
+// The fds are back under their numbers; the application's epoll sets
+// lost them when the release closed them. A number that could not be
+// kept (KeepFdNumber) now names another file: not registered.
+void Shim::RegisterEventFdsAgain() {
   const std::vector<int> now = EventFds();
   std::vector<EpollRegistration> again;
   for (const EpollRegistration& r : epoll_regs_)
@@ -282,6 +323,9 @@ Status Shim::RecreateReal(const std::string& device) {
   if (again.size() != epoll_regs_.size() || Reregister(again) != 0)
     LogOnce("restore: an event fd the application had in an epoll set is not in it again");
   epoll_regs_.clear();
+}
+
+Status Shim::RecreateCqs() {
   for (Cq* cq : All<Cq>(Kind::kCq)) {
     ibv_comp_channel* ch = cq->channel != nullptr ? cq->channel->real : nullptr;
     // With the slack it had, or less if this device's CQs are shallower.
@@ -316,6 +360,10 @@ Status Shim::RecreateReal(const std::string& device) {
     // event is allowed; the application polls after each).
     if (ch != nullptr) cq->real->context->ops.req_notify_cq(cq->real, 0);
   }
+  return {};
+}
+
+Status Shim::RecreateSrqs() {
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
     ibv_srq_init_attr attr = srq->init;
     attr.srq_context = nullptr;
@@ -326,6 +374,12 @@ Status Shim::RecreateReal(const std::string& device) {
     srq->real_post_srq_recv = srq->real->context->ops.post_srq_recv;
     srq->shadow.handle = srq->real->handle;
   }
+  return {};
+}
+
+// Each QP made again, brought back to its state by the transitions the
+// application made, and attached to its multicast groups.
+Status Shim::RecreateQps() {
   for (Qp* qp : All<Qp>(Kind::kQp)) {
     ibv_qp_init_attr_ex attr = qp->init;
     attr.pd = qp->pd->real;
@@ -354,6 +408,10 @@ Status Shim::RecreateReal(const std::string& device) {
         return Error(Code::kInternal, Errno("attaching a QP to its multicast group again", rc));
     }
   }
+  return {};
+}
+
+Status Shim::RecreateAhs() {
   for (Ah* ah : All<Ah>(Kind::kAh)) {
     ah->real = CreateHomeAhLocked(ah->pd, ah->attr);
     if (ah->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_ah", errno));
@@ -361,7 +419,11 @@ Status Shim::RecreateReal(const std::string& device) {
     if (const int rc = RouteAhToAllLocked(ah); rc != 0)
       return Error(Code::kResourceExhausted, Errno("an address handle toward a moved peer", rc));
   }
-  // The receives that were posted when the endpoint was released.
+  return {};
+}
+
+// The receives that were posted when the endpoint was released.
+Status Shim::RepostOutstanding() {
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
     const int rc = Repost(&srq->recvs, &srq->outstanding, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
       return PostSrqRecvReal(srq, w, b);
@@ -374,14 +436,17 @@ Status Shim::RecreateReal(const std::string& device) {
                           [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
   }
-  if (endpoint_gid_known_) {
-    Context* ctx = nullptr;
-    for (const auto& [p, k] : shadows_)
-      if (k == Kind::kContext) ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
-    if (ctx != nullptr)
-      backend_->QueryGid(ctx->real, endpoint_port_, endpoint_sgid_index_, &endpoint_physical_gid_);
-  }
   return {};
+}
+
+// The endpoint's physical GID on the device it is on now.
+void Shim::RefreshEndpointGid() {
+  if (!endpoint_gid_known_) return;
+  Context* ctx = nullptr;
+  for (const auto& [p, k] : shadows_)
+    if (k == Kind::kContext) ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
+  if (ctx != nullptr)
+    backend_->QueryGid(ctx->real, endpoint_port_, endpoint_sgid_index_, &endpoint_physical_gid_);
 }
 
 Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers) {

@@ -10,9 +10,9 @@
 #include <infiniband/verbs.h>
 #include <stddef.h>
 
-#include "shim/migration/control.h"
 #include "shim/core/log.h"
 #include "shim/core/shim.h"
+#include "shim/migration/control.h"
 
 // verbs.h turns these names into inline wrappers; the shim defines the
 // exported functions behind them.

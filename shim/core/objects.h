@@ -26,9 +26,10 @@
 
 #include "shim/core/backend.h"
 #include "shim/core/identity.h"
+#include "shim/core/mutex.h"
+#include "shim/core/remote_map.h"
 #include "shim/datapath/pause.h"
 #include "shim/datapath/recv_log.h"
-#include "shim/core/remote_map.h"
 #include "shim/datapath/write_relay.h"
 
 namespace rdmavirt::shim {
@@ -160,10 +161,13 @@ struct alignas(kObjectAlign) Cq {
   // event it delivered is acknowledged; a release acknowledges, on the
   // application's behalf, those it has not, and the application's later
   // acknowledgements of them are absorbed here.
-  std::mutex events_mu;            // never held across a blocking verb
-  uint32_t events_unacked = 0;     // delivered by the real CQ, not acknowledged to it
-  uint32_t events_absorbed = 0;    // the application still owes these to the shim
-  bool events_closed = false;      // the real CQ is being destroyed
+  Mutex events_mu;  // never held across a blocking verb
+  // Delivered by the real CQ, not acknowledged to it.
+  uint32_t events_unacked ABSL_GUARDED_BY(events_mu) = 0;
+  // The application still owes these to the shim.
+  uint32_t events_absorbed ABSL_GUARDED_BY(events_mu) = 0;
+  // The real CQ is being destroyed.
+  bool events_closed ABSL_GUARDED_BY(events_mu) = false;
   std::atomic<bool> armed{false};  // ibv_req_notify_cq since its last event
 };
 
@@ -180,8 +184,8 @@ struct alignas(kObjectAlign) Srq {
   // Successful receive completions: an SRQ's receives are not flushed when
   // its QPs fail, so its CQs count them (kTranslated).
   std::atomic<uint64_t> recvs_done{0};
-  std::vector<QueuedRecv> queued_recvs;  // guarded by pause->queue_mu()
-  std::vector<QueuedRecv> outstanding;   // at release: to re-post
+  std::vector<QueuedRecv> queued_recvs ABSL_GUARDED_BY(pause->queue_mu());
+  std::vector<QueuedRecv> outstanding;  // at release: to re-post
 };
 
 // One successful ibv_modify_qp, with the virtual identities the
@@ -268,9 +272,8 @@ struct alignas(kObjectAlign) Qp {
   bool recv_marker_seen = false;
   uint32_t recv_flushes = 0;           // flushed receives counted since the QP was failed
   uint32_t recv_flushes_expected = 0;  // when no marker receive fit: the queue's size
-  // Guarded by pause->queue_mu().
-  std::vector<QueuedSend> queued_sends;
-  std::vector<QueuedRecv> queued_recvs;
+  std::vector<QueuedSend> queued_sends ABSL_GUARDED_BY(pause->queue_mu());
+  std::vector<QueuedRecv> queued_recvs ABSL_GUARDED_BY(pause->queue_mu());
   std::vector<QueuedRecv> outstanding;  // at release or re-point: to re-post
   int64_t reposted = -1;                // of them, re-posted in this pause (-1: not re-made)
   bool flushing = false;                // its flush completions are dropped

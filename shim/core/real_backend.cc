@@ -7,8 +7,8 @@
 
 #include <new>
 
-#include "shim/core/backend.h"
 #include "shim/abi/libc_dl.h"
+#include "shim/core/backend.h"
 #include "shim/core/log.h"
 
 namespace rdmavirt::shim {

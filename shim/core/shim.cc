@@ -14,12 +14,12 @@
 #include <new>
 
 #include "shim/core/async_event.h"
-#include "shim/migration/control.h"
-#include "shim/datapath/context_ops.h"
-#include "shim/datapath/data_path.h"
 #include "shim/core/grh.h"
 #include "shim/core/log.h"
+#include "shim/datapath/context_ops.h"
+#include "shim/datapath/data_path.h"
 #include "shim/datapath/thread_probe.h"
+#include "shim/migration/control.h"
 
 namespace rdmavirt::shim {
 namespace {
@@ -92,19 +92,19 @@ void Shim::CqTranslates(Cq* cq) {
 void Shim::KeysDiverged() {
   if (!keys_identity_) return;
   keys_identity_ = false;
-  for (const auto& [p, kind] : shadows_) {
+  for (const auto& [p, kind] : Shadows()) {
     if (kind == Kind::kQp) SetQpPath(static_cast<Qp*>(const_cast<void*>(p)), Path::kTranslated);
     if (kind == Kind::kSrq) static_cast<Srq*>(const_cast<void*>(p))->path.Set(Path::kTranslated);
   }
 }
 
 void Shim::Register(const void* p, Kind kind) {
-  std::lock_guard<std::mutex> lock(registry_mu_);
+  MutexLock lock(&registry_mu_);
   shadows_[p] = kind;
 }
 
 void Shim::Unregister(const void* p) {
-  std::lock_guard<std::mutex> lock(registry_mu_);
+  MutexLock lock(&registry_mu_);
   shadows_.erase(p);
 }
 
@@ -114,7 +114,7 @@ void Shim::Unregister(const void* p) {
 template <typename T>
 T* Shim::Find(const void* p, Kind kind) const {
   if (p == nullptr) return nullptr;
-  std::lock_guard<std::mutex> lock(registry_mu_);
+  MutexLock lock(&registry_mu_);
   auto it = shadows_.find(p);
   return it != shadows_.end() && it->second == kind ? reinterpret_cast<T*>(const_cast<void*>(p))
                                                     : nullptr;
@@ -122,7 +122,7 @@ T* Shim::Find(const void* p, Kind kind) const {
 
 Context* Shim::FindContext(ibv_context* c) const {
   if (c == nullptr) return nullptr;
-  std::lock_guard<std::mutex> lock(registry_mu_);
+  MutexLock lock(&registry_mu_);
   auto it = shadows_.find(c);
   return it != shadows_.end() && it->second == Kind::kContext ? AsContext(c) : nullptr;
 }
@@ -165,7 +165,7 @@ ibv_context* Shim::OpenDevice(ibv_device* device) {
   s->num_comp_vectors = real->num_comp_vectors;
   InitMutexCond(&s->mutex, nullptr);
   InstallContextOps(ctx, migratable_, probed_);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // Its queues translate from the start (moved_: a device opened after
   // the process moved has new identities too).
   if (mode_.offset || moved_) InstallTranslatingOps(ctx);
@@ -181,7 +181,7 @@ int Shim::CloseDevice(ibv_context* c) {
   const int rc = ctx->real != nullptr ? backend_->CloseDevice(ctx->real) : 0;
   if (rc != 0) return rc;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     Unregister(c);
   }
   pthread_mutex_destroy(&c->mutex);
@@ -269,7 +269,7 @@ int Shim::QueryGid(ibv_context* c, uint8_t port, int index, ibv_gid* gid) {
   const int rc = backend_->QueryGid(ctx ? ctx->real : c, port, index, gid);
   if (rc == 0 && ctx != nullptr) *gid = mode_.VirtualGid(*gid);
   if (rc == 0 && ctx != nullptr) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     // After a move the endpoint keeps the GID its peers know it by.
     if (moved_ && port == endpoint_port_ && index == endpoint_sgid_index_)
       *gid = endpoint_virtual_gid_;
@@ -349,7 +349,7 @@ ibv_pd* Shim::AllocPd(ibv_context* c) {
   pd->ctx = ctx;
   pd->shadow.context = c;
   pd->shadow.handle = real->handle;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Register(pd, Kind::kPd);
   return &pd->shadow;
 }
@@ -360,7 +360,7 @@ int Shim::DeallocPd(ibv_pd* p) {
   if (pd == nullptr) return backend_->DeallocPd(p);
   const int rc = pd->real != nullptr ? backend_->DeallocPd(pd->real) : 0;
   if (rc != 0) return rc;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Unregister(pd);
   delete pd;
   return 0;
@@ -376,7 +376,7 @@ ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova, unsigne
   uint32_t slot = 0;
   bool same_lkey = false;
   if (mr != nullptr) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     // Default mode keeps the hardware's lkey when its slot is free: then
     // nothing is translated until the MR moves. Otherwise (offset mode, a
     // collision) the shim picks a slot of its own.
@@ -407,7 +407,7 @@ ibv_mr* Shim::RegMr(ibv_pd* p, void* addr, size_t length, uint64_t iova, unsigne
   mr->shadow.handle = real->handle;
   mr->shadow.lkey = same_lkey ? real->lkey : MakeVirtualLkey(slot, real->lkey, mode_.offset);
   mr->shadow.rkey = mode_.VirtualRkey(real->rkey);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   mrs_.Set(slot, mr->shadow.lkey, real->lkey);
   if (mr->shadow.lkey != real->lkey) KeysDiverged();
   Register(mr, Kind::kMr);
@@ -428,7 +428,7 @@ int Shim::ReregMr(ibv_mr* m, int flags, ibv_pd* p, void* addr, size_t length, in
   }
   const int rc = backend_->ReregMr(mr->real, flags, pd ? pd->real : nullptr, addr, length, access);
   if (rc != 0) return rc;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (pd != nullptr) {
     mr->pd = pd;
     mr->shadow.pd = p;
@@ -452,7 +452,7 @@ int Shim::DeregMr(ibv_mr* m) {
   if (mr == nullptr) return backend_->DeregMr(m);
   const int rc = mr->real != nullptr ? backend_->DeregMr(mr->real) : 0;
   if (rc != 0) return rc;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   mrs_.Clear(mr->slot);
   Unregister(mr);
   delete mr;
@@ -478,7 +478,7 @@ ibv_comp_channel* Shim::CreateCompChannel(ibv_context* c) {
   ch->shadow.context = c;
   ch->shadow.fd = real->fd;  // the application polls it
   ch->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Register(ch, Kind::kChannel);
   return &ch->shadow;
 }
@@ -489,7 +489,7 @@ int Shim::DestroyCompChannel(ibv_comp_channel* c) {
   if (ch == nullptr) return backend_->DestroyCompChannel(c);
   const int rc = ch->real != nullptr ? backend_->DestroyCompChannel(ch->real) : 0;
   if (rc != 0) return rc;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Unregister(ch);
   if (ch->wake_fd >= 0) close(ch->wake_fd);
   delete ch;
@@ -529,7 +529,7 @@ ibv_cq* Shim::AdoptCq(Context* ctx, ibv_cq* real, ibv_cq_ex* real_ex, Channel* c
   // Completion events carry the real CQ; its user context leads back here.
   real->cq_context = cq;
   if (real_ex != nullptr) InstallCqExOps(cq);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   cq->path.SetPaused(paused_);
   Register(cq, Kind::kCq);
   return reinterpret_cast<ibv_cq*>(&cq->shadow);
@@ -641,7 +641,7 @@ int Shim::DestroyCq(ibv_cq* c) {
   if (cq == nullptr) return backend_->DestroyCq(c);
   const int rc = cq->real != nullptr ? backend_->DestroyCq(cq->real) : 0;
   if (rc != 0) return rc;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Unregister(cq);
   delete cq;
   return 0;
@@ -742,7 +742,7 @@ Turn NextTurn(const Shim* shim, Channel* ch, Cq** owed, ibv_comp_channel** real)
 void DeliverOwed(Cq* owed, ibv_cq** cq, void** cq_context) {
   owed->armed.store(false, std::memory_order_relaxed);
   {
-    std::lock_guard<std::mutex> events(owed->events_mu);
+    MutexLock events(&owed->events_mu);
     ++owed->events_absorbed;  // no real CQ delivered it
   }
   *cq = reinterpret_cast<ibv_cq*>(&owed->shadow);
@@ -783,7 +783,7 @@ Read ReadEvent(VerbsBackend* backend, Channel* ch, ibv_comp_channel* real, ibv_c
 
 void Shim::NoteEventDelivered(Cq* cq, ibv_cq* real) {
   cq->armed.store(false, std::memory_order_relaxed);
-  std::lock_guard<std::mutex> lock(cq->events_mu);
+  MutexLock lock(&cq->events_mu);
   if (!cq->events_closed) {
     ++cq->events_unacked;
     return;
@@ -842,7 +842,7 @@ void Shim::AckCqEvents(ibv_cq* c, unsigned int nevents) {
   Cq* cq = FindCq(c);
   ControlScope scope(this, cq != nullptr, /*when_released=*/true);
   if (cq == nullptr) return backend_->AckCqEvents(c, nevents);
-  std::lock_guard<std::mutex> lock(cq->events_mu);
+  MutexLock lock(&cq->events_mu);
   const uint32_t absorbed = std::min<uint32_t>(nevents, cq->events_absorbed);
   cq->events_absorbed -= absorbed;
   const uint32_t rest = std::min<uint32_t>(nevents - absorbed, cq->events_unacked);
@@ -882,7 +882,7 @@ ibv_srq* Shim::CreateSrq(ibv_pd* p, ibv_srq_init_attr* attr) {
   srq->shadow.pd = p;
   srq->shadow.handle = real->handle;
   InitMutexCond(&srq->shadow.mutex, &srq->shadow.cond);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   srq->path.Set(!keys_identity_ ? Path::kTranslated : migratable_ ? Path::kMarked : Path::kDirect);
   srq->pause = migratable_ ? &pause_ : nullptr;
   srq->path.SetPaused(paused_);
@@ -911,7 +911,7 @@ int Shim::DestroySrq(ibv_srq* s) {
   if (srq == nullptr) return backend_->DestroySrq(s);
   const int rc = srq->real != nullptr ? backend_->DestroySrq(srq->real) : 0;
   if (rc != 0) return rc;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Unregister(srq);
   delete srq;
   return 0;
@@ -973,7 +973,7 @@ ibv_qp* Shim::AdoptQp(Context* ctx, Pd* pd, ibv_qp* real, const ibv_qp_init_attr
   real->qp_context = qp;
   InstallSendPath(qp, probed_);
   if (qp->real_ex != nullptr) InstallQpExOps(qp);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (!qp_index_.Insert(real->qp_num, qp)) {
     delete qp;
     errno = ENOMEM;
@@ -1094,7 +1094,7 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
   PhysicalizeQpAttr(&real_attr, mask, remote);
   const int rc = backend_->ModifyQp(qp->real, &real_attr, mask);
   if (rc != 0) return rc;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if ((mask & IBV_QP_AV) && attr->ah_attr.is_global)
     NoteEndpointGid(qp->ctx, attr->ah_attr.port_num, attr->ah_attr.grh.sgid_index);
   qp->remote_gid = remote_gid;
@@ -1115,14 +1115,14 @@ int Shim::QueryQp(ibv_qp* q, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init
   // What the provider fills regardless of the mask is translated too.
   VirtualizeQpAttr(attr, mask | IBV_QP_DEST_QPN | IBV_QP_AV | IBV_QP_ALT_PATH);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const QpTransition& t : qp->transitions)
       if (t.mask & IBV_QP_ACCESS_FLAGS) attr->qp_access_flags = t.attr.qp_access_flags;
   }
   if (qp->remote.load(std::memory_order_acquire) != nullptr) {
     // A moved peer's identities are not a function of where it is now:
     // show what the application set.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const QpTransition& t : qp->transitions) {
       if (t.mask & IBV_QP_DEST_QPN) attr->dest_qp_num = t.attr.dest_qp_num;
       if (t.mask & IBV_QP_AV) attr->ah_attr.grh.dgid = t.attr.ah_attr.grh.dgid;
@@ -1140,11 +1140,11 @@ int Shim::DestroyQp(ibv_qp* q) {
   ControlScope scope(this, qp != nullptr, /*when_released=*/true);
   if (qp == nullptr) return backend_->DestroyQp(q);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     qp_index_.Remove(qp->physical_qpn, qp);
   }
   const int rc = qp->real != nullptr ? backend_->DestroyQp(qp->real) : 0;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (rc != 0) {
     qp_index_.Insert(qp->physical_qpn, qp);
     return rc;
@@ -1182,7 +1182,7 @@ ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   // To the GID's own place; endpoints that moved away get routes.
   ibv_ah* real = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     real = CreateHomeAhLocked(pd, *attr);
   }
   if (real == nullptr) return nullptr;
@@ -1198,7 +1198,7 @@ ibv_ah* Shim::CreateAh(ibv_pd* p, ibv_ah_attr* attr) {
   ah->shadow.context = p->context;
   ah->shadow.pd = p;
   ah->shadow.handle = real->handle;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (const int rc = RouteAhToAllLocked(ah); rc != 0) {
     for (int i = 0; i < ah->nroutes.load(); ++i) backend_->DestroyAh(ah->routes[i].real);
     backend_->DestroyAh(real);
@@ -1249,7 +1249,7 @@ int Shim::DestroyAh(ibv_ah* a) {
   if (rc != 0) return rc;
   for (int i = 0; i < ah->nroutes.load(); ++i)
     if (ah->routes[i].real != nullptr) backend_->DestroyAh(ah->routes[i].real);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Unregister(ah);
   delete ah;
   return 0;
@@ -1268,7 +1268,7 @@ int Shim::AttachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
   ControlScope scope(this, qp != nullptr);
   const int rc = backend_->AttachMcast(qp ? qp->real : q, gid, lid);
   if (rc != 0 || qp == nullptr) return rc;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const Qp::Group& g : qp->groups)
     if (SameGroup(g, *gid, lid)) return 0;
   qp->groups.push_back({*gid, lid});
@@ -1280,7 +1280,7 @@ int Shim::DetachMcast(ibv_qp* q, const ibv_gid* gid, uint16_t lid) {
   ControlScope scope(this, qp != nullptr);
   const int rc = backend_->DetachMcast(qp ? qp->real : q, gid, lid);
   if (rc != 0 || qp == nullptr) return rc;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::erase_if(qp->groups, [&](const Qp::Group& g) { return SameGroup(g, *gid, lid); });
   return 0;
 }
@@ -1301,12 +1301,12 @@ const RemoteEndpoint* Shim::FindRemoteLocked(const ibv_gid& gid, uint32_t virtua
 }
 
 const RemoteEndpoint* Shim::FindRemote(const ibv_gid& gid) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return FindRemoteLocked(gid);
 }
 
 const RemoteEndpoint* Shim::FindRemote(const ibv_gid& gid, uint32_t virtual_qpn) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return FindRemoteLocked(gid, virtual_qpn);
 }
 
@@ -1366,7 +1366,7 @@ int Shim::RouteAhToAllLocked(Ah* ah) {
 int Shim::PublishRemote(const RemoteMapping& mapping) {
   std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(mapping);
   if (e == nullptr) return ENOMEM;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const RemoteEndpoint* r = PublishRemoteLocked(std::move(e));
   for (Ah* ah : All<Ah>(Kind::kAh))
     if (const int rc = RouteAhLocked(ah, r); rc != 0) return rc;
@@ -1387,7 +1387,7 @@ const RemoteEndpoint* Shim::PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> 
   // AHs get their routes to it when the endpoint is re-pointed
   // (RouteAhLocked: creating an AH is a verb, not done here).
   const ibv_gid& gid = r->virtual_gid();
-  for (const auto& [p, kind] : shadows_) {
+  for (const auto& [p, kind] : Shadows()) {
     if (kind != Kind::kQp) continue;
     Qp* qp = static_cast<Qp*>(const_cast<void*>(p));
     if (memcmp(qp->remote_gid.raw, gid.raw, 16) != 0 || !r->Owns(qp->remote_qpn)) continue;
@@ -1415,17 +1415,17 @@ ibv_gid Shim::VirtualizeGid(const ibv_gid& g, const RemoteEndpoint* from) const 
 }
 
 std::vector<const Qp*> Shim::Qps() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<const Qp*> out;
-  for (const auto& [p, kind] : shadows_)
+  for (const auto& [p, kind] : Shadows())
     if (kind == Kind::kQp) out.push_back(static_cast<const Qp*>(p));
   return out;
 }
 
 std::vector<const Mr*> Shim::Mrs() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<const Mr*> out;
-  for (const auto& [p, kind] : shadows_)
+  for (const auto& [p, kind] : Shadows())
     if (kind == Kind::kMr) out.push_back(static_cast<const Mr*>(p));
   return out;
 }

@@ -8,7 +8,16 @@
 // backend.
 //
 // Thread-safety: control-path methods may be called from any thread; they
-// serialize on mu_. The data path (data_path.cc) takes no lock.
+// serialize on mu_ (the annotations below say what it guards; clang's
+// -Wthread-safety checks them). The data path (datapath/data_path.cc)
+// takes no lock.
+//
+// One class, defined by concept: the verbs here in core/shim.cc; the
+// migration steps in migration/ (release.cc: quiesce, drain, release;
+// restore.cc: re-create, resume, peer reconnect; control_gate.cc: the
+// control verbs' gate and the steps run on application threads;
+// dirty_pages.cc: the registered memory a release marks;
+// endpoint_view.cc: Describe). Each of those headers says what it owns.
 #ifndef RDMAVIRT_SHIM_CORE_SHIM_H_
 #define RDMAVIRT_SHIM_CORE_SHIM_H_
 
@@ -21,13 +30,13 @@
 #include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "shim/core/backend.h"
 #include "shim/core/identity.h"
+#include "shim/core/mutex.h"
 #include "shim/core/objects.h"
 #include "shim/core/remote_map.h"
 #include "shim/core/status.h"
@@ -137,8 +146,8 @@ class Shim {
   const RemoteEndpoint* FindRemote(const ibv_gid& virtual_gid) const;
   const RemoteEndpoint* FindRemote(const ibv_gid& virtual_gid, uint32_t virtual_qpn) const;
 
-  // ---- Migration (migration/: release.cc, restore.cc, control_gate.cc). Called by one thread at a time (the
-  // control thread); the application's threads keep posting and polling.
+  // ---- Migration (migration/: release.cc, restore.cc, control_gate.cc). Called by one thread at a
+  // time (the control thread); the application's threads keep posting and polling.
   bool migratable() const { return migratable_; }
   // Pauses every queue and CQ (posts are queued and reported as posted,
   // polls find nothing), then waits up to drain_timeout_ms for every send
@@ -201,7 +210,11 @@ class Shim {
   // sent from `physical_qpn`, newest first, or nullptr. Lock-free.
   const RemoteEndpoint* RemoteAt(const ibv_gid& physical_gid, uint32_t physical_qpn) const;
   // A GID of a UD receive's GRH as the application should see it.
-  ibv_gid VirtualizeGid(const ibv_gid& g, const RemoteEndpoint* from) const;
+  // Lock-free, so not analysed: it reads the endpoint's GIDs (written under
+  // mu_) only once gid_moved_, stored after them with release order, says
+  // they are set.
+  ibv_gid VirtualizeGid(const ibv_gid& g,
+                        const RemoteEndpoint* from) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
 
   // Read-only views for the migration side and tests.
   std::vector<const Qp*> Qps() const;
@@ -216,8 +229,15 @@ class Shim {
 
   // The registry of shadows: written with mu_ and registry_mu_ held (so a
   // step holding mu_ may iterate it), read by lookups with registry_mu_.
-  void Register(const void* p, Kind kind);  // requires mu_
-  void Unregister(const void* p);           // requires mu_
+  void Register(const void* p, Kind kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unregister(const void* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The registry, read by a holder of mu_: every write holds mu_ as well
+  // as registry_mu_ (the one lock shadows_ is annotated with), a rule the
+  // analysis cannot state, so this one accessor is not analysed.
+  const std::unordered_map<const void*, Kind>& Shadows() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return shadows_;
+  }
   template <typename T>
   T* Find(const void* p, Kind kind) const;
   Context* FindContext(ibv_context* c) const;
@@ -238,45 +258,50 @@ class Shim {
   void VirtualizeQpAttr(ibv_qp_attr* attr, int mask) const;
   // Whether a QP/SRQ may post untranslated (data_path.cc's fast path).
   // The data path a QP's posts take (objects.h), and a CQ's polls.
-  Path QpPath(const Qp& qp) const;  // requires mu_
-  void CqTranslates(Cq* cq);        // for good; requires mu_
+  Path QpPath(const Qp& qp) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CqTranslates(Cq* cq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // for good
   // Some lkey now differs from the hardware's: every queue translates.
-  void KeysDiverged();  // requires mu_
+  void KeysDiverged() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // To what the hardware takes; `remote`: the moved peer addressed, if any.
   void PhysicalizeQpAttr(ibv_qp_attr* attr, int mask, const RemoteEndpoint* remote) const;
-  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid) const;  // requires mu_
-  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid,
-                                         uint32_t virtual_qpn) const;  // requires mu_
+  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const RemoteEndpoint* FindRemoteLocked(const ibv_gid& virtual_gid, uint32_t virtual_qpn) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `ah` reaches `r` (a moved endpoint behind its GID) through an AH of its
   // own from now on; one of an earlier move of the same endpoint is
   // replaced. ENOMEM, or EAGAIN when the AH has routes to kMaxAhRoutes
   // endpoints already.
-  int RouteAhLocked(Ah* ah, const RemoteEndpoint* r);  // requires mu_
+  int RouteAhLocked(Ah* ah, const RemoteEndpoint* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The AH's own hardware AH, to its GID's place; when that cannot be
   // resolved and an endpoint of the GID moved, to where it is now. nullptr
   // with errno set.
-  ibv_ah* CreateHomeAhLocked(Pd* pd, const ibv_ah_attr& attr);  // requires mu_
+  ibv_ah* CreateHomeAhLocked(Pd* pd, const ibv_ah_attr& attr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every route `ah` needs now: one per moved endpoint behind its GID.
-  int RouteAhToAllLocked(Ah* ah);                                                // requires mu_
-  const RemoteEndpoint* PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> e);  // requires mu_
+  int RouteAhToAllLocked(Ah* ah) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const RemoteEndpoint* PublishRemoteLocked(std::unique_ptr<RemoteEndpoint> e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The port GID this endpoint's QPs use becomes its virtual GID.
-  void NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index);  // requires mu_
-  void GuessEndpointGid();                                           // requires mu_
+  void NoteEndpointGid(Context* ctx, uint8_t port, int sgid_index)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void GuessEndpointGid() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The device, GID index and physical GID GuessEndpointGid takes; false
   // without a device.
-  bool GuessGid(Context** ctx, int* index, ibv_gid* gid) const;  // requires mu_
+  bool GuessGid(Context** ctx, int* index, ibv_gid* gid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   template <typename T>
-  std::vector<T*> All(Kind kind) const;  // requires mu_
-  void DestroyReal();                    // requires mu_
+  std::vector<T*> All(Kind kind) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DestroyReal() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The process's interval timers (setitimer(2), alarm(2)) across a
   // release: stopped, what was left of each kept, and armed again at the
   // resume (release.cc says why).
-  void StopItimers();     // requires mu_
-  void RestartItimers();  // requires mu_
+  void StopItimers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RestartItimers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Status ReleaseNow(const KnownPages& known, DirtyCount* count, bool lock_registered);
-  std::vector<std::pair<uintptr_t, uintptr_t>> WritableRegisteredLocked();  // requires mu_
+  std::vector<std::pair<uintptr_t, uintptr_t>> WritableRegisteredLocked()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Status RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers);
   Status ResumeNow();
+  Status ReplayQueuedPosts() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, pause_.queue_mu());
   Status PeerReconnectNow(const std::vector<RemoteMapping>& mappings, bool keep_paused);
   // Runs `step` (named `name` in errors) on an application thread once the
   // process was restored, else here. Waits at most app_thread_wait_ms_
@@ -324,46 +349,47 @@ class Shim {
   Status ControlBusy();
   void ControlIdle();
   // The restore's sequence (restore.cc), one step per kind of object.
-  Status RecreateReal(const std::string& device);  // requires mu_
+  Status RecreateReal(const std::string& device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The device named `device` ("" = the first) and the list it is in (the
   // caller frees it), or NOT_FOUND / UNAVAILABLE with the list freed.
   Status FindDevice(const std::string& device, ibv_device*** list, ibv_device** dev);
-  Status OpenContexts(ibv_device* dev, HeldFdNumbers* held);  // requires mu_
-  Status RecreatePds();                                       // requires mu_
-  Status ReregisterMrs();                                     // requires mu_
-  void UnlockRegistered();                                    // requires mu_
-  Status RecreateChannels(HeldFdNumbers* held);               // requires mu_
-  void RegisterEventFdsAgain();                               // requires mu_
-  Status RecreateCqs();                                       // requires mu_
-  Status RecreateSrqs();                                      // requires mu_
-  Status RecreateQps();                                       // requires mu_
-  Status RecreateAhs();                                       // requires mu_
-  Status RepostOutstanding();                                 // requires mu_
-  void RefreshEndpointGid();                                  // requires mu_
-  Status Reconnect(Qp* qp);                        // requires mu_
+  Status OpenContexts(ibv_device* dev, HeldFdNumbers* held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status RecreatePds() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status ReregisterMrs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnlockRegistered() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status RecreateChannels(HeldFdNumbers* held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RegisterEventFdsAgain() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status RecreateCqs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status RecreateSrqs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status RecreateQps() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status RecreateAhs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status RepostOutstanding() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RefreshEndpointGid() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status Reconnect(Qp* qp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Quiesce's second half: the drain, on an application thread if need be.
   Status DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward);
   // A round of the drain's markers: each send CQ gets as many as its slack
   // allows. The QPs still waiting for one; `why` says what failed.
-  uint64_t PostMarkers(std::vector<DrainMarkers>* markers, std::string* why);  // requires mu_
+  uint64_t PostMarkers(std::vector<DrainMarkers>* markers, std::string* why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends not yet known complete: outstanding markers and UD QPs' signaled
   // sends. `*unsignaled_tail`: a UD QP's last sends were unsignaled.
   // When `late`, `which` names each QP still waited for.
   uint64_t SendsInFlight(const std::vector<Qp*>& qps, bool late, bool* unsignaled_tail,
-                         std::string* which);  // requires mu_
+                         std::string* which) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // CQ entries a migratable process's real CQs have beyond the depth the
   // application asked for: room for the drain's markers, one send marker
   // and one receive marker outstanding per CQ at a time (release.cc), so
   // that they never overflow a CQ the application sized exactly.
   int CqSlack() const { return migratable_ ? kMarkerSlack : 0; }
   // Sets or clears every queue's and CQ's `paused` flag (pause.h).
-  void SetPaused(bool paused);  // requires mu_
+  void SetPaused(bool paused) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The providers' post and poll entries the probed path jumps to: where
   // the pause looks for threads still inside (thread_probe.h).
-  std::vector<const void*> ProviderEntries() const;  // requires mu_
+  std::vector<const void*> ProviderEntries() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Posts a QP's drain marker; false if its send queue is full (or the
   // post failed: `why` says so).
-  bool PostSendMarker(Qp* qp, std::string* why);  // requires mu_, paused
+  bool PostSendMarker(Qp* qp, std::string* why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // and paused
   // Moves QPs to the error state and takes their receives still posted
   // into Qp::outstanding, counted from their flushes.
   // Datagrams a peer sent (its UD or UC send completed) may still be
@@ -372,49 +398,55 @@ class Shim {
   // receiver's responder runs a moment later. The error state that counts
   // the receives drops what is still queued, so the receive CQs of UD and
   // UC QPs are polled first until they stay quiet for 50 ms (1 s at most).
-  void SettleUnacknowledgedReceives(const std::vector<Qp*>& qps);  // requires mu_
-  void FailAndCountRecvs(const std::vector<Qp*>& qps);             // requires mu_, paused
+  void SettleUnacknowledgedReceives(const std::vector<Qp*>& qps) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailAndCountRecvs(const std::vector<Qp*>& qps)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);    // and paused
   static uint32_t FlushBound(const Qp* qp);  // completions a QP's move to ERR may bring
-  void FailAndCountRecvsOf(const std::vector<Qp*>& qps);  // their flushes fit their CQs
+  // Their flushes fit their CQs.
+  void FailAndCountRecvsOf(const std::vector<Qp*>& qps) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Each QP to the error state, a marker receive behind its receives.
-  void StartRecvFlushes(const std::vector<Qp*>& qps);  // requires mu_
-  void LogResume();               // RDMAVIRT_LOG=moves: each QP's receives at the resume
-  int ReplayTransitions(Qp* qp);  // requires mu_
+  void StartRecvFlushes(const std::vector<Qp*>& qps) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RDMAVIRT_LOG=moves: each QP's receives at the resume.
+  void LogResume() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int ReplayTransitions(Qp* qp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int RealQpState(const Qp* qp);  // the HCA's, or -1
   // Completion events (shim.cc): what a release must acknowledge.
   void NoteEventDelivered(Cq* cq, ibv_cq* real);
   // Release: acknowledges what the application has not, and marks the
   // channels released, with their waiters out of poll(2); then restore
   // and resume undo it (release.cc, restore.cc).
-  void CloseEvents(Cq* cq);          // requires mu_
-  void ReleaseChannel(Channel* ch);  // requires mu_
-  void ReopenChannel(Channel* ch);   // requires mu_
+  void CloseEvents(Cq* cq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseChannel(Channel* ch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReopenChannel(Channel* ch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A re-opened device's write relay (write_relay.h), made on the thread
   // that opened it; dropped before the device closes.
   void RelayWrites(Context* ctx);
   void DropRelay(Context* ctx);
   // The device's async fds and the channels' fds, as the application knows
   // them (epoll_regs.h).
-  std::vector<int> EventFds();  // requires mu_
+  std::vector<int> EventFds() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // At resume, while still paused: drains and arms the real CQs the
   // application armed, and returns those that hold completions; once the
   // data path is open, OweEvents wakes their waiters with an event each.
-  std::vector<Cq*> ArmForResume();              // requires mu_
-  void OweEvents(const std::vector<Cq*>& cqs);  // requires mu_
+  std::vector<Cq*> ArmForResume() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OweEvents(const std::vector<Cq*>& cqs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Threads waiting in GetCqEvent look again (a step waits for them).
   void WakeEventWaiters();
 
   VerbsBackend* const backend_;
   const IdentityMode mode_;
-  mutable std::mutex mu_;
-  mutable std::mutex registry_mu_;                        // after mu_, never held across a verb
-  std::unordered_map<const void*, Kind> shadows_;         // written under mu_ and registry_mu_
-  MrTable mrs_;                                           // writes under mu_
-  std::vector<std::unique_ptr<RemoteEndpoint>> remotes_;  // guarded by mu_; newest last
+  mutable Mutex mu_;
+  mutable Mutex registry_mu_ ABSL_ACQUIRED_AFTER(mu_);  // never held across a verb
+  // Written under mu_ and registry_mu_ (Shadows()).
+  std::unordered_map<const void*, Kind> shadows_ ABSL_GUARDED_BY(registry_mu_);
+  // Writes under mu_; the data path reads them with no lock (tables.h),
+  // which an annotation would refuse.
+  MrTable mrs_;
+  QpIndex qp_index_;
+  std::vector<std::unique_ptr<RemoteEndpoint>> remotes_ ABSL_GUARDED_BY(mu_);  // newest last
   // Every live lkey equals the hardware's (default mode, until a key
   // collides or changes), so posts need no key translated.
-  bool keys_identity_;  // guarded by mu_
-  QpIndex qp_index_;    // writes under mu_
+  bool keys_identity_ ABSL_GUARDED_BY(mu_);
 
   const bool migratable_;
   const bool probed_;
@@ -425,11 +457,12 @@ class Shim {
   // what the shim waited for.
   int step_timeout_ms_ = 20000;
   std::atomic<int> steps_on_app_threads_{0};
-  std::mutex control_mu_;  // after mu_; never held across a verb or a step
-  std::condition_variable control_cv_;
-  int control_inside_ = 0;       // guarded by control_mu_
-  bool control_closed_ = false;  // guarded by control_mu_
-  bool control_idle_ = false;    // closed, and no step runs; guarded by control_mu_
+  Mutex control_mu_ ABSL_ACQUIRED_AFTER(mu_);  // never held across a verb or a step
+  CondVar control_cv_;
+  int control_inside_ ABSL_GUARDED_BY(control_mu_) = 0;
+  bool control_closed_ ABSL_GUARDED_BY(control_mu_) = false;
+  // Closed, and no step runs.
+  bool control_idle_ ABSL_GUARDED_BY(control_mu_) = false;
   std::atomic<int> control_waiters_{0};
   int control_wait_ms_ = 10000;
   // The step in flight. A member, not the control thread's: an application
@@ -452,22 +485,23 @@ class Shim {
   std::atomic<bool> gid_moved_{false};
   std::atomic<bool> app_thread_steps_{false};
   // Migration state, written by the control thread under mu_.
-  bool paused_ = false;
-  bool released_ = false;
+  bool paused_ ABSL_GUARDED_BY(mu_) = false;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
   // Where the application had registered EventFds() in its epoll sets, from
   // the release to the restore (epoll_regs.h).
-  std::vector<EpollRegistration> epoll_regs_;
+  std::vector<EpollRegistration> epoll_regs_ ABSL_GUARDED_BY(mu_);
   // What a post-copy's release locked, unlocked by the restore ([begin, end)).
-  std::vector<std::pair<uintptr_t, uintptr_t>> locked_registered_;
+  std::vector<std::pair<uintptr_t, uintptr_t>> locked_registered_ ABSL_GUARDED_BY(mu_);
   // What StopItimers found of ITIMER_REAL, _VIRTUAL and _PROF (zero: not
   // armed, or armed again by RestartItimers).
-  itimerval stopped_itimers_[3] = {};
-  bool moved_ = false;  // re-created at least once: GIDs differ from the port's
-  bool endpoint_gid_known_ = false;
-  uint8_t endpoint_port_ = 0;
-  int endpoint_sgid_index_ = 0;
-  ibv_gid endpoint_virtual_gid_{};
-  ibv_gid endpoint_physical_gid_{};
+  itimerval stopped_itimers_[3] ABSL_GUARDED_BY(mu_) = {};
+  bool moved_ ABSL_GUARDED_BY(mu_) =
+      false;  // re-created at least once: GIDs differ from the port's
+  bool endpoint_gid_known_ ABSL_GUARDED_BY(mu_) = false;
+  uint8_t endpoint_port_ ABSL_GUARDED_BY(mu_) = 0;
+  int endpoint_sgid_index_ ABSL_GUARDED_BY(mu_) = 0;
+  ibv_gid endpoint_virtual_gid_ ABSL_GUARDED_BY(mu_){};
+  ibv_gid endpoint_physical_gid_ ABSL_GUARDED_BY(mu_){};
 };
 
 template <typename Create>
@@ -485,11 +519,10 @@ auto Shim::WithSlack(int cqe, int want, Create create, int* slack) -> decltype(c
 template <typename T>
 std::vector<T*> Shim::All(Kind kind) const {
   std::vector<T*> out;
-  for (const auto& [p, k] : shadows_)
+  for (const auto& [p, k] : Shadows())
     if (k == kind) out.push_back(static_cast<T*>(const_cast<void*>(p)));
   return out;
 }
-
 
 }  // namespace rdmavirt::shim
 

@@ -59,8 +59,8 @@ ibv_qp* OpenQpUnsupported(ibv_context*, ibv_qp_open_attr*) {
 void InstallContextOps(Context* ctx, bool pausable, bool probed) {
   ibv_context* s = Shadow(ctx);
   const PostPollEntries& e = !pausable ? kDirectEntries
-                              : probed   ? kProbedEntries
-                                         : kPausableEntries;
+                             : probed  ? kProbedEntries
+                                       : kPausableEntries;
   s->ops.post_send = e.post_send;
   s->ops.post_recv = e.post_recv;
   s->ops.post_srq_recv = e.post_srq_recv;
@@ -98,58 +98,25 @@ void InstallTranslatingOps(Context* ctx) {
   std::atomic_ref(s->ops.poll_cq).store(t.poll_cq, std::memory_order_relaxed);
 }
 
+// Only what the provider implements: a null entry stays null, as it is.
+#define RDMAVIRT_SET(field, fn) s.field = r->field ? entries.field : nullptr;
+
 void InstallQpExOps(Qp* qp) {
   const ibv_qp_ex* r = qp->real_ex;
+  const ibv_qp_ex& entries = kQpExEntries;
   ibv_qp_ex& s = qp->shadow;
   s.comp_mask = r->comp_mask;
-  // Only what the provider implements: a null entry stays null, as it is.
-#define RDMAVIRT_SET(field) s.field = r->field ? kQpExEntries.field : nullptr
-  RDMAVIRT_SET(wr_start);
-  RDMAVIRT_SET(wr_complete);
-  RDMAVIRT_SET(wr_abort);
-  RDMAVIRT_SET(wr_send);
-  RDMAVIRT_SET(wr_send_imm);
-  RDMAVIRT_SET(wr_send_inv);
-  RDMAVIRT_SET(wr_rdma_write);
-  RDMAVIRT_SET(wr_rdma_write_imm);
-  RDMAVIRT_SET(wr_rdma_read);
-  RDMAVIRT_SET(wr_atomic_cmp_swp);
-  RDMAVIRT_SET(wr_atomic_fetch_add);
-  RDMAVIRT_SET(wr_atomic_write);
-  RDMAVIRT_SET(wr_local_inv);
-  RDMAVIRT_SET(wr_set_ud_addr);
-  RDMAVIRT_SET(wr_set_inline_data);
-  RDMAVIRT_SET(wr_set_inline_data_list);
-  RDMAVIRT_SET(wr_set_sge);
-  RDMAVIRT_SET(wr_set_sge_list);
-#undef RDMAVIRT_SET
-  // Memory windows, TSO and XRC are not supported: left null.
+  RDMAVIRT_QP_EX_ENTRIES(RDMAVIRT_SET)
 }
 
 void InstallCqExOps(Cq* cq) {
   const ibv_cq_ex* r = cq->real_ex;
+  const ibv_cq_ex& entries = kCqExEntries;
   ibv_cq_ex& s = cq->shadow;
   s.comp_mask = r->comp_mask;
-#define RDMAVIRT_SET(field) s.field = r->field ? kCqExEntries.field : nullptr
-  RDMAVIRT_SET(start_poll);
-  RDMAVIRT_SET(next_poll);
-  RDMAVIRT_SET(end_poll);
-  RDMAVIRT_SET(read_qp_num);
-  RDMAVIRT_SET(read_src_qp);
-  RDMAVIRT_SET(read_opcode);
-  RDMAVIRT_SET(read_vendor_err);
-  RDMAVIRT_SET(read_byte_len);
-  RDMAVIRT_SET(read_imm_data);
-  RDMAVIRT_SET(read_wc_flags);
-  RDMAVIRT_SET(read_slid);
-  RDMAVIRT_SET(read_sl);
-  RDMAVIRT_SET(read_dlid_path_bits);
-  RDMAVIRT_SET(read_completion_ts);
-  RDMAVIRT_SET(read_completion_wallclock_ns);
-  RDMAVIRT_SET(read_cvlan);
-  RDMAVIRT_SET(read_flow_tag);
-#undef RDMAVIRT_SET
-  // Tag matching (read_tm_info) is not supported: left null.
+  RDMAVIRT_CQ_EX_ENTRIES(RDMAVIRT_SET)
 }
+
+#undef RDMAVIRT_SET
 
 }  // namespace rdmavirt::shim

@@ -282,7 +282,7 @@ inline PostOneFn ProbedOneOf(const Qp* qp, const ibv_send_wr* wr) {
 // posted (*rc). False, with nothing queued, when the pause ended while
 // this thread waited for the queue: the post is to go through after all.
 bool QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad, int* rc) {
-  std::lock_guard<std::mutex> lock(qp->pause->queue_mu());
+  MutexLock lock(&qp->pause->queue_mu());
   if (!qp->path.paused()) return false;
   *rc = 0;
   for (ibv_send_wr* w = wr; w != nullptr; w = w->next) {
@@ -308,7 +308,7 @@ bool QueueSends(Qp* qp, ibv_send_wr* wr, ibv_send_wr** bad, int* rc) {
 
 int QueueRecvsInto(PauseGate* pause, const PathState& path, std::vector<QueuedRecv>* queue,
                    uint32_t max_sge, ibv_recv_wr* wr, ibv_recv_wr** bad, bool* resumed) {
-  std::lock_guard<std::mutex> lock(pause->queue_mu());
+  MutexLock lock(&pause->queue_mu());
   if (!path.paused()) {
     *resumed = true;
     return 0;
@@ -1395,62 +1395,32 @@ RDMAVIRT_FORWARD_READ(read_flow_tag, uint32_t, 0)
 
 }  // namespace
 
-const PostPollEntries kDirectEntries = {PostSend, PostRecv, PostSrqRecv, PollCq};
-const PostPollEntries kPausableEntries = {PostSendPausable, PostRecvPausable,
-                                          PostSrqRecvPausable, PollCqPausable};
-const PostPollEntries kProbedEntries = {PostSendProbed, PostRecvProbed, PostSrqRecvProbed,
-                                        PollCqProbed};
-const PostPollEntries kProbedTranslatingEntries = {
+// Constant-initialized: a library's constructor may open a device before
+// this one's run.
+constinit const PostPollEntries kDirectEntries = {PostSend, PostRecv, PostSrqRecv, PollCq};
+constinit const PostPollEntries kPausableEntries = {PostSendPausable, PostRecvPausable,
+                                                    PostSrqRecvPausable, PollCqPausable};
+constinit const PostPollEntries kProbedEntries = {PostSendProbed, PostRecvProbed, PostSrqRecvProbed,
+                                                  PollCqProbed};
+constinit const PostPollEntries kProbedTranslatingEntries = {
     PostSendProbedTranslating, PostRecvProbedTranslating, PostSrqRecvProbedTranslating,
     PollCqProbedTranslating};
-const PostPollEntries kTranslatingFirstEntries = {PostSendTranslatingFirst, PostRecv, PostSrqRecv,
-                                                  PollCqTranslatingFirst};
+constinit const PostPollEntries kTranslatingFirstEntries = {PostSendTranslatingFirst, PostRecv,
+                                                            PostSrqRecv, PollCqTranslatingFirst};
 int (*const kReqNotifyCq)(ibv_cq*, int) = ReqNotifyCq;
 
-const ibv_qp_ex kQpExEntries = [] {
+#define RDMAVIRT_ENTRY(field, fn) e.field = fn;
+constinit const ibv_qp_ex kQpExEntries = [] {
   ibv_qp_ex e{};
-  e.wr_start = WrStart;
-  e.wr_complete = WrComplete;
-  e.wr_abort = WrAbort;
-  e.wr_send = WrSend;
-  e.wr_send_imm = WrSendImm;
-  e.wr_send_inv = WrSendInv;
-  e.wr_rdma_write = WrRdmaWrite;
-  e.wr_rdma_write_imm = WrRdmaWriteImm;
-  e.wr_rdma_read = WrRdmaRead;
-  e.wr_atomic_cmp_swp = WrAtomicCmpSwp;
-  e.wr_atomic_fetch_add = WrAtomicFetchAdd;
-  e.wr_atomic_write = WrAtomicWrite;
-  e.wr_local_inv = WrLocalInv;
-  e.wr_set_ud_addr = WrSetUdAddr;
-  e.wr_set_inline_data = WrSetInlineData;
-  e.wr_set_inline_data_list = WrSetInlineDataList;
-  e.wr_set_sge = WrSetSge;
-  e.wr_set_sge_list = WrSetSgeList;
+  RDMAVIRT_QP_EX_ENTRIES(RDMAVIRT_ENTRY)
   return e;
 }();
-
-const ibv_cq_ex kCqExEntries = [] {
+constinit const ibv_cq_ex kCqExEntries = [] {
   ibv_cq_ex e{};
-  e.start_poll = StartPoll;
-  e.next_poll = NextPoll;
-  e.end_poll = EndPoll;
-  e.read_qp_num = ReadQpNum;
-  e.read_src_qp = ReadSrcQp;
-  e.read_opcode = read_opcode;
-  e.read_vendor_err = read_vendor_err;
-  e.read_byte_len = read_byte_len;
-  e.read_imm_data = read_imm_data;
-  e.read_wc_flags = read_wc_flags;
-  e.read_slid = read_slid;
-  e.read_sl = read_sl;
-  e.read_dlid_path_bits = read_dlid_path_bits;
-  e.read_completion_ts = read_completion_ts;
-  e.read_completion_wallclock_ns = read_completion_wallclock_ns;
-  e.read_cvlan = read_cvlan;
-  e.read_flow_tag = read_flow_tag;
+  RDMAVIRT_CQ_EX_ENTRIES(RDMAVIRT_ENTRY)
   return e;
 }();
+#undef RDMAVIRT_ENTRY
 
 namespace {
 

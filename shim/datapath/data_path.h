@@ -79,7 +79,46 @@ extern const PostPollEntries kProbedTranslatingEntries;
 extern const PostPollEntries kTranslatingFirstEntries;
 extern int (*const kReqNotifyCq)(ibv_cq*, int);
 // Every ibv_qp_ex work-request entry and ibv_cq_ex polling entry the shim
-// implements; the rest are null.
+// implements (the rest are null), and the one list of them: X(field,
+// function) per entry, the functions data_path.cc's own. Memory windows,
+// TSO, XRC and tag matching (read_tm_info) are not supported.
+#define RDMAVIRT_QP_EX_ENTRIES(X)                 \
+  X(wr_start, WrStart)                            \
+  X(wr_complete, WrComplete)                      \
+  X(wr_abort, WrAbort)                            \
+  X(wr_send, WrSend)                              \
+  X(wr_send_imm, WrSendImm)                       \
+  X(wr_send_inv, WrSendInv)                       \
+  X(wr_rdma_write, WrRdmaWrite)                   \
+  X(wr_rdma_write_imm, WrRdmaWriteImm)            \
+  X(wr_rdma_read, WrRdmaRead)                     \
+  X(wr_atomic_cmp_swp, WrAtomicCmpSwp)            \
+  X(wr_atomic_fetch_add, WrAtomicFetchAdd)        \
+  X(wr_atomic_write, WrAtomicWrite)               \
+  X(wr_local_inv, WrLocalInv)                     \
+  X(wr_set_ud_addr, WrSetUdAddr)                  \
+  X(wr_set_inline_data, WrSetInlineData)          \
+  X(wr_set_inline_data_list, WrSetInlineDataList) \
+  X(wr_set_sge, WrSetSge)                         \
+  X(wr_set_sge_list, WrSetSgeList)
+#define RDMAVIRT_CQ_EX_ENTRIES(X)                               \
+  X(start_poll, StartPoll)                                      \
+  X(next_poll, NextPoll)                                        \
+  X(end_poll, EndPoll)                                          \
+  X(read_qp_num, ReadQpNum)                                     \
+  X(read_src_qp, ReadSrcQp)                                     \
+  X(read_opcode, read_opcode)                                   \
+  X(read_vendor_err, read_vendor_err)                           \
+  X(read_byte_len, read_byte_len)                               \
+  X(read_imm_data, read_imm_data)                               \
+  X(read_wc_flags, read_wc_flags)                               \
+  X(read_slid, read_slid)                                       \
+  X(read_sl, read_sl)                                           \
+  X(read_dlid_path_bits, read_dlid_path_bits)                   \
+  X(read_completion_ts, read_completion_ts)                     \
+  X(read_completion_wallclock_ns, read_completion_wallclock_ns) \
+  X(read_cvlan, read_cvlan)                                     \
+  X(read_flow_tag, read_flow_tag)
 extern const ibv_qp_ex kQpExEntries;
 extern const ibv_cq_ex kCqExEntries;
 

@@ -22,8 +22,9 @@
 
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 #include <string>
+
+#include "shim/core/mutex.h"
 
 namespace rdmavirt::shim {
 
@@ -225,11 +226,11 @@ class PauseGate {
   // finds its object paused queues under it, and the resume replays the
   // queues and clears the flags under it, so no post overtakes one that
   // was queued.
-  std::mutex& queue_mu() { return queue_mu_; }
+  Mutex& queue_mu() ABSL_LOCK_RETURNED(queue_mu_) { return queue_mu_; }
 
  private:
   std::atomic<bool> closed_{false};
-  std::mutex queue_mu_;
+  Mutex queue_mu_;
 };
 
 }  // namespace rdmavirt::shim

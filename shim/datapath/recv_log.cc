@@ -15,7 +15,7 @@ bool RecvLog::FenceUsable() {
 }
 
 void RecvLog::LockShared() {
-  mu_.lock();
+  mu_.Lock();
   uintptr_t owner = 0;
   // The queue's first post: this thread owns it from now on.
   if (owner_.compare_exchange_strong(owner, ThisThread())) return;

@@ -190,7 +190,7 @@ ssize_t WriteRelay::Write(const void* buf, size_t n) {
     errno = EACCES;
     return -1;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return ring_->Write(fd_, buf, n);
 }
 

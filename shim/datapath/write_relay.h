@@ -35,8 +35,9 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
+
+#include "shim/core/mutex.h"
 
 namespace rdmavirt::shim {
 
@@ -77,10 +78,10 @@ class WriteRelay {
   bool SameAsOpener();
 
   const int fd_;
-  const std::unique_ptr<Ring> ring_;
+  const std::unique_ptr<Ring> ring_ ABSL_PT_GUARDED_BY(mu_);
   const ThreadIdentity opener_;
   const uint64_t generation_;  // tells a thread's cached verdict from another relay's
-  std::mutex mu_;              // one submission at a time on the ring
+  Mutex mu_;                   // one submission at a time on the ring
 };
 
 // The process-wide table the interposed write() consults: at most

@@ -18,8 +18,8 @@
 #include <cstdio>
 
 #include "shim/core/log.h"
-#include "shim/datapath/pause.h"
 #include "shim/core/shim.h"
+#include "shim/datapath/pause.h"
 #include "shim/migration/wire.h"
 
 namespace rdmavirt::shim {
@@ -246,8 +246,7 @@ bool DecodeRestore(std::string_view body, ControlRequest* out, std::string* why)
 bool DecodePeerQuiesce(std::string_view body, ControlRequest* out, std::string* why) {
   WireReader b(body);
   while (b.Next()) {
-    if (b.field() == 2 && b.is_varint())
-      out->drain_timeout_ms = static_cast<uint32_t>(b.varint());
+    if (b.field() == 2 && b.is_varint()) out->drain_timeout_ms = static_cast<uint32_t>(b.varint());
     if (b.field() == 1 && b.is_bytes()) {
       if (b.bytes().size() != 16) return *why = "peer_quiesce: a GID is 16 bytes", false;
       memcpy(out->toward.raw, b.bytes().data(), 16);
@@ -305,7 +304,8 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
         break;
       case f::kRelease:
         out->kind = Kind::kRelease;
-        if (!DecodeRelease(body, out)) return *why = "a malformed release request (its known pages)", false;
+        if (!DecodeRelease(body, out))
+          return *why = "a malformed release request (its known pages)", false;
         break;
       case f::kRestore:
         out->kind = Kind::kRestore;

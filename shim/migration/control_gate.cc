@@ -34,12 +34,12 @@ thread_local bool t_in_step = false;
 
 void Shim::WakeEventWaiters() {
   {
-    std::lock_guard<std::mutex> lock(control_mu_);
-    control_cv_.notify_all();
+    MutexLock lock(&control_mu_);
+    control_cv_.NotifyAll();
   }
   std::vector<Channel*> channels;
   {
-    std::lock_guard<std::mutex> registry(registry_mu_);
+    MutexLock registry(&registry_mu_);
     for (const auto& [p, k] : shadows_)
       if (k == Kind::kChannel) channels.push_back(static_cast<Channel*>(const_cast<void*>(p)));
   }
@@ -111,16 +111,17 @@ Shim::ControlScope::ControlScope(Shim* shim, bool applies, bool when_released) :
   if (!applies) return;
   entered_ = true;
   if (t_control_depth++ > 0 || t_in_step) return;
-  std::unique_lock<std::mutex> lock(shim_->control_mu_);
+  shim_->control_mu_.Lock();
   while (shim_->control_closed_ && !(when_released && shim_->control_idle_)) {
     if (shim_->step_pending()) {
-      lock.unlock();
+      shim_->control_mu_.Unlock();
       shim_->RunPendingStep();
-      lock.lock();
+      shim_->control_mu_.Lock();
       continue;
     }
     shim_->control_waiters_.fetch_add(1);
-    shim_->control_cv_.wait(lock, [this, when_released] {
+    shim_->control_cv_.Wait(&shim_->control_mu_, [this, when_released] {
+      shim_->control_mu_.AssertHeld();  // the wait asks with it held
       return !shim_->control_closed_ || (when_released && shim_->control_idle_) ||
              shim_->step_pending();
     });
@@ -128,24 +129,27 @@ Shim::ControlScope::ControlScope(Shim* shim, bool applies, bool when_released) :
   }
   ++shim_->control_inside_;
   counted_ = true;
+  shim_->control_mu_.Unlock();
 }
 
 Shim::ControlScope::~ControlScope() {
   if (!entered_) return;
   --t_control_depth;
   if (!counted_) return;
-  std::lock_guard<std::mutex> lock(shim_->control_mu_);
-  if (--shim_->control_inside_ == 0) shim_->control_cv_.notify_all();
+  MutexLock lock(&shim_->control_mu_);
+  if (--shim_->control_inside_ == 0) shim_->control_cv_.NotifyAll();
 }
 
 Status Shim::CloseControl() {
-  std::unique_lock<std::mutex> lock(control_mu_);
+  MutexLock lock(&control_mu_);
   control_closed_ = true;
-  if (control_cv_.wait_for(lock, std::chrono::milliseconds(control_wait_ms_),
-                           [this] { return control_inside_ == 0; }))
+  if (control_cv_.WaitFor(&control_mu_, std::chrono::milliseconds(control_wait_ms_), [this] {
+        control_mu_.AssertHeld();  // the wait asks with it held
+        return control_inside_ == 0;
+      }))
     return {};
   control_closed_ = false;
-  control_cv_.notify_all();
+  control_cv_.NotifyAll();
   return Error(Code::kDeadlineExceeded,
                "an application thread's verbs call (other than a post or a poll) did not return "
                "within " +
@@ -154,10 +158,10 @@ Status Shim::CloseControl() {
 }
 
 void Shim::OpenControl() {
-  std::lock_guard<std::mutex> lock(control_mu_);
+  MutexLock lock(&control_mu_);
   control_closed_ = false;
   control_idle_ = false;
-  control_cv_.notify_all();
+  control_cv_.NotifyAll();
 }
 
 Status Shim::RunStep(const std::function<Status()>& step) {
@@ -171,23 +175,25 @@ Status Shim::RunStep(const std::function<Status()>& step) {
 }
 
 Status Shim::ControlBusy() {
-  std::unique_lock<std::mutex> lock(control_mu_);
+  MutexLock lock(&control_mu_);
   if (!control_closed_) return {};
   control_idle_ = false;
-  if (control_cv_.wait_for(lock, std::chrono::milliseconds(control_wait_ms_),
-                           [this] { return control_inside_ == 0; }))
+  if (control_cv_.WaitFor(&control_mu_, std::chrono::milliseconds(control_wait_ms_), [this] {
+        control_mu_.AssertHeld();  // the wait asks with it held
+        return control_inside_ == 0;
+      }))
     return {};
   control_idle_ = true;
-  control_cv_.notify_all();
+  control_cv_.NotifyAll();
   return Error(Code::kDeadlineExceeded,
                "an application thread's destroy, deregistration or close did not return within " +
                    std::to_string(control_wait_ms_) + " ms; the step did not run");
 }
 
 void Shim::ControlIdle() {
-  std::lock_guard<std::mutex> lock(control_mu_);
+  MutexLock lock(&control_mu_);
   control_idle_ = control_closed_;
-  control_cv_.notify_all();
+  control_cv_.NotifyAll();
 }
 
 }  // namespace rdmavirt::shim

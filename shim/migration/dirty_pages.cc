@@ -22,7 +22,7 @@
 namespace rdmavirt::shim {
 
 std::vector<std::pair<uintptr_t, uintptr_t>> Shim::WritableRegistered() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return WritableRegisteredLocked();
 }
 

@@ -24,8 +24,11 @@ namespace rdmavirt::shim {
 namespace {
 
 // A QP as the migrator sees it: its identities, its peer's, and what the
-// pause holds of its work.
-void DescribeQp(const Qp* qp, const IdentityMode& mode, EndpointView* v) {
+// pause holds of its work. Not analysed: it counts the sends queued during
+// a pause under the shim's mutex alone, not the pause's queue lock, a
+// snapshot for the operator that a post queued meanwhile may outdate.
+void DescribeQp(const Qp* qp, const IdentityMode& mode,
+                EndpointView* v) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   ++v->qps;
   QpView q;
   q.virtual_qpn = qp->shadow.qp_base.qp_num;
@@ -45,6 +48,19 @@ void DescribeQp(const Qp* qp, const IdentityMode& mode, EndpointView* v) {
   q.queued_sends = static_cast<uint32_t>(qp->queued_sends.size());
   if (qp->real != nullptr) v->qpns.emplace_back(q.virtual_qpn, qp->physical_qpn);
   v->qp_list.push_back(q);
+}
+
+// A memory region: its bytes, and its rkey's physical value while it has one.
+void DescribeMr(const Mr* mr, EndpointView* v) {
+  ++v->mrs;
+  v->registered_bytes += mr->shadow.length;
+  if (mr->real != nullptr) v->rkeys.emplace_back(mr->shadow.rkey, mr->real->rkey);
+}
+
+// A CQ: the completions the pause holds for it.
+void DescribeCq(const Cq* cq, EndpointView* v) {
+  ++v->cqs;
+  v->pending_completions += cq->pending_count - cq->pending_head.load();
 }
 
 // Where a UD peer an address handle points at is now (`r`: the moved
@@ -75,7 +91,7 @@ bool Shim::GuessGid(Context** ctx, int* index, ibv_gid* gid) const {
   // peers reach a RoCE v2 endpoint at its IPv4-mapped GID, the first one,
   // else at the port's first GID.
   static constexpr uint8_t kV4Prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
-  for (const auto& [p, k] : shadows_) {
+  for (const auto& [p, k] : Shadows()) {
     if (k != Kind::kContext) continue;
     Context* c = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
     if (c->real == nullptr) continue;
@@ -107,7 +123,7 @@ void Shim::GuessEndpointGid() {
 }
 
 EndpointView Shim::Describe() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   EndpointView v;
   v.paused = paused_;
   v.released = released_;
@@ -123,7 +139,7 @@ EndpointView Shim::Describe() const {
     v.has_gid = true;
     v.virtual_gid = mode_.VirtualGid(v.physical_gid);
   }
-  for (const auto& [p, k] : shadows_) {
+  for (const auto& [p, k] : Shadows()) {
     switch (k) {
       case Kind::kContext: {
         ++v.devices;
@@ -135,19 +151,12 @@ EndpointView Shim::Describe() const {
       case Kind::kPd:
         ++v.pds;
         break;
-      case Kind::kMr: {
-        const Mr* mr = static_cast<const Mr*>(p);
-        ++v.mrs;
-        v.registered_bytes += mr->shadow.length;
-        if (mr->real != nullptr) v.rkeys.emplace_back(mr->shadow.rkey, mr->real->rkey);
+      case Kind::kMr:
+        DescribeMr(static_cast<const Mr*>(p), &v);
         break;
-      }
-      case Kind::kCq: {
-        const Cq* cq = static_cast<const Cq*>(p);
-        ++v.cqs;
-        v.pending_completions += cq->pending_count - cq->pending_head.load();
+      case Kind::kCq:
+        DescribeCq(static_cast<const Cq*>(p), &v);
         break;
-      }
       case Kind::kSrq:
         ++v.srqs;
         break;
@@ -157,7 +166,8 @@ EndpointView Shim::Describe() const {
       case Kind::kAh: {
         const Ah* ah = static_cast<const Ah*>(p);
         ++v.ahs;
-        if (ah->attr.is_global) NoteUdPeer(ah->attr.grh.dgid, FindRemoteLocked(ah->attr.grh.dgid), mode_, &v);
+        if (ah->attr.is_global)
+          NoteUdPeer(ah->attr.grh.dgid, FindRemoteLocked(ah->attr.grh.dgid), mode_, &v);
         break;
       }
       case Kind::kChannel:

@@ -12,7 +12,6 @@
 #include <utility>
 #include <vector>
 
-
 namespace rdmavirt::shim {
 
 struct QpView {

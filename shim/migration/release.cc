@@ -206,7 +206,7 @@ void LeaveLateMarkers(const std::vector<Qp*>& qps) {
 }  // namespace
 
 void Shim::SetPaused(bool paused) {
-  for (const auto& [p, k] : shadows_) {
+  for (const auto& [p, k] : Shadows()) {
     void* o = const_cast<void*>(p);
     if (k == Kind::kQp) SetQpPaused(static_cast<Qp*>(o), paused);
     if (k == Kind::kCq) static_cast<Cq*>(o)->path.SetPaused(paused);
@@ -216,7 +216,7 @@ void Shim::SetPaused(bool paused) {
 
 std::vector<const void*> Shim::ProviderEntries() const {
   std::vector<const void*> entries;
-  for (const auto& [p, k] : shadows_) {
+  for (const auto& [p, k] : Shadows()) {
     if (k != Kind::kContext) continue;
     const ibv_context* real = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)))->real;
     if (real == nullptr) continue;  // released
@@ -245,7 +245,7 @@ bool Shim::PostSendMarker(Qp* qp, std::string* why) {
 Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward) {
   *drained_sends = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!migratable_)
       return Error(Code::kFailedPrecondition,
                    "the process started without a migrator: its queues take the fast path and "
@@ -300,7 +300,7 @@ Status Shim::Quiesce(uint32_t drain_timeout_ms, uint32_t* drained_sends, const i
 // on one CQ drain in a few rounds, not one after the other. What the CQs
 // hold already goes to the shadow CQs first.
 Status Shim::DrainNow(uint32_t drain_timeout_ms, uint32_t* drained_sends, const ibv_gid* toward) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (!paused_ || released_)
     return Error(Code::kFailedPrecondition, "the drain needs a paused endpoint");
   const std::vector<Cq*> cqs = All<Cq>(Kind::kCq);
@@ -555,7 +555,7 @@ void Shim::DestroyReal() {
     }
     ch->real = nullptr;
   }
-  for (const auto& [p, k] : shadows_) {
+  for (const auto& [p, k] : Shadows()) {
     if (k != Kind::kContext) continue;
     Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
     if (ctx->real != nullptr) {
@@ -568,7 +568,7 @@ void Shim::DestroyReal() {
 }
 
 void Shim::CloseEvents(Cq* cq) {
-  std::lock_guard<std::mutex> lock(cq->events_mu);
+  MutexLock lock(&cq->events_mu);
   // The destroy that follows waits for these: acknowledged now, and the
   // application's acknowledgements of them absorbed (AckCqEvents).
   if (cq->events_unacked > 0) backend_->AckCqEvents(cq->real, cq->events_unacked);
@@ -593,14 +593,14 @@ void Shim::ReleaseChannel(Channel* ch) {
 
 Status Shim::ReleaseNow(const KnownPages& known, DirtyCount* count, bool lock_registered) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!paused_) return Error(Code::kFailedPrecondition, "release needs a quiesced endpoint");
     if (released_) return {};
   }
   // The application's control verbs in progress return first; later ones
   // wait for the resume.
   if (Status st = CloseControl(); !st.ok()) return st;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // Every QP to the error state, its receives still posted counted from
   // their flushes; then what else arrived since the drain.
   FailAndCountRecvs(All<Qp>(Kind::kQp));
@@ -675,7 +675,7 @@ int Shim::RealQpState(const Qp* qp) {
 
 std::vector<int> Shim::EventFds() {
   std::vector<int> fds;
-  for (const auto& [p, k] : shadows_)
+  for (const auto& [p, k] : Shadows())
     if (k == Kind::kContext)
       fds.push_back(Shadow(AsContext(static_cast<ibv_context*>(const_cast<void*>(p))))->async_fd);
   for (Channel* ch : All<Channel>(Kind::kChannel)) fds.push_back(ch->shadow.fd);

@@ -142,6 +142,7 @@ void Shim::LogResume() {
                    wc.status == IBV_WC_SUCCESS;
       }
     }
+    qp->pause->queue_mu().AssertHeld();  // ResumeNow holds pause_'s
     char line[200];
     snprintf(line, sizeof line,
              "resume: QP 0x%x (%s): %" PRId64
@@ -247,11 +248,12 @@ Status Shim::FindDevice(const std::string& device, ibv_device*** list, ibv_devic
 }
 
 Status Shim::OpenContexts(ibv_device* dev, HeldFdNumbers* held) {
-  for (const auto& [p, k] : shadows_) {
+  for (const auto& [p, k] : Shadows()) {
     if (k != Kind::kContext) continue;
     Context* ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
     ctx->real = backend_->OpenDevice(dev);
-    if (ctx->real == nullptr) return Error(Code::kUnavailable, Errno("opening the RDMA device", errno));
+    if (ctx->real == nullptr)
+      return Error(Code::kUnavailable, Errno("opening the RDMA device", errno));
     ibv_context* s = Shadow(ctx);
     s->device = ctx->real->device;
     s->cmd_fd = ctx->real->cmd_fd;
@@ -353,7 +355,7 @@ Status Shim::RecreateCqs() {
     cq->real_poll_cq = cq->real->context->ops.poll_cq;
     cq->shadow.handle = cq->real->handle;
     {
-      std::lock_guard<std::mutex> events(cq->events_mu);
+      MutexLock events(&cq->events_mu);
       cq->events_closed = false;
     }
     // A thread may be waiting for an event on this CQ: arm it (a spurious
@@ -443,14 +445,14 @@ Status Shim::RepostOutstanding() {
 void Shim::RefreshEndpointGid() {
   if (!endpoint_gid_known_) return;
   Context* ctx = nullptr;
-  for (const auto& [p, k] : shadows_)
+  for (const auto& [p, k] : Shadows())
     if (k == Kind::kContext) ctx = AsContext(static_cast<ibv_context*>(const_cast<void*>(p)));
   if (ctx != nullptr)
     backend_->QueryGid(ctx->real, endpoint_port_, endpoint_sgid_index_, &endpoint_physical_gid_);
 }
 
 Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMapping>& peers) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (!released_) return Error(Code::kFailedPrecondition, "restore needs a released endpoint");
   for (const RemoteMapping& m : peers) {
     std::unique_ptr<RemoteEndpoint> e = RemoteEndpoint::Build(m);
@@ -469,7 +471,7 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
   // Completions carry the new QPNs: every CQ translates from now on.
   for (Cq* cq : All<Cq>(Kind::kCq)) CqTranslates(cq);
   for (Qp* qp : All<Qp>(Kind::kQp)) SetQpPath(qp, QpPath(*qp));
-  for (const auto& [p, k] : shadows_)
+  for (const auto& [p, k] : Shadows())
     if (k == Kind::kContext)
       InstallTranslatingOps(AsContext(static_cast<ibv_context*>(const_cast<void*>(p))));
   gid_moved_.store(
@@ -477,16 +479,12 @@ Status Shim::RestoreNow(const std::string& device, const std::vector<RemoteMappi
   return {};
 }
 
-Status Shim::ResumeNow() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released: restore first");
-  if (!paused_) return {};
+// The posts queued during the pause, in order: every queue's receives
+// before any send. The first failure, after trying them all.
+Status Shim::ReplayQueuedPosts() {
   Status st;
-  // Under the queues' mutex until the gate opens: a post that found the
-  // gate closed is replayed before any later one goes through.
-  std::lock_guard<std::mutex> queues(pause_.queue_mu());
-  if (LogMoves()) LogResume();
   for (Srq* srq : All<Srq>(Kind::kSrq)) {
+    srq->pause->queue_mu().AssertHeld();  // it is pause_'s, which the caller holds
     const int rc = Repost(&srq->recvs, &srq->queued_recvs, [srq](ibv_recv_wr* w, ibv_recv_wr** b) {
       return PostSrqRecvReal(srq, w, b);
     });
@@ -498,11 +496,13 @@ Status Shim::ResumeNow() {
   // would find no receive (RNR) where it found one without the pause.
   const std::vector<Qp*> qps = All<Qp>(Kind::kQp);
   for (Qp* qp : qps) {
+    qp->pause->queue_mu().AssertHeld();  // it is pause_'s, which the caller holds
     const int rc = Repost(qp->recvs, &qp->queued_recvs,
                           [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
     if (rc != 0 && st.ok()) st = Error(Code::kInternal, Errno("posting queued receives", rc));
   }
   for (Qp* qp : qps) {
+    qp->pause->queue_mu().AssertHeld();  // it is pause_'s, which the caller holds
     for (QueuedSend& s : qp->queued_sends) {
       ibv_sge inline_sge;
       s.wr.next = nullptr;
@@ -520,6 +520,18 @@ Status Shim::ResumeNow() {
     }
     qp->queued_sends.clear();
   }
+  return st;
+}
+
+Status Shim::ResumeNow() {
+  MutexLock lock(&mu_);
+  if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released: restore first");
+  if (!paused_) return {};
+  // Under the queues' mutex until the gate opens: a post that found the
+  // gate closed is replayed before any later one goes through.
+  MutexLock queues(&pause_.queue_mu());
+  if (LogMoves()) LogResume();
+  Status st = ReplayQueuedPosts();
   // The events owed go out once the data path is open: a waiter woken
   // earlier would poll a paused CQ, find nothing, and wait again.
   const std::vector<Cq*> owed = ArmForResume();
@@ -556,7 +568,7 @@ Status Shim::Reconnect(Qp* qp) {
 
 Status Shim::PeerReconnectNow(const std::vector<RemoteMapping>& mappings, bool keep_paused) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (released_) return Error(Code::kFailedPrecondition, "the endpoint is released");
     if (!paused_) return Error(Code::kFailedPrecondition, "peer reconnect needs a paused endpoint");
     // Datagrams the peer sent from its old QPs may have come in since the

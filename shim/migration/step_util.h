@@ -32,7 +32,6 @@ inline std::string Errno(const char* what, int err) {
   return s;
 }
 
-
 }  // namespace rdmavirt::shim
 
 #endif  // RDMAVIRT_SHIM_MIGRATION_STEP_UTIL_H_

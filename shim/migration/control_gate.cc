@@ -3,19 +3,9 @@
 // application thread. See control_gate.h.
 #include "shim/migration/control_gate.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cinttypes>
-#include <cstdio>
-#include <memory>
-#include <optional>
 #include <string>
 
 #include "shim/core/log.h"

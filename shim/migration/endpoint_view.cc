@@ -2,20 +2,9 @@
 // the endpoint (endpoint_view.h).
 #include "shim/migration/endpoint_view.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <time.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cinttypes>
-#include <cstdio>
-#include <memory>
-#include <optional>
-#include <string>
 
 #include "shim/core/shim.h"
 

@@ -10,16 +10,13 @@
 // gate (pause.h).
 #include "shim/migration/release.h"
 
-#include <errno.h>
 #include <fcntl.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cinttypes>
 #include <cstdio>
 #include <memory>
 #include <optional>

@@ -12,15 +12,12 @@
 #include <fcntl.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <memory>
-#include <optional>
 #include <string>
 
 #include "shim/core/log.h"

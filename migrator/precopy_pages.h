@@ -21,7 +21,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "shim/page_digest.h"
+#include "shim/migration/page_digest.h"
 
 namespace rdmavirt::migrator {
 

@@ -21,7 +21,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "shim/shim.h"
+#include "shim/core/shim.h"
 #include "tests/bench/null_backend.h"
 
 namespace rdmavirt::bench {

@@ -27,7 +27,7 @@
 #include <memory>
 #include <vector>
 
-#include "shim/backend.h"
+#include "shim/core/backend.h"
 
 namespace rdmavirt::bench {
 

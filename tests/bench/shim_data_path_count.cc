@@ -36,7 +36,7 @@
 #include <mutex>
 #include <thread>
 
-#include "shim/objects.h"
+#include "shim/core/objects.h"
 #include "tests/bench/data_path_fixture.h"
 
 // ------------------------------------------------------------- interposers

@@ -26,7 +26,7 @@
 #include "migrator/record_store.h"
 #include "rdmavirt/v1/control.pb.h"
 #include "rdmavirt/v1/migrator.grpc.pb.h"
-#include "shim/control.h"
+#include "shim/migration/control.h"
 #include "tests/fuzz/fuzz_util.h"
 #include "tests/fuzz/image_fixture.h"
 #include "tests/fuzz/migrator_fixture.h"

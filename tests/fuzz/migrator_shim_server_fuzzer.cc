@@ -29,7 +29,7 @@
 #include "migrator/frame.h"
 #include "migrator/shim_server.h"
 #include "rdmavirt/v1/control.pb.h"
-#include "shim/control.h"
+#include "shim/migration/control.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace rdmavirt::fuzz {

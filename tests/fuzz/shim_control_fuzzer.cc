@@ -10,8 +10,8 @@
 #include <string>
 
 #include "rdmavirt/v1/control.pb.h"
-#include "shim/control.h"
-#include "shim/wire.h"
+#include "shim/migration/control.h"
+#include "shim/migration/wire.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace rdmavirt::fuzz {

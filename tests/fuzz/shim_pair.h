@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "shim/shim.h"
+#include "shim/core/shim.h"
 #include "tests/shim/fake_backend.h"
 
 namespace rdmavirt::fuzz {

@@ -18,7 +18,7 @@
 #include <string>
 
 #include "rdmavirt/v1/control.pb.h"
-#include "shim/control.h"
+#include "shim/migration/control.h"
 #include "tests/fuzz/fuzz_util.h"
 #include "tests/fuzz/shim_pair.h"
 

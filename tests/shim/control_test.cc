@@ -1,7 +1,7 @@
 // The shim's hand-written codec against protoc's generated code for
 // control.proto: what the shim writes, the migrator parses; what the
 // migrator writes, the shim reads; what is malformed, the shim refuses.
-#include "shim/control.h"
+#include "shim/migration/control.h"
 
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "rdmavirt/v1/control.pb.h"
-#include "shim/wire.h"
+#include "shim/migration/wire.h"
 #include "tests/shim/verbs_test_util.h"
 
 namespace rdmavirt::shim {

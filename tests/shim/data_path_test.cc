@@ -2,7 +2,7 @@
 // application calls on shadow objects: what the device is given (physical
 // keys, QPNs, AHs), what the application gets back (virtual QPNs and
 // GIDs), and that its work requests are untouched afterwards.
-#include "shim/data_path.h"
+#include "shim/datapath/data_path.h"
 
 #include <gtest/gtest.h>
 

@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "shim/migration.h"
-#include "shim/shim.h"
+#include "shim/migration/dirty_pages.h"
+#include "shim/core/shim.h"
 
 namespace rdmavirt::shim {
 namespace {

@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "shim/epoll_regs.h"
+#include "shim/migration/epoll_regs.h"
 #include "tests/shim/verbs_test_util.h"
 
 namespace rdmavirt::shim::testing {

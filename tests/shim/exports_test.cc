@@ -1,7 +1,7 @@
 // The classification of libibverbs' and librdmacm's exports (shim/exports.h)
 // against what is installed and what librdmavirt.so defines: an export
 // nobody classified, or a version nobody looked at, fails here.
-#include "shim/exports.h"
+#include "shim/abi/exports.h"
 
 #include <dlfcn.h>
 #include <link.h>

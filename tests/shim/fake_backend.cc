@@ -11,7 +11,7 @@
 #include <cstring>
 #include <deque>
 
-#include "shim/async_event.h"
+#include "shim/core/async_event.h"
 
 namespace rdmavirt::shim {
 namespace {
@@ -27,6 +27,12 @@ bool IsV4Mapped(const ibv_gid& g) {
   return memcmp(g.raw, kPrefix, sizeof(kPrefix)) == 0;
 }
 
+// The RFC 791 header checksum, computed here on its own rather than with
+// the shim's Ipv4HeaderChecksum (shim/core/grh.h): the fake stands for
+// the kernel's IP stack, which fills in the header the HCA delivers, and
+// the shim decides a GRH's layout by that checksum (LayoutOf). A fake
+// that used the shim's function would accept whatever the shim computes,
+// right or wrong.
 uint16_t Ipv4Checksum(const uint8_t* h) {
   uint32_t sum = 0;
   for (int i = 0; i < 20; i += 2) {

@@ -40,7 +40,7 @@
 #include <utility>
 #include <vector>
 
-#include "shim/backend.h"
+#include "shim/core/backend.h"
 
 namespace rdmavirt::shim {
 

@@ -1,6 +1,6 @@
 // The GRH area's layout, told apart as libibverbs does: every case rxe
 // produces, and an IPv6 GRH whose bytes happen to look like IPv4.
-#include "shim/grh.h"
+#include "shim/core/grh.h"
 
 #include <gtest/gtest.h>
 

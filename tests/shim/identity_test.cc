@@ -1,4 +1,4 @@
-#include "shim/identity.h"
+#include "shim/core/identity.h"
 
 #include <gtest/gtest.h>
 

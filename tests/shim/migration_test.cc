@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "shim/data_path.h"
-#include "shim/thread_probe.h"
+#include "shim/datapath/data_path.h"
+#include "shim/datapath/thread_probe.h"
 #include "tests/shim/verbs_test_util.h"
 
 namespace rdmavirt::shim::testing {

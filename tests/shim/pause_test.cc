@@ -2,7 +2,7 @@
 // of gated calls once Close returns, Close waits for the calls in flight
 // and gives up on one that never ends, and exited threads' marks leave
 // the registry.
-#include "shim/pause.h"
+#include "shim/datapath/pause.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // RecvLog: the journal of receives posted to a queue, as the application
 // posted them, from which release re-posts the outstanding ones.
-#include "shim/recv_log.h"
+#include "shim/datapath/recv_log.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 // What a moved peer publishes (remote_map.h) and how the shim uses it: QPs
 // and AHs toward the peer's virtual GID reach its new physical location,
 // QPNs and rkeys, with the application's values untouched.
-#include "shim/remote_map.h"
+#include "shim/core/remote_map.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <cstring>
 #include <string>
 
-#include "shim/thread_probe.h"
+#include "shim/datapath/thread_probe.h"
 #include "tests/shim/verbs_test_util.h"
 
 namespace rdmavirt::shim::testing {

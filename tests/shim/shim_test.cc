@@ -1,7 +1,7 @@
 // The shim's control path over FakeBackend: virtual identities, what the
 // backend is given, real objects passed through, unsupported features,
 // completion and asynchronous events.
-#include "shim/shim.h"
+#include "shim/core/shim.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

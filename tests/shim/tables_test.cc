@@ -1,4 +1,4 @@
-#include "shim/tables.h"
+#include "shim/core/tables.h"
 
 #include <gtest/gtest.h>
 

@@ -5,7 +5,7 @@
 // application's own code, running or blocked, do not, and a thread
 // blocked in poll(2) is not even signalled (no EINTR). A thread that
 // blocks the signal behind the shim's back, or stays inside, is reported.
-#include "shim/thread_probe.h"
+#include "shim/datapath/thread_probe.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

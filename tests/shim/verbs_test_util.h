@@ -15,8 +15,8 @@
 #include <memory>
 #include <vector>
 
-#include "shim/objects.h"
-#include "shim/shim.h"
+#include "shim/core/objects.h"
+#include "shim/core/shim.h"
 #include "tests/shim/fake_backend.h"
 
 namespace rdmavirt::shim::testing {

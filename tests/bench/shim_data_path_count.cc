@@ -252,7 +252,7 @@ bool CheckShimSemantics(DataPathFixture& f) {
 
 // Whether the stack's QP and both CQs are on `path` and the QP may be
 // paused. The shim hands out its shadow objects' embedded verbs structs,
-// first members (shim/objects.h).
+// first members (shim/core/objects.h).
 bool GatedOn(const DataPathStack& s, shim::Path path) {
   const auto* qp = reinterpret_cast<const shim::Qp*>(s.qp);
   return qp->pause != nullptr && qp->path.get() == path &&
@@ -261,12 +261,12 @@ bool GatedOn(const DataPathStack& s, shim::Path path) {
 }
 
 // The migratable stack's numbers are the probed path's only if it ran
-// (a process's default: shim/thread_probe.h): its QP and CQs are on the
+// (a process's default: shim/datapath/thread_probe.h): its QP and CQs are on the
 // marked path, and on a thread of its own (whose mark starts
 // unregistered) a send, a receive and their polls succeed without
 // registering the mark, which any call through the pause gate does
 // (pause.h). The thread's receive is the queue's first: the thread owns
-// the queue from then on (shim/recv_log.h).
+// the queue from then on (shim/datapath/recv_log.h).
 bool CheckProbedPath(DataPathFixture& f) {
   DataPathStack& s = f.shim_migratable();
   if (!GatedOn(s, shim::Path::kMarked)) {

@@ -5,7 +5,7 @@
 //
 // Input: a first byte of options, then the bytes the "shim" writes before
 // it closes its end. Option bit 0: a real Hello of this process goes first
-// (shim/control.cc EncodeHello, the shim's own encoder), so that the
+// (shim/migration/control.cc EncodeHello, the shim's own encoder), so that the
 // fuzzed bytes also reach the admitted connection's loop; bit 1: the Hello
 // says RELEASED; bit 2 (with bit 0): the server sends a describe request
 // (ShimServer::Call) that this shim reads with the shim's decoder and

@@ -1,5 +1,5 @@
 // The shim's decoder of what the migrator sends it over the control socket
-// (shim/control.cc DecodeRequest, on shim/wire.cc's WireReader): one
+// (shim/migration/control.cc DecodeRequest, on shim/migration/wire.cc's WireReader): one
 // MigratorToShim message, as the payload of a frame.
 //
 // Properties: the decoder never crashes or reads out of bounds; a refusal

@@ -1,9 +1,9 @@
 // The endpoint state a shim acts on: the migrator's requests (quiesce,
 // release, restore with its peers' mappings, peer_quiesce toward a GID,
 // peer_reconnect with a moved peer's mapping, resume), decoded by the shim
-// (shim/control.cc DecodeRequest) and carried out on a live endpoint
-// (Execute: shim/migration.cc Quiesce, Release, Restore, PeerReconnect,
-// Resume; shim/remote_map.cc for the mappings), over FakeBackend.
+// (shim/migration/control.cc DecodeRequest) and carried out on a live endpoint
+// (Execute: shim/migration/release.cc Quiesce, Release, restore.cc Restore, PeerReconnect,
+// Resume; shim/core/remote_map.cc for the mappings), over FakeBackend.
 //
 // Input: messages (fuzz_util.h SplitMessages). A message of one byte is a
 // step of the application (ShimPair::AppStep: posts and polls between the

@@ -549,7 +549,7 @@ def ib_send_bw_in_duration_mode_survives_a_move_of_its_receiver():
     # perftest's duration mode ends each side's loop from its SIGALRM
     # handler (alarm(2)). CRIU 3.17 does not arm a one-shot timer again at
     # a restore, so the moved receiver polled for ever and its sender
-    # waited for its results (shim/migration.cc, StopItimers). 60 s of
+    # waited for its results (shim/migration/release.cc, StopItimers). 60 s of
     # SENDs; the receiver moves about 10 s in.
     perftest_survives_a_move_of_its_server("perf-send-d", "ib_send_bw", "-D 60")
 
@@ -666,7 +666,7 @@ def each_thread_goes_on(counts, threads, host, pid, who, doing):
         time.sleep(1)
 
 
-PROBE_SIGNAL = 62  # SIGRTMAX - 2 on Linux: the shim's thread probe (shim/thread_probe.h)
+PROBE_SIGNAL = 62  # SIGRTMAX - 2 on Linux: the shim's thread probe (shim/datapath/thread_probe.h)
 
 
 def catches_probe_signal(host, pid):
@@ -831,7 +831,7 @@ def worker_threads_posting_to_one_srq_lose_no_message_across_moves():
     and back while the client sends. A move re-posts the receives still
     posted to the SRQ from its journal, which holds them in the order the
     provider took them only if its posters took turns at it
-    (shim/recv_log.h): every worker must keep receiving after each move,
+    (shim/datapath/recv_log.h): every worker must keep receiving after each move,
     at the end each must have received every message its QP carried, in
     order and intact, with each thread's own reposts counted, and every
     receive buffer must still be in use (none lost by a move; one posted

@@ -163,7 +163,7 @@ def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
               "the ranks did not end where they should", v)
         check(v["shimmed_ranks"] == 4, "not every rank had the shim", v)
         # UCX removes its fds from its epoll set at the end: the fds the
-        # release closed must be back in it (shim/epoll_regs.h).
+        # release closed must be back in it (shim/migration/epoll_regs.h).
         epoll = re.findall(r".*epoll_ctl.*", result.out + result.err)
         check(not epoll, "UCX's epoll set lost fds across the move", epoll[:3])
         check(LAB.run(MOVING, "pgrep -x 'orted|mpi_verify'").rc != 0,

@@ -28,8 +28,8 @@
 #include "absl/time/clock.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "migrator/addresses.h"
-#include "migrator/migrator.h"
+#include "migrator/host/addresses.h"
+#include "migrator/move/migrator.h"
 #include "tools/rdmavirtctl/cli.h"
 #include "tools/rdmavirtctl/format.h"
 

@@ -77,73 +77,62 @@ struct Flags {
   std::string libvirt_uri;
 };
 
-// 0 to go on, else the exit code.
-int ParseFlags(int argc, char** argv, Flags* f) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      fputs(kUsage, stdout);
-      return -1;
-    }
-    std::string name = a, value;
-    const size_t eq = a.find('=');
-    if (eq != std::string::npos) {
-      name = a.substr(0, eq);
-      value = a.substr(eq + 1);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      fprintf(stderr, "rdmavirt-migratord: %s needs a value\n%s", a.c_str(), kUsage);
+// One flag's value into `f`: 0, or 2 (the exit code) with what is wrong
+// said.
+int SetFlag(const std::string& name, const std::string& value, Flags* f) {
+  if (name == "--listen")
+    f->listen = value;
+  else if (name == "--socket")
+    f->socket = value;
+  else if (name == "--state-dir")
+    f->state_dir = value;
+  else if (name == "--tls-dir")
+    f->tls_dir = value;
+  else if (name == "--criu-log-dir")
+    f->criu_log_dir = value;
+  else if (name == "--criu-plugin-dir")
+    f->criu_plugin_dir = value;
+  else if (name == "--host-name")
+    f->host_name = value;
+  else if (name == "--max-precopy") {
+    if (!absl::SimpleAtoi(value, &f->max_precopy) || f->max_precopy == 0 || f->max_precopy > 64) {
+      fprintf(stderr, "rdmavirt-migratord: --max-precopy takes 1..64\n");
       return 2;
     }
-    if (name == "--listen")
-      f->listen = value;
-    else if (name == "--socket")
-      f->socket = value;
-    else if (name == "--state-dir")
-      f->state_dir = value;
-    else if (name == "--tls-dir")
-      f->tls_dir = value;
-    else if (name == "--criu-log-dir")
-      f->criu_log_dir = value;
-    else if (name == "--criu-plugin-dir")
-      f->criu_plugin_dir = value;
-    else if (name == "--host-name")
-      f->host_name = value;
-    else if (name == "--max-precopy") {
-      if (!absl::SimpleAtoi(value, &f->max_precopy) || f->max_precopy == 0 || f->max_precopy > 64) {
-        fprintf(stderr, "rdmavirt-migratord: --max-precopy takes 1..64\n");
-        return 2;
-      }
-    } else if (name == "--guest-nic-bridge") {
-      f->guest_nic_bridge = value;
-    } else if (name == "--guest-nic-first") {
-      f->guest_nic_first = value;
-    } else if (name == "--guest-nic-capacity") {
-      if (!absl::SimpleAtoi(value, &f->guest_nic_capacity) || f->guest_nic_capacity == 0 ||
-          f->guest_nic_capacity > 4096) {
-        fprintf(stderr, "rdmavirt-migratord: --guest-nic-capacity takes 1..4096\n");
-        return 2;
-      }
-    } else if (name == "--inventory") {
-      f->inventory = value;
-    } else if (name == "--advertise") {
-      f->advertise = value;
-    } else if (name == "--inventory-prefix") {
-      f->inventory_prefix = value;
-    } else if (name == "--inventory-ttl") {
-      if (!absl::SimpleAtoi(value, &f->inventory_ttl_s) || f->inventory_ttl_s < 3 ||
-          f->inventory_ttl_s > 3600) {
-        fprintf(stderr, "rdmavirt-migratord: --inventory-ttl takes 3..3600 seconds\n");
-        return 2;
-      }
-    } else if (name == "--libvirt-uri") {
-      f->libvirt_uri = value;
-    } else {
-      fprintf(stderr, "rdmavirt-migratord: unknown option %s\n%s", name.c_str(), kUsage);
+  } else if (name == "--guest-nic-bridge") {
+    f->guest_nic_bridge = value;
+  } else if (name == "--guest-nic-first") {
+    f->guest_nic_first = value;
+  } else if (name == "--guest-nic-capacity") {
+    if (!absl::SimpleAtoi(value, &f->guest_nic_capacity) || f->guest_nic_capacity == 0 ||
+        f->guest_nic_capacity > 4096) {
+      fprintf(stderr, "rdmavirt-migratord: --guest-nic-capacity takes 1..4096\n");
       return 2;
     }
+  } else if (name == "--inventory") {
+    f->inventory = value;
+  } else if (name == "--advertise") {
+    f->advertise = value;
+  } else if (name == "--inventory-prefix") {
+    f->inventory_prefix = value;
+  } else if (name == "--inventory-ttl") {
+    if (!absl::SimpleAtoi(value, &f->inventory_ttl_s) || f->inventory_ttl_s < 3 ||
+        f->inventory_ttl_s > 3600) {
+      fprintf(stderr, "rdmavirt-migratord: --inventory-ttl takes 3..3600 seconds\n");
+      return 2;
+    }
+  } else if (name == "--libvirt-uri") {
+    f->libvirt_uri = value;
+  } else {
+    fprintf(stderr, "rdmavirt-migratord: unknown option %s\n%s", name.c_str(), kUsage);
+    return 2;
   }
+  return 0;
+}
+
+// The flags that depend on each other, and the defaults that follow from
+// others: 0, or 2 with what is wrong said.
+int CheckFlags(Flags* f) {
   if (!f->guest_nic_bridge.empty()) {
     // A Linux interface name: it goes into the guests' domain XML as is.
     const bool name_ok =
@@ -172,6 +161,30 @@ int ParseFlags(int argc, char** argv, Flags* f) {
   }
   if (f->criu_log_dir.empty()) f->criu_log_dir = f->state_dir + "/criu-logs";
   return 0;
+}
+
+// 0 to go on, else the exit code.
+int ParseFlags(int argc, char** argv, Flags* f) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      fputs(kUsage, stdout);
+      return -1;
+    }
+    std::string name = a, value;
+    const size_t eq = a.find('=');
+    if (eq != std::string::npos) {
+      name = a.substr(0, eq);
+      value = a.substr(eq + 1);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      fprintf(stderr, "rdmavirt-migratord: %s needs a value\n%s", a.c_str(), kUsage);
+      return 2;
+    }
+    if (int rc = SetFlag(name, value, f); rc != 0) return rc;
+  }
+  return CheckFlags(f);
 }
 
 bool IsDir(const std::string& path) {
@@ -307,6 +320,24 @@ void Register(Inventory* inventory, Migrator* migrator, const std::string& adver
   });
 }
 
+// The operator's and the other migrators' services on `target`, over
+// mutual TLS; null (said) when it cannot listen there.
+std::unique_ptr<grpc::Server> StartServer(const std::string& target, const TlsFiles& tls,
+                                          OperatorService* op, TransferService* transfer) {
+  grpc::ServerBuilder builder;
+  int bound = 0;
+  builder.AddListeningPort(target, MutualTlsServerCredentials(tls), &bound);
+  builder.RegisterService(op);
+  builder.RegisterService(transfer);
+  builder.SetMaxReceiveMessageSize(8 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || bound == 0) {
+    Log("cannot start: cannot listen on %s", target);
+    return nullptr;
+  }
+  return server;
+}
+
 int Run(int argc, char** argv) {
   Flags flags;
   if (int rc = ParseFlags(argc, argv, &flags); rc != 0) return rc < 0 ? 0 : rc;
@@ -345,17 +376,8 @@ int Run(int argc, char** argv) {
 
   OperatorService op(&migrator);
   TransferService transfer(&migrator);
-  grpc::ServerBuilder builder;
-  int bound = 0;
-  builder.AddListeningPort(listen->Target(), MutualTlsServerCredentials(tls), &bound);
-  builder.RegisterService(&op);
-  builder.RegisterService(&transfer);
-  builder.SetMaxReceiveMessageSize(8 << 20);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || bound == 0) {
-    Log("cannot start: cannot listen on %s", listen->Target());
-    return 1;
-  }
+  std::unique_ptr<grpc::Server> server = StartServer(listen->Target(), tls, &op, &transfer);
+  if (server == nullptr) return 1;
   Log("rdmavirt-migratord %s: listening on %s (mutual TLS), shims on %s, state in %s",
       RDMAVIRT_VERSION, listen->Target(), flags.socket, flags.state_dir);
   if (const std::string points = FailpointsSet(); !points.empty())

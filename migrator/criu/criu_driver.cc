@@ -815,6 +815,52 @@ void CriuDriver::CancelLazyDump(const LazyPages& serve) {
   freeaddrinfo(res);
 }
 
+namespace {
+
+// CRIU's lazy-pages daemon for a restore of `dir` (work dir `work`),
+// fetching from the source's page server at `from`.
+std::vector<std::string> LazyPagesArgs(const std::string& criu, const std::string& dir,
+                                       const std::string& work, const LazyPages& from,
+                                       const std::string& tls_dir) {
+  std::vector<std::string> daemon = {criu,
+                                     "lazy-pages",
+                                     "--page-server",
+                                     "--address",
+                                     from.address,
+                                     "--port",
+                                     std::to_string(from.port),
+                                     "-D",
+                                     dir,
+                                     "-W",
+                                     work,
+                                     "-o",
+                                     "lazy-pages.log",
+                                     "-v4"};
+  Append(&daemon, TlsArgs(tls_dir));
+  return daemon;
+}
+
+// Waits (30 s at most) for the daemon's socket in `work`; a daemon that
+// exits first, or never makes it, is a failure with its log.
+absl::Status AwaitPagesSocket(const LazyRestored& out, const std::string& work,
+                              const std::string& dir, const LazyPages& from) {
+  const std::string socket_path = work + "/lazy-pages.socket";
+  for (int i = 0;; ++i) {
+    struct stat st;
+    if (stat(socket_path.c_str(), &st) == 0) return absl::OkStatus();
+    int status = 0;
+    if (i > 1500 || waitpid(out.pages_daemon, &status, WNOHANG) == out.pages_daemon)
+      return CriuFailure(Call::kRestore, -EBADE, 0,
+                         absl::StrCat("CRIU's lazy-pages daemon for ", dir,
+                                      " did not start (the source's page server at ", from.address,
+                                      ":", from.port, ")"),
+                         out.daemon_log);
+    usleep(20 * 1000);
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, bool tcp_established,
                                                      const LazyPages& from,
                                                      const std::string& tls_dir) {
@@ -835,41 +881,14 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
   if (absl::Status s = MakeDir(work, 0700); !s.ok()) return s;
   LazyRestored out;
   out.daemon_log = work + "/lazy-pages.log";
-  std::vector<std::string> daemon = {criu,
-                                     "lazy-pages",
-                                     "--page-server",
-                                     "--address",
-                                     from.address,
-                                     "--port",
-                                     std::to_string(from.port),
-                                     "-D",
-                                     dir,
-                                     "-W",
-                                     work,
-                                     "-o",
-                                     "lazy-pages.log",
-                                     "-v4"};
-  Append(&daemon, TlsArgs(tls_dir));
-  absl::StatusOr<pid_t> d = Spawn(daemon);
+  absl::StatusOr<pid_t> d = Spawn(LazyPagesArgs(criu, dir, work, from, tls_dir));
   if (!d.ok()) return d.status();
   out.pages_daemon = *d;
   absl::Cleanup stop_daemon = [&] {
     kill(out.pages_daemon, SIGKILL);
     WaitExit(out.pages_daemon);
   };
-  const std::string socket_path = work + "/lazy-pages.socket";
-  for (int i = 0;; ++i) {
-    struct stat st;
-    if (stat(socket_path.c_str(), &st) == 0) break;
-    int status = 0;
-    if (i > 1500 || waitpid(out.pages_daemon, &status, WNOHANG) == out.pages_daemon)
-      return CriuFailure(Call::kRestore, -EBADE, 0,
-                         absl::StrCat("CRIU's lazy-pages daemon for ", dir,
-                                      " did not start (the source's page server at ", from.address,
-                                      ":", from.port, ")"),
-                         out.daemon_log);
-    usleep(20 * 1000);
-  }
+  if (absl::Status st = AwaitPagesSocket(out, work, dir, from); !st.ok()) return st;
   const std::string pidfile = work + "/root.pid";
   std::vector<std::string> restore = {criu, "restore", "-D", dir};
   Append(&restore, CommonArgs(work, "restore.log"));

@@ -102,6 +102,33 @@ const char* Kind(mode_t mode) {
   return "not a regular file";
 }
 
+// The entry `name` of `dirfd` (`rel` in the checkpoint, `shown` in
+// errors), read whole: its size and digest. ABORTED when it changed while
+// it was read.
+absl::StatusOr<v1::ImageFile> HashedFile(int dirfd, const std::string& name, const std::string& rel,
+                                         const std::string& shown) {
+  // O_NONBLOCK: should it have become a fifo since the stat, do not hang.
+  ScopedFd fd(openat(dirfd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (fd.get() < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open ", shown));
+  struct stat fst;
+  if (fstat(fd.get(), &fst) != 0 || !S_ISREG(fst.st_mode)) {
+    return absl::AbortedError(absl::StrCat(shown, " changed while it was scanned"));
+  }
+  v1::ImageFile f;
+  f.set_name(rel);
+  std::string digest;
+  uint64_t bytes = 0;
+  if (absl::Status s = HashFd(fd.get(), shown, EVP_blake2b512(), &digest, &bytes); !s.ok())
+    return s;
+  if (bytes != static_cast<uint64_t>(fst.st_size)) {
+    return absl::AbortedError(absl::StrCat(shown, " changed size while it was read (", bytes,
+                                           " bytes read, ", fst.st_size, " at open)"));
+  }
+  f.set_size(bytes);
+  f.set_digest(digest);
+  return f;
+}
+
 absl::Status ScanDir(int dirfd, const std::string& root, const std::string& prefix, int depth,
                      bool hash, std::vector<v1::ImageFile>* out) {
   if (depth > kMaxDepth) {
@@ -155,26 +182,9 @@ absl::Status ScanDir(int dirfd, const std::string& root, const std::string& pref
       out->push_back(std::move(f));
       continue;
     }
-    // O_NONBLOCK: should it have become a fifo since the stat, do not hang.
-    ScopedFd fd(openat(dirfd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-    if (fd.get() < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open ", shown));
-    struct stat fst;
-    if (fstat(fd.get(), &fst) != 0 || !S_ISREG(fst.st_mode)) {
-      return absl::AbortedError(absl::StrCat(shown, " changed while it was scanned"));
-    }
-    v1::ImageFile f;
-    f.set_name(rel);
-    std::string digest;
-    uint64_t bytes = 0;
-    if (absl::Status s = HashFd(fd.get(), shown, EVP_blake2b512(), &digest, &bytes); !s.ok())
-      return s;
-    if (bytes != static_cast<uint64_t>(fst.st_size)) {
-      return absl::AbortedError(absl::StrCat(shown, " changed size while it was read (", bytes,
-                                             " bytes read, ", fst.st_size, " at open)"));
-    }
-    f.set_size(bytes);
-    f.set_digest(digest);
-    out->push_back(std::move(f));
+    absl::StatusOr<v1::ImageFile> f = HashedFile(dirfd, name, rel, shown);
+    if (!f.ok()) return f.status();
+    out->push_back(*std::move(f));
   }
   return absl::OkStatus();
 }

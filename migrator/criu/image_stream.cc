@@ -26,6 +26,69 @@ std::string StreamSubdir(bool pre_dump, uint32_t iteration) {
   return pre_dump ? absl::StrCat("pre-", iteration) : "final";
 }
 
+namespace {
+
+// A message of the stream of move `migration_id`'s pre-dump `iteration`
+// (or its final dump).
+v1::ImageChunk StreamChunk(const std::string& migration_id, bool pre_dump, uint32_t iteration) {
+  v1::ImageChunk c;
+  c.set_migration_id(migration_id);
+  c.set_pre_dump(pre_dump);
+  c.set_iteration(iteration);
+  return c;
+}
+
+// A stream's files on their way out.
+struct Sender {
+  grpc::ClientWriterInterface<v1::ImageChunk>* writer;
+  // One message for every piece, read into in place: its data's buffer is
+  // allocated once and each piece is copied once on its way out (by
+  // gRPC's serialization).
+  v1::ImageChunk chunk;
+  DigestStream hash;
+  bool open = true;  // the destination still takes messages
+  uint64_t sent = 0;
+  uint64_t total = 0;
+  const BytesProgress& progress;
+};
+
+// dir/f sent piece by piece, hashed as it goes; f gets the digest. A file
+// that cannot be read, changed size, or disagrees with the manifest's
+// digest is an error (the caller cancels the stream).
+absl::Status SendFile(Sender* s, const std::string& dir, v1::ImageFile* f) {
+  const std::string path = absl::StrCat(dir, "/", f->name());
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::string* buf = s->chunk.mutable_data();
+  uint64_t offset = 0;
+  s->chunk.set_name(f->name());
+  do {
+    buf->resize(kChunkBytes);
+    in.read(buf->data(), static_cast<std::streamsize>(buf->size()));
+    const size_t n = static_cast<size_t>(in.gcount());
+    buf->resize(n);
+    if (offset + n > f->size()) break;  // grew: said below
+    s->hash.Update(*buf);
+    s->chunk.set_offset(offset);
+    s->open = s->writer->Write(s->chunk);
+    offset += n;
+    s->sent += n;
+    if (s->progress) s->progress(s->sent, s->total);
+    if (n == 0) break;
+  } while (s->open && in);
+  if (s->open && (offset != f->size() || in.peek() != std::ifstream::traits_type::eof()))
+    return absl::AbortedError(
+        absl::StrCat(path, " changed size while it was sent (", f->size(), " bytes listed)"));
+  std::string digest = s->hash.Final();
+  if (!f->digest().empty() && f->digest() != digest)
+    return absl::DataLossError(
+        absl::StrCat(path, " has digest ", Hex(digest), ", the manifest says ", Hex(f->digest())));
+  f->set_digest(std::move(digest));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
                                     const std::string& migration_id, const std::string& dir,
                                     const v1::Manifest& manifest, bool pre_dump, uint32_t iteration,
@@ -38,65 +101,22 @@ absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
   v1::PushImagesResponse response;
   std::unique_ptr<grpc::ClientWriterInterface<v1::ImageChunk>> writer =
       stub->PushImages(&ctx, &response);
-  v1::ImageChunk first;
-  first.set_migration_id(migration_id);
+  v1::ImageChunk first = StreamChunk(migration_id, pre_dump, iteration);
   *first.mutable_manifest() = manifest;
-  first.set_pre_dump(pre_dump);
-  first.set_iteration(iteration);
-  bool open = writer->Write(first);
-  uint64_t sent = 0;
-  // One message for every piece, read into in place: its data's buffer is
-  // allocated once and each piece is copied once on its way out (by
-  // gRPC's serialization).
-  v1::ImageChunk c;
-  c.set_migration_id(migration_id);
-  c.set_pre_dump(pre_dump);
-  c.set_iteration(iteration);
-  std::string* buf = c.mutable_data();
-  v1::ImageChunk trailer;
-  trailer.set_migration_id(migration_id);
-  trailer.set_pre_dump(pre_dump);
-  trailer.set_iteration(iteration);
+  Sender s{writer.get(), StreamChunk(migration_id, pre_dump, iteration), {}, true, 0, total,
+           progress};
+  s.open = writer->Write(first);
+  v1::ImageChunk trailer = StreamChunk(migration_id, pre_dump, iteration);
   trailer.set_trailer(true);
   *trailer.mutable_manifest() = manifest;
-  DigestStream hash;
   for (v1::ImageFile& f : *trailer.mutable_manifest()->mutable_files()) {
-    if (!open) break;
-    const std::string path = absl::StrCat(dir, "/", f.name());
-    std::ifstream in(path, std::ios::binary);
-    if (!in) {
+    if (!s.open) break;
+    if (absl::Status st = SendFile(&s, dir, &f); !st.ok()) {
       ctx.TryCancel();
-      return absl::NotFoundError(absl::StrCat("cannot read ", path));
+      return st;
     }
-    uint64_t offset = 0;
-    c.set_name(f.name());
-    do {
-      buf->resize(kChunkBytes);
-      in.read(buf->data(), static_cast<std::streamsize>(buf->size()));
-      const size_t n = static_cast<size_t>(in.gcount());
-      buf->resize(n);
-      if (offset + n > f.size()) break;  // grew: said below
-      hash.Update(*buf);
-      c.set_offset(offset);
-      open = writer->Write(c);
-      offset += n;
-      sent += n;
-      if (progress) progress(sent, total);
-      if (n == 0) break;
-    } while (open && in);
-    if (open && (offset != f.size() || in.peek() != std::ifstream::traits_type::eof())) {
-      ctx.TryCancel();
-      return absl::AbortedError(
-          absl::StrCat(path, " changed size while it was sent (", f.size(), " bytes listed)"));
-    }
-    std::string digest = hash.Final();
-    if (!f.digest().empty() && f.digest() != digest) {
-      ctx.TryCancel();
-      return absl::DataLossError(
-          absl::StrCat(path, " has digest ", Hex(digest), ", the manifest says ", Hex(f.digest())));
-    }
-    f.set_digest(std::move(digest));
   }
+  bool open = s.open;
   if (open) open = writer->Write(trailer);
   if (open) writer->WritesDone();
   const grpc::Status st = writer->Finish();
@@ -105,7 +125,7 @@ absl::StatusOr<uint64_t> SendImages(v1::Transfer::StubInterface* stub,
                         absl::StrCat("pushing images: ", st.error_message()));
   if (!open) return absl::UnavailableError("the destination closed the image stream");
   if (hashed != nullptr) *hashed = trailer.manifest();
-  return sent;
+  return s.sent;
 }
 
 ImageReceiver::~ImageReceiver() {

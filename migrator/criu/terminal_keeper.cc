@@ -92,10 +92,14 @@ bool Reap(pid_t criu, int log, bool block) {
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The command line: --swrk-fd N --criu PATH --log PATH.
+struct Args {
   std::string swrk_fd, criu, log_path;
+  long sk = -1;
+};
+
+// -1 to go on, else the exit code (usage said).
+int ParseArgs(int argc, char** argv, Args* args) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -107,63 +111,51 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (a == "--swrk-fd")
-      swrk_fd = argv[++i];
+      args->swrk_fd = argv[++i];
     else if (a == "--criu")
-      criu = argv[++i];
+      args->criu = argv[++i];
     else if (a == "--log")
-      log_path = argv[++i];
+      args->log_path = argv[++i];
     else {
       Usage();
       return 2;
     }
   }
   char* end = nullptr;
-  const long sk = swrk_fd.empty() ? -1 : strtol(swrk_fd.c_str(), &end, 10);
-  if (sk < 0 || *end != '\0' || criu.empty() || log_path.empty() || fcntl(sk, F_GETFD) < 0) {
+  args->sk = args->swrk_fd.empty() ? -1 : strtol(args->swrk_fd.c_str(), &end, 10);
+  if (args->sk < 0 || *end != '\0' || args->criu.empty() || args->log_path.empty() ||
+      fcntl(static_cast<int>(args->sk), F_GETFD) < 0) {
     Usage();
     return 2;
   }
-  const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-  if (log < 0) {
-    perror(log_path.c_str());
-    return 1;
-  }
+  return -1;
+}
 
-  // The caller waits for this process only: the rest runs in a child,
-  // re-parented to init (or the caller's subreaper) when this one exits.
-  const pid_t detached = fork();
-  if (detached < 0) Fail(log, "fork");
-  if (detached > 0) return 0;
-
+// This process a session leader with a new pseudo-terminal as its
+// controlling terminal: the master side in *master, the slave returned.
+int NewSessionTerminal(int log, int* master) {
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
   signal(SIGHUP, SIG_IGN);  // the session leader outlives its terminal's hangups
   if (setsid() < 0) Fail(log, "setsid");
   if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) Fail(log, "PR_SET_CHILD_SUBREAPER");
-  const int master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
-  if (master < 0) Fail(log, "posix_openpt");
-  if (grantpt(master) != 0 || unlockpt(master) != 0) Fail(log, "grantpt/unlockpt");
+  *master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+  if (*master < 0) Fail(log, "posix_openpt");
+  if (grantpt(*master) != 0 || unlockpt(*master) != 0) Fail(log, "grantpt/unlockpt");
   char name[64];
-  if (ptsname_r(master, name, sizeof(name)) != 0) Fail(log, "ptsname");
+  if (ptsname_r(*master, name, sizeof(name)) != 0) Fail(log, "ptsname");
   // A session leader without a terminal gets the first one it opens.
   const int slave = open(name, O_RDWR);
   if (slave < 0) Fail(log, std::string("open ") + name);
   if (ioctl(slave, TIOCSCTTY, 0) != 0) Fail(log, std::string("TIOCSCTTY ") + name);
   Say(log, std::string("session ") + std::to_string(getpid()) + ", terminal " + name);
+  return slave;
+}
 
-  const pid_t c = fork();
-  if (c < 0) Fail(log, "fork");
-  if (c == 0) {
-    signal(SIGHUP, SIG_DFL);
-    if (dup2(slave, 0) < 0 || dup2(slave, 1) < 0 || dup2(slave, 2) < 0) Fail(log, "dup2");
-    if (slave > 2) close(slave);
-    execl(criu.c_str(), criu.c_str(), "swrk", swrk_fd.c_str(), static_cast<char*>(nullptr));
-    Fail(log, "exec " + criu);
-  }
-  close(slave);
-  close(static_cast<int>(sk));
-
+// The terminal's output into the log until no process is left in the
+// session (the restored tree, re-parented here, included).
+void Relay(int master, pid_t c, int log) {
   fcntl(master, F_SETFL, fcntl(master, F_GETFL) | O_NONBLOCK);
   bool open_master = true;
   bool children = true;
@@ -178,6 +170,40 @@ int main(int argc, char** argv) {
     }
   }
   if (open_master) Drain(master, log);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  if (int rc = ParseArgs(argc, argv, &args); rc >= 0) return rc;
+  const int log = open(args.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  if (log < 0) {
+    perror(args.log_path.c_str());
+    return 1;
+  }
+
+  // The caller waits for this process only: the rest runs in a child,
+  // re-parented to init (or the caller's subreaper) when this one exits.
+  const pid_t detached = fork();
+  if (detached < 0) Fail(log, "fork");
+  if (detached > 0) return 0;
+
+  int master = -1;
+  const int slave = NewSessionTerminal(log, &master);
+  const pid_t c = fork();
+  if (c < 0) Fail(log, "fork");
+  if (c == 0) {
+    signal(SIGHUP, SIG_DFL);
+    if (dup2(slave, 0) < 0 || dup2(slave, 1) < 0 || dup2(slave, 2) < 0) Fail(log, "dup2");
+    if (slave > 2) close(slave);
+    execl(args.criu.c_str(), args.criu.c_str(), "swrk", args.swrk_fd.c_str(),
+          static_cast<char*>(nullptr));
+    Fail(log, "exec " + args.criu);
+  }
+  close(slave);
+  close(static_cast<int>(args.sk));
+  Relay(master, c, log);
   Say(log, "no process left in session " + std::to_string(getpid()));
   return 0;
 }

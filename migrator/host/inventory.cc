@@ -258,6 +258,33 @@ void Inventory::RegistrationLoop() {
   }
 }
 
+void Inventory::PublishIfChanged(int64_t lease) {
+  // What the host offers changes (guest NICs, ports, CRIU): put it again.
+  std::function<v1::InventoryHost()> describe;
+  {
+    absl::MutexLock lock(&mu_);
+    describe = describe_;
+  }
+  const v1::InventoryHost host = describe();
+  const std::string value = ToJson(host);
+  bool changed = false;
+  {
+    absl::MutexLock lock(&mu_);
+    changed = value != published_;
+  }
+  if (!changed) return;
+  TxnRequest txn;
+  etcdserverpb::PutRequest* p = txn.add_success()->mutable_request_put();
+  p->set_key(absl::StrCat(options_.prefix, "hosts/", host.name()));
+  p->set_value(value);
+  p->set_lease(lease);
+  TxnResponse done;
+  if (Txn("updating this host", txn, &done).ok()) {
+    absl::MutexLock lock(&mu_);
+    published_ = value;
+  }
+}
+
 void Inventory::KeepAlive(int64_t lease) {
   size_t n = current_.load() % endpoints_.size();
   grpc::ClientContext ctx;
@@ -299,31 +326,7 @@ void Inventory::KeepAlive(int64_t lease) {
       if (lease_ == lease) lease_ = 0;
       break;
     }
-    // What the host offers changes (guest NICs, ports, CRIU): put it again.
-    std::function<v1::InventoryHost()> describe;
-    {
-      absl::MutexLock lock(&mu_);
-      describe = describe_;
-    }
-    const v1::InventoryHost host = describe();
-    const std::string value = ToJson(host);
-    bool changed = false;
-    {
-      absl::MutexLock lock(&mu_);
-      changed = value != published_;
-    }
-    if (changed) {
-      TxnRequest txn;
-      etcdserverpb::PutRequest* p = txn.add_success()->mutable_request_put();
-      p->set_key(absl::StrCat(options_.prefix, "hosts/", host.name()));
-      p->set_value(value);
-      p->set_lease(lease);
-      TxnResponse done;
-      if (Txn("updating this host", txn, &done).ok()) {
-        absl::MutexLock lock(&mu_);
-        published_ = value;
-      }
-    }
+    PublishIfChanged(lease);
     // Until the next keep-alive, or sooner when told that what the host
     // offers changed (Refresh).
     absl::MutexLock lock(&mu_);

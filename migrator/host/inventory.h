@@ -55,16 +55,17 @@ class Inventory {
   // to publish (called again every round; a changed value is put again).
   // Registers at once and returns its result; when etcd cannot be reached,
   // keeps trying in the background either way.
-  absl::Status StartRegistration(std::function<v1::InventoryHost()> describe);
+  absl::Status StartRegistration(std::function<v1::InventoryHost()> describe)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // `revoke`: the lease is revoked and the host drops out at once; else it
   // drops out when the lease expires.
-  void StopRegistration(bool revoke);
+  void StopRegistration(bool revoke) ABSL_LOCKS_EXCLUDED(mu_);
   // Whether the host's keys are in etcd under a live lease (as far as the
   // last keep-alive knows).
-  bool Registered() const;
+  bool Registered() const ABSL_LOCKS_EXCLUDED(mu_);
   // What `describe` says changed: it is asked again now, not at the next
   // keep-alive (a third of the lease later).
-  void Refresh();
+  void Refresh() ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- lookups
   // The host that owns `gid` (16 bytes). NOT_FOUND "no migrator owns GID
@@ -77,7 +78,7 @@ class Inventory {
   // Claims claim.subject() under this host's lease. FAILED_PRECONDITION
   // naming the move that holds it; UNAVAILABLE when this host is not
   // registered (its claim would outlive nothing).
-  absl::Status Claim(const v1::MoveClaim& claim);
+  absl::Status Claim(const v1::MoveClaim& claim) ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the claim if it is still `migration_id`'s.
   absl::Status Unclaim(const std::string& subject, const std::string& migration_id);
   absl::StatusOr<std::vector<v1::MoveClaim>> Moves();
@@ -99,10 +100,13 @@ class Inventory {
                    etcdserverpb::TxnResponse* out);
   // Grants a lease and puts the host's keys; deletes the GID keys of an
   // earlier registration that the host no longer has.
-  absl::Status Register(const v1::InventoryHost& host);
-  void RegistrationLoop();
+  absl::Status Register(const v1::InventoryHost& host) ABSL_LOCKS_EXCLUDED(mu_);
+  void RegistrationLoop() ABSL_LOCKS_EXCLUDED(mu_);
   // One keep-alive stream, until it fails or registration stops.
-  void KeepAlive(int64_t lease);
+  void KeepAlive(int64_t lease) ABSL_LOCKS_EXCLUDED(mu_);
+  // The host's description put again under `lease` if it changed since it
+  // was put last; a failure is left for the next keep-alive.
+  void PublishIfChanged(int64_t lease) ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;
   std::vector<Endpoint> endpoints_;

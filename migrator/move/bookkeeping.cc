@@ -147,6 +147,14 @@ void Migrator::FinishReconnected(Move* m, absl::Time c0, const absl::Status& sta
   Finish(m, status);
 }
 
+std::function<void(pid_t)> Migrator::NoteRestored(Move* m) {
+  return [this, m](pid_t p) {
+    m->rec.set_restored_pid(p);
+    m->rec.set_restored_identity(procs_->Identity(p));
+    Persist(m);
+  };
+}
+
 void Migrator::RemoveStepDirs(Move* m) {
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))

@@ -55,6 +55,26 @@ void Migrator::LoadGuestNics() {
 absl::StatusOr<v1::GuestReport> Migrator::Suspend(const v1::SuspendRequest& request) {
   const absl::Time start = absl::Now();
   absl::MutexLock serial(&suspend_mu_);
+  absl::StatusOr<std::vector<pid_t>> pids = SuspendSet(request);
+  if (!pids.ok()) return pids.status();
+  if (absl::Status st = RefuseConnectedPair(*pids); !st.ok()) return st;
+  {
+    absl::MutexLock lock(&mu_);
+    for (pid_t pid : *pids)
+      if (moving_.contains(pid))
+        return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is moving"));
+    for (pid_t pid : *pids) moving_.insert(pid);
+  }
+  v1::GuestReport out;
+  const absl::Status failure = SuspendEach(*pids, &out);
+  if (!failure.ok()) out.set_error(std::string(failure.message()));
+  out.set_ok(failure.ok());
+  out.set_elapsed_us(MicrosSince(start));
+  if (!failure.ok()) return failure;
+  return out;
+}
+
+absl::StatusOr<std::vector<pid_t>> Migrator::SuspendSet(const v1::SuspendRequest& request) {
   std::vector<pid_t> pids;
   if (request.pids_size() > 0) {
     for (int32_t pid : request.pids()) {
@@ -69,7 +89,10 @@ absl::StatusOr<v1::GuestReport> Migrator::Suspend(const v1::SuspendRequest& requ
         pids.push_back(s.pid);
   }
   std::sort(pids.begin(), pids.end());
+  return pids;
+}
 
+absl::Status Migrator::RefuseConnectedPair(const std::vector<pid_t>& pids) {
   // Two endpoints of the set connected to each other would each be
   // re-pointed at the other's released QPs: refused, before anything.
   std::map<std::string, pid_t> by_gid;
@@ -88,15 +111,10 @@ absl::StatusOr<v1::GuestReport> Migrator::Suspend(const v1::SuspendRequest& requ
             "processes ", pids[i], " and ", it->second,
             " are connected to each other on this host; suspending both is not supported"));
     }
-  {
-    absl::MutexLock lock(&mu_);
-    for (pid_t pid : pids)
-      if (moving_.contains(pid))
-        return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is moving"));
-    for (pid_t pid : pids) moving_.insert(pid);
-  }
+  return absl::OkStatus();
+}
 
-  v1::GuestReport out;
+absl::Status Migrator::SuspendEach(const std::vector<pid_t>& pids, v1::GuestReport* out) {
   absl::Status failure;
   std::vector<pid_t> done;
   for (pid_t pid : pids) {
@@ -107,38 +125,33 @@ absl::StatusOr<v1::GuestReport> Migrator::Suspend(const v1::SuspendRequest& requ
     if (!st.ok()) {
       failure = st;
       RollBack(m.get(), st);
-      *out.add_endpoints() = m->rec.report();
+      *out->add_endpoints() = m->rec.report();
       absl::MutexLock lock(&mu_);
       moving_.erase(pid);
       break;
     }
     SetPhase(m.get(), "suspended");
-    *out.add_endpoints() = m->rec.report();
+    *out->add_endpoints() = m->rec.report();
     suspended_[pid] = std::move(m);
     done.push_back(pid);
     absl::MutexLock lock(&mu_);
     held_peers_[pid];
   }
-  if (!failure.ok()) {
-    // All or nothing: the ones suspended before the failure come back.
-    for (pid_t pid : done) {
-      std::unique_ptr<Move> m = std::move(suspended_[pid]);
-      suspended_.erase(pid);
-      {
-        absl::MutexLock lock(&mu_);
-        held_peers_.erase(pid);
-      }
-      RollBack(m.get(), absl::AbortedError(absl::StrCat("suspending process ", pids.back(),
-                                                        " failed: ", failure.message())));
+  if (failure.ok()) return failure;
+  // All or nothing: the ones suspended before the failure come back.
+  for (pid_t pid : done) {
+    std::unique_ptr<Move> m = std::move(suspended_[pid]);
+    suspended_.erase(pid);
+    {
       absl::MutexLock lock(&mu_);
-      moving_.erase(pid);
+      held_peers_.erase(pid);
     }
-    out.set_error(std::string(failure.message()));
+    RollBack(m.get(), absl::AbortedError(absl::StrCat("suspending process ", pids.back(),
+                                                      " failed: ", failure.message())));
+    absl::MutexLock lock(&mu_);
+    moving_.erase(pid);
   }
-  out.set_ok(failure.ok());
-  out.set_elapsed_us(MicrosSince(start));
-  if (!failure.ok()) return failure;
-  return out;
+  return failure;
 }
 
 void Migrator::ResumeOne(Move* m, const std::string& device, v1::MigrationReport* out) {
@@ -275,6 +288,46 @@ absl::Status Migrator::GuestEvent(const v1::GuestEventRequest& request) {
   return SaveGuestNics();
 }
 
+namespace {
+
+// QEMU's prefix: 0x52 is a locally administered unicast address.
+std::string NewGuestMac() {
+  static absl::Mutex gen_mu(absl::kConstInit);
+  static absl::BitGen* gen ABSL_PT_GUARDED_BY(gen_mu) = new absl::BitGen;
+  uint32_t r;
+  {
+    absl::MutexLock g(&gen_mu);
+    r = absl::Uniform<uint32_t>(*gen, 0, 1u << 24);
+  }
+  return absl::StrFormat("52:54:00:%02x:%02x:%02x", r >> 16, (r >> 8) & 0xff, r & 0xff);
+}
+
+}  // namespace
+
+std::string Migrator::FreeGuestAddress(const ServiceAddress& first,
+                                       const std::set<std::string>& taken) const {
+  ServiceAddress a = first;
+  for (uint32_t i = 0; i < options_.guest_nic_capacity; ++i, ++a.addr) {
+    if (!a.SameSubnet(first.addr)) break;
+    if (!taken.contains(a.Text())) return a.Text();
+  }
+  return "";
+}
+
+absl::Status Migrator::ClaimGuestMove(const std::string& domain, const v1::GuestNic& nic) {
+  // The move, for the cluster to see: a second move of the guest to
+  // another host is refused there until this one is over.
+  if (options_.inventory == nullptr) return absl::OkStatus();
+  v1::MoveClaim claim;
+  claim.set_subject(absl::StrCat("guest/", domain));
+  claim.set_migration_id(absl::StrCat("nic-", nic.mac()));
+  claim.set_kind("vm-migrate");
+  claim.set_destination(options_.host_name);
+  claim.set_source(options_.host_name);
+  claim.set_started_at(absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()));
+  return options_.inventory->Claim(claim);
+}
+
 absl::StatusOr<v1::GuestNic> Migrator::AllocateGuestNic(
     const v1::AllocateGuestNicRequest& request) {
   if (request.domain().empty()) return absl::InvalidArgumentError("no domain");
@@ -305,42 +358,15 @@ absl::StatusOr<v1::GuestNic> Migrator::AllocateGuestNic(
     return absl::ResourceExhaustedError(absl::StrCat(options_.host_name, " runs ",
                                                      guest_nics_.entries_size(), " RDMA guests, ",
                                                      "its capacity"));
-  ServiceAddress a = *first;
-  std::string text;
-  for (uint32_t i = 0; i < options_.guest_nic_capacity; ++i, ++a.addr) {
-    if (!a.SameSubnet(first->addr)) break;
-    if (!taken.contains(a.Text())) {
-      text = a.Text();
-      break;
-    }
-  }
+  const std::string text = FreeGuestAddress(*first, taken);
   if (text.empty())
     return absl::ResourceExhaustedError(
         absl::StrCat("no free guest address from ", options_.guest_nic_first));
-  static absl::Mutex gen_mu(absl::kConstInit);
-  static absl::BitGen* gen = new absl::BitGen;
-  uint32_t r;
-  {
-    absl::MutexLock g(&gen_mu);
-    r = absl::Uniform<uint32_t>(*gen, 0, 1u << 24);
-  }
-  // QEMU's prefix: 0x52 is a locally administered unicast address.
   v1::GuestNic nic;
-  nic.set_mac(absl::StrFormat("52:54:00:%02x:%02x:%02x", r >> 16, (r >> 8) & 0xff, r & 0xff));
+  nic.set_mac(NewGuestMac());
   nic.set_address(text);
   nic.set_interface_xml(GuestInterfaceXml(options_.guest_nic_bridge, nic.mac()));
-  // The move, for the cluster to see: a second move of the guest to
-  // another host is refused there until this one is over.
-  if (options_.inventory != nullptr) {
-    v1::MoveClaim claim;
-    claim.set_subject(absl::StrCat("guest/", request.domain()));
-    claim.set_migration_id(absl::StrCat("nic-", nic.mac()));
-    claim.set_kind("vm-migrate");
-    claim.set_destination(options_.host_name);
-    claim.set_source(options_.host_name);
-    claim.set_started_at(absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()));
-    if (absl::Status st = options_.inventory->Claim(claim); !st.ok()) return st;
-  }
+  if (absl::Status st = ClaimGuestMove(request.domain(), nic); !st.ok()) return st;
   v1::GuestNicEntry* e = guest_nics_.add_entries();
   e->set_domain(request.domain());
   e->set_mac(nic.mac());

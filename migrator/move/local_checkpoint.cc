@@ -207,15 +207,9 @@ absl::Status Migrator::RestoreHere(Move* m, const std::string& dir, const v1::Ma
   r->set_destination(options_.host_name);
   SetPhase(m, "restore", "on this host");
   v1::RestoreIncomingResponse out;
-  absl::StatusOr<pid_t> pid = RestoreFromDir(
-      dir, /*tcp_established=*/false, !manifest.terminal().empty(),
-      /*lazy_from=*/nullptr, manifest.endpoint().pid(),
-      [&](pid_t p) {
-        m->rec.set_restored_pid(p);
-        m->rec.set_restored_identity(procs_->Identity(p));
-        Persist(m);
-      },
-      {}, &out);
+  absl::StatusOr<pid_t> pid =
+      RestoreFromDir(dir, /*tcp_established=*/false, !manifest.terminal().empty(),
+                     /*lazy_from=*/nullptr, manifest.endpoint().pid(), NoteRestored(m), {}, &out);
   if (!pid.ok()) {
     Finish(m, pid.status());
     return pid.status();

@@ -115,7 +115,7 @@ Migrator::~Migrator() = default;
 
 std::string Migrator::NewId() {
   static absl::Mutex id_mu(absl::kConstInit);
-  static absl::BitGen* gen = new absl::BitGen;
+  static absl::BitGen* gen ABSL_PT_GUARDED_BY(id_mu) = new absl::BitGen;
   absl::MutexLock lock(&id_mu);
   return absl::StrFormat("%s-%06x",
                          absl::FormatTime("%Y%m%d-%H%M%S", absl::Now(), absl::UTCTimeZone()),

@@ -218,7 +218,7 @@ class Migrator {
   // FAILED_PRECONDITION when none is.
   absl::StatusOr<std::vector<pid_t>> EndpointsOfTree(pid_t root);
   // The endpoint described and its peers quiesced; ABORTED when another
-  // move holds it or a peer (outgoing.cc).
+  // move holds it or a peer (quiesce.cc).
   absl::StatusOr<v1::EndpointSummary> QuiesceThePeers(Move* m);
   absl::Status MarkQuiescing(pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
   // `pid` taken for a move (or a checkpoint); FAILED_PRECONDITION when it
@@ -237,6 +237,9 @@ class Migrator {
   // The images under m->dir (pre-dumps, final dump) deleted; the record
   // stays.
   void RemoveStepDirs(Move* m);
+  // For RestoreFromDir's `restored`: the pid CRIU gave m's tree, and that
+  // process's identity, recorded at once (crash recovery kills it).
+  std::function<void(pid_t)> NoteRestored(Move* m);
   // AbortIncoming on a prepared move's destination; its failure, said.
   absl::Status AbortOnDestination(Move* m);
   // SIGKILL of a copy of a moved process that must not stay (`which`
@@ -261,7 +264,8 @@ class Migrator {
                                                    pid_t exclude);
   std::string FirstActiveDeviceName();
 
-  // ---- source side (outgoing.cc)
+  // ---- source side (bookkeeping.cc, quiesce.cc, reconnect.cc, precopy_dump.cc,
+  // migrate.cc, linked_tree.cc, rollback.cc, local_checkpoint.cc)
   std::unique_ptr<Move> NewMove(const std::string& kind, pid_t pid, const ProgressSink& sink);
   void SetPhase(Move* m, const std::string& phase, const std::string& detail = "");
   void Persist(Move* m) ABSL_LOCKS_EXCLUDED(mu_);
@@ -465,6 +469,9 @@ class Migrator {
   // A move whose process is gone but whose final dump is whole: restored
   // here, resumed, the move finished (as rolled back if it resumed).
   void RestoreFinalDumpHere(Move* m, const absl::Status& cause);
+  // Whether the process of a recovered move is still the one it moved (not
+  // a pid reused since); if not, its record forgets what was done to it.
+  bool SourceProcessAlive(Move* m);
   void RecoverDestination(const std::string& dir, v1::MigrationRecord record)
       ABSL_LOCKS_EXCLUDED(mu_);
   // ReconnectPeers as this host's own step (a move or a recovery from
@@ -514,6 +521,22 @@ class Migrator {
   void FillGuestNics(v1::HostInfo* info) ABSL_LOCKS_EXCLUDED(guests_mu_);
   // The guests' NICs written to the state directory; the failure, said.
   absl::Status SaveGuestNics() ABSL_EXCLUSIVE_LOCKS_REQUIRED(guests_mu_);
+  // AllocateGuestNic's steps. The first address from `first` up (within
+  // its subnet and the capacity) not `taken`, "" if none; the move of guest
+  // `domain` claimed in the inventory (OK without one).
+  std::string FreeGuestAddress(const ServiceAddress& first,
+                               const std::set<std::string>& taken) const;
+  absl::Status ClaimGuestMove(const std::string& domain, const v1::GuestNic& nic);
+  // Suspend's steps (guests.cc). SuspendSet: the request's pids (each
+  // under the shim), or every running endpoint, less those suspended
+  // already. RefuseConnectedPair: FAILED_PRECONDITION for two of them
+  // connected to each other. SuspendEach: each quiesced and released, held
+  // in suspended_; all or nothing (a failure puts back those before it).
+  absl::StatusOr<std::vector<pid_t>> SuspendSet(const v1::SuspendRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(suspend_mu_);
+  absl::Status RefuseConnectedPair(const std::vector<pid_t>& pids);
+  absl::Status SuspendEach(const std::vector<pid_t>& pids, v1::GuestReport* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(suspend_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   void ResumeOne(Move* m, const std::string& device, v1::MigrationReport* out)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -557,7 +580,7 @@ class Migrator {
   const absl::Time started_ = absl::Now();
   // Pids this host peer-quiesced for each migration id.
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
-  // Endpoints whose own move has begun to quiesce them (outgoing.cc).
+  // Endpoints whose own move has begun to quiesce them (quiesce.cc).
   std::set<pid_t> quiescing_ ABSL_GUARDED_BY(mu_);
   // Endpoints restored here whose source has not resumed them yet.
   std::set<pid_t> arriving_ ABSL_GUARDED_BY(mu_);

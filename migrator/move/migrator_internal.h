@@ -42,6 +42,10 @@ struct Migrator::Move {
   absl::Time blackout_start = absl::InfiniteFuture();
   // Taken by the calls to several peer hosts at once (AllAtOnce) around
   // what they share: `stubs`, and the record and progress of SetPhase.
+  //
+  // Not ABSL_GUARDED_BY(peers_mu): outside AllAtOnce the thread that owns
+  // the move reads and writes `stubs` and `rec` without it, as no other
+  // thread runs then; the analysis cannot tell those stretches apart.
   absl::Mutex peers_mu;
   std::map<std::string, std::unique_ptr<v1::Transfer::StubInterface>> stubs;
   bool prepared = false;  // the destination holds an incoming record

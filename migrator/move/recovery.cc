@@ -106,17 +106,7 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record,
   }
   const absl::Status cause = absl::AbortedError(absl::StrCat(
       "rdmavirt-migratord restarted during the ", r->kind(), " (phase ", m.rec.phase(), ")"));
-  const bool alive = SameProcess(pid, m.rec.identity());
-  if (!alive && procs_->Exists(pid)) {
-    Log("recovery: migration %s: pid %d is another process now (%s, was %s): left alone",
-        r->migration_id(), pid, procs_->Identity(pid), m.rec.identity());
-  }
-  if (!alive) {
-    // Nothing of it here to continue, bring back or kill.
-    m.rec.set_stopped(false);
-    m.rec.set_released(false);
-    m.rec.set_quiesced(false);
-  }
+  const bool alive = SourceProcessAlive(&m);
 
   if (!m.rec.tree_lead().empty() && !m.rec.confirmed() && tree_forward) {
     // Its tree runs on the destination, its endpoint released there.
@@ -154,6 +144,22 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record,
   DoneMoving(pid);
 }
 
+bool Migrator::SourceProcessAlive(Move* m) {
+  const pid_t pid = m->rec.report().pid();
+  const bool alive = SameProcess(pid, m->rec.identity());
+  if (!alive && procs_->Exists(pid)) {
+    Log("recovery: migration %s: pid %d is another process now (%s, was %s): left alone",
+        m->rec.report().migration_id(), pid, procs_->Identity(pid), m->rec.identity());
+  }
+  if (!alive) {
+    // Nothing of it here to continue, bring back or kill.
+    m->rec.set_stopped(false);
+    m->rec.set_released(false);
+    m->rec.set_quiesced(false);
+  }
+  return alive;
+}
+
 void Migrator::RestoreFinalDumpHere(Move* m, const absl::Status& cause) {
   v1::MigrationReport* r = m->rec.mutable_report();
   const pid_t pid = r->pid();
@@ -169,14 +175,9 @@ void Migrator::RestoreFinalDumpHere(Move* m, const absl::Status& cause) {
       m->rec.set_addresses_moved(false);
   }
   v1::RestoreIncomingResponse out;
-  absl::StatusOr<pid_t> back = RestoreFromDir(
-      m->rec.image_dir(), tcp, !m->rec.terminal().empty(), /*lazy_from=*/nullptr, pid,
-      [&](pid_t p) {
-        m->rec.set_restored_pid(p);
-        m->rec.set_restored_identity(procs_->Identity(p));
-        Persist(m);
-      },
-      {}, &out);
+  absl::StatusOr<pid_t> back =
+      RestoreFromDir(m->rec.image_dir(), tcp, !m->rec.terminal().empty(), /*lazy_from=*/nullptr,
+                     pid, NoteRestored(m), {}, &out);
   if (!back.ok()) {
     r->set_error(absl::StrCat(cause.message(), addresses_error,
                               "; restoring the final dump failed: ", back.status().message()));

@@ -26,7 +26,9 @@ struct ShimServer::Conn {
   ucred cred{};
   ShimInfo info;
   absl::Mutex call_mu;  // one request at a time on this connection
-  // Guarded by the server's mu_.
+  // Guarded by the server's mu_ (every access is in a ShimServer method
+  // that holds it). Not ABSL_GUARDED_BY: the analysis cannot name another
+  // object's lock from a member of this struct.
   bool closed = false;
   uint64_t waiting_id = 0;
   std::optional<v1::Reply> reply;

@@ -48,12 +48,12 @@ class ShimServer final : public ShimChannel {
 
   const std::string& resume_dir() const { return resume_dir_; }
 
-  std::vector<ShimInfo> Connected() override;
+  std::vector<ShimInfo> Connected() override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::Reply> Call(pid_t pid, v1::MigratorToShim request,
                                  absl::Duration timeout) override;
-  absl::Status WaitClosed(pid_t pid, absl::Duration timeout) override;
+  absl::Status WaitClosed(pid_t pid, absl::Duration timeout) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<ShimInfo> WaitHello(pid_t pid, v1::EndpointPhase phase,
-                                     absl::Duration timeout) override;
+                                     absl::Duration timeout) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status SetResumeMarker(pid_t pid, bool present) override;
 
   // Connections admitted and refused so far (tests, logs).
@@ -68,8 +68,8 @@ class ShimServer final : public ShimChannel {
   };
 
   ShimServer(Options options, int listen_fd, int wake_fd);
-  void AcceptLoop();
-  void Serve(std::shared_ptr<Conn> conn, Reader* reader);
+  void AcceptLoop() ABSL_LOCKS_EXCLUDED(mu_);
+  void Serve(std::shared_ptr<Conn> conn, Reader* reader) ABSL_LOCKS_EXCLUDED(mu_);
   // Reads and checks the Hello; false (with the reason logged) to refuse.
   bool Admit(Conn* conn);
   void ReapReaders() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

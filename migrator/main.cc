@@ -338,6 +338,18 @@ std::unique_ptr<grpc::Server> StartServer(const std::string& target, const TlsFi
   return server;
 }
 
+// SIGTERM and SIGINT blocked, to be taken by Run's sigwait, in no other
+// thread (every thread started after inherits the mask); SIGPIPE ignored.
+sigset_t BlockStopSignals() {
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  return stop;
+}
+
 int Run(int argc, char** argv) {
   Flags flags;
   if (int rc = ParseFlags(argc, argv, &flags); rc != 0) return rc < 0 ? 0 : rc;
@@ -351,13 +363,7 @@ int Run(int argc, char** argv) {
   if (int rc = LoadHostTls(flags, &tls); rc != 0) return rc;
   if (int rc = SetCriuPluginDir(flags); rc != 0) return rc;
 
-  // Signals are taken by sigwait below, in no other thread.
-  sigset_t stop;
-  sigemptyset(&stop);
-  sigaddset(&stop, SIGTERM);
-  sigaddset(&stop, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
-  signal(SIGPIPE, SIG_IGN);
+  const sigset_t stop = BlockStopSignals();
 
   ShimServer::Options so;
   so.socket_path = flags.socket;

@@ -25,7 +25,7 @@
 #include <map>
 #include <set>
 
-#include "migrator/image_dir.h"
+#include "migrator/criu/image_dir.h"
 #include "tests/fuzz/fuzz_util.h"
 #include "tests/fuzz/image_fixture.h"
 

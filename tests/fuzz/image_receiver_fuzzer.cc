@@ -20,8 +20,8 @@
 #include <map>
 #include <string>
 
-#include "migrator/image_dir.h"
-#include "migrator/image_stream.h"
+#include "migrator/criu/image_dir.h"
+#include "migrator/criu/image_stream.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace rdmavirt::fuzz {

@@ -18,7 +18,7 @@
 #include <fstream>
 #include <string>
 
-#include "migrator/record_store.h"
+#include "migrator/move/record_store.h"
 #include "tests/fuzz/fuzz_util.h"
 #include "tests/fuzz/migrator_fixture.h"
 

@@ -15,7 +15,7 @@
 #include <memory>
 #include <string>
 
-#include "migrator/migrator.h"
+#include "migrator/move/migrator.h"
 #include "tests/migrator/fake_host.h"
 
 namespace rdmavirt::fuzz {

@@ -13,7 +13,7 @@
 
 #include <string>
 
-#include "migrator/frame.h"
+#include "migrator/transport/frame.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

@@ -26,8 +26,8 @@
 #include <thread>
 
 #include "absl/time/clock.h"
-#include "migrator/frame.h"
-#include "migrator/shim_server.h"
+#include "migrator/transport/frame.h"
+#include "migrator/transport/shim_server.h"
 #include "rdmavirt/v1/control.pb.h"
 #include "shim/migration/control.h"
 #include "tests/fuzz/fuzz_util.h"

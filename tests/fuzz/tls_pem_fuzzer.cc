@@ -19,7 +19,7 @@
 
 #include "absl/strings/match.h"
 #include "grpcpp/grpcpp.h"
-#include "migrator/tls.h"
+#include "migrator/transport/tls.h"
 #include "rdmavirt/v1/migrator.grpc.pb.h"
 #include "tests/fuzz/fuzz_util.h"
 

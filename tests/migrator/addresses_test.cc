@@ -1,4 +1,4 @@
-#include "migrator/addresses.h"
+#include "migrator/host/addresses.h"
 
 #include "gtest/gtest.h"
 #include "tests/migrator/fake_host.h"

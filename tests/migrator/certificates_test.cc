@@ -1,11 +1,11 @@
 // Certificates' roles and the checks a party makes of its own certificate,
 // on real certificates from tools/rdmavirt-certs and tests/migrator/bad-certs.sh.
-#include "migrator/certificates.h"
+#include "migrator/transport/certificates.h"
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "migrator/tls.h"
+#include "migrator/transport/tls.h"
 #include "tests/migrator/test_certs.h"
 
 namespace rdmavirt::migrator {

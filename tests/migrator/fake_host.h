@@ -20,10 +20,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "migrator/checkpointer.h"
-#include "migrator/process_control.h"
-#include "migrator/service_address.h"
-#include "migrator/shim_channel.h"
+#include "migrator/criu/checkpointer.h"
+#include "migrator/host/process_control.h"
+#include "migrator/host/service_address.h"
+#include "migrator/transport/shim_channel.h"
 
 namespace rdmavirt::migrator::testing {
 

@@ -11,9 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "migrator/grpc_service.h"
-#include "migrator/migrator.h"
-#include "migrator/tls.h"
+#include "migrator/move/migrator.h"
+#include "migrator/transport/grpc_service.h"
+#include "migrator/transport/tls.h"
 #include "tests/migrator/fake_host.h"
 #include "tests/migrator/test_certs.h"
 

@@ -1,7 +1,7 @@
 // Checkpoint directories: the scan lists what a restore needs and refuses
 // what cannot travel; verification catches every way images go wrong; the
 // manifest file survives a round trip and refuses truncation and garbage.
-#include "migrator/image_dir.h"
+#include "migrator/criu/image_dir.h"
 
 #include <fcntl.h>
 #include <sys/socket.h>

@@ -1,5 +1,5 @@
 // ImageReceiver: what a destination accepts from a PushImages stream.
-#include "migrator/image_stream.h"
+#include "migrator/criu/image_stream.h"
 
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "migrator/image_dir.h"
+#include "migrator/criu/image_dir.h"
 
 namespace rdmavirt::migrator {
 namespace {

@@ -1,7 +1,7 @@
 // The inventory against a real etcd (Debian's etcd-server), started by each
 // test on 127.0.0.1: registration under a lease, lookups by GID, claims of
 // moves, and what happens when a migrator or etcd goes away.
-#include "migrator/inventory.h"
+#include "migrator/host/inventory.h"
 
 #include <arpa/inet.h>
 
@@ -15,8 +15,8 @@
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "migrator/addresses.h"
-#include "migrator/tls.h"
+#include "migrator/host/addresses.h"
+#include "migrator/transport/tls.h"
 #include "tests/migrator/etcd_process.h"
 #include "tests/migrator/test_certs.h"
 

@@ -2,7 +2,7 @@
 // and CRIU), with real gRPC between migrators (in-process channels): the
 // happy path, refusals before anything is touched, rollback at each
 // failure point, checkpoint/restore, and recovery after a restart.
-#include "migrator/migrator.h"
+#include "migrator/move/migrator.h"
 
 #include <unistd.h>
 
@@ -22,12 +22,12 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "migrator/addresses.h"
-#include "migrator/grpc_service.h"
-#include "migrator/image_dir.h"
-#include "migrator/inventory.h"
-#include "migrator/migrator_internal.h"
-#include "migrator/record_store.h"
+#include "migrator/criu/image_dir.h"
+#include "migrator/host/addresses.h"
+#include "migrator/host/inventory.h"
+#include "migrator/move/migrator_internal.h"
+#include "migrator/move/record_store.h"
+#include "migrator/transport/grpc_service.h"
 #include "tests/migrator/etcd_process.h"
 #include "tests/migrator/fake_host.h"
 

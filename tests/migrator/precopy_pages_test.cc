@@ -1,7 +1,7 @@
 // PrecopyPages: the digests of the pages a pre-copy sent, read from CRIU's
 // pagemap and pages images as CRIU 3.17 writes them (magic.h,
 // pagemap.proto), and their wire form for the release.
-#include "migrator/precopy_pages.h"
+#include "migrator/move/precopy_pages.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>

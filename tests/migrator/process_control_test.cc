@@ -1,6 +1,6 @@
 // The real ProcessControl on real processes: a parent with a child and a
 // grandchild, stopped, continued and killed as one tree.
-#include "migrator/process_control.h"
+#include "migrator/host/process_control.h"
 
 #include <sys/wait.h>
 #include <unistd.h>

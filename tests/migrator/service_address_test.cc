@@ -1,4 +1,4 @@
-#include "migrator/service_address.h"
+#include "migrator/host/service_address.h"
 
 #include "gtest/gtest.h"
 

@@ -1,6 +1,6 @@
 // ShimServer over a real Unix socket, with a fake shim client in the test
 // process (its pid is ours, so SO_PEERCRED matches a Hello that says so).
-#include "migrator/shim_server.h"
+#include "migrator/transport/shim_server.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "migrator/frame.h"
+#include "migrator/transport/frame.h"
 
 namespace rdmavirt::migrator {
 namespace {

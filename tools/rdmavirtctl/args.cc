@@ -7,7 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "migrator/addresses.h"
+#include "migrator/host/addresses.h"
 #include "tools/rdmavirtctl/cli.h"
 
 namespace rdmavirt::ctl {

@@ -14,8 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/util/json_util.h"
-#include "migrator/certificates.h"
-#include "migrator/tls.h"
+#include "migrator/transport/certificates.h"
+#include "migrator/transport/tls.h"
 
 namespace rdmavirt::ctl {
 

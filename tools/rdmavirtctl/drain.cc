@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "migrator/addresses.h"
+#include "migrator/host/addresses.h"
 #include "tools/rdmavirtctl/cli.h"
 #include "tools/rdmavirtctl/libvirt.h"
 

@@ -7,7 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "migrator/tls.h"
+#include "migrator/transport/tls.h"
 #include "tools/rdmavirtctl/format.h"
 
 namespace rdmavirt::ctl {

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
-#include "migrator/addresses.h"
+#include "migrator/host/addresses.h"
 #include "rdmavirt/v1/migrator.grpc.pb.h"
 #include "tools/rdmavirtctl/cli.h"
 #include "tools/rdmavirtctl/domain_xml.h"

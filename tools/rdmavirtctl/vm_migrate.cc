@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "migrator/migrator.h"
+#include "migrator/move/migrator.h"
 #include "tools/rdmavirtctl/cli.h"
 #include "tools/rdmavirtctl/domain_xml.h"
 #include "tools/rdmavirtctl/format.h"

@@ -1,0 +1,207 @@
+// A move's bookkeeping, shared by every sequence that runs one (outgoing
+// moves, checkpoints and restores, guests' suspends, recovery, incoming
+// moves' kills): its record and progress, its channels to other hosts, the
+// sets that keep two moves of one process apart, and the kill of a copy
+// that must not stay. See migrator.h.
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "migrator/host/failpoints.h"
+#include "migrator/host/log.h"
+#include "migrator/move/migrator.h"
+#include "migrator/move/migrator_internal.h"
+#include "migrator/move/record_store.h"
+
+namespace rdmavirt::migrator {
+
+v1::Manifest MakeManifest(const std::string& id, const v1::EndpointSummary& endpoint,
+                          const std::vector<v1::ImageFile>& files, const std::string& host,
+                          const std::string& terminal) {
+  v1::Manifest m;
+  m.set_format_version(1);
+  m.set_migration_id(id);
+  *m.mutable_endpoint() = endpoint;
+  for (const v1::ImageFile& f : files) *m.add_files() = f;
+  m.set_source_host(host);
+  m.set_created_at(Rfc3339(absl::Now()));
+  m.set_terminal(terminal);
+  return m;
+}
+
+uint64_t SumSizes(const std::vector<v1::ImageFile>& files) {
+  uint64_t n = 0;
+  for (const auto& f : files) n += f.size();
+  return n;
+}
+
+std::unique_ptr<Migrator::Move> Migrator::NewMove(const std::string& kind, pid_t pid,
+                                                  const ProgressSink& sink) {
+  auto m = std::make_unique<Move>();
+  m->start = absl::Now();
+  m->sink = sink;
+  const std::string id = NewId();
+  m->dir = absl::StrCat(options_.state_dir, "/migrations/", id);
+  v1::MigrationReport* r = m->rec.mutable_report();
+  r->set_migration_id(id);
+  r->set_kind(kind);
+  r->set_pid(pid);
+  r->set_source(options_.host_name);
+  r->set_started_at(Rfc3339(m->start));
+  m->rec.set_role("source");
+  m->rec.set_identity(procs_->Identity(pid));
+  return m;
+}
+
+void Migrator::Persist(Move* m) {
+  if (absl::Status st = WriteRecord(m->dir, m->rec); !st.ok()) {
+    Log("migration %s: cannot write its record: %s", m->rec.report().migration_id(), st.ToString());
+    if (m->record_error.ok())
+      m->record_error = Annotate(st, "cannot write the migration record that crash recovery reads");
+  }
+  absl::MutexLock lock(&mu_);
+  if (!m->rec.done()) in_flight_[m->rec.report().migration_id()] = m->rec.report();
+}
+
+void Migrator::SetPhase(Move* m, const std::string& phase, const std::string& detail) {
+  m->rec.set_phase(phase);
+  Persist(m);
+  Log("migration %s (%s of pid %d): %s%s%s", m->rec.report().migration_id(), m->rec.report().kind(),
+      m->rec.report().pid(), phase, detail.empty() ? "" : ": ", detail);
+  if (m->sink) {
+    v1::Progress p;
+    p.set_migration_id(m->rec.report().migration_id());
+    p.set_phase(phase);
+    p.set_detail(detail);
+    m->sink(p);
+  }
+  ReachFailpoint(absl::StrCat("phase:", phase));
+}
+
+void Migrator::SendBytes(Move* m, const std::string& phase, uint64_t done, uint64_t total) {
+  if (!m->sink) return;
+  v1::Progress p;
+  p.set_phase(phase);
+  p.set_bytes_done(done);
+  p.set_bytes_total(total);
+  m->sink(p);
+}
+
+void Migrator::Finish(Move* m, const absl::Status& status) {
+  v1::MigrationReport* r = m->rec.mutable_report();
+  r->set_ok(status.ok());
+  if (!status.ok() && r->error().empty()) r->set_error(std::string(status.message()));
+  r->mutable_breakdown()->set_total_us(MicrosSince(m->start));
+  m->rec.set_done(true);
+  m->rec.set_phase("done");
+  if (absl::Status st = WriteRecord(m->dir, m->rec); !st.ok()) {
+    Log("migration %s: cannot write its record: %s", r->migration_id(), st.ToString());
+    r->set_error(absl::StrCat(r->error(), r->error().empty() ? "" : "; ",
+                              "its record could not be marked done (", st.message(),
+                              "): a restarted migrator would take the move up again"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    in_flight_.erase(r->migration_id());
+    recent_.push_front(*r);
+    if (recent_.size() > 32) recent_.pop_back();
+  }
+  Log("migration %s: %s%s", r->migration_id(),
+      r->ok() ? "done" : (r->rolled_back() ? "failed, rolled back" : "failed"),
+      r->ok() ? "" : absl::StrCat(": ", r->error()));
+  if (m->sink) {
+    v1::Progress p;
+    p.set_phase("done");
+    *p.mutable_report() = *r;
+    m->sink(p);
+  }
+}
+
+v1::Transfer::StubInterface* Migrator::Stub(Move* m, const std::string& target) {
+  auto& s = m->stubs[target];
+  if (s == nullptr) s = options_.connect(target);
+  return s.get();
+}
+
+absl::Status Migrator::MarkMoving(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  if (!moving_.insert(pid).second)
+    return absl::FailedPreconditionError(absl::StrCat("process ", pid, " is already moving"));
+  return absl::OkStatus();
+}
+
+absl::Status Migrator::ResumeEndpoint(pid_t pid) {
+  v1::MigratorToShim res;
+  res.mutable_resume();
+  return Command(pid, res, options_.rpc_timeout, "resume").status();
+}
+
+absl::Status Migrator::ResumeAfter(pid_t pid, const absl::Status& reconnected) {
+  const absl::Status resumed = ResumeEndpoint(pid);
+  return reconnected.ok() ? resumed : reconnected;
+}
+
+void Migrator::FinishReconnected(Move* m, absl::Time c0, const absl::Status& status) {
+  v1::Breakdown* b = m->rec.mutable_report()->mutable_breakdown();
+  b->set_reconnect_us(MicrosSince(c0));
+  b->set_blackout_us(MicrosSince(m->blackout_start));
+  Finish(m, status);
+}
+
+std::function<void(pid_t)> Migrator::NoteRestored(Move* m) {
+  return [this, m](pid_t p) {
+    m->rec.set_restored_pid(p);
+    m->rec.set_restored_identity(procs_->Identity(p));
+    Persist(m);
+  };
+}
+
+void Migrator::RemoveStepDirs(Move* m) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(m->dir, ec))
+    if (e.is_directory()) std::filesystem::remove_all(e.path(), ec);
+}
+
+void Migrator::DoneMoving(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  moving_.erase(pid);
+  quiescing_.erase(pid);
+}
+
+// Marks `pid` as being quiesced for its own move (QuiescePeers then refuses
+// to pause it), unless it is paused as another move's peer.
+absl::Status Migrator::MarkQuiescing(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, pids] : peer_sets_)
+    if (pids.contains(pid))
+      return absl::AbortedError(absl::StrCat("process ", pid, " is paused as a peer of migration ",
+                                             id, "; try again when that move is done"));
+  quiescing_.insert(pid);
+  return absl::OkStatus();
+}
+
+// A copy of a moved process that must not stay: the source's stopped copy
+// once the process runs on the destination, or a destination's restored
+// copy once its move is aborted. A kill that does not take (a task stuck in
+// the kernel) is tried again, then said: a report must not claim one copy
+// while two exist.
+bool Migrator::SameProcess(pid_t pid, const std::string& identity) {
+  if (pid <= 0) return false;
+  return identity.empty() ? procs_->Exists(pid) : procs_->Identity(pid) == identity;
+}
+
+absl::Status Migrator::KillCopy(pid_t pid, const char* which) {
+  absl::Status st;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    st = procs_->Kill(pid);
+    if (st.ok() || !procs_->Exists(pid)) return absl::OkStatus();
+    Log("killing the %s (pid %d, attempt %d): %s", which, pid, attempt + 1, st.ToString());
+  }
+  return absl::InternalError(absl::StrCat(
+      "the ", which, " (pid ", pid, ") could not be killed and stays stopped: ", st.message()));
+}
+
+// Asks the destination of a prepared move to drop it (kill what it
+// restored, delete the images). A destination that does not answer may
+// hold a restored copy, paused: it resumes only on this host's word, which
+
+}  // namespace rdmavirt::migrator

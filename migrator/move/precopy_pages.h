@@ -1,5 +1,5 @@
 // The pages a pre-copy has sent, by address, with the digest of each
-// page's content as the destination will restore it (shim/page_digest.h):
+// page's content as the destination will restore it (shim/migration/page_digest.h):
 // what lets a release leave registered pages the HCA has not written since
 // out of the final dump.
 //

@@ -1,4 +1,4 @@
-// Image manifests (migrator/image_dir.cc): the manifest.pb of a checkpoint
+// Image manifests (migrator/criu/image_dir.cc): the manifest.pb of a checkpoint
 // directory, read back by ReadManifest/ParseManifestFile (a restore, a
 // destination that received images), and VerifyImages, which checks a
 // directory against one before anything is restored from it.

@@ -1,4 +1,4 @@
-// The receiving end of a PushImages stream (migrator/image_stream.cc
+// The receiving end of a PushImages stream (migrator/criu/image_stream.cc
 // ImageReceiver): what a remote migrator sends before a restore, names,
 // offsets, sizes and data of the files its manifest lists, written into
 // the incoming migration's directory.

@@ -1,8 +1,8 @@
-// What crash recovery reads back from disk (migrator/record_store.cc
-// ReadRecord, ListRecords) and acts on (migrator/recovery.cc
+// What crash recovery reads back from disk (migrator/move/record_store.cc
+// ReadRecord, ListRecords) and acts on (migrator/move/recovery.cc
 // Migrator::Recover, rolling back or finishing each move a previous run
 // left in flight), plus the guests' NIC table read at start
-// (migrator/guests.cc LoadGuestNics): over a FakeHost, in a scratch
+// (migrator/move/guests.cc LoadGuestNics): over a FakeHost, in a scratch
 // state directory.
 //
 // Input: messages (fuzz_util.h SplitMessages): the record.pb of a source

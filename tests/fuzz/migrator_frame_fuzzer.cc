@@ -1,4 +1,4 @@
-// The migrator's framing of what a shim sends it (migrator/frame.cc
+// The migrator's framing of what a shim sends it (migrator/transport/frame.cc
 // ReadFrame): the input is the byte stream a shim wrote to its socket
 // before closing it, read back frame by frame from a real socket.
 //

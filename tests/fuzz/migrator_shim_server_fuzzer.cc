@@ -1,6 +1,6 @@
 // What a shim sends the migrator, through the real server
-// (migrator/shim_server.cc: Admit's checks of the Hello, then the loop that
-// parses replies; migrator/frame.cc underneath): each input is one
+// (migrator/transport/shim_server.cc: Admit's checks of the Hello, then the loop that
+// parses replies; migrator/transport/frame.cc underneath): each input is one
 // connection to a ShimServer listening in a scratch directory.
 //
 // Input: a first byte of options, then the bytes the "shim" writes before

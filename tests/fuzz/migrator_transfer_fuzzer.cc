@@ -1,5 +1,5 @@
 // The endpoint state a migrator receives from another host and acts on
-// (migrator/incoming.cc, migrator/migrator.cc: the Transfer service's
+// (migrator/move/incoming.cc, migrator/move/migrator.cc: the Transfer service's
 // Prepare with the moving endpoint's EndpointSummary, PushImages into the
 // incoming directory, RestoreIncoming with the peers' Mappings,
 // QuiescePeers toward a virtual GID and QPNs, ReconnectPeers with the

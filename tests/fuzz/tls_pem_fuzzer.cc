@@ -1,5 +1,5 @@
 // Certificates and keys given on the command line (--tls-dir): what
-// rdmavirt-migratord and rdmavirtctl load (migrator/tls.cc LoadTls) and
+// rdmavirt-migratord and rdmavirtctl load (migrator/transport/tls.cc LoadTls) and
 // hand to gRPC as mutual-TLS credentials (MutualTlsServerCredentials,
 // MutualTlsChannelCredentials), used as main.cc uses them: a server
 // listens with them and a client with them calls it, so that gRPC and

@@ -1,5 +1,5 @@
-"""CRIU through the migrator's driver (migrator/criu_driver.h) and image
-directories (migrator/image_dir.h), driven by rdmavirt-criu-probe in the lab:
+"""CRIU through the migrator's driver (migrator/criu/criu_driver.h) and image
+directories (migrator/criu/image_dir.h), driven by rdmavirt-criu-probe in the lab:
 pre-copy iterations and a move to a host that shares no image directory,
 tampered images refused, a dump that leaves the process running, file
 locks dumped and taken again."""

@@ -1,4 +1,4 @@
-// The classification of libibverbs' and librdmacm's exports (shim/exports.h)
+// The classification of libibverbs' and librdmacm's exports (shim/abi/exports.h)
 // against what is installed and what librdmavirt.so defines: an export
 // nobody classified, or a version nobody looked at, fails here.
 #include "shim/abi/exports.h"
@@ -77,7 +77,7 @@ TEST_F(ExportsTest, EveryExportAndEveryVersionIsClassified) {
   for (const auto& [name, versions] : exports_) {
     const ExportRule* rule = FindExportRule(name);
     if (rule == nullptr) {
-      ADD_FAILURE() << name << " is exported by rdma-core and not classified in shim/exports.cc";
+      ADD_FAILURE() << name << " is exported by rdma-core and not classified in shim/abi/exports.cc";
       continue;
     }
     EXPECT_EQ(Words(rule->versions), versions)
@@ -102,15 +102,15 @@ TEST_F(ExportsTest, TheShimDefinesExactlyWhatItClaims) {
 
 TEST_F(ExportsTest, TheShimExportsNothingUnclassified) {
   // Besides the verbs, only the dl lookups that catch dlopen'ed libibverbs,
-  // the write() that relays refused doorbells (shim/write_relay.h) and the
+  // the write() that relays refused doorbells (shim/datapath/write_relay.h) and the
   // signal masks that keep the pause's probe signal open
-  // (shim/thread_probe.h).
+  // (shim/datapath/thread_probe.h).
   const std::set<std::string> own = {"dlsym", "dlvsym", "write", "pthread_sigmask", "sigprocmask"};
   for (const auto& [name, versions] : shim_) {
     if (own.count(name)) continue;
     const ExportRule* rule = FindExportRule(name);
     EXPECT_TRUE(rule != nullptr && ShimDefines(*rule))
-        << "librdmavirt.so exports " << name << ", which shim/exports.cc does not list as its own";
+        << "librdmavirt.so exports " << name << ", which shim/abi/exports.cc does not list as its own";
     EXPECT_EQ(versions, std::set<std::string>{""})
         << name << ": the shim's verbs are unversioned, so they serve every version";
   }

@@ -32,15 +32,18 @@ bool IsV4Mapped(const ibv_gid& g) {
 // the kernel's IP stack, which fills in the header the HCA delivers, and
 // the shim decides a GRH's layout by that checksum (LayoutOf). A fake
 // that used the shim's function would accept whatever the shim computes,
-// right or wrong.
+// right or wrong. Written the way the kernel fills it in (ip_send_check),
+// not as the shim checks it: the field zeroed, the ten 16-bit words
+// summed, the carries folded back twice (RFC 1071).
 uint16_t Ipv4Checksum(const uint8_t* h) {
-  uint32_t sum = 0;
-  for (int i = 0; i < 20; i += 2) {
-    if (i == 10) continue;  // the checksum field itself
-    sum += static_cast<uint32_t>(h[i]) << 8 | h[i + 1];
-  }
-  while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
-  return static_cast<uint16_t>(~sum);
+  uint8_t header[20];
+  memcpy(header, h, sizeof(header));
+  header[10] = header[11] = 0;
+  uint64_t sum = 0;
+  for (size_t i = 0; i < sizeof(header); i += 2) sum += (header[i] << 8) + header[i + 1];
+  sum = (sum >> 16) + (sum & 0xffff);
+  sum += sum >> 16;
+  return static_cast<uint16_t>(~sum & 0xffff);
 }
 
 // What rxe puts in front of a UD payload for RoCEv2: for IPv4 peers the

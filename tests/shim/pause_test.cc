@@ -1,4 +1,4 @@
-// The data path's pause (shim/pause.h): a set flag keeps every thread out
+// The data path's pause (shim/datapath/pause.h): a set flag keeps every thread out
 // of gated calls once Close returns, Close waits for the calls in flight
 // and gives up on one that never ends, and exited threads' marks leave
 // the registry.

@@ -1,5 +1,5 @@
 // The thread probe's install when librdmavirt.so is loaded
-// (shim/signal_interpose.cc), seen from a program started under it the
+// (shim/abi/signal_interpose.cc), seen from a program started under it the
 // way a user starts one: exec'd with LD_PRELOAD, its signal mask
 // inherited from its parent. A pause asks every thread with the probe's
 // signal, so no thread may have it blocked, however the program or its

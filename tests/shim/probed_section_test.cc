@@ -1,4 +1,4 @@
-// The probed path's section of the built librdmavirt.so (shim/thread_probe.h):
+// The probed path's section of the built librdmavirt.so (shim/datapath/thread_probe.h):
 // the pause counts a thread with a frame in that section as inside a post
 // or poll, so no function there may leave it by a jump (a tail call, which
 // takes its frame away) while the call is not over: every direct branch

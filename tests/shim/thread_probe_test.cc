@@ -1,4 +1,4 @@
-// The thread probe (shim/thread_probe.h) against real threads and a real
+// The thread probe (shim/datapath/thread_probe.h) against real threads and a real
 // signal: a thread inside a provider's code (a separate shared library
 // here, as a provider is) keeps the pause waiting, whether it spins or is
 // blocked in a write(2) that the signal must not break; threads in the

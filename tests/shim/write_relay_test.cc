@@ -1,4 +1,4 @@
-// The write relay (shim/write_relay.h) over a pipe: a write handed to it
+// The write relay (shim/datapath/write_relay.h) over a pipe: a write handed to it
 // from another thread lands, under the opener's credentials, unless the
 // thread's identity differs from the opener's.
 #include "shim/datapath/write_relay.h"

@@ -12,7 +12,7 @@
 //
 // What the HCA wrote into the process's registered memory since a
 // pre-dump is not seen by the soft-dirty bits CRIU tracks: the shim writes
-// every registered page once after its release (shim/migration.cc), so
+// every registered page once after its release (shim/migration/release.cc), so
 // the final dump copies all of them again.
 //
 // Loaded only by rdmavirt's CRIU calls: rdmavirt-migratord points

@@ -20,10 +20,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
-#include "migrator/transport/frame.h"
 #include "migrator/criu/image_dir.h"
 #include "migrator/criu/image_stream.h"
 #include "migrator/move/record_store.h"
+#include "migrator/transport/frame.h"
 #include "rdmavirt/v1/control.pb.h"
 #include "rdmavirt/v1/migrator.grpc.pb.h"
 #include "shim/migration/control.h"

@@ -3,6 +3,8 @@
 // tracks soft-dirty bits copies what the HCA wrote there. Checked on the
 // kernel's own record: /proc/self/pagemap's soft-dirty bit, after
 // /proc/self/clear_refs cleared it.
+#include "shim/migration/dirty_pages.h"
+
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -15,7 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "shim/migration/dirty_pages.h"
 #include "shim/core/shim.h"
 
 namespace rdmavirt::shim {

@@ -77,7 +77,8 @@ TEST_F(ExportsTest, EveryExportAndEveryVersionIsClassified) {
   for (const auto& [name, versions] : exports_) {
     const ExportRule* rule = FindExportRule(name);
     if (rule == nullptr) {
-      ADD_FAILURE() << name << " is exported by rdma-core and not classified in shim/abi/exports.cc";
+      ADD_FAILURE() << name
+                    << " is exported by rdma-core and not classified in shim/abi/exports.cc";
       continue;
     }
     EXPECT_EQ(Words(rule->versions), versions)
@@ -110,7 +111,8 @@ TEST_F(ExportsTest, TheShimExportsNothingUnclassified) {
     if (own.count(name)) continue;
     const ExportRule* rule = FindExportRule(name);
     EXPECT_TRUE(rule != nullptr && ShimDefines(*rule))
-        << "librdmavirt.so exports " << name << ", which shim/abi/exports.cc does not list as its own";
+        << "librdmavirt.so exports " << name
+        << ", which shim/abi/exports.cc does not list as its own";
     EXPECT_EQ(versions, std::set<std::string>{""})
         << name << ": the shim's verbs are unversioned, so they serve every version";
   }

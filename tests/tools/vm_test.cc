@@ -1,11 +1,10 @@
 // rdmavirtctl's VM helpers that need no libvirt: naming, XML, group
 // snapshots' descriptions, hosts files.
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
 #include "tools/rdmavirtctl/domain_xml.h"
 #include "tools/rdmavirtctl/drain.h"
 #include "tools/rdmavirtctl/snapshot.h"
-
-#include "gmock/gmock.h"
-#include "gtest/gtest.h"
 
 namespace rdmavirt::ctl {
 namespace {

@@ -307,13 +307,18 @@ absl::Status Migrator::CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& 
   for (pid_t p : TreeOf(root)) {
     const bool shimmed = std::find(endpoints.begin(), endpoints.end(), p) != endpoints.end();
     for (const std::string& file : procs_->RdmaFiles(p)) {
-      if (shimmed && absl::StartsWith(file, "/dev/infiniband/uverbs")) continue;
+      // The shim releases its devices and its RDMA CM channels (their
+      // kernel files; the program's fds are the shim's: shim/cm/cm.h),
+      // and refuses at its quiesce an RDMA CM id a move cannot carry.
+      if (shimmed && (absl::StartsWith(file, "/dev/infiniband/uverbs") ||
+                      file == "/dev/infiniband/rdma_cm"))
+        continue;
       std::string why;
       if (file == "/dev/infiniband/rdma_cm")
         why =
-            ", an RDMA CM channel (librdmacm), whose connections live in the kernel and "
-            "cannot be checkpointed: a program that connects through the RDMA CM cannot be "
-            "moved (UCX opens one unless UCX_SOCKADDR_TLS_PRIORITY=tcp)";
+            ", an RDMA CM channel (librdmacm) of a process not under the rdmavirt shim (or a "
+            "descendant, which a checkpoint does not release), whose connections live in the "
+            "kernel and cannot be checkpointed";
       else if (absl::StartsWith(file, "/dev/infiniband/uverbs"))
         why =
             ", an RDMA device of a process this step does not release (not under the rdmavirt "

@@ -25,6 +25,10 @@ constexpr const char* kRdmacm =
     "librdmacm reaches verbs objects only through libibverbs' exported names (bound to the "
     "shim's definitions) and the inline verbs (dispatched through the shadows' ops), and reads "
     "only public fields, which shadows carry.";
+constexpr const char* kRdmacmChannel =
+    "librdmacm's own, then its channel made virtual (shim/cm/cm.h): the fd the program holds "
+    "is the shim's, so that its connections can move; librdmacm calls it through its PLT for "
+    "the channels it makes itself too.";
 constexpr const char* kRsockets =
     "rsockets: sockets and buffers over librdmacm and verbs as above; no verbs object crosses "
     "it.";
@@ -210,14 +214,14 @@ constexpr ExportRule kRules[] = {
     {"rdma_bind_addr", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
     {"rdma_connect", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
     {"rdma_create_ep", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
-    {"rdma_create_event_channel", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
+    {"rdma_create_event_channel", "RDMACM_1.0", ExportClass::kShim, kRdmacmChannel},
     {"rdma_create_id", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
     {"rdma_create_qp", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
     {"rdma_create_qp_ex", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
     {"rdma_create_srq", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
     {"rdma_create_srq_ex", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
     {"rdma_destroy_ep", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
-    {"rdma_destroy_event_channel", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
+    {"rdma_destroy_event_channel", "RDMACM_1.0", ExportClass::kShim, kRdmacmChannel},
     {"rdma_destroy_id", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
     {"rdma_destroy_qp", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},
     {"rdma_destroy_srq", "RDMACM_1.0", ExportClass::kPassThrough, kRdmacm},

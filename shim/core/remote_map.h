@@ -30,6 +30,9 @@ struct RemoteMapping {
   ibv_gid physical_gid{};
   std::vector<std::pair<uint32_t, uint32_t>> qpns;   // virtual, physical
   std::vector<std::pair<uint32_t, uint32_t>> rkeys;  // virtual, physical
+  // Its RDMA CM connections waiting for their peers (cm.h): the QP's
+  // virtual QPN, the port its process listens on at physical_gid.
+  std::vector<std::pair<uint32_t, uint32_t>> cm_rendezvous;
 };
 
 class RemoteEndpoint {

@@ -647,10 +647,6 @@ int Shim::DestroyCq(ibv_cq* c) {
   return 0;
 }
 
-namespace {
-
-enum class Wait { kReady, kAgain, kInterrupted };
-
 // Whether a signal handled by this thread since `probes` (its count of
 // the thread probe's signals then) would have ended libibverbs' read(2)
 // of the channel, which the kernel restarts after a handler installed
@@ -688,6 +684,10 @@ bool EndsTheRead(uint32_t probes) {
   }
   return false;
 }
+
+namespace {
+
+enum class Wait { kReady, kAgain, kInterrupted };
 
 // Waits for the real channel to have an event, or for a release to wake
 // the waiter through the channel's eventfd (kAgain: look again), or for a

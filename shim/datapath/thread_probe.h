@@ -51,6 +51,12 @@ int ThreadProbeSignal();
 // tells the probe's from the application's by it.
 uint32_t ThreadProbeTakenHere();
 
+// Whether a signal handled by the calling thread since `probes` (its
+// ThreadProbeTakenHere() then) would have ended a read(2) of a kernel
+// channel: the probe's does not; another does when any signal the thread
+// can take has a handler without SA_RESTART (defined in shim.cc).
+bool EndsTheRead(uint32_t probes);
+
 // How many times a thread asked answered that it was inside (or could not
 // tell): for tests and diagnostics.
 uint64_t ThreadProbeInsideAnswers();

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdio>
 
+#include "shim/cm/cm.h"
 #include "shim/core/log.h"
 #include "shim/core/shim.h"
 #include "shim/datapath/pause.h"
@@ -64,6 +65,12 @@ WireWriter EncodeMapping(const EndpointView& v) {
     p.Varint(1, virt);
     p.Varint(2, phys);
     m.Message(4, p);
+  }
+  for (const auto& [qpn, port] : v.cm_rendezvous) {
+    WireWriter p;
+    p.Varint(1, qpn);
+    p.Varint(2, port);
+    m.Message(5, p);
   }
   return m;
 }
@@ -151,6 +158,10 @@ bool DecodeMapping(std::string_view b, RemoteMapping* m, std::string* why) {
       case 4:
         if (!DecodePairs(r.bytes(), &m->rkeys))
           return *why = "a mapping's rkeys are malformed", false;
+        break;
+      case 5:
+        if (!DecodePairs(r.bytes(), &m->cm_rendezvous) || m->cm_rendezvous.back().second > 65535)
+          return *why = "a mapping's cm_rendezvous is malformed", false;
         break;
     }
   }
@@ -336,6 +347,7 @@ bool DecodeRequest(std::string_view message, ControlRequest* out, std::string* w
 std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endpoint_id, int pid,
                     bool* released) {
   using Kind = ControlRequest::Kind;
+  Cm* cm = Cm::Process();
   const uint64_t start = NowUs();
   const uint32_t drain = req.drain_timeout_ms ? req.drain_timeout_ms : kDefaultDrainMs;
   uint32_t drained = 0;
@@ -344,29 +356,40 @@ std::string Execute(Shim* shim, const ControlRequest& req, std::string_view endp
   Status st;
   switch (req.kind) {
     case Kind::kQuiesce:
-      st = shim->Quiesce(drain, &drained);
+      st = cm->CheckMovable();
+      if (st.ok()) st = shim->Quiesce(drain, &drained);
       if (st.ok()) writable = shim->WritableRegistered();
       break;
     case Kind::kPeerQuiesce:
       st = shim->Quiesce(drain, &drained, req.has_toward ? &req.toward : nullptr);
+      if (st.ok() && req.has_toward) cm->MarkToward(req.toward, shim->Describe().qp_list);
       break;
     case Kind::kRelease:
       st = shim->Release(req.known, &pages, req.lock_registered);
+      if (st.ok()) st = cm->Release();
       break;
     case Kind::kRestore:
       st = shim->Restore(req.device, req.peers);
+      if (st.ok()) st = cm->Restore(shim->Describe().qp_list);
       break;
     case Kind::kResume:
-      st = shim->Resume();
+      // The moved connections' peers have reconnected their QPs, and
+      // connect to the rendezvous now if they have not yet.
+      st = cm->Resume();
+      if (st.ok()) st = shim->Resume();
       break;
     case Kind::kPeerReconnect:
       st = shim->PeerReconnect(req.peers, req.keep_paused);
+      if (st.ok()) st = cm->PeerReconnect(req.peers, shim->Describe().qp_list);
       break;
     case Kind::kDescribe:
     case Kind::kNone:
       break;
   }
-  const EndpointView view = shim->Describe();
+  EndpointView view = shim->Describe();
+  for (const CmRendezvous& r : cm->Rendezvous())
+    view.cm_rendezvous.emplace_back(r.virtual_qpn, r.port);
+  view.cm_ids = static_cast<uint32_t>(cm->ids());
   *released = view.released;
   return EncodeReply(req.id, st, view, endpoint_id, pid, NowUs() - start, drained, pages, writable);
 }

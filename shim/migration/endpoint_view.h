@@ -43,6 +43,10 @@ struct EndpointView {
   ibv_gid physical_gid{};
   std::vector<std::pair<uint32_t, uint32_t>> qpns;   // virtual, physical
   std::vector<std::pair<uint32_t, uint32_t>> rkeys;  // virtual, physical
+  // RDMA CM connections waiting for their peers after a restore (cm.h):
+  // the QP's virtual QPN, the port this process listens on.
+  std::vector<std::pair<uint32_t, uint32_t>> cm_rendezvous;
+  uint32_t cm_ids = 0;  // librdmacm's ids the shim holds
 };
 
 }  // namespace rdmavirt::shim

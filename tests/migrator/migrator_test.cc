@@ -629,19 +629,22 @@ TEST(MigratorTest, RefusesATerminalCriuCannotGiveBackBeforeQuiescingAnything) {
   }
 }
 
-// An RDMA device file that the release does not close (an RDMA CM
-// channel, a MAD port, a verbs device a process outside the shim opened)
+// An RDMA device file that the release does not close (a MAD port, a
+// verbs device or an RDMA CM channel a process outside the shim opened)
 // is refused before anything is quiesced, naming who holds it, by a move
 // and by a checkpoint: CRIU refused it only at the final dump, after the
-// pre-copy and inside the blackout. An endpoint's own verbs device moves.
+// pre-copy and inside the blackout. An endpoint's own verbs device and
+// RDMA CM channel (which its shim releases) move.
 TEST(MigratorTest, RefusesAnRdmaFileTheReleaseDoesNotCloseBeforeQuiescingAnything) {
   struct Held {
     pid_t holder;
     const char* file;
     const char* said;
   };
-  for (const Held& h : {Held{100, "/dev/infiniband/rdma_cm",
-                             "process 100 holds /dev/infiniband/rdma_cm, an RDMA CM channel"},
+  for (const Held& h : {Held{101, "/dev/infiniband/rdma_cm",
+                             "process 101 (a descendant of process 100) holds "
+                             "/dev/infiniband/rdma_cm, an RDMA CM channel (librdmacm) of a "
+                             "process not under the rdmavirt shim"},
                         Held{100, "/dev/infiniband/umad0",
                              "process 100 holds /dev/infiniband/umad0, which CRIU cannot dump"},
                         Held{101, "/dev/infiniband/uverbs0",
@@ -672,10 +675,11 @@ TEST(MigratorTest, RefusesAnRdmaFileTheReleaseDoesNotCloseBeforeQuiescingAnythin
     EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
     EXPECT_EQ(c.host(1).dumps, 0);
   }
-  // Only the endpoint's own verbs device: it moves.
+  // Only the endpoint's own verbs device and RDMA CM channel: it moves.
   Cluster c("rdmafile-ok");
   Topology(c);
   c.host(1).AddRdmaFile(100, "/dev/infiniband/uverbs0");
+  c.host(1).AddRdmaFile(100, "/dev/infiniband/rdma_cm");
   MoveRun run = Migrate(c, 100, "h2");
   EXPECT_TRUE(run.status.ok()) << run.status;
 }

@@ -1,0 +1,47 @@
+// librdmacm's channel constructor and destructor, under the shim's CM
+// layer (shim/cm/cm.h): a migratable process's channels are virtual from
+// their creation. librdmacm calls both through its PLT, also for the
+// private channel of an id made without one, so its own uses come here
+// too. The rest of librdmacm runs as it is: its commands reach the CM
+// layer by write(2) (write_interpose.cc).
+#include <dlfcn.h>
+#include <errno.h>
+#include <rdma/rdma_cma.h>
+
+#include "shim/abi/libc_dl.h"
+#include "shim/cm/channels.h"
+#include "shim/core/log.h"
+#include "shim/migration/control.h"
+
+namespace {
+
+template <typename Fn>
+Fn Next(const char* name) {
+  const rdmavirt::shim::LibcDl& dl = rdmavirt::shim::Libc();
+  return dl.dlsym == nullptr ? nullptr : reinterpret_cast<Fn>(dl.dlsym(RTLD_NEXT, name));
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) rdma_event_channel* rdma_create_event_channel() {
+  using Fn = rdma_event_channel* (*)();
+  static const Fn real = Next<Fn>("rdma_create_event_channel");
+  if (real == nullptr) {
+    errno = ENOSYS;
+    return nullptr;
+  }
+  rdma_event_channel* channel = real();
+  if (channel == nullptr || !rdmavirt::shim::MigrationEnabled()) return channel;
+  if (!rdmavirt::shim::CmAdopt(channel->fd))
+    rdmavirt::shim::LogOnce(
+        "an RDMA CM channel could not be made virtual: it works, and the process cannot move");
+  return channel;
+}
+
+extern "C" __attribute__((visibility("default"))) void rdma_destroy_event_channel(
+    rdma_event_channel* channel) {
+  using Fn = void (*)(rdma_event_channel*);
+  static const Fn real = Next<Fn>("rdma_destroy_event_channel");
+  if (channel != nullptr) rdmavirt::shim::CmForget(channel->fd);
+  if (real != nullptr) real(channel);
+}

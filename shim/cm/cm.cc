@@ -163,7 +163,7 @@ Cm::Id* Cm::ById(uint32_t vid) {
 }
 
 Cm::Id* Cm::ByKernel(uint32_t kid) {
-  if (kid == 0) return nullptr;
+  if (kid == kNoKid) return nullptr;
   for (auto& [vid, id] : ids_)
     if (id.kid == kid) return &id;
   return nullptr;
@@ -280,7 +280,7 @@ ssize_t Cm::Command(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t
   if (id == nullptr) return Fail(ENOENT);
   if (id->channel != ch->fd) return Fail(EINVAL);
   Keep(id, hdr, body, in);
-  if (id->kid == 0) return AnswerWithoutKernel(id, hdr, body, in);
+  if (id->kid == kNoKid) return AnswerWithoutKernel(id, hdr, body, in);
   if (ch->real < 0) return Fail(EAGAIN);
   memcpy(body + id_at, &id->kid, 4);
   const ssize_t rc = NamesADevice(hdr, body, in) ? Query(ch, id, hdr, body, in)
@@ -325,7 +325,7 @@ ssize_t Cm::DestroyOrMigrate(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* bod
   }
   rdma_ucm_migrate_resp resp{};
   const uint64_t app_resp = c.response;
-  if (id->kid != 0 && ch->real >= 0) {
+  if (id->kid != kNoKid && ch->real >= 0) {
     c.id = id->kid;
     c.response = reinterpret_cast<uintptr_t>(&resp);
     if (Kernel(ch->real, hdr.cmd, &c, in, sizeof resp) < 0) return -1;

@@ -115,6 +115,9 @@ struct CmRendezvous {
   uint16_t port = 0;
 };
 
+// An id without a kernel id (the kernel's handles start at 0).
+inline constexpr uint32_t kNoKid = 0xffffffffu;
+
 class Cm {
  public:
   // The process's (never destroyed: librdmacm may run from destructors).
@@ -162,7 +165,7 @@ class Cm {
   struct Channel;
   struct Id {
     uint32_t vid = 0;  // librdmacm's handle
-    uint32_t kid = 0;  // the kernel's now; 0: none
+    uint32_t kid = kNoKid;  // the kernel's now (the kernel's first is 0)
     uint64_t uid = 0;
     uint16_t ps = 0;
     uint8_t qp_type = 0;
@@ -179,7 +182,7 @@ class Cm {
     // TIMEWAIT_EXIT of its kernel id are the move's.
     bool toward_moving = false;
     uint32_t remote_qpn = 0;  // the moving QP's virtual QPN
-    uint32_t rendezvous_child = 0;  // restore: the kernel id being connected
+    uint32_t rendezvous_child = kNoKid;  // restore: the kernel id being connected
     uint32_t rendezvous_qpn = 0;    // restore: the QP's physical QPN, for the REP
     std::string query_addr, query_route;  // the last answers, for a restored id
   };

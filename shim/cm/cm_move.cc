@@ -164,7 +164,7 @@ Status Cm::CheckMovable() {
 void Cm::MarkToward(const ibv_gid& toward, const std::vector<QpView>& qps) {
   MutexLock l(&mu_);
   for (auto& [vid, id] : ids_) {
-    if (id.state != CmState::kEstablished || id.kid == 0) continue;
+    if (id.state != CmState::kEstablished || id.kid == kNoKid) continue;
     const QpView* q = FindQp(qps, id.qpn);
     if (q == nullptr || !q->connected) continue;
     if (memcmp(q->remote_virtual_gid.raw, toward.raw, 16) != 0) continue;
@@ -188,7 +188,7 @@ Status Cm::Release() {
     kernel_->Close(ch->real);  // ends every kernel id of the channel
     ch->real = -1;
   }
-  for (auto& [vid, id] : ids_) id.kid = 0;
+  for (auto& [vid, id] : ids_) id.kid = kNoKid;
   released_ = true;
   return {};
 }
@@ -351,7 +351,7 @@ void Cm::ServeRendezvous() {
       memcpy(&key, ev.param.conn.private_data, sizeof key);
       Id* id = nullptr;
       for (auto& [vid, i] : ids_)
-        if (i.state == CmState::kRendezvous && i.qpn == key.moved_qpn && i.rendezvous_child == 0)
+        if (i.state == CmState::kRendezvous && i.qpn == key.moved_qpn && i.rendezvous_child == kNoKid)
           id = &i;
       if (key.magic != kRendezvousMagic || id == nullptr) {
         rdma_ucm_reject r{};
@@ -380,7 +380,7 @@ void Cm::ServeRendezvous() {
         id.kid = ev.id;
         id.state = CmState::kEstablished;
       }
-      id.rendezvous_child = 0;
+      id.rendezvous_child = kNoKid;
       changed_.NotifyAll();
     }
   }
@@ -484,7 +484,7 @@ Status Cm::ConnectToRendezvous(uint32_t vid, const RemoteMapping& m, uint16_t po
                   strerror(errno));
     return Error(Code::kInternal, msg);
   }
-  if (id->kid != 0) {
+  if (id->kid != kNoKid) {
     // The old kernel id, which the source's DREQ disconnected.
     rdma_ucm_destroy_id_resp dresp{};
     rdma_ucm_destroy_id d{reinterpret_cast<uintptr_t>(&dresp), id->kid, 0};

@@ -1,0 +1,112 @@
+"""RDMA CM programs (librdmacm) moved with their connections.
+
+Real rxe hosts, the kernel's RDMA CM, real CRIU, a migrator on each host,
+unmodified programs from Debian's rdmacm-utils under the shim. Each side
+of a connection made through the RDMA CM moves mid-transfer; the programs'
+own verification decides, and their peers must see no CM event the move
+caused (rping prints every DISCONNECTED it gets).
+"""
+
+import os
+import sys
+import re
+import time
+
+from labtest import LAB, check, lab_test, main, run_ok, wait_until
+
+import migration_tests as mt
+
+WORK = mt.WORK
+PORT = 18700
+SERVICE = "10.77.0.50"  # a listener moves with its address
+
+
+def out_file(name):
+    return os.path.join(LAB.shared, "migration", name)
+
+
+def read(name):
+    with open(out_file(name), errors="replace") as f:
+        return f.read()
+
+
+def start_logged(host, cmd, name):
+    """`cmd` under the shim on host`host`, a session leader (CRIU dumps
+    such a process tree), its output in WORK/name; returns its pid."""
+    run_ok(host, f"mkdir -p {WORK} && rm -f {WORK}/{name}")
+    r = run_ok(host, f"setsid env {mt.SHIM}{cmd} > {WORK}/{name} 2>&1 < /dev/null & echo $!")
+    return int(r.out.split()[-1])
+
+
+def pings(text):
+    """How many distinct pings rping printed (-v; the server's lines may
+    be cut by its stderr's)."""
+    return len(set(re.findall(r"ping data: rdma-ping-(\d+): ", text)))
+
+
+def check_rping(name, side, count):
+    """rping's own verdict (its exit status stays with the host it ended
+    on): `count` verified pings (-V compares each), no error, and the one
+    DISCONNECTED of the end (rping prints each it gets)."""
+    text = read(name)
+    print(f"--- {side}\n{text[-600:]}", flush=True)
+    check(pings(text) == count, f"the rping {side} printed {pings(text)} pings, not {count}",
+          text[-2000:])
+    check(not re.search(r"(?i)mismatch|error|fail", text), f"the rping {side} reported an error",
+          text[-2000:])
+    disc = len(re.findall(r"DISCONNECT EVENT", text))
+    check(disc <= 1, f"the rping {side} saw {disc} DISCONNECTED events (the move caused one)",
+          text[-2000:])
+
+
+def rping_pair(count, server_host, client_host, server_addr):
+    name = f"rping-{server_host}-{client_host}"
+    spid = start_logged(server_host, f"rping -s -a {server_addr} -p {PORT} -C {count} -V -v",
+                        f"{name}-server.out")
+    wait_until(server_host, f"rdma res show cm_id | grep -q 'LISTEN.*:{PORT}'", 30,
+               "the rping server listens")
+    cpid = start_logged(client_host, f"rping -c -a {server_addr} -p {PORT} -C {count} -V -v",
+                        f"{name}-client.out")
+    return name, spid, cpid
+
+
+def wait_pings(name, side, at_least, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pings(read(f"{name}-{side}.out")) >= at_least:
+            return
+        time.sleep(0.5)
+    check(False, f"the rping {side} did not reach {at_least} pings", read(f"{name}-{side}.out"))
+
+
+def wait_gone(host, pid, what, timeout=600):
+    wait_until(host, f"! kill -0 {pid} 2> /dev/null", timeout, f"{what} ended on host{host}")
+
+
+COUNT = int(os.environ.get("RDMAVIRT_RPING_COUNT", "3000"))
+
+
+@lab_test
+def rping_client_moves_live_mid_run_and_both_sides_verify_every_ping():
+    mt.ensure_daemons()
+    name, spid, cpid = rping_pair(COUNT, 3, 1, mt.ip(3))
+    try:
+        wait_pings(name, "client", 50)
+        r, rep = mt.ctl(1, f"migrate {cpid} --to {mt.ip(2)} --max-precopy 1")
+        check(r.rc == 0, "migrate the rping client host1 -> host2", r)
+        mt.check_report(rep, "migrate the rping client")
+        mt.check_moved(cpid, 1, 2, "the rping client")
+        moved_at = pings(read(f"{name}-client.out"))
+        print(f"moved at ping {moved_at} of {COUNT}:", rep.get("breakdown"), flush=True)
+        check(moved_at < COUNT, "the move did not land mid-run")
+        wait_gone(2, cpid, "the rping client")
+        wait_gone(3, spid, "the rping server")
+        check_rping(f"{name}-client.out", "client", COUNT)
+        check_rping(f"{name}-server.out", "server", COUNT)
+    finally:
+        for h, pid in ((1, cpid), (2, cpid), (3, spid)):
+            LAB.run(h, f"kill -9 {pid} 2> /dev/null; true")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "shim/core/log.h"
@@ -280,7 +281,15 @@ ssize_t Cm::Command(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t
   if (id == nullptr) return Fail(ENOENT);
   if (id->channel != ch->fd) return Fail(EINVAL);
   Keep(id, hdr, body, in);
-  if (id->kid == kNoKid) return AnswerWithoutKernel(id, hdr, body, in);
+  if (id->kid == kNoKid) {
+    if (LogMoves()) {
+      char line[160];
+      std::snprintf(line, sizeof line, "RDMA CM command %u on id %u, which has no kernel id (%s)",
+                    hdr.cmd, id->vid, CmStateName(id->state));
+      Log(line);
+    }
+    return AnswerWithoutKernel(id, hdr, body, in);
+  }
   if (ch->real < 0) return Fail(EAGAIN);
   memcpy(body + id_at, &id->kid, 4);
   const ssize_t rc = NamesADevice(hdr, body, in) ? Query(ch, id, hdr, body, in)

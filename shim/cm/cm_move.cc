@@ -379,6 +379,13 @@ void Cm::ServeRendezvous() {
           Kernel(ch->real, RDMA_USER_CM_CMD_MIGRATE_ID, &m, sizeof m, sizeof resp) >= 0) {
         id.kid = ev.id;
         id.state = CmState::kEstablished;
+        if (LogMoves()) {
+          char line[160];
+          std::snprintf(line, sizeof line,
+                        "RDMA CM id %u reconnected after the move (kernel id %u, channel %d)",
+                        id.vid, id.kid, ch->real);
+          Log(line);
+        }
       }
       id.rendezvous_child = kNoKid;
       changed_.NotifyAll();
@@ -400,8 +407,10 @@ Status Cm::Resume() {
         if (id.state == CmState::kRendezvous) return true;
       return false;
     };
-    while (waiting() && rv_fd_ >= 0 && NowMs() < deadline)
-      changed_.WaitFor(&mu_, std::chrono::milliseconds(100), [] { return true; });
+    // The predicate runs with mu_ held (inside the wait).
+    auto settled = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !waiting() || rv_fd_ < 0; };
+    while (!settled() && NowMs() < deadline)
+      changed_.WaitFor(&mu_, std::chrono::milliseconds(100), settled);
     rv_stop_ = true;
   }
   if (rv_thread_.joinable()) rv_thread_.join();

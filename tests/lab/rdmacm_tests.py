@@ -59,13 +59,13 @@ def check_rping(name, side, count):
           text[-2000:])
 
 
-def rping_pair(count, server_host, client_host, server_addr):
+def rping_pair(count, server_host, client_host, server_addr, client_flags=""):
     name = f"rping-{server_host}-{client_host}"
     spid = start_logged(server_host, f"rping -s -a {server_addr} -p {PORT} -C {count} -V -v",
                         f"{name}-server.out")
     wait_until(server_host, f"rdma res show cm_id | grep -q 'LISTEN.*:{PORT}'", 30,
                "the rping server listens")
-    cpid = start_logged(client_host, f"rping -c -a {server_addr} -p {PORT} -C {count} -V -v",
+    cpid = start_logged(client_host, f"rping -c -a {server_addr} -p {PORT} -C {count} -V -v {client_flags}",
                         f"{name}-client.out")
     return name, spid, cpid
 
@@ -89,7 +89,7 @@ COUNT = int(os.environ.get("RDMAVIRT_RPING_COUNT", "3000"))
 @lab_test
 def rping_client_moves_live_mid_run_and_both_sides_verify_every_ping():
     mt.ensure_daemons()
-    name, spid, cpid = rping_pair(COUNT, 3, 1, mt.ip(3))
+    name, spid, cpid = rping_pair(COUNT, 3, 1, mt.ip(3), client_flags=os.environ.get("RPING_CLIENT_FLAGS", ""))
     try:
         wait_pings(name, "client", 50)
         r, rep = mt.ctl(1, f"migrate {cpid} --to {mt.ip(2)} --max-precopy 1")

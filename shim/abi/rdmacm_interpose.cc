@@ -11,6 +11,7 @@
 #include "shim/abi/libc_dl.h"
 #include "shim/cm/channels.h"
 #include "shim/core/log.h"
+#include "shim/core/shim.h"
 #include "shim/migration/control.h"
 
 namespace {
@@ -32,9 +33,15 @@ extern "C" __attribute__((visibility("default"))) rdma_event_channel* rdma_creat
   }
   rdma_event_channel* channel = real();
   if (channel == nullptr || !rdmavirt::shim::MigrationEnabled()) return channel;
-  if (!rdmavirt::shim::CmAdopt(channel->fd))
+  if (!rdmavirt::shim::CmAdopt(channel->fd)) {
     rdmavirt::shim::LogOnce(
         "an RDMA CM channel could not be made virtual: it works, and the process cannot move");
+    return channel;
+  }
+  // A listener that has opened no device yet (librdmacm opens one when a
+  // connection comes) is an endpoint its migrator can move all the same.
+  rdmavirt::shim::Shim* shim = rdmavirt::shim::Shim::Process();
+  if (shim != nullptr && shim->migratable()) rdmavirt::shim::StartControl(shim);
   return channel;
 }
 

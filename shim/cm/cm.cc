@@ -136,7 +136,10 @@ void Cm::Forget(int fd) {
   MutexLock l(&mu_);
   auto it = channels_.find(fd);
   if (it == channels_.end()) return;
-  if (it->second->real >= 0) kernel_->Close(it->second->real);
+  if (it->second->real >= 0) {
+    relays_.erase(it->second->real);
+    kernel_->Close(it->second->real);
+  }
   close(it->second->queue_fd);
   for (auto i = ids_.begin(); i != ids_.end();)
     i = i->second.channel == fd ? ids_.erase(i) : std::next(i);
@@ -205,8 +208,35 @@ ssize_t Cm::Kernel(int fd, uint32_t cmd, const void* body, size_t in, size_t out
   rdma_ucm_cmd_hdr hdr{cmd, static_cast<uint16_t>(in), static_cast<uint16_t>(out)};
   memcpy(buf, &hdr, sizeof hdr);
   memcpy(buf + sizeof hdr, body, in);
-  const ssize_t rc = kernel_->Write(fd, buf, sizeof hdr + in);
+  ssize_t rc = kernel_->Write(fd, buf, sizeof hdr + in);
+  if (rc < 0 && errno == EACCES) {
+    auto relay = relays_.find(fd);
+    if (relay != relays_.end()) rc = relay->second->Write(buf, sizeof hdr + in);
+  }
   return rc < 0 ? rc : static_cast<ssize_t>(in);
+}
+
+// Asked before each GET_EVENT of the kernel's: every GET_EVENT of the
+// process is the shim's, under mu_, so an event seen here is still there
+// for it. A relayed GET_EVENT that found none would not fail with EAGAIN:
+// io_uring would wait for the fd to become writable, which it never does.
+bool KernelHasEvent(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & POLLIN);
+}
+
+int Cm::OpenKernelChannel() {
+  const int fd = kernel_->Open();
+  if (fd < 0) return -1;
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  std::string why;
+  std::unique_ptr<WriteRelay> relay = WriteRelay::Create(fd, &why);
+  if (relay != nullptr) {
+    relays_[fd] = std::move(relay);
+  } else if (moved_) {
+    LogOnce("an RDMA CM channel has no write relay: only its opening thread can use it");
+  }
+  return fd;
 }
 
 ssize_t Cm::Write(int fd, const void* buf, size_t n) {
@@ -566,7 +596,7 @@ int Cm::TakeEvent(Channel* ch, std::string* out) {
     Count(ev);
     return 1;
   }
-  while (ch->real >= 0) {
+  while (ch->real >= 0 && KernelHasEvent(ch->real)) {
     rdma_ucm_event_resp ev{};
     rdma_ucm_get_event c{reinterpret_cast<uintptr_t>(&ev)};
     if (Kernel(ch->real, RDMA_USER_CM_CMD_GET_EVENT, &c, sizeof c, sizeof ev) < 0)

@@ -48,6 +48,7 @@
 #include "shim/core/mutex.h"
 #include "shim/core/remote_map.h"
 #include "shim/core/status.h"
+#include "shim/datapath/write_relay.h"
 #include "shim/migration/endpoint_view.h"
 
 namespace rdmavirt::shim {
@@ -83,6 +84,9 @@ class CmKernel {
   virtual ssize_t Write(int fd, const void* cmd, size_t n) = 0;
   virtual void Close(int fd) = 0;
 };
+
+// Whether kernel channel `fd` holds an event (poll(2), no wait).
+bool KernelHasEvent(int fd);
 
 // /dev/infiniband/rdma_cm through libc.
 CmKernel* RealCmKernel();
@@ -212,7 +216,10 @@ class Cm {
   ssize_t Query(Channel* ch, Id* id, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Advance(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in);
-  ssize_t Kernel(int fd, uint32_t cmd, const void* body, size_t in, size_t out);
+  ssize_t Kernel(int fd, uint32_t cmd, const void* body, size_t in, size_t out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens a kernel channel on the calling thread, nonblocking, with its relay.
+  int OpenKernelChannel() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Id* ById(uint32_t vid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Id* ByKernel(uint32_t kid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Id* ByUid(uint64_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -242,6 +249,12 @@ class Cm {
   int rv_fd_ ABSL_GUARDED_BY(mu_) = -1;
   uint32_t rv_listener_ ABSL_GUARDED_BY(mu_) = 0;
   uint16_t rv_port_ ABSL_GUARDED_BY(mu_) = 0;
+  // The kernel refuses a write to an rdma_cm fd from a thread whose
+  // credentials are not the opener's very object, which every thread of a
+  // restored process has its own of (write_relay.h): the channels a
+  // restore opened take the other threads' commands through a relay made
+  // by the opener. Gone at the release (CRIU cannot dump a ring).
+  std::map<int, std::unique_ptr<WriteRelay>> relays_ ABSL_GUARDED_BY(mu_);
   bool rv_stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread rv_thread_;
 };

@@ -178,13 +178,14 @@ Status Cm::Release() {
   for (auto& [fd, ch] : channels_) {
     if (ch->real < 0) continue;
     // What the kernel holds for the application is the shim's from now.
-    for (;;) {
+    while (KernelHasEvent(ch->real)) {
       rdma_ucm_event_resp ev{};
       rdma_ucm_get_event c{reinterpret_cast<uintptr_t>(&ev)};
       if (Kernel(ch->real, RDMA_USER_CM_CMD_GET_EVENT, &c, sizeof c, sizeof ev) < 0) break;
       if (Translate(&ev)) Queue(ch.get(), std::string(reinterpret_cast<char*>(&ev), sizeof ev));
     }
     epoll_ctl(ch->fd, EPOLL_CTL_DEL, ch->real, nullptr);
+    relays_.erase(ch->real);
     kernel_->Close(ch->real);  // ends every kernel id of the channel
     ch->real = -1;
   }
@@ -288,11 +289,10 @@ Status Cm::Restore(const std::vector<QpView>& qps) {
   moved_ = true;
   for (auto& [fd, ch] : channels_) {
     if (ch->real >= 0) continue;
-    ch->real = kernel_->Open();
+    ch->real = OpenKernelChannel();
     if (ch->real < 0)
       return Error(Code::kInternal, std::string("/dev/infiniband/rdma_cm cannot be opened: ") +
                                         strerror(errno));
-    fcntl(ch->real, F_SETFL, fcntl(ch->real, F_GETFL) | O_NONBLOCK);
     epoll_event ev{};
     ev.events = EPOLLIN;
     epoll_ctl(ch->fd, EPOLL_CTL_ADD, ch->real, &ev);

@@ -12,7 +12,7 @@ import sys
 import re
 import time
 
-from labtest import LAB, check, lab_test, main, run_ok, wait_until
+from labtest import BUILD, LAB, Failure, check, lab_test, main, run_ok, wait_until
 
 import migration_tests as mt
 
@@ -80,7 +80,14 @@ def wait_pings(name, side, at_least, timeout=120):
 
 
 def wait_gone(host, pid, what, timeout=600):
-    wait_until(host, f"! kill -0 {pid} 2> /dev/null", timeout, f"{what} ended on host{host}")
+    try:
+        wait_until(host, f"! kill -0 {pid} 2> /dev/null", timeout, f"{what} ended on host{host}")
+    except Failure:
+        # Where it stays: every thread's stack.
+        r = LAB.run(host, f"gdb -p {pid} -batch -ex 'thread apply all bt' 2>&1 | "
+                          f"grep -E '^#|^Thread' | head -60")
+        print(r.out, flush=True)
+        raise
 
 
 COUNT = int(os.environ.get("RDMAVIRT_RPING_COUNT", "3000"))
@@ -106,6 +113,73 @@ def rping_client_moves_live_mid_run_and_both_sides_verify_every_ping():
     finally:
         for h, pid in ((1, cpid), (2, cpid), (3, spid)):
             LAB.run(h, f"kill -9 {pid} 2> /dev/null; true")
+
+
+PINGPONG = f"{BUILD}/tests/apps/cm_pingpong"
+PP_COUNT = int(os.environ.get("RDMAVIRT_PP_COUNT", "1200"))
+
+
+def pp_verdict(name, side):
+    """cm_pingpong's own verdict line, which it prints last."""
+    text = read(name)
+    print(f"--- {side}: {text.strip().splitlines()[-1] if text.strip() else ''}", flush=True)
+    check(re.search(r"^cm_pingpong: PASS iterations=\d+ ", text, re.M),
+          f"cm_pingpong's {side} did not pass", text[-2000:])
+
+
+def pingpong_moves(mover, disconnects, extra=""):
+    """cm_pingpong's `mover` (client or server) moves live host1 -> host2
+    mid-run with `extra` (rdmavirtctl migrate's flags); its peer stays on
+    host3; `disconnects` ends the connection. A server moves with its
+    service address, which its listener is bound to."""
+    mt.ensure_daemons()
+    addr = SERVICE if mover == "server" else mt.ip(3)
+    server_host, client_host = (1, 3) if mover == "server" else (3, 1)
+    for h in (1, 2, 3):
+        LAB.run(h, f"pkill -x cm_pingpong; ip addr del {SERVICE}/24 dev eth0 2> /dev/null; "
+                   f"ip neigh flush to {SERVICE}")
+    if mover == "server":
+        run_ok(1, f"ip addr add {SERVICE}/24 dev eth0")
+    name = f"pp-{mover}-{disconnects}"
+    spid = start_logged(server_host, f"{PINGPONG} -s -a {addr} -p {PORT} -n {PP_COUNT} "
+                                     f"-d {disconnects}", f"{name}-server.out")
+    wait_until(server_host, f"grep -q listening {WORK}/{name}-server.out", 30,
+               "cm_pingpong's server listens")
+    cpid = start_logged(client_host, f"{PINGPONG} -c {addr} -p {PORT} -n {PP_COUNT} -i 20 "
+                                     f"-d {disconnects}", f"{name}-client.out")
+    pid, peer_host = (spid, 3) if mover == "server" else (cpid, 3)
+    try:
+        wait_until(client_host, f"grep -q 'iteration 100$' {WORK}/{name}-client.out", 120,
+                   "100 iterations")
+        address = f" --address {SERVICE}/24" if mover == "server" else ""
+        r, rep = mt.ctl(1, f"migrate {pid} --to {mt.ip(2)}{address} --max-precopy 1 {extra}")
+        check(r.rc == 0, f"migrate cm_pingpong's {mover} host1 -> host2", r)
+        mt.check_report(rep, f"migrate cm_pingpong's {mover}")
+        mt.check_moved(pid, 1, 2, f"cm_pingpong's {mover}")
+        print(f"{mover} moved:", rep.get("breakdown"), flush=True)
+        check(not re.search(r"PASS", read(f"{name}-client.out")), "the move did not land mid-run")
+        wait_gone(2, pid, f"cm_pingpong's {mover}", 240)
+        wait_gone(peer_host, spid if mover == "client" else cpid, "its peer", 120)
+        pp_verdict(f"{name}-client.out", "client")
+        pp_verdict(f"{name}-server.out", "server")
+    finally:
+        for h in (1, 2, 3):
+            LAB.run(h, f"pkill -x cm_pingpong; ip addr del {SERVICE}/24 dev eth0 2> /dev/null")
+
+
+@lab_test
+def a_moved_client_and_its_peer_see_the_clients_disconnect():
+    pingpong_moves("client", "client")
+
+
+@lab_test
+def a_moved_client_sees_its_peers_disconnect():
+    pingpong_moves("client", "server")
+
+
+@lab_test
+def a_listening_server_moves_with_its_address_and_its_connection():
+    pingpong_moves("server", "client")
 
 
 if __name__ == "__main__":

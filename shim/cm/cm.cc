@@ -539,9 +539,16 @@ bool Cm::Translate(rdma_ucm_event_resp* ev) {
     return true;
   }
   if (id == nullptr) return false;  // an id destroyed since
-  if (id->toward_moving &&
-      (ev->event == kCmDisconnected || ev->event == kCmTimewaitExit))
-    return false;
+  if (id->toward_moving && LogMoves()) {
+    char line[160];
+    std::snprintf(line, sizeof line, "RDMA CM event %u (status %d) on id %u, whose peer moves",
+                  ev->event, static_cast<int>(ev->status), id->vid);
+    Log(line);
+  }
+  // Its kernel id is the move's until the rendezvous replaces it: the
+  // source's closing disconnects it (DISCONNECTED), and with a service
+  // address that moved its CM then times out (UNREACHABLE, ETIMEDOUT).
+  if (id->toward_moving) return false;
   switch (ev->event) {
     case kCmAddrResolved:
       id->state = CmState::kAddrResolved;

@@ -22,8 +22,9 @@
 //   the kernel's channels; its restore opens new ones, makes listeners and
 //   bound ids again, and for each connected id listens on a rendezvous port
 //   it publishes with its mapping. Its peers, told the endpoint moves, take
-//   the DISCONNECTED and TIMEWAIT_EXIT the source's closing causes for the
-//   move's (the application never sees them), and when told where it went
+//   every event of their ids' kernel ids toward it for the move's (the
+//   source's closing disconnects them; the application never sees it),
+//   and when told where it went
 //   connect a new kernel id to that port, without a QP (the kernel CM never
 //   touches the application's QPs, which the verbs part of the move
 //   reconnects), and put it under the application's id. From then on the
@@ -182,8 +183,8 @@ class Cm {
     std::vector<std::string> options;  // SET_OPTIONs: level, name, value
     uint32_t qpn = 0;                  // the QP number CONNECT/ACCEPT carried
     uint32_t events = 0;               // events given out for it
-    // A peer's id whose remote endpoint moves: the DISCONNECTED and
-    // TIMEWAIT_EXIT of its kernel id are the move's.
+    // A peer's id whose remote endpoint moves: the events of its kernel id
+    // are the move's.
     bool toward_moving = false;
     uint32_t remote_qpn = 0;  // the moving QP's virtual QPN
     uint32_t rendezvous_child = kNoKid;  // restore: the kernel id being connected

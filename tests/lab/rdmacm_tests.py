@@ -141,11 +141,11 @@ def pingpong_moves(mover, disconnects, extra=""):
     if mover == "server":
         run_ok(1, f"ip addr add {SERVICE}/24 dev eth0")
     name = f"pp-{mover}-{disconnects}"
-    spid = start_logged(server_host, f"{PINGPONG} -s -a {addr} -p {PORT} -n {PP_COUNT} "
+    spid = start_logged(server_host, f"env {os.environ.get('PP_ENV', '')} {PINGPONG} -s -a {addr} -p {PORT} -n {PP_COUNT} "
                                      f"-d {disconnects}", f"{name}-server.out")
     wait_until(server_host, f"grep -q listening {WORK}/{name}-server.out", 30,
                "cm_pingpong's server listens")
-    cpid = start_logged(client_host, f"{PINGPONG} -c {addr} -p {PORT} -n {PP_COUNT} -i 20 "
+    cpid = start_logged(client_host, f"env {os.environ.get('PP_ENV', '')} {PINGPONG} -c {addr} -p {PORT} -n {PP_COUNT} -i 20 "
                                      f"-d {disconnects}", f"{name}-client.out")
     pid, peer_host = (spid, 3) if mover == "server" else (cpid, 3)
     try:

@@ -93,8 +93,13 @@ absl::Status Migrator::ReconnectOn(Move* m, const std::vector<std::string>& targ
 namespace {
 
 // A mapping names both its GIDs, 16 bytes each; a resume needs only the
-// virtual one.
+// virtual one. An endpoint that has opened no device yet (an RDMA CM
+// listener: librdmacm opens one when a client comes) has no identity at
+// all, and nothing to re-point.
 bool HasGids(const v1::Mapping& m, bool resume_only) {
+  if (m.virtual_gid().empty() && m.physical_gid().empty() && m.qpns().empty() &&
+      m.rkeys().empty())
+    return true;
   return m.virtual_gid().size() == 16 && (resume_only || m.physical_gid().size() == 16);
 }
 

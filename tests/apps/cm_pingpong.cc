@@ -7,7 +7,10 @@
 // deadline; the addresses librdmacm reports must be those of the start.
 //
 //   cm_pingpong -s -a ADDR -p PORT -n N [-d client|server]
-//   cm_pingpong -c ADDR -p PORT -n N [-i MS] [-d client|server]
+//   cm_pingpong -c ADDR -p PORT -n N [-i MS] [-t MS] [-d client|server]
+//
+// -i: a pause after each iteration; -t: the address and route
+// resolutions' timeout (default 5000).
 //
 // Prints "iteration I" every 100 iterations and, last, its verdict:
 // "cm_pingpong: PASS ..." (exit 0) or "cm_pingpong: FAIL: why" (exit 1).
@@ -184,12 +187,13 @@ struct Options {
   int iterations = 100;
   int interval_ms = 0;
   bool client_disconnects = true;
+  int resolve_ms = 5000;
 };
 
 Options Parse(int argc, char** argv) {
   Options o;
   int c;
-  while ((c = getopt(argc, argv, "sc:a:p:n:i:d:")) != -1) {
+  while ((c = getopt(argc, argv, "sc:a:p:n:i:t:d:")) != -1) {
     switch (c) {
       case 's': o.server = true; break;
       case 'c': o.addr = optarg; break;
@@ -197,8 +201,11 @@ Options Parse(int argc, char** argv) {
       case 'p': o.port = atoi(optarg); break;
       case 'n': o.iterations = atoi(optarg); break;
       case 'i': o.interval_ms = atoi(optarg); break;
+      case 't': o.resolve_ms = atoi(optarg); break;
       case 'd': o.client_disconnects = strcmp(optarg, "server") != 0; break;
-      default: Die("usage: cm_pingpong -s -a ADDR | -c ADDR, -p PORT [-n N] [-i MS] [-d client|server]");
+      default:
+        Die("usage: cm_pingpong -s -a ADDR | -c ADDR, -p PORT [-n N] [-i MS] [-t MS] "
+            "[-d client|server]");
     }
   }
   if (!o.addr || o.port <= 0 || o.iterations <= 0) Die("an address, a port and -n > 0 are needed");
@@ -224,10 +231,11 @@ void Connect(const Options& o, rdma_event_channel* ch, Events* ev, Conn* c) {
     if (rdma_accept(c->id, &p) != 0) Die("rdma_accept: %s", strerror(errno));
   } else {
     if (rdma_create_id(ch, &c->id, nullptr, RDMA_PS_TCP) ||
-        rdma_resolve_addr(c->id, nullptr, ai->ai_addr, 5000))
+        rdma_resolve_addr(c->id, nullptr, ai->ai_addr, o.resolve_ms))
       Die("resolve: %s", strerror(errno));
     ev->Expect(RDMA_CM_EVENT_ADDR_RESOLVED);
-    if (rdma_resolve_route(c->id, 5000)) Die("rdma_resolve_route: %s", strerror(errno));
+    std::printf("resolved\n");
+    if (rdma_resolve_route(c->id, o.resolve_ms)) Die("rdma_resolve_route: %s", strerror(errno));
     ev->Expect(RDMA_CM_EVENT_ROUTE_RESOLVED);
     Setup(c);
     PostRecv(c);

@@ -177,32 +177,6 @@ def migrate_a_process_not_under_the_shim():
 
 
 @lab_test
-def a_process_holding_an_rdma_cm_channel_is_refused_before_anything_is_quiesced():
-    # An rping server under the shim: librdmacm opened the device through
-    # the shim and holds /dev/infiniband/rdma_cm, which CRIU cannot dump.
-    # It was refused at the final dump, after the pre-copy and a blackout.
-    daemons_up()
-    pid = start(1, f"env {SHIM} rping -s -a 10.77.0.1 -p 18601 -C 5")
-    try:
-        under_shim(1, pid)
-        for verb in ("migrate", "checkpoint"):
-            target = "--to 10.77.0.2" if verb == "migrate" else f"--dir /tmp/rdmacm-ckpt-{pid}"
-            r = ctl(1, f"{verb} {pid} {target}")
-            check(r.rc == 1 and "FAILED_PRECONDITION" in r.err, f"{verb} was not refused", r)
-            check(f"process {pid} holds /dev/infiniband/rdma_cm, an RDMA CM channel" in r.err
-                  and "nothing was quiesced" in r.err, f"{verb}: unclear error", r)
-            e = next(e for e in ps(1) if e["pid"] == pid)
-            check(not e.get("suspended") and e.get("phase") == "ENDPOINT_PHASE_RUNNING",
-                  f"{verb}: the endpoint was touched", e)
-        # Untouched: it serves its client to the end.
-        c = LAB.run(2, "rping -c -a 10.77.0.1 -p 18601 -C 5 -V", 120)
-        check(c.rc == 0, "the rping client failed against the refused server", c)
-        wait_until(1, f"! kill -0 {pid} 2> /dev/null", 60, "the rping server ended")
-    finally:
-        stop(1, pid)
-
-
-@lab_test
 def migrate_to_an_unreachable_host_or_one_without_rdma_is_refused():
     daemons_up()
     pid = idle_endpoint(1)

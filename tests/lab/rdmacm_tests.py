@@ -15,6 +15,7 @@ import time
 from labtest import BUILD, LAB, Failure, check, lab_test, main, run_ok, wait_until
 
 import migration_tests as mt
+import migrator_tests as migrators
 
 WORK = mt.WORK
 PORT = 18700
@@ -39,8 +40,10 @@ def start_logged(host, cmd, name):
 
 
 def pings(text):
-    """How many distinct pings rping printed (-v; the server's lines may
-    be cut by its stderr's)."""
+    """How many distinct pings rping printed (-v). Its stdout, a file, is
+    written a buffer at a time: its stderr's lines may land inside one."""
+    text = re.sub(r"(client |server )?DISCONNECT EVENT\.\.\.\n|wait for RDMA_READ_ADV state \d+\n",
+                  "", text)
     return len(set(re.findall(r"ping data: rdma-ping-(\d+): ", text)))
 
 
@@ -55,7 +58,7 @@ def check_rping(name, side, count):
     check(not re.search(r"(?i)mismatch|error|fail", text), f"the rping {side} reported an error",
           text[-2000:])
     disc = len(re.findall(r"DISCONNECT EVENT", text))
-    check(disc <= 1, f"the rping {side} saw {disc} DISCONNECTED events (the move caused one)",
+    check(disc == 1, f"the rping {side} saw {disc} DISCONNECTED events, not the one of its end",
           text[-2000:])
 
 
@@ -127,11 +130,31 @@ def pp_verdict(name, side):
           f"cm_pingpong's {side} did not pass", text[-2000:])
 
 
-def pingpong_moves(mover, disconnects, extra=""):
-    """cm_pingpong's `mover` (client or server) moves live host1 -> host2
-    mid-run with `extra` (rdmavirtctl migrate's flags); its peer stays on
-    host3; `disconnects` ends the connection. A server moves with its
-    service address, which its listener is bound to."""
+def move(pid, mover, how, address):
+    """`pid` from host1 to host2: live (with its service address if
+    `address`) or through a checkpoint (gone from host1 once it is written)
+    and a restore; the report."""
+    if how == "live":
+        flag = f" --address {address}/24" if address else ""
+        r, rep = mt.ctl(1, f"migrate {pid} --to {mt.ip(2)}{flag} --max-precopy 1")
+        check(r.rc == 0, f"migrate cm_pingpong's {mover} host1 -> host2", r)
+    else:
+        d = f"/lab/migration/ckpt-pp-{pid}"
+        LAB.run(1, f"rm -rf {d}")
+        r, rep = mt.ctl(1, f"checkpoint {pid} --dir {d}")
+        check(r.rc == 0, f"checkpoint cm_pingpong's {mover} on host1", r)
+        check(LAB.run(1, f"kill -0 {pid}").rc != 0, "it still runs on host1 after its checkpoint")
+        r, rep = mt.ctl(1, f"restore --dir {d} --on {mt.ip(2)}")
+        check(r.rc == 0, f"restore cm_pingpong's {mover} on host2", r)
+    mt.check_report(rep, f"{how} move of cm_pingpong's {mover}")
+    return rep
+
+
+def pingpong_moves(mover, disconnects, how="live", env=""):
+    """cm_pingpong's `mover` (client or server) moves host1 -> host2
+    mid-run (`how`: live or through a checkpoint); its peer stays on host3;
+    `disconnects` ends the connection; `env` for both (an id mode). A server
+    moves with its service address, which its listener is bound to."""
     mt.ensure_daemons()
     addr = SERVICE if mover == "server" else mt.ip(3)
     server_host, client_host = (1, 3) if mover == "server" else (3, 1)
@@ -141,20 +164,18 @@ def pingpong_moves(mover, disconnects, extra=""):
     if mover == "server":
         run_ok(1, f"ip addr add {SERVICE}/24 dev eth0")
     name = f"pp-{mover}-{disconnects}"
-    spid = start_logged(server_host, f"env {os.environ.get('PP_ENV', '')} {PINGPONG} -s -a {addr} -p {PORT} -n {PP_COUNT} "
+    env = f"{env} {os.environ.get('PP_ENV', '')}"
+    spid = start_logged(server_host, f"env {env} {PINGPONG} -s -a {addr} -p {PORT} -n {PP_COUNT} "
                                      f"-d {disconnects}", f"{name}-server.out")
     wait_until(server_host, f"grep -q listening {WORK}/{name}-server.out", 30,
                "cm_pingpong's server listens")
-    cpid = start_logged(client_host, f"env {os.environ.get('PP_ENV', '')} {PINGPONG} -c {addr} -p {PORT} -n {PP_COUNT} -i 20 "
+    cpid = start_logged(client_host, f"env {env} {PINGPONG} -c {addr} -p {PORT} -n {PP_COUNT} -i 20 "
                                      f"-d {disconnects}", f"{name}-client.out")
     pid, peer_host = (spid, 3) if mover == "server" else (cpid, 3)
     try:
         wait_until(client_host, f"grep -q 'iteration 100$' {WORK}/{name}-client.out", 120,
                    "100 iterations")
-        address = f" --address {SERVICE}/24" if mover == "server" else ""
-        r, rep = mt.ctl(1, f"migrate {pid} --to {mt.ip(2)}{address} --max-precopy 1 {extra}")
-        check(r.rc == 0, f"migrate cm_pingpong's {mover} host1 -> host2", r)
-        mt.check_report(rep, f"migrate cm_pingpong's {mover}")
+        rep = move(pid, mover, how, SERVICE if mover == "server" else None)
         mt.check_moved(pid, 1, 2, f"cm_pingpong's {mover}")
         print(f"{mover} moved:", rep.get("breakdown"), flush=True)
         check(not re.search(r"PASS", read(f"{name}-client.out")), "the move did not land mid-run")
@@ -180,6 +201,62 @@ def a_moved_client_sees_its_peers_disconnect():
 @lab_test
 def a_listening_server_moves_with_its_address_and_its_connection():
     pingpong_moves("server", "client")
+
+
+@lab_test
+def a_client_in_offset_mode_moves_through_a_checkpoint():
+    pingpong_moves("client", "server", how="checkpoint", env="RDMAVIRT_ID_MODE=offset")
+
+
+@lab_test
+def a_persistent_listener_moves_with_its_address_and_accepts_new_clients_there():
+    # rping -P serves one client after another: one before the move, one
+    # after it, which its listener, made again on host2, accepts.
+    mt.ensure_daemons()
+    for h in (1, 2, 3):
+        LAB.run(h, f"pkill -x rping; ip addr del {SERVICE}/24 dev eth0 2> /dev/null; "
+                   f"ip neigh flush to {SERVICE}")
+    run_ok(1, f"ip addr add {SERVICE}/24 dev eth0")
+    name = "rping-persistent"
+    spid = start_logged(1, f"rping -s -P -a {SERVICE} -p {PORT} -C 20 -V", f"{name}-server.out")
+    try:
+        wait_until(1, f"rdma res show cm_id | grep -q 'LISTEN.*:{PORT}'", 30, "rping listens")
+        before = LAB.run(3, f"rping -c -a {SERVICE} -p {PORT} -C 20 -V", 120)
+        check(before.rc == 0, "the client before the move failed", before)
+        move(spid, "server", "live", SERVICE)
+        mt.check_moved(spid, 1, 2, "the rping server")
+        check(LAB.run(2, f"rdma res show cm_id | grep -q 'LISTEN.*{SERVICE}:{PORT}'").rc == 0,
+              "no listener on host2")
+        after = LAB.run(3, f"rping -c -a {SERVICE} -p {PORT} -C 20 -V", 120)
+        check(after.rc == 0, "the client after the move failed", after)
+        served = read(f"{name}-server.out").count("DISCONNECT EVENT")
+        check(served == 2, f"the server saw {served} clients end, not 2", read(f"{name}-server.out"))
+    finally:
+        for h in (1, 2, 3):
+            LAB.run(h, f"pkill -x rping; ip addr del {SERVICE}/24 dev eth0 2> /dev/null")
+
+
+@lab_test
+def an_rdma_cm_id_between_states_is_refused_before_anything_is_quiesced():
+    # 10.77.0.99 is no host's: its address stays being resolved for 60 s.
+    mt.ensure_daemons()
+    name = "pp-resolving"
+    pid = start_logged(1, f"{PINGPONG} -c 10.77.0.99 -p {PORT} -t 60000", f"{name}.out")
+    try:
+        migrators.under_shim(1, pid)
+        for verb in ("migrate", "checkpoint"):
+            target = f"--to {mt.ip(2)}" if verb == "migrate" else f"--dir /tmp/pp-ckpt-{pid}"
+            r = migrators.ctl(1, f"{verb} {pid} {target}")
+            check(r.rc == 1 and "FAILED_PRECONDITION" in r.err, f"{verb} was not refused", r)
+            check("is resolving an address" in r.err and "nothing was quiesced" in r.err,
+                  f"{verb}: unclear error", r)
+            e = next(e for e in migrators.ps(1) if e["pid"] == pid)
+            check(not e.get("suspended") and e.get("phase") == "ENDPOINT_PHASE_RUNNING",
+                  f"{verb}: the endpoint was touched", e)
+        check(LAB.run(1, f"kill -0 {pid}").rc == 0, "the refused process does not run")
+        check("resolved" not in read(f"{name}.out"), "the address was resolved")
+    finally:
+        LAB.run(1, f"kill -9 {pid} 2> /dev/null; true")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "shim/core/log.h"
@@ -87,11 +88,16 @@ bool CmIsChannel(int fd) { return Cm::Process()->IsChannel(fd); }
 ssize_t CmWrite(int fd, const void* buf, size_t n) { return Cm::Process()->Write(fd, buf, n); }
 
 Cm* Cm::Process() {
-  static Cm* cm = new Cm(RealCmKernel());
+  static Cm* cm = [] {
+    IdentityMode mode;
+    const char* m = getenv("RDMAVIRT_ID_MODE");
+    mode.offset = m != nullptr && strcmp(m, "offset") == 0;  // as Shim::Process()
+    return new Cm(RealCmKernel(), mode);
+  }();
   return cm;
 }
 
-Cm::Cm(CmKernel* kernel) : kernel_(kernel) {}
+Cm::Cm(CmKernel* kernel, IdentityMode mode) : kernel_(kernel), mode_(mode) {}
 
 Cm::~Cm() {
   {
@@ -325,8 +331,26 @@ ssize_t Cm::Command(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t
   const ssize_t rc = NamesADevice(hdr, body, in) ? Query(ch, id, hdr, body, in)
                                                  : Kernel(ch->real, hdr.cmd, body, in, hdr.out);
   if (rc < 0) return -1;
+  if (hdr.cmd == RDMA_USER_CM_CMD_INIT_QP_ATTR) VirtualizeQpAttr(hdr, body, in);
   Advance(id, hdr, body, in);
   return 0;
+}
+
+// INIT_QP_ATTR's answer, which librdmacm hands to ibv_modify_qp: the
+// peer's GID the kernel's route names is physical; the program's verbs
+// take virtual ones (offset mode: the marker set), as every GID they
+// give it is. Before, a connection made through the CM left the QP with
+// the physical GID as the peer's virtual one, and a move of the peer,
+// known by its virtual GID, did not find it.
+void Cm::VirtualizeQpAttr(const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in) {
+  if (!mode_.offset || hdr.out < sizeof(ib_uverbs_qp_attr)) return;
+  auto* attr = static_cast<ib_uverbs_qp_attr*>(UserPtr(As<rdma_ucm_init_qp_attr>(body, in).response));
+  for (ib_uverbs_ah_attr* ah : {&attr->ah_attr, &attr->alt_ah_attr}) {
+    ibv_gid g;
+    memcpy(g.raw, ah->grh.dgid, 16);
+    g = mode_.VirtualGid(g);
+    memcpy(ah->grh.dgid, g.raw, 16);
+  }
 }
 
 ssize_t Cm::CreateId(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in) {

@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "shim/core/identity.h"
 #include "shim/core/mutex.h"
 #include "shim/core/remote_map.h"
 #include "shim/core/status.h"
@@ -127,7 +128,9 @@ class Cm {
  public:
   // The process's (never destroyed: librdmacm may run from destructors).
   static Cm* Process();
-  explicit Cm(CmKernel* kernel);
+  // `mode`: the shim's (offset mode: the GIDs the kernel's answers give
+  // the program are virtual, as the verbs' are).
+  explicit Cm(CmKernel* kernel, IdentityMode mode = IdentityMode());
   ~Cm();
 
   // rdma_create_event_channel just opened the kernel's channel at `fd`:
@@ -217,6 +220,7 @@ class Cm {
   ssize_t Query(Channel* ch, Id* id, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Advance(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in);
+  void VirtualizeQpAttr(const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in);
   ssize_t Kernel(int fd, uint32_t cmd, const void* body, size_t in, size_t out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Opens a kernel channel on the calling thread, nonblocking, with its relay.
@@ -236,6 +240,7 @@ class Cm {
   void Count(const rdma_ucm_event_resp& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   CmKernel* const kernel_;
+  const IdentityMode mode_;
   Mutex mu_;
   CondVar changed_;
   std::map<int, std::unique_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);

@@ -275,7 +275,14 @@ absl::Status Migrator::RepointPeer(pid_t pid, bool suspended,
   *req.mutable_peer_reconnect()->mutable_mapping() = m;
   for (const v1::Mapping& more : request.more_mappings())
     *req.mutable_peer_reconnect()->add_more() = more;
-  return Command(pid, req, options_.rpc_timeout, "peer reconnect").status();
+  absl::Status st = Command(pid, req, options_.rpc_timeout, "peer reconnect").status();
+  // A peer that ended between its quiesce and now (its workload done) has
+  // nothing left to re-point: the move is not the worse for it.
+  if (absl::IsNotFound(st) && !procs_->Exists(pid)) {
+    Log("migration %s: peer %d ended before its re-point", request.migration_id(), pid);
+    return absl::OkStatus();
+  }
+  return st;
 }
 
 absl::Status Migrator::ResumeTree(const v1::ReconnectPeersRequest& request) {

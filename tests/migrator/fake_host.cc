@@ -290,6 +290,8 @@ absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl
   if (fail != e.fail.end()) {
     r.set_code(static_cast<int>(fail->second));
     r.set_message(absl::StrCat("injected ", cmd, " failure"));
+    // NOT_FOUND: the process ended as the command came (its shim gone).
+    if (fail->second == absl::StatusCode::kNotFound) e.alive = e.connected = false;
   } else if (cmd == "quiesce" || cmd == "peer_quiesce") {
     if (e.released)
       r.set_code(9), r.set_message("released");

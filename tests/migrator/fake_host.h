@@ -79,6 +79,8 @@ class FakeHost final : public ShimChannel,
   FakeEndpoint& Add(pid_t pid, const std::string& vgid, std::vector<FakeQp> qps);
   // A copy of the endpoint's state (empty pid when there is none).
   FakeEndpoint Get(pid_t pid);
+  // The shim answers `command` with `code`; NOT_FOUND: the process ends
+  // as the command comes (its shim gone with it).
   void Fail(pid_t pid, const std::string& command, absl::StatusCode code);
   // The endpoint holds a TCP connection on `address` ("a.b.c.d/len").
   void SetTcpAddress(pid_t pid, const std::string& address);

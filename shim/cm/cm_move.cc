@@ -32,7 +32,7 @@ struct RendezvousKey {
 };
 constexpr uint32_t kRendezvousMagic = 0x72766d31;  // "rvm1"
 constexpr int kStepMs = 5000;                      // one CM exchange's bound
-constexpr int kRendezvousMs = 60000;               // a resume's wait for all
+constexpr int kRendezvousMs = 20000;  // a resume's wait for all (its RPC allows 30 s)
 
 int64_t NowMs() {
   timespec t;

@@ -97,8 +97,7 @@ namespace {
 // listener: librdmacm opens one when a client comes) has no identity at
 // all, and nothing to re-point.
 bool HasGids(const v1::Mapping& m, bool resume_only) {
-  if (m.virtual_gid().empty() && m.physical_gid().empty() && m.qpns().empty() &&
-      m.rkeys().empty())
+  if (m.virtual_gid().empty() && m.physical_gid().empty() && m.qpns().empty() && m.rkeys().empty())
     return true;
   return m.virtual_gid().size() == 16 && (resume_only || m.physical_gid().size() == 16);
 }

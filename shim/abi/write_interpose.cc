@@ -20,8 +20,7 @@ extern "C" __attribute__((visibility("default"))) ssize_t write(int fd, const vo
   if (rc >= 0) return rc;
   const int err = errno;
   if (err == EACCES) return rdmavirt::shim::RelayRefusedWrite(fd, buf, n);
-  if (err == EINVAL && rdmavirt::shim::CmIsChannel(fd))
-    return rdmavirt::shim::CmWrite(fd, buf, n);
+  if (err == EINVAL && rdmavirt::shim::CmIsChannel(fd)) return rdmavirt::shim::CmWrite(fd, buf, n);
   errno = err;
   return rc;
 }

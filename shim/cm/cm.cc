@@ -2,8 +2,6 @@
 // cm_move.cc.
 #include "shim/cm/cm.h"
 
-#include "shim/cm/channels.h"
-
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
@@ -15,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "shim/cm/channels.h"
 #include "shim/core/log.h"
 #include "shim/datapath/thread_probe.h"
 
@@ -63,21 +62,36 @@ CmKernel* RealCmKernel() {
 
 const char* CmStateName(CmState s) {
   switch (s) {
-    case CmState::kIdle: return "idle";
-    case CmState::kBound: return "bound";
-    case CmState::kResolvingAddr: return "resolving an address";
-    case CmState::kAddrResolved: return "address resolved, route not yet";
-    case CmState::kResolvingRoute: return "resolving a route";
-    case CmState::kRouteResolved: return "route resolved, not yet connected";
-    case CmState::kConnecting: return "connect request sent, not yet answered";
-    case CmState::kResponded: return "connect response received, not yet established";
-    case CmState::kListening: return "listening";
-    case CmState::kRequested: return "connect request received, not yet accepted";
-    case CmState::kAccepting: return "accepted, not yet established";
-    case CmState::kEstablished: return "established";
-    case CmState::kDisconnected: return "disconnected";
-    case CmState::kJoined: return "joined to a multicast group";
-    case CmState::kRendezvous: return "reconnecting after a move";
+    case CmState::kIdle:
+      return "idle";
+    case CmState::kBound:
+      return "bound";
+    case CmState::kResolvingAddr:
+      return "resolving an address";
+    case CmState::kAddrResolved:
+      return "address resolved, route not yet";
+    case CmState::kResolvingRoute:
+      return "resolving a route";
+    case CmState::kRouteResolved:
+      return "route resolved, not yet connected";
+    case CmState::kConnecting:
+      return "connect request sent, not yet answered";
+    case CmState::kResponded:
+      return "connect response received, not yet established";
+    case CmState::kListening:
+      return "listening";
+    case CmState::kRequested:
+      return "connect request received, not yet accepted";
+    case CmState::kAccepting:
+      return "accepted, not yet established";
+    case CmState::kEstablished:
+      return "established";
+    case CmState::kDisconnected:
+      return "disconnected";
+    case CmState::kJoined:
+      return "joined to a multicast group";
+    case CmState::kRendezvous:
+      return "reconnecting after a move";
   }
   return "unknown";
 }
@@ -269,17 +283,27 @@ namespace {
 // pointer (and for some a uid or an address) precedes it.
 size_t IdOffset(uint32_t cmd) {
   switch (cmd) {
-    case RDMA_USER_CM_CMD_BIND_IP: return offsetof(rdma_ucm_bind_ip, id);
-    case RDMA_USER_CM_CMD_RESOLVE_IP: return offsetof(rdma_ucm_resolve_ip, id);
+    case RDMA_USER_CM_CMD_BIND_IP:
+      return offsetof(rdma_ucm_bind_ip, id);
+    case RDMA_USER_CM_CMD_RESOLVE_IP:
+      return offsetof(rdma_ucm_resolve_ip, id);
     case RDMA_USER_CM_CMD_QUERY_ROUTE:
-    case RDMA_USER_CM_CMD_QUERY: return offsetof(rdma_ucm_query, id);
-    case RDMA_USER_CM_CMD_INIT_QP_ATTR: return offsetof(rdma_ucm_init_qp_attr, id);
-    case RDMA_USER_CM_CMD_JOIN_IP_MCAST: return offsetof(rdma_ucm_join_ip_mcast, id);
-    case RDMA_USER_CM_CMD_JOIN_MCAST: return offsetof(rdma_ucm_join_mcast, id);
-    case RDMA_USER_CM_CMD_SET_OPTION: return offsetof(rdma_ucm_set_option, id);
-    case RDMA_USER_CM_CMD_CONNECT: return offsetof(rdma_ucm_connect, id);
-    case RDMA_USER_CM_CMD_ACCEPT: return offsetof(rdma_ucm_accept, id);
-    default: return 0;  // RESOLVE_ADDR, RESOLVE_ROUTE, BIND, LISTEN, REJECT, DISCONNECT, NOTIFY
+    case RDMA_USER_CM_CMD_QUERY:
+      return offsetof(rdma_ucm_query, id);
+    case RDMA_USER_CM_CMD_INIT_QP_ATTR:
+      return offsetof(rdma_ucm_init_qp_attr, id);
+    case RDMA_USER_CM_CMD_JOIN_IP_MCAST:
+      return offsetof(rdma_ucm_join_ip_mcast, id);
+    case RDMA_USER_CM_CMD_JOIN_MCAST:
+      return offsetof(rdma_ucm_join_mcast, id);
+    case RDMA_USER_CM_CMD_SET_OPTION:
+      return offsetof(rdma_ucm_set_option, id);
+    case RDMA_USER_CM_CMD_CONNECT:
+      return offsetof(rdma_ucm_connect, id);
+    case RDMA_USER_CM_CMD_ACCEPT:
+      return offsetof(rdma_ucm_accept, id);
+    default:
+      return 0;  // RESOLVE_ADDR, RESOLVE_ROUTE, BIND, LISTEN, REJECT, DISCONNECT, NOTIFY
   }
 }
 
@@ -344,7 +368,8 @@ ssize_t Cm::Command(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t
 // known by its virtual GID, did not find it.
 void Cm::VirtualizeQpAttr(const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in) {
   if (!mode_.offset || hdr.out < sizeof(ib_uverbs_qp_attr)) return;
-  auto* attr = static_cast<ib_uverbs_qp_attr*>(UserPtr(As<rdma_ucm_init_qp_attr>(body, in).response));
+  auto* attr =
+      static_cast<ib_uverbs_qp_attr*>(UserPtr(As<rdma_ucm_init_qp_attr>(body, in).response));
   for (ib_uverbs_ah_attr* ah : {&attr->ah_attr, &attr->alt_ah_attr}) {
     ibv_gid g;
     memcpy(g.raw, ah->grh.dgid, 16);
@@ -445,8 +470,7 @@ void Cm::Keep(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in) 
 }
 
 // An id a move left without a kernel id: what can be answered here is.
-ssize_t Cm::AnswerWithoutKernel(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body,
-                                size_t in) {
+ssize_t Cm::AnswerWithoutKernel(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in) {
   if (NamesADevice(hdr, body, in)) {
     const std::string& kept =
         hdr.cmd == RDMA_USER_CM_CMD_QUERY_ROUTE ? id->query_route : id->query_addr;

@@ -96,21 +96,21 @@ CmKernel* RealCmKernel();
 // Where an id is in librdmacm's sequence, as the commands and events the
 // shim passed on say.
 enum class CmState : uint8_t {
-  kIdle,              // created
-  kBound,             // BIND
-  kResolvingAddr,     // RESOLVE_ADDR sent, no answer yet
+  kIdle,           // created
+  kBound,          // BIND
+  kResolvingAddr,  // RESOLVE_ADDR sent, no answer yet
   kAddrResolved,
   kResolvingRoute,
   kRouteResolved,
-  kConnecting,        // CONNECT sent, no answer yet
-  kResponded,         // CONNECT_RESPONSE given, RTU not yet sent
+  kConnecting,  // CONNECT sent, no answer yet
+  kResponded,   // CONNECT_RESPONSE given, RTU not yet sent
   kListening,
-  kRequested,         // a CONNECT_REQUEST's new id, not yet accepted
-  kAccepting,         // accepted, ESTABLISHED not yet come
+  kRequested,  // a CONNECT_REQUEST's new id, not yet accepted
+  kAccepting,  // accepted, ESTABLISHED not yet come
   kEstablished,
-  kDisconnected,      // DISCONNECTED given (or sent): nothing more to move
-  kJoined,            // a multicast group joined through it
-  kRendezvous,        // restored, its kernel id not yet connected again
+  kDisconnected,  // DISCONNECTED given (or sent): nothing more to move
+  kJoined,        // a multicast group joined through it
+  kRendezvous,    // restored, its kernel id not yet connected again
 };
 const char* CmStateName(CmState s);
 
@@ -172,7 +172,7 @@ class Cm {
  private:
   struct Channel;
   struct Id {
-    uint32_t vid = 0;  // librdmacm's handle
+    uint32_t vid = 0;       // librdmacm's handle
     uint32_t kid = kNoKid;  // the kernel's now (the kernel's first is 0)
     uint64_t uid = 0;
     uint16_t ps = 0;
@@ -189,15 +189,15 @@ class Cm {
     // A peer's id whose remote endpoint moves: the events of its kernel id
     // are the move's.
     bool toward_moving = false;
-    uint32_t remote_qpn = 0;  // the moving QP's virtual QPN
-    uint32_t rendezvous_child = kNoKid;  // restore: the kernel id being connected
-    uint32_t rendezvous_qpn = 0;    // restore: the QP's physical QPN, for the REP
+    uint32_t remote_qpn = 0;              // the moving QP's virtual QPN
+    uint32_t rendezvous_child = kNoKid;   // restore: the kernel id being connected
+    uint32_t rendezvous_qpn = 0;          // restore: the QP's physical QPN, for the REP
     std::string query_addr, query_route;  // the last answers, for a restored id
   };
   struct Channel {
-    int fd = -1;        // the application's: an epoll fd
-    int real = -1;      // the kernel's channel, in `fd`; -1 while released
-    int queue_fd = -1;  // eventfd in `fd`, counting `queued`
+    int fd = -1;                     // the application's: an epoll fd
+    int real = -1;                   // the kernel's channel, in `fd`; -1 while released
+    int queue_fd = -1;               // eventfd in `fd`, counting `queued`
     std::deque<std::string> queued;  // event responses held by the shim
   };
 

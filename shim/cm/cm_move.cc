@@ -11,8 +11,8 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -32,7 +32,7 @@ struct RendezvousKey {
 };
 constexpr uint32_t kRendezvousMagic = 0x72766d31;  // "rvm1"
 constexpr int kStepMs = 5000;                      // one CM exchange's bound
-constexpr int kRendezvousMs = 20000;  // a resume's wait for all (its RPC allows 30 s)
+constexpr int kRendezvousMs = 20000;               // a resume's wait for all (its RPC allows 30 s)
 
 int64_t NowMs() {
   timespec t;
@@ -42,14 +42,22 @@ int64_t NowMs() {
 
 const char* EventName(uint32_t e) {
   switch (e) {
-    case kCmAddrError: return "ADDR_ERROR";
-    case kCmRouteError: return "ROUTE_ERROR";
-    case kCmConnectError: return "CONNECT_ERROR";
-    case kCmUnreachable: return "UNREACHABLE";
-    case kCmRejected: return "REJECTED";
-    case kCmDisconnected: return "DISCONNECTED";
-    case kCmDeviceRemoval: return "DEVICE_REMOVAL";
-    default: return "an unexpected event";
+    case kCmAddrError:
+      return "ADDR_ERROR";
+    case kCmRouteError:
+      return "ROUTE_ERROR";
+    case kCmConnectError:
+      return "CONNECT_ERROR";
+    case kCmUnreachable:
+      return "UNREACHABLE";
+    case kCmRejected:
+      return "REJECTED";
+    case kCmDisconnected:
+      return "DISCONNECTED";
+    case kCmDeviceRemoval:
+      return "DEVICE_REMOVAL";
+    default:
+      return "an unexpected event";
   }
 }
 
@@ -291,8 +299,8 @@ Status Cm::Restore(const std::vector<QpView>& qps) {
     if (ch->real >= 0) continue;
     ch->real = OpenKernelChannel();
     if (ch->real < 0)
-      return Error(Code::kInternal, std::string("/dev/infiniband/rdma_cm cannot be opened: ") +
-                                        strerror(errno));
+      return Error(Code::kInternal,
+                   std::string("/dev/infiniband/rdma_cm cannot be opened: ") + strerror(errno));
     epoll_event ev{};
     ev.events = EPOLLIN;
     epoll_ctl(ch->fd, EPOLL_CTL_ADD, ch->real, &ev);
@@ -351,7 +359,8 @@ void Cm::ServeRendezvous() {
       memcpy(&key, ev.param.conn.private_data, sizeof key);
       Id* id = nullptr;
       for (auto& [vid, i] : ids_)
-        if (i.state == CmState::kRendezvous && i.qpn == key.moved_qpn && i.rendezvous_child == kNoKid)
+        if (i.state == CmState::kRendezvous && i.qpn == key.moved_qpn &&
+            i.rendezvous_child == kNoKid)
           id = &i;
       if (key.magic != kRendezvousMagic || id == nullptr) {
         rdma_ucm_reject r{};
@@ -520,8 +529,7 @@ Status Cm::PeerReconnect(const std::vector<RemoteMapping>& mappings,
       if (!id.toward_moving) continue;
       const QpView* q = FindQp(qps, id.qpn);
       for (const RemoteMapping& m : mappings) {
-        if (q == nullptr || memcmp(q->remote_virtual_gid.raw, m.virtual_gid.raw, 16) != 0)
-          continue;
+        if (q == nullptr || memcmp(q->remote_virtual_gid.raw, m.virtual_gid.raw, 16) != 0) continue;
         for (const auto& [vqpn, port] : m.cm_rendezvous)
           if (vqpn == id.remote_qpn)
             todo.push_back({vid, &m, static_cast<uint16_t>(port), q->physical_qpn});

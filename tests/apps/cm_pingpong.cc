@@ -61,7 +61,8 @@ class Events {
   }
   void Expect(rdma_cm_event_type want, Event* out = nullptr) {
     Event e = Next(rdma_event_str(want));
-    if (e.type != want) Die("%s while waiting for %s", rdma_event_str(e.type), rdma_event_str(want));
+    if (e.type != want)
+      Die("%s while waiting for %s", rdma_event_str(e.type), rdma_event_str(want));
     if (out) *out = e;
   }
   // An event that came while none should have.
@@ -100,7 +101,7 @@ struct Conn {
   ibv_cq* cq = nullptr;
   ibv_mr* mr = nullptr;
   char buf[2 * kMsg] = {};  // send half, receive half
-  int done[3] = {};          // completions by wr_id (1 send, 2 receive) not yet awaited
+  int done[3] = {};         // completions by wr_id (1 send, 2 receive) not yet awaited
 };
 
 void Setup(Conn* c) {
@@ -158,7 +159,8 @@ void Await(Conn* c, Events* ev, uint64_t want, int iteration) {
     Event e;
     if (ev->Unexpected(&e))
       Die("iteration %d: CM event %s while connected", iteration, rdma_event_str(e.type));
-    if (Clock::now() > deadline) Die("iteration %d: no completion within %d s", iteration, kStepSeconds);
+    if (Clock::now() > deadline)
+      Die("iteration %d: no completion within %d s", iteration, kStepSeconds);
     usleep(50);
   }
 }
@@ -195,14 +197,30 @@ Options Parse(int argc, char** argv) {
   int c;
   while ((c = getopt(argc, argv, "sc:a:p:n:i:t:d:")) != -1) {
     switch (c) {
-      case 's': o.server = true; break;
-      case 'c': o.addr = optarg; break;
-      case 'a': o.addr = optarg; break;
-      case 'p': o.port = atoi(optarg); break;
-      case 'n': o.iterations = atoi(optarg); break;
-      case 'i': o.interval_ms = atoi(optarg); break;
-      case 't': o.resolve_ms = atoi(optarg); break;
-      case 'd': o.client_disconnects = strcmp(optarg, "server") != 0; break;
+      case 's':
+        o.server = true;
+        break;
+      case 'c':
+        o.addr = optarg;
+        break;
+      case 'a':
+        o.addr = optarg;
+        break;
+      case 'p':
+        o.port = atoi(optarg);
+        break;
+      case 'n':
+        o.iterations = atoi(optarg);
+        break;
+      case 'i':
+        o.interval_ms = atoi(optarg);
+        break;
+      case 't':
+        o.resolve_ms = atoi(optarg);
+        break;
+      case 'd':
+        o.client_disconnects = strcmp(optarg, "server") != 0;
+        break;
       default:
         Die("usage: cm_pingpong -s -a ADDR | -c ADDR, -p PORT [-n N] [-i MS] [-t MS] "
             "[-d client|server]");
@@ -217,8 +235,8 @@ void Connect(const Options& o, rdma_event_channel* ch, Events* ev, Conn* c) {
   if (getaddrinfo(o.addr, std::to_string(o.port).c_str(), nullptr, &ai) != 0) Die("bad address");
   if (o.server) {
     rdma_cm_id* listener = nullptr;
-    if (rdma_create_id(ch, &listener, nullptr, RDMA_PS_TCP) || rdma_bind_addr(listener, ai->ai_addr) ||
-        rdma_listen(listener, 4))
+    if (rdma_create_id(ch, &listener, nullptr, RDMA_PS_TCP) ||
+        rdma_bind_addr(listener, ai->ai_addr) || rdma_listen(listener, 4))
       Die("listen: %s", strerror(errno));
     std::printf("listening\n");
     std::fflush(stdout);

@@ -148,6 +148,7 @@ bool Cm::Adopt(int fd) {
   ch->real = real;
   ch->queue_fd = queue;
   MutexLock l(&mu_);
+  ch->serial = ++serials_;
   channels_[fd] = std::move(ch);
   return true;
 }
@@ -670,23 +671,39 @@ int Cm::TakeEvent(Channel* ch, std::string* out) {
 // wait as it would have ended the kernel's (EndsTheRead).
 ssize_t Cm::GetEvent(int fd, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in) {
   const uint64_t resp = As<rdma_ucm_get_event>(body, in).response;
+  uint64_t waited = 0;  // the channel's serial, once found
   for (;;) {
+    bool gone = false;
     {
       MutexLock l(&mu_);
       auto it = channels_.find(fd);
-      if (it == channels_.end()) return Fail(EINVAL);
-      std::string ev;
-      const int got = TakeEvent(it->second.get(), &ev);
-      if (got < 0) return -1;
-      if (got > 0) {
-        memcpy(UserPtr(resp), ev.data(), hdr.out < ev.size() ? hdr.out : ev.size());
-        return 0;
+      if (it == channels_.end() || (waited != 0 && it->second->serial != waited)) {
+        if (waited == 0) return Fail(EINVAL);
+        gone = true;
+      } else {
+        waited = it->second->serial;
+        std::string ev;
+        const int got = TakeEvent(it->second.get(), &ev);
+        if (got < 0) return -1;
+        if (got > 0) {
+          memcpy(UserPtr(resp), ev.data(), hdr.out < ev.size() ? hdr.out : ev.size());
+          return 0;
+        }
       }
+    }
+    const uint32_t probes = ThreadProbeTakenHere();
+    if (gone) {
+      // The program destroyed the channel while this thread waited on it
+      // (rping's main thread does, its CM thread still waiting): the
+      // kernel's wait holds the file and lasts, as no event comes, until
+      // a signal ends it. Before, the wait ended with EINVAL, which rping
+      // printed ("rdma_get_cm_event: Invalid argument") and exited with.
+      if (poll(nullptr, 0, -1) < 0 && errno == EINTR && EndsTheRead(probes)) return Fail(EINTR);
+      continue;
     }
     const int flags = fcntl(fd, F_GETFL);
     if (flags >= 0 && (flags & O_NONBLOCK)) return Fail(EAGAIN);
     pollfd p{fd, POLLIN, 0};
-    const uint32_t probes = ThreadProbeTakenHere();
     if (poll(&p, 1, -1) < 0 && errno == EINTR && EndsTheRead(probes)) return Fail(EINTR);
   }
 }

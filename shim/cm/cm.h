@@ -195,6 +195,7 @@ class Cm {
     std::string query_addr, query_route;  // the last answers, for a restored id
   };
   struct Channel {
+    uint64_t serial = 0;             // which of the channels that had the fd
     int fd = -1;                     // the application's: an epoll fd
     int real = -1;                   // the kernel's channel, in `fd`; -1 while released
     int queue_fd = -1;               // eventfd in `fd`, counting `queued`
@@ -246,6 +247,7 @@ class Cm {
   std::map<int, std::unique_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
   std::map<uint32_t, Id> ids_ ABSL_GUARDED_BY(mu_);
   uint32_t next_vid_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t serials_ ABSL_GUARDED_BY(mu_) = 0;
   // Node GUIDs the kernel reports now -> the ones librdmacm first saw.
   std::vector<uint64_t> seen_guids_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, uint64_t> guid_map_ ABSL_GUARDED_BY(mu_);

@@ -40,8 +40,8 @@ def start_logged(host, cmd, name):
 
 
 def pings(text):
-    """How many distinct pings rping printed (-v). Its stdout, a file, is
-    written a buffer at a time: its stderr's lines may land inside one."""
+    """How many distinct pings rping printed (-v), its stderr's lines (which
+    may come between its stdout's) left out."""
     text = re.sub(r"(client |server )?DISCONNECT EVENT\.\.\.\n|wait for RDMA_READ_ADV state \d+\n",
                   "", text)
     return len(set(re.findall(r"ping data: rdma-ping-(\d+): ", text)))
@@ -55,7 +55,8 @@ def check_rping(name, side, count):
     print(f"--- {side}\n{text[-600:]}", flush=True)
     check(pings(text) == count, f"the rping {side} printed {pings(text)} pings, not {count}",
           text[-2000:])
-    check(not re.search(r"(?i)mismatch|error|fail", text), f"the rping {side} reported an error",
+    check(not re.search(r"(?i)mismatch|error|fail|invalid argument", text),
+          f"the rping {side} reported an error",
           text[-2000:])
     disc = len(re.findall(r"DISCONNECT EVENT", text))
     check(disc == 1, f"the rping {side} saw {disc} DISCONNECTED events, not the one of its end",
@@ -64,11 +65,13 @@ def check_rping(name, side, count):
 
 def rping_pair(count, server_host, client_host, server_addr, client_flags=""):
     name = f"rping-{server_host}-{client_host}"
-    spid = start_logged(server_host, f"rping -s -a {server_addr} -p {PORT} -C {count} -V -v",
+    # Line-buffered: its stdout, a file, would be written a buffer at a time,
+    # its stderr's lines landing inside one.
+    spid = start_logged(server_host, f"stdbuf -oL rping -s -a {server_addr} -p {PORT} -C {count} -V -v",
                         f"{name}-server.out")
     wait_until(server_host, f"rdma res show cm_id | grep -q 'LISTEN.*:{PORT}'", 30,
                "the rping server listens")
-    cpid = start_logged(client_host, f"rping -c -a {server_addr} -p {PORT} -C {count} -V -v {client_flags}",
+    cpid = start_logged(client_host, f"stdbuf -oL rping -c -a {server_addr} -p {PORT} -C {count} -V -v {client_flags}",
                         f"{name}-client.out")
     return name, spid, cpid
 

@@ -9,9 +9,12 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -533,6 +536,39 @@ TEST_F(CmTest, KernelHandleZeroIsAnId) {
   EXPECT_EQ(a_->ids(), 1u);
   EXPECT_EQ(p.Destroy(fd, id), 0);
   EXPECT_EQ(a_->ids(), 0u) << "DESTROY_ID never reached the kernel's id 0";
+}
+
+// rping's main thread destroys its channel while its CM thread waits in
+// rdma_get_cm_event: the kernel's wait holds the file and goes on (no
+// event will come) until a signal whose handler lacks SA_RESTART ends it.
+// The wait ended with EINVAL, which rping printed and exited with.
+TEST_F(CmTest, AWaitOnAChannelDestroyedMeanwhileLastsUntilASignalEndsIt) {
+  struct sigaction sa {};
+  sa.sa_handler = [](int) {};  // no SA_RESTART
+  struct sigaction old {};
+  ASSERT_EQ(sigaction(SIGUSR1, &sa, &old), 0);
+  Process p(a_);
+  const int fd = p.Channel();
+  std::atomic<pthread_t> waiter{};
+  auto waiting = std::async(std::launch::async, [&] {
+    waiter = pthread_self();
+    rdma_ucm_event_resp ev{};
+    return p.GetEvent(fd, &ev);
+  });
+  EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
+  p.cm().Forget(fd);  // rdma_destroy_event_channel, then librdmacm's close
+  close(fd);
+  EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
+      << "the wait ended when its channel was destroyed";
+  // A signal ends it as it would end the kernel's; repeated, since the
+  // thread may be between two waits when one comes.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (waiting.wait_for(std::chrono::milliseconds(20)) != std::future_status::ready &&
+         std::chrono::steady_clock::now() < deadline)
+    pthread_kill(waiter.load(), SIGUSR1);
+  ASSERT_EQ(waiting.wait_for(std::chrono::seconds(0)), std::future_status::ready);
+  EXPECT_EQ(waiting.get(), EINTR);
+  sigaction(SIGUSR1, &old, nullptr);
 }
 
 }  // namespace

@@ -251,7 +251,6 @@ class Cm {
   // Node GUIDs the kernel reports now -> the ones librdmacm first saw.
   std::vector<uint64_t> seen_guids_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, uint64_t> guid_map_ ABSL_GUARDED_BY(mu_);
-  bool released_ ABSL_GUARDED_BY(mu_) = false;
   bool moved_ ABSL_GUARDED_BY(mu_) = false;  // restored at least once
   // The restore's rendezvous: a kernel channel with one listener.
   int rv_fd_ ABSL_GUARDED_BY(mu_) = -1;

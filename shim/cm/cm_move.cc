@@ -198,7 +198,6 @@ Status Cm::Release() {
     ch->real = -1;
   }
   for (auto& [vid, id] : ids_) id.kid = kNoKid;
-  released_ = true;
   return {};
 }
 
@@ -315,7 +314,6 @@ Status Cm::Restore(const std::vector<QpView>& qps) {
       id.rendezvous_qpn = q != nullptr ? q->physical_qpn : id.qpn;
     }
   }
-  released_ = false;
   if (!rendezvous) return {};
   Status st = OpenRendezvous();
   if (!st.ok()) return st;

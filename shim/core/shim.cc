@@ -169,6 +169,12 @@ ibv_context* Shim::OpenDevice(ibv_device* device) {
   // Its queues translate from the start (moved_: a device opened after
   // the process moved has new identities too).
   if (mode_.offset || moved_) InstallTranslatingOps(ctx);
+  // In a restored process every thread has credentials of its own, and
+  // the kernel takes a device's writes only from the opener's: a device
+  // first opened there (librdmacm opens one when a listener's first
+  // client comes, on the thread that takes the event) needs the relay a
+  // re-opened one has. Before, the other threads' posts failed with EACCES.
+  if (moved_) RelayWrites(ctx);
   Register(s, Kind::kContext);
   return s;
 }

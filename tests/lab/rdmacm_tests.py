@@ -235,6 +235,42 @@ def a_persistent_listener_moves_with_its_address_and_accepts_new_clients_there()
 
 
 @lab_test
+def a_listener_with_no_device_yet_is_restored_and_accepts_its_first_client():
+    # Bound to the any-address, librdmacm opens no device until a client
+    # comes: the process's only RDMA is its CM channel. Checkpointed and
+    # restored on its host, its first client makes librdmacm open the
+    # device there, on the thread that takes the event, and the main thread
+    # posts on it (through the write relay: EACCES before). (Moved to
+    # another host, such a listener's clients were rejected: docs/shim.md.)
+    mt.ensure_daemons()
+    LAB.run(1, "pkill -x cm_pingpong")
+    LAB.run(3, "pkill -x cm_pingpong")
+    name = "pp-listener"
+    spid = start_logged(1, f"{PINGPONG} -s -a 0.0.0.0 -p {PORT} -n 200", f"{name}-server.out")
+    d = f"{WORK}/ckpt-listener"
+    try:
+        wait_until(1, f"grep -q listening {WORK}/{name}-server.out", 30, "the server listens")
+        migrators.under_shim(1, spid)
+        check(LAB.run(1, f"ls -l /proc/{spid}/fd | grep -q uverbs").rc != 0,
+              "the listener opened a verbs device before any client")
+        LAB.run(1, f"rm -rf {d}")
+        r, rep = mt.ctl(1, f"checkpoint {spid} --dir {d}")
+        check(r.rc == 0, "checkpoint the listener", r)
+        check(LAB.run(1, f"kill -0 {spid}").rc != 0, "it still runs after its checkpoint")
+        r, rep = mt.ctl(1, f"restore --dir {d} --on {mt.ip(1)}")
+        check(r.rc == 0, "restore the listener", r)
+        wait_until(1, f"kill -0 {spid}", 30, "the listener runs again")
+        cpid = start_logged(3, f"{PINGPONG} -c {mt.ip(1)} -p {PORT} -n 200", f"{name}-client.out")
+        wait_gone(3, cpid, "cm_pingpong's client", 240)
+        wait_gone(1, spid, "cm_pingpong's server", 60)
+        pp_verdict(f"{name}-client.out", "client")
+        pp_verdict(f"{name}-server.out", "server")
+    finally:
+        LAB.run(1, f"pkill -x cm_pingpong; rm -rf {d}")
+        LAB.run(3, "pkill -x cm_pingpong")
+
+
+@lab_test
 def an_rdma_cm_id_between_states_is_refused_before_anything_is_quiesced():
     # 10.77.0.99 is no host's: its address stays being resolved for 60 s.
     mt.ensure_daemons()

@@ -310,8 +310,8 @@ absl::Status Migrator::CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& 
       // The shim releases its devices and its RDMA CM channels (their
       // kernel files; the program's fds are the shim's: shim/cm/cm.h),
       // and refuses at its quiesce an RDMA CM id a move cannot carry.
-      if (shimmed && (absl::StartsWith(file, "/dev/infiniband/uverbs") ||
-                      file == "/dev/infiniband/rdma_cm"))
+      if (shimmed &&
+          (absl::StartsWith(file, "/dev/infiniband/uverbs") || file == "/dev/infiniband/rdma_cm"))
         continue;
       std::string why;
       if (file == "/dev/infiniband/rdma_cm")

@@ -223,16 +223,29 @@ uint64_t Cm::VirtualGuid(uint64_t physical) {
   return virt;
 }
 
-ssize_t Cm::Kernel(int fd, uint32_t cmd, const void* body, size_t in, size_t out) {
-  char buf[sizeof(rdma_ucm_cmd_hdr) + 512];
-  if (in > sizeof buf - sizeof(rdma_ucm_cmd_hdr)) return Fail(EINVAL);
+size_t FrameCommand(uint32_t cmd, const void* body, size_t in, size_t out, char* buf) {
+  if (in > kMaxCommand - sizeof(rdma_ucm_cmd_hdr)) return 0;
   rdma_ucm_cmd_hdr hdr{cmd, static_cast<uint16_t>(in), static_cast<uint16_t>(out)};
   memcpy(buf, &hdr, sizeof hdr);
   memcpy(buf + sizeof hdr, body, in);
-  ssize_t rc = kernel_->Write(fd, buf, sizeof hdr + in);
+  return sizeof hdr + in;
+}
+
+void Cm::CountDown(Channel* ch) {
+  uint64_t one;
+  if (read(ch->queue_fd, &one, sizeof one) < 0) {
+    // The count and the queue change together, under mu_.
+  }
+}
+
+ssize_t Cm::Kernel(int fd, uint32_t cmd, const void* body, size_t in, size_t out) {
+  char buf[kMaxCommand];
+  const size_t n = FrameCommand(cmd, body, in, out, buf);
+  if (n == 0) return Fail(EINVAL);
+  ssize_t rc = kernel_->Write(fd, buf, n);
   if (rc < 0 && errno == EACCES) {
     auto relay = relays_.find(fd);
-    if (relay != relays_.end()) rc = relay->second->Write(buf, sizeof hdr + in);
+    if (relay != relays_.end()) rc = relay->second->Write(buf, n);
   }
   return rc < 0 ? rc : static_cast<ssize_t>(in);
 }
@@ -554,10 +567,7 @@ std::deque<std::string> Cm::TakeQueued(Channel* ch, uint32_t vid) {
       keep.push_back(std::move(e));
       continue;
     }
-    uint64_t one;
-    if (read(ch->queue_fd, &one, sizeof one) < 0) {
-      // The count and the queue change together, under mu_.
-    }
+    CountDown(ch);
     taken.push_back(std::move(e));
   }
   ch->queued.swap(keep);
@@ -641,10 +651,7 @@ void Cm::Count(const rdma_ucm_event_resp& ev) {
 
 int Cm::TakeEvent(Channel* ch, std::string* out) {
   if (!ch->queued.empty()) {
-    uint64_t one;
-    if (read(ch->queue_fd, &one, sizeof one) < 0) {
-      // The count and the queue change together, under mu_.
-    }
+    CountDown(ch);
     *out = std::move(ch->queued.front());
     ch->queued.pop_front();
     rdma_ucm_event_resp ev{};

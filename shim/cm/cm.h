@@ -87,6 +87,11 @@ class CmKernel {
   virtual void Close(int fd) = 0;
 };
 
+// One command as write(2) takes it: header, then `in` bytes of body, into
+// `buf` (kMaxCommand bytes); its length, 0 when the body is too long.
+inline constexpr size_t kMaxCommand = sizeof(rdma_ucm_cmd_hdr) + 512;
+size_t FrameCommand(uint32_t cmd, const void* body, size_t in, size_t out, char* buf);
+
 // Whether kernel channel `fd` holds an event (poll(2), no wait).
 bool KernelHasEvent(int fd);
 
@@ -211,6 +216,8 @@ class Cm {
   // A kernel event: translated and counted (true), or the move's (false).
   bool Translate(rdma_ucm_event_resp* ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Queue(Channel* ch, std::string ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One event fewer held: the channel's eventfd counts down with its queue.
+  static void CountDown(Channel* ch);
   std::deque<std::string> TakeQueued(Channel* ch, uint32_t vid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ssize_t CreateId(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -101,11 +101,9 @@ class CmPrivateChannel {
   int fd() const { return fd_; }
 
   bool Send(uint32_t cmd, const void* body, size_t in, size_t out) {
-    char buf[sizeof(rdma_ucm_cmd_hdr) + 512];
-    rdma_ucm_cmd_hdr hdr{cmd, static_cast<uint16_t>(in), static_cast<uint16_t>(out)};
-    memcpy(buf, &hdr, sizeof hdr);
-    memcpy(buf + sizeof hdr, body, in);
-    return k_->Write(fd_, buf, sizeof hdr + in) >= 0;
+    char buf[kMaxCommand];
+    const size_t n = FrameCommand(cmd, body, in, out, buf);
+    return n != 0 && k_->Write(fd_, buf, n) >= 0;
   }
   // The next event, or false at `deadline_ms` (NowMs) or on an error.
   bool Next(rdma_ucm_event_resp* ev, int64_t deadline_ms) {

@@ -250,6 +250,33 @@ void Rendezvous::Arrive() {
   if (!mu.AwaitWithTimeout(absl::Condition(&all_here), absl::Seconds(5))) all_met = false;
 }
 
+namespace {
+
+// The command's name as the endpoint's log and its injected faults say it
+// ("" for none).
+std::string CommandName(const v1::MigratorToShim& req) {
+  switch (req.command_case()) {
+    case v1::MigratorToShim::kQuiesce:
+      return "quiesce";
+    case v1::MigratorToShim::kRelease:
+      return "release";
+    case v1::MigratorToShim::kRestore:
+      return "restore";
+    case v1::MigratorToShim::kResume:
+      return "resume";
+    case v1::MigratorToShim::kPeerQuiesce:
+      return "peer_quiesce";
+    case v1::MigratorToShim::kPeerReconnect:
+      return "peer_reconnect";
+    case v1::MigratorToShim::kDescribe:
+      return "describe";
+    default:
+      return "";
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl::Duration) {
   if (req.has_peer_reconnect() && reconnect_rendezvous != nullptr) reconnect_rendezvous->Arrive();
   if (req.has_describe() && describe_rendezvous != nullptr) describe_rendezvous->Arrive();
@@ -258,32 +285,8 @@ absl::StatusOr<v1::Reply> FakeHost::Call(pid_t pid, v1::MigratorToShim req, absl
   if (it == eps_.end() || !it->second.alive || !it->second.connected)
     return absl::NotFoundError(absl::StrCat("no shim of process ", pid, " is connected"));
   FakeEndpoint& e = it->second;
-  std::string cmd;
-  switch (req.command_case()) {
-    case v1::MigratorToShim::kQuiesce:
-      cmd = "quiesce";
-      break;
-    case v1::MigratorToShim::kRelease:
-      cmd = "release";
-      break;
-    case v1::MigratorToShim::kRestore:
-      cmd = "restore";
-      break;
-    case v1::MigratorToShim::kResume:
-      cmd = "resume";
-      break;
-    case v1::MigratorToShim::kPeerQuiesce:
-      cmd = "peer_quiesce";
-      break;
-    case v1::MigratorToShim::kPeerReconnect:
-      cmd = "peer_reconnect";
-      break;
-    case v1::MigratorToShim::kDescribe:
-      cmd = "describe";
-      break;
-    default:
-      return absl::InvalidArgumentError("no command");
-  }
+  const std::string cmd = CommandName(req);
+  if (cmd.empty()) return absl::InvalidArgumentError("no command");
   e.log.push_back(cmd);
   v1::Reply r;
   auto fail = e.fail.find(cmd);

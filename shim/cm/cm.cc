@@ -2,17 +2,22 @@
 // cm_move.cc.
 #include "shim/cm/cm.h"
 
+#include <dlfcn.h>
+#include <endian.h>
 #include <fcntl.h>
+#include <infiniband/verbs.h>
 #include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
+#include "shim/abi/libc_dl.h"
 #include "shim/cm/channels.h"
 #include "shim/core/log.h"
 #include "shim/datapath/thread_probe.h"
@@ -30,7 +35,56 @@ class LibcCmKernel : public CmKernel {
   int Open() override { return open("/dev/infiniband/rdma_cm", O_RDWR | O_CLOEXEC); }
   ssize_t Write(int fd, const void* cmd, size_t n) override { return __write(fd, cmd, n); }
   void Close(int fd) override { close(fd); }
+  CmDevice LibraryDevice(CmDevice physical) override;
 };
+
+// The device's node GUID as sysfs shows it now ("0002:c903:0031:7a01"),
+// in network order; 0 if it cannot be read.
+uint64_t SysfsGuid(const char* device) {
+  char path[128];
+  std::snprintf(path, sizeof path, "/sys/class/infiniband/%s/node_guid", device);
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  char text[40] = {};
+  const ssize_t n = read(fd, text, sizeof text - 1);
+  close(fd);
+  unsigned a, b, c, d;
+  if (n <= 0 || std::sscanf(text, "%x:%x:%x:%x", &a, &b, &c, &d) != 4) return 0;
+  return htobe64((uint64_t{a} << 48) | (uint64_t{b} << 32) | (uint64_t{c} << 16) | d);
+}
+
+CmDevice LibcCmKernel::LibraryDevice(CmDevice physical) {
+  // libibverbs' own functions (the shim's ibv_get_device_list is the
+  // next object's through RTLD_NEXT); they read the list as librdmacm
+  // will when it looks the device up.
+  using List = ibv_device** (*)(int*);
+  using Free = void (*)(ibv_device**);
+  using Name = const char* (*)(ibv_device*);
+  using Guid = __be64 (*)(ibv_device*);
+  using Index = int (*)(ibv_device*);
+  const LibcDl& dl = Libc();
+  if (dl.dlsym == nullptr) return physical;
+  auto list = reinterpret_cast<List>(dl.dlsym(RTLD_NEXT, "ibv_get_device_list"));
+  auto release = reinterpret_cast<Free>(dl.dlsym(RTLD_NEXT, "ibv_free_device_list"));
+  auto name = reinterpret_cast<Name>(dl.dlsym(RTLD_NEXT, "ibv_get_device_name"));
+  auto guid = reinterpret_cast<Guid>(dl.dlsym(RTLD_NEXT, "ibv_get_device_guid"));
+  auto index = reinterpret_cast<Index>(dl.dlsym(RTLD_NEXT, "ibv_get_device_index"));
+  if (list == nullptr || release == nullptr || name == nullptr || guid == nullptr ||
+      index == nullptr)
+    return physical;
+  int n = 0;
+  ibv_device** devices = list(&n);
+  if (devices == nullptr) return physical;
+  CmDevice known = physical;
+  for (int i = 0; i < n; ++i) {
+    if (SysfsGuid(name(devices[i])) != physical.guid) continue;
+    known.guid = guid(devices[i]);
+    const int at = index(devices[i]);
+    if (physical.index != kNoDeviceIndex && at >= 0) known.index = static_cast<uint32_t>(at);
+  }
+  release(devices);
+  return known;
+}
 
 // Reads a command's body as T: librdmacm may send a shorter one (an
 // older ABI); the rest stays zero.
@@ -209,17 +263,28 @@ Cm::Id* Cm::NewId(int channel) {
   return &id;
 }
 
-uint64_t Cm::VirtualGuid(uint64_t physical) {
-  if (physical == 0) return 0;
-  auto it = guid_map_.find(physical);
-  if (it != guid_map_.end()) return it->second;
-  // A GUID first seen after a move stands for the device librdmacm chose
-  // before it, when there was one: librdmacm would otherwise open the new
-  // device beside the one the application's PDs and QPs were made on.
-  uint64_t virt = physical;
-  if (moved_ && seen_guids_.size() == 1) virt = seen_guids_[0];
-  if (!moved_) seen_guids_.push_back(physical);
-  guid_map_[physical] = virt;
+CmDevice Cm::VirtualDevice(CmDevice physical) {
+  if (physical.guid == 0) return physical;
+  auto it = device_map_.find(physical);
+  if (it != device_map_.end()) return it->second;
+  // A device first seen after a move stands for the device librdmacm
+  // chose before it, when there was one: librdmacm would otherwise open
+  // the new device beside the one the application's PDs and QPs were made
+  // on. (It looks a device up by GUID and index together, and a host's
+  // index grows each time a device is made again: a listener moved to
+  // such a host rejected its clients.) Before any, the verbs library's
+  // name for it: librdmacm looks it up in the device list libibverbs
+  // gives it, which on another host may still carry the old host's GUID
+  // for a device of the same name and index (its clients were rejected:
+  // librdmacm found no device and destroyed each new id).
+  CmDevice virt = physical;
+  if (moved_ && seen_devices_.size() == 1) {
+    virt = seen_devices_[0];
+  } else if (moved_) {
+    virt = kernel_->LibraryDevice(physical);
+  }
+  if (!moved_) seen_devices_.push_back(physical);
+  device_map_[physical] = virt;
   return virt;
 }
 
@@ -497,8 +562,8 @@ ssize_t Cm::AnswerWithoutKernel(Id* id, const rdma_ucm_cmd_hdr& hdr, const char*
   return Fail(id->state == CmState::kRendezvous ? EAGAIN : EINVAL);
 }
 
-// A query whose answer names a device: its GUID the one librdmacm first
-// saw, and the answer kept for the id's life after a move.
+// A query whose answer names a device: its GUID and index those
+// librdmacm first saw, and the answer kept for the id's life after a move.
 ssize_t Cm::Query(Channel* ch, Id* id, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in) {
   char kept[sizeof(rdma_ucm_query_addr_resp) > sizeof(rdma_ucm_query_route_resp)
                 ? sizeof(rdma_ucm_query_addr_resp)
@@ -508,10 +573,18 @@ ssize_t Cm::Query(Channel* ch, Id* id, const rdma_ucm_cmd_hdr& hdr, char* body, 
   memcpy(body, &mine, 8);
   const uint16_t out = hdr.out > sizeof kept ? sizeof kept : hdr.out;
   if (Kernel(ch->real, hdr.cmd, body, in, out) < 0) return -1;
-  uint64_t guid;
-  memcpy(&guid, kept, 8);  // node_guid leads both answers
-  guid = VirtualGuid(guid);
-  memcpy(kept, &guid, 8);
+  // node_guid leads both answers; an older ABI's shorter answer has no
+  // device index.
+  const size_t index_at = hdr.cmd == RDMA_USER_CM_CMD_QUERY_ROUTE
+                              ? offsetof(rdma_ucm_query_route_resp, ibdev_index)
+                              : offsetof(rdma_ucm_query_addr_resp, ibdev_index);
+  const bool indexed = out >= index_at + sizeof(uint32_t);
+  CmDevice dev{0, kNoDeviceIndex};
+  memcpy(&dev.guid, kept, 8);
+  if (indexed) memcpy(&dev.index, kept + index_at, sizeof dev.index);
+  dev = VirtualDevice(dev);
+  memcpy(kept, &dev.guid, 8);
+  if (indexed) memcpy(kept + index_at, &dev.index, sizeof dev.index);
   memcpy(UserPtr(app_resp), kept, out);
   (hdr.cmd == RDMA_USER_CM_CMD_QUERY_ROUTE ? id->query_route : id->query_addr).assign(kept, out);
   return 0;

@@ -76,6 +76,19 @@ enum CmEvent : uint32_t {
   kCmTimewaitExit,
 };
 
+// A device as an RDMA CM answer names it: node GUID (network order) and
+// the kernel's index of the device, which librdmacm looks up together
+// (kNoDeviceIndex: an answer of an older ABI, without one).
+inline constexpr uint32_t kNoDeviceIndex = 0xffffffff;
+struct CmDevice {
+  uint64_t guid = 0;
+  uint32_t index = 0;
+  bool operator==(const CmDevice& o) const { return guid == o.guid && index == o.index; }
+  bool operator<(const CmDevice& o) const {
+    return guid != o.guid ? guid < o.guid : index < o.index;
+  }
+};
+
 // The kernel's rdma_cm, as the CM layer reaches it (a fake in tests).
 class CmKernel {
  public:
@@ -85,6 +98,13 @@ class CmKernel {
   // write(2) of one command; -1 with errno.
   virtual ssize_t Write(int fd, const void* cmd, size_t n) = 0;
   virtual void Close(int fd) = 0;
+  // The device as the verbs library in this process lists it, for the
+  // device the kernel now reports by node GUID `physical` (network
+  // order): libibverbs keeps a device's GUID from its first read for as
+  // long as a device of the same name and index is listed, so on another
+  // host it may still name the old one. Unchanged when no listed device
+  // has it.
+  virtual CmDevice LibraryDevice(CmDevice physical) { return physical; }
 };
 
 // One command as write(2) takes it: header, then `in` bytes of body, into
@@ -237,7 +257,7 @@ class Cm {
   Id* ByKernel(uint32_t kid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Id* ByUid(uint64_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Id* NewId(int channel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t VirtualGuid(uint64_t physical) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  CmDevice VirtualDevice(CmDevice physical) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // cm_move.cc
   Status RemakeId(Channel* ch, Id* id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -255,9 +275,10 @@ class Cm {
   std::map<uint32_t, Id> ids_ ABSL_GUARDED_BY(mu_);
   uint32_t next_vid_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t serials_ ABSL_GUARDED_BY(mu_) = 0;
-  // Node GUIDs the kernel reports now -> the ones librdmacm first saw.
-  std::vector<uint64_t> seen_guids_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, uint64_t> guid_map_ ABSL_GUARDED_BY(mu_);
+  // The devices the kernel's answers name now -> as librdmacm first saw
+  // them.
+  std::vector<CmDevice> seen_devices_ ABSL_GUARDED_BY(mu_);
+  std::map<CmDevice, CmDevice> device_map_ ABSL_GUARDED_BY(mu_);
   bool moved_ ABSL_GUARDED_BY(mu_) = false;  // restored at least once
   // The restore's rendezvous: a kernel channel with one listener.
   int rv_fd_ ABSL_GUARDED_BY(mu_) = -1;

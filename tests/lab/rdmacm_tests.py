@@ -26,9 +26,17 @@ def out_file(name):
     return os.path.join(LAB.shared, "migration", name)
 
 
-def read(name):
-    with open(out_file(name), errors="replace") as f:
-        return f.read()
+def read(name, missing_ok=False):
+    """The output file `name`; with `missing_ok`, "" while it does not exist
+    (a program just started on a host: the shared folder shows its file a
+    moment later)."""
+    try:
+        with open(out_file(name), errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        if missing_ok:
+            return ""
+        raise
 
 
 def start_logged(host, cmd, name):
@@ -79,10 +87,11 @@ def rping_pair(count, server_host, client_host, server_addr, client_flags=""):
 def wait_pings(name, side, at_least, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pings(read(f"{name}-{side}.out")) >= at_least:
+        if pings(read(f"{name}-{side}.out", missing_ok=True)) >= at_least:
             return
         time.sleep(0.5)
-    check(False, f"the rping {side} did not reach {at_least} pings", read(f"{name}-{side}.out"))
+    check(False, f"the rping {side} did not reach {at_least} pings",
+          read(f"{name}-{side}.out", missing_ok=True))
 
 
 def wait_gone(host, pid, what, timeout=600):
@@ -209,8 +218,16 @@ def a_client_in_offset_mode_moves_through_a_checkpoint_and_sees_its_peers_discon
 @lab_test
 def a_persistent_listener_moves_with_its_address_and_accepts_new_clients_there():
     # rping -P serves one client after another: one before the move, one
-    # after it, which its listener, made again on host2, accepts.
+    # after it, which its listener, made again on host2, accepts. host2's
+    # device is made again first, so that its kernel index is not host1's:
+    # librdmacm looks a device up by GUID and index, and found none for
+    # the new client's id (a consumer-defined REJ), after another test had
+    # done the same.
     mt.ensure_daemons()
+    run_ok(2, "rdma link delete rxe0 && rdma link add rxe0 type rxe netdev eth0")
+    wait_until(2, "ibv_devinfo -d rxe0 | grep -q PORT_ACTIVE", 30, "rxe0 back on host2")
+    index = "rdma dev show rxe0 | cut -d: -f1"
+    check(run_ok(1, index).out != run_ok(2, index).out, "rxe0 has the same index on both hosts")
     for h in (1, 2, 3):
         LAB.run(h, f"pkill -x rping; ip addr del {SERVICE}/24 dev eth0 2> /dev/null; "
                    f"ip neigh flush to {SERVICE}")
@@ -235,16 +252,17 @@ def a_persistent_listener_moves_with_its_address_and_accepts_new_clients_there()
 
 
 @lab_test
-def a_listener_with_no_device_yet_is_restored_and_accepts_its_first_client():
+def a_listener_with_no_device_yet_is_restored_on_another_host_and_accepts_its_first_client():
     # Bound to the any-address, librdmacm opens no device until a client
-    # comes: the process's only RDMA is its CM channel. Checkpointed and
-    # restored on its host, its first client makes librdmacm open the
-    # device there, on the thread that takes the event, and the main thread
-    # posts on it (through the write relay: EACCES before). (Moved to
-    # another host, such a listener's clients were rejected: docs/shim.md.)
+    # comes: the process's only RDMA is its CM channel. Checkpointed on
+    # host1 and restored on host2, its first client makes librdmacm open
+    # the device there, on the thread that takes the event (librdmacm looks
+    # it up by the GUID libibverbs still gives it, host1's: its clients
+    # were rejected before), and the main thread posts on it (through the
+    # write relay: EACCES before).
     mt.ensure_daemons()
-    LAB.run(1, "pkill -x cm_pingpong")
-    LAB.run(3, "pkill -x cm_pingpong")
+    for h in (1, 2, 3):
+        LAB.run(h, "pkill -x cm_pingpong")
     name = "pp-listener"
     spid = start_logged(1, f"{PINGPONG} -s -a 0.0.0.0 -p {PORT} -n 200", f"{name}-server.out")
     d = f"{WORK}/ckpt-listener"
@@ -257,17 +275,18 @@ def a_listener_with_no_device_yet_is_restored_and_accepts_its_first_client():
         r, rep = mt.ctl(1, f"checkpoint {spid} --dir {d}")
         check(r.rc == 0, "checkpoint the listener", r)
         check(LAB.run(1, f"kill -0 {spid}").rc != 0, "it still runs after its checkpoint")
-        r, rep = mt.ctl(1, f"restore --dir {d} --on {mt.ip(1)}")
-        check(r.rc == 0, "restore the listener", r)
-        wait_until(1, f"kill -0 {spid}", 30, "the listener runs again")
-        cpid = start_logged(3, f"{PINGPONG} -c {mt.ip(1)} -p {PORT} -n 200", f"{name}-client.out")
+        r, rep = mt.ctl(1, f"restore --dir {d} --on {mt.ip(2)}")
+        check(r.rc == 0, "restore the listener on host2", r)
+        mt.check_moved(spid, 1, 2, "the listener")
+        cpid = start_logged(3, f"{PINGPONG} -c {mt.ip(2)} -p {PORT} -n 200", f"{name}-client.out")
         wait_gone(3, cpid, "cm_pingpong's client", 240)
-        wait_gone(1, spid, "cm_pingpong's server", 60)
+        wait_gone(2, spid, "cm_pingpong's server", 60)
         pp_verdict(f"{name}-client.out", "client")
         pp_verdict(f"{name}-server.out", "server")
     finally:
-        LAB.run(1, f"pkill -x cm_pingpong; rm -rf {d}")
-        LAB.run(3, "pkill -x cm_pingpong")
+        for h in (1, 2, 3):
+            LAB.run(h, "pkill -x cm_pingpong")
+        LAB.run(1, f"rm -rf {d}")
 
 
 @lab_test

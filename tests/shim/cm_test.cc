@@ -334,6 +334,57 @@ TEST_F(CmTest, ChannelKeepsItsNumberFlagsAndEpollAcrossAMove) {
   close(app_ep);
 }
 
+// A listener that had seen no device (bound to the any-address) moved:
+// the first GUID its ids report is the one the verbs library lists the
+// device by, which after a move may be the old host's (librdmacm found no
+// device for the new host's and destroyed each client's id).
+TEST_F(CmTest, AfterAMoveAFirstGuidIsTheOneTheVerbsLibraryNames) {
+  Process p(a_);
+  const int fd = p.Channel();
+  SetNonblocking(fd);
+  const uint32_t id = p.CreateId(fd, 0x33);
+  ASSERT_TRUE(p.cm().CheckMovable().ok());
+  ASSERT_TRUE(p.cm().Release().ok());
+  p.kernel().MoveTo(c_);
+  p.kernel().library_devices[c_->device()] = a_->device();
+  ASSERT_TRUE(p.cm().Restore({}).ok());
+  ASSERT_EQ(p.ResolveAddr(fd, id, Addr("10.0.0.2", kServicePort)), 0);
+  EXPECT_TRUE(IsEvent(p, fd, kCmAddrResolved, 0x33, id));
+  const rdma_ucm_query_addr_resp addr = p.QueryAddr(fd, id);
+  EXPECT_EQ(addr.node_guid, a_->node_guid());
+  EXPECT_EQ(addr.ibdev_index, a_->device_index());
+  EXPECT_EQ(p.Destroy(fd, id), 1);
+}
+
+// A device seen before the move: its GUID and its index after it, though
+// the destination made its device again (a new index): librdmacm looks
+// both up (a listener moved to such a host rejected its clients).
+TEST_F(CmTest, AfterAMoveTheDeviceSeenKeepsItsGuidAndIndex) {
+  Process p(a_);
+  const int fd = p.Channel();
+  SetNonblocking(fd);
+  const uint32_t first = p.CreateId(fd, 0x44);
+  ASSERT_EQ(p.ResolveAddr(fd, first, Addr("10.0.0.2", kServicePort)), 0);
+  EXPECT_TRUE(IsEvent(p, fd, kCmAddrResolved, 0x44, first));
+  EXPECT_EQ(p.QueryAddr(fd, first).ibdev_index, 1u);
+  EXPECT_EQ(p.Destroy(fd, first), 1);
+  const uint32_t id = p.CreateId(fd, 0x45);
+  ASSERT_TRUE(p.cm().CheckMovable().ok());
+  ASSERT_TRUE(p.cm().Release().ok());
+  c_->set_device_index(3);
+  p.kernel().MoveTo(c_);
+  ASSERT_TRUE(p.cm().Restore({}).ok());
+  ASSERT_EQ(p.ResolveAddr(fd, id, Addr("10.0.0.2", kServicePort)), 0);
+  EXPECT_TRUE(IsEvent(p, fd, kCmAddrResolved, 0x45, id));
+  const rdma_ucm_query_addr_resp addr = p.QueryAddr(fd, id);
+  EXPECT_EQ(addr.node_guid, a_->node_guid());
+  EXPECT_EQ(addr.ibdev_index, 1u);
+  const rdma_ucm_query_route_resp route = p.QueryRoute(fd, id);
+  EXPECT_EQ(route.node_guid, a_->node_guid());
+  EXPECT_EQ(route.ibdev_index, 1u);
+  EXPECT_EQ(p.Destroy(fd, id), 1);
+}
+
 TEST_F(CmTest, MovedClientReconnectsThroughTheRendezvous) {
   Process server(b_), client(a_);
   const int sfd = server.Channel(), cfd = client.Channel();

@@ -481,6 +481,7 @@ int FakeCmFabric::Query(ino_t file, const Hdr& hdr, const char* body) {
   const bool device = c->bound || c->state == St::kRequested || c->state >= St::kAccepted;
   if (device && !IsAny(c->src)) {
     r.node_guid = c->host->node_guid();
+    r.ibdev_index = c->host->device_index();
     r.port_num = 1;
   }
   r.pkey = 0xffff;
@@ -500,6 +501,7 @@ int FakeCmFabric::QueryRoute(ino_t file, const Hdr& hdr, const char* body) {
   rdma_ucm_query_route_resp r{};
   if (!IsAny(c->src)) {
     r.node_guid = c->host->node_guid();
+    r.ibdev_index = c->host->device_index();
     r.port_num = 1;
   }
   memcpy(&r.src_addr, &c->src, sizeof c->src);

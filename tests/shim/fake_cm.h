@@ -64,6 +64,10 @@ class FakeCmHost : public CmKernel {
 
   uint32_t ip() const { return ip_; }  // network order
   uint64_t node_guid() const { return node_guid_; }
+  // The kernel's index of its device (grows each time one is made).
+  uint32_t device_index() const { return device_index_; }
+  void set_device_index(uint32_t i) { device_index_ = i; }
+  CmDevice device() const { return {node_guid_, device_index_}; }
   // Live kernel ids on this host, and open channels.
   size_t ids();
   size_t files();
@@ -72,6 +76,7 @@ class FakeCmHost : public CmKernel {
   FakeCmFabric* const fabric_;
   const uint32_t ip_;
   const uint64_t node_guid_;
+  uint32_t device_index_ = 1;
 };
 
 // A process's view of the kernel: the host it runs on now. Open() makes
@@ -85,6 +90,12 @@ class FakeCmProcessKernel : public CmKernel {
   int Open() override { return host_->Open(); }
   ssize_t Write(int fd, const void* cmd, size_t n) override { return host_->Write(fd, cmd, n); }
   void Close(int fd) override { host_->Close(fd); }
+  // As libibverbs may: a device's GUID as first read, on another host.
+  CmDevice LibraryDevice(CmDevice physical) override {
+    auto it = library_devices.find(physical);
+    return it == library_devices.end() ? physical : it->second;
+  }
+  std::map<CmDevice, CmDevice> library_devices;  // the kernel's -> the library's
 
  private:
   FakeCmHost* host_;

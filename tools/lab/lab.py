@@ -110,7 +110,9 @@ def kernel_dir():
         return kdir
 
     log(f"fetching kernel {pkg} (once; cached in {kdir})")
-    tmp = kdir + ".tmp"
+    # Two labs booting at once each fetch into a directory of their own;
+    # the first to finish puts its copy in place.
+    tmp = f"{kdir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -154,8 +156,16 @@ def kernel_dir():
         f.write(version + "\n")
     shutil.rmtree(root)
     os.remove(os.path.join(tmp, deb))
+    if os.path.exists(os.path.join(kdir, "modules.order")):
+        shutil.rmtree(tmp)  # another lab's copy came first
+        return kdir
     shutil.rmtree(kdir, ignore_errors=True)
-    os.rename(tmp, kdir)
+    try:
+        os.rename(tmp, kdir)
+    except OSError:
+        if not os.path.exists(os.path.join(kdir, "modules.order")):
+            raise
+        shutil.rmtree(tmp)
     return kdir
 
 

@@ -614,8 +614,10 @@ void Cm::Advance(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t i
     case RDMA_USER_CM_CMD_ACCEPT: {
       auto c = As<rdma_ucm_accept>(body, in);
       if (c.uid != 0) id->uid = c.uid;
-      // The active side's ACCEPT sends the RTU: established for librdmacm.
-      id->state = id->state == CmState::kResponded ? CmState::kEstablished : CmState::kAccepting;
+      // The active side's ACCEPT sends the RTU: established for librdmacm;
+      // a UD id's, the SIDR REP, leaves nothing to wait for.
+      const bool done = id->state == CmState::kResponded || id->qp_type == IBV_QPT_UD;
+      id->state = done ? CmState::kEstablished : CmState::kAccepting;
       break;
     }
     case RDMA_USER_CM_CMD_REJECT:

@@ -149,7 +149,8 @@ Status Cm::CheckMovable() {
         ok = true;
         break;
       case CmState::kEstablished:
-        ok = id.qp_type != IBV_QPT_UD && id.qpn != 0 && !id.toward_moving;
+        // A UD id keeps no connection: its datagrams are the verbs layer's.
+        ok = id.qp_type == IBV_QPT_UD || (id.qpn != 0 && !id.toward_moving);
         break;
       default:
         break;
@@ -157,7 +158,6 @@ Status Cm::CheckMovable() {
     if (ok) continue;
     char msg[256];
     const char* what = id.toward_moving ? "its peer is moving" : CmStateName(id.state);
-    if (id.state == CmState::kEstablished && id.qp_type == IBV_QPT_UD) what = "a UD id";
     std::snprintf(msg, sizeof msg,
                   "an RDMA CM id of the process (id %u, on channel fd %d) is %s, which a move "
                   "cannot carry yet; nothing was quiesced",
@@ -202,7 +202,10 @@ Status Cm::Release() {
 Status Cm::RemakeId(Channel* ch, Id* id) {
   switch (id->state) {
     case CmState::kEstablished:
-      id->state = CmState::kRendezvous;
+      // A UD id goes on without a kernel id: its SIDR exchange is done and
+      // nothing of it is the kernel's but its address, which the queries
+      // answer as before the move (AnswerWithoutKernel).
+      if (id->qp_type != IBV_QPT_UD) id->state = CmState::kRendezvous;
       return {};
     case CmState::kDisconnected:
       return {};  // librdmacm destroys it; DESTROY_ID is answered here

@@ -85,24 +85,26 @@ def etcd_up():
                 f"--listen-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
                 f"--initial-advertise-peer-urls https://{mgmt(n)}:{ETCD_PEER_PORT} "
                 f"--initial-cluster {cluster} --initial-cluster-state new {tls} {ETCD_TIMING} "
-                f">> {LOGS}/etcd-host{n}.log 2>&1 < /dev/null &\n{until_script(listening, 60)}")
+                f">> {LOGS}/etcd-host{n}.log 2>&1 < /dev/null &\n{until_script(listening, 150)}")
 
-    for n, r in run_all({n: start(n) for n in hosts if n not in up}, 75).items():
-        check(r.rc == 0, f"host{n}: etcd does not listen on port {ETCD_PORT} after 60s", r)
+    for n, r in run_all({n: start(n) for n in hosts if n not in up}, 170).items():
+        check(r.rc == 0, f"host{n}: etcd does not listen on port {ETCD_PORT} after 150s", r)
 
 
 def migrator_command(n, ttl=TTL, env=""):
     """The shell lines that start host n's inventory migrator and wait
-    until it listens (exit 1 if it does not within 60 s)."""
+    until it listens (exit 1 if it does not within 180 s: its first start
+    in a lab, beside a forming etcd cluster and the other lab, took over
+    60 s)."""
     listening = f"ss -Hltn 'sport = :{PORT}' | grep -q ."
     return (f"mkdir -p {LOGS} && {env} setsid {migrators.DAEMON} --listen {mgmt(n)}:{PORT} "
             f"--socket {SOCK} --state-dir {STATE} --tls-dir {migrators.CERTS}/host{n} "
             f"--host-name host{n} --inventory {ETCD} --inventory-ttl {ttl} "
-            f">> {LOGS}/host{n}.log 2>&1 < /dev/null &\n{until_script(listening, 60)}")
+            f">> {LOGS}/host{n}.log 2>&1 < /dev/null &\n{until_script(listening, 180)}")
 
 
 def start_migrator(n, ttl=TTL, env=""):
-    run_ok(n, migrator_command(n, ttl, env), 75)
+    run_ok(n, migrator_command(n, ttl, env), 200)
 
 
 def migrator_pid(n):
@@ -140,7 +142,7 @@ def inventory_up():
     etcd_up()
     running = f"pgrep -f '{MIGRATORS}' > /dev/null"
     for n, r in run_all({n: f"{running} && exit 0\n{migrator_command(n)}"
-                         for n in (1, 2, 3)}, 75).items():
+                         for n in (1, 2, 3)}, 200).items():
         check(r.rc == 0, f"host{n}: the inventory's migrator does not listen", r)
     wait_hosts(["host1", "host2", "host3"])
 

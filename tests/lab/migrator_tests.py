@@ -75,7 +75,7 @@ def start_daemon(n, env="", state_dir=STATE, wait=True):
     returns once it listens."""
     run_ok(n, daemon_command(n, env, state_dir))
     if wait:
-        wait_listening(n, PORT, 60)
+        wait_listening(n, PORT, 150)
 
 
 def kill_daemon(n):
@@ -90,8 +90,8 @@ def daemons_up():
     make_certs()
     listening = f"ss -Hltn 'sport = :{PORT}' | grep -q ."
     results = run_all({n: f"{listening} && exit 0; {daemon_command(n)}\n"
-                          f"{until_script(listening, 60)}"
-                       for n in range(1, LAB.hosts() + 1)}, 75)
+                          f"{until_script(listening, 150)}"
+                       for n in range(1, LAB.hosts() + 1)}, 170)
     for n, r in results.items():
         check(r.rc == 0, f"host{n}: the migrator does not listen on port {PORT}", r)
 

@@ -290,6 +290,45 @@ def a_listener_with_no_device_yet_is_restored_on_another_host_and_accepts_its_fi
 
 
 @lab_test
+def a_udaddy_server_moves_with_its_address_between_its_two_clients():
+    # udaddy: UD QPs over the RDMA CM (SIDR; QKEY and AH from the CM's
+    # answers). Its server waits for two clients, then answers each's
+    # messages. The first has connected and sent its messages when the
+    # server moves with its service address; the second connects after
+    # the move, to the listener made again on host2; the server answers
+    # both from there, from the messages its first client's QP had received
+    # on host1 and its second's on host2. Every side must end with "data
+    # transfers complete" and exit 0.
+    mt.ensure_daemons()
+    for h in (1, 2, 3):
+        LAB.run(h, f"pkill -x udaddy; ip addr del {SERVICE}/24 dev eth0 2> /dev/null; "
+                   f"ip neigh flush to {SERVICE}")
+    run_ok(1, f"ip addr add {SERVICE}/24 dev eth0")
+    name = "udaddy-move"
+    spid = start_logged(1, f"stdbuf -oL udaddy -b {SERVICE} -c 2", f"{name}-server.out")
+    try:
+        wait_until(1, "rdma res show cm_id | grep -q 'LISTEN.*:7174'", 30, "udaddy listens")
+        first = start_logged(3, f"stdbuf -oL udaddy -s {SERVICE}", f"{name}-first.out")
+        wait_until(3, f"grep -q 'receiving data transfers' {WORK}/{name}-first.out", 60,
+                   "the first client sent its messages")
+        move(spid, "server", "live", SERVICE)
+        mt.check_moved(spid, 1, 2, "the udaddy server")
+        check(LAB.run(3, f"kill -0 {first}").rc == 0, "the first client ended before its answers")
+        second = start_logged(3, f"stdbuf -oL udaddy -s {SERVICE}", f"{name}-second.out")
+        for host, pid, side in ((3, first, "first"), (3, second, "second"), (2, spid, "server")):
+            wait_gone(host, pid, f"udaddy's {side}", 120)
+            text = read(f"{name}-{side}.out")
+            print(f"--- {side}\n{text[-400:]}", flush=True)
+            check("data transfers complete" in text and "udaddy: fail" not in text.lower(),
+                  f"udaddy's {side} did not complete its transfers", text[-2000:])
+        r = run_ok(2, f"cat {WORK}/{name}-server.out")
+        check("sending replies" in r.out, "the server sent no replies", r)
+    finally:
+        for h in (1, 2, 3):
+            LAB.run(h, f"pkill -x udaddy; ip addr del {SERVICE}/24 dev eth0 2> /dev/null")
+
+
+@lab_test
 def an_rdma_cm_id_between_states_is_refused_before_anything_is_quiesced():
     # 10.77.0.99 is no host's: its address stays being resolved for 60 s.
     mt.ensure_daemons()

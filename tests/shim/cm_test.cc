@@ -66,9 +66,9 @@ class Process {
     EXPECT_EQ(rc, static_cast<ssize_t>(sizeof buf));
     return 0;
   }
-  uint32_t CreateId(int fd, uint64_t uid) {
+  uint32_t CreateId(int fd, uint64_t uid, uint16_t ps = RDMA_PS_TCP, uint8_t qp_type = IBV_QPT_RC) {
     rdma_ucm_create_id_resp resp{};
-    rdma_ucm_create_id c{uid, reinterpret_cast<uintptr_t>(&resp), RDMA_PS_TCP, IBV_QPT_RC, {}};
+    rdma_ucm_create_id c{uid, reinterpret_cast<uintptr_t>(&resp), ps, qp_type, {}};
     EXPECT_EQ(Send(fd, RDMA_USER_CM_CMD_CREATE_ID, c, sizeof resp), 0);
     return resp.id;
   }
@@ -206,8 +206,8 @@ class CmTest : public ::testing::Test {
 
   // A server on `server`'s channel: a listener on any address, the
   // service port.
-  void Serve(Process* server, int sfd) {
-    listener_ = server->CreateId(sfd, kListenerUid);
+  void Serve(Process* server, int sfd, uint16_t ps = RDMA_PS_TCP, uint8_t qp_type = IBV_QPT_RC) {
+    listener_ = server->CreateId(sfd, kListenerUid, ps, qp_type);
     sockaddr_in any = Addr("0.0.0.0", kServicePort);
     ASSERT_EQ(server->Bind(sfd, listener_, any), 0);
     ASSERT_EQ(server->Listen(sfd, listener_), 0);
@@ -462,6 +462,59 @@ TEST_F(CmTest, ResumeWaitsWhileThePeerConnectsToTheRendezvous) {
   ASSERT_EQ(client.Disconnect(cfd, cid), 0);
   EXPECT_TRUE(IsEvent(server, sfd, kCmDisconnected, kServerUid, sid));
   EXPECT_TRUE(NoEvent(server, sfd));
+}
+
+// UD ids (udaddy's): after the SIDR exchange the kernel keeps no
+// connection for them, and the QP's datagrams are the verbs layer's to
+// re-point. Each side moves: its UD id goes on without a kernel id (its
+// queries answered as before, its destroy by the shim), the listener
+// listens again, and no rendezvous is published.
+TEST_F(CmTest, UdIdsMoveWithoutAKernelConnection) {
+  Process server(b_), client(a_);
+  const int sfd = server.Channel(), cfd = client.Channel();
+  SetNonblocking(sfd);
+  SetNonblocking(cfd);
+  Serve(&server, sfd, RDMA_PS_UDP, IBV_QPT_UD);
+  const uint32_t cid = client.CreateId(cfd, kClientUid, RDMA_PS_UDP, IBV_QPT_UD);
+  ASSERT_EQ(client.ResolveAddr(cfd, cid, Addr("10.0.0.2", kServicePort)), 0);
+  EXPECT_TRUE(IsEvent(client, cfd, kCmAddrResolved, kClientUid, cid));
+  const rdma_ucm_query_addr_resp before = client.QueryAddr(cfd, cid);
+  ASSERT_EQ(client.ResolveRoute(cfd, cid), 0);
+  EXPECT_TRUE(IsEvent(client, cfd, kCmRouteResolved, kClientUid, cid));
+  ASSERT_EQ(client.Connect(cfd, cid, kClientQpn, "ud"), 0);
+  rdma_ucm_event_resp req;
+  ASSERT_EQ(server.GetEvent(sfd, &req), 0);
+  ASSERT_EQ(req.event, kCmConnectRequest);
+  const uint32_t sid = req.id;
+  server.QueryAddr(sfd, sid);
+  ASSERT_EQ(server.Accept(sfd, sid, kServerUid, kServerQpn), 0);  // the SIDR REP
+  EXPECT_TRUE(IsEvent(client, cfd, kCmEstablished, kClientUid, cid));
+  EXPECT_TRUE(NoEvent(server, sfd));
+
+  for (Process* p : {&server, &client}) {
+    const Status st = p->cm().CheckMovable();
+    ASSERT_TRUE(st.ok()) << st.message;
+  }
+  ASSERT_TRUE(server.cm().Release().ok());
+  server.kernel().MoveTo(c_);
+  ASSERT_TRUE(server.cm().Restore({}).ok());
+  EXPECT_TRUE(server.cm().Rendezvous().empty());
+  EXPECT_EQ(c_->ids(), 1u) << "the listener only";
+  EXPECT_EQ(server.QueryAddr(sfd, sid).src_size, sizeof(sockaddr_in));
+  ASSERT_TRUE(client.cm().Release().ok());
+  client.kernel().MoveTo(c_);
+  ASSERT_TRUE(client.cm().Restore({}).ok());
+  EXPECT_TRUE(client.cm().Rendezvous().empty());
+  const rdma_ucm_query_addr_resp after = client.QueryAddr(cfd, cid);
+  EXPECT_EQ(memcmp(&after.dst_addr, &before.dst_addr, sizeof before.dst_addr), 0);
+  EXPECT_EQ(after.node_guid, before.node_guid);
+  // A second move carries them as the first did.
+  ASSERT_TRUE(client.cm().CheckMovable().ok());
+
+  EXPECT_EQ(client.Destroy(cfd, cid), 3);  // ADDR, ROUTE, ESTABLISHED
+  EXPECT_EQ(server.Destroy(sfd, sid), 0);
+  EXPECT_EQ(server.Destroy(sfd, listener_), 1);  // the CONNECT_REQUEST
+  EXPECT_EQ(b_->ids() + c_->ids(), 0u);
 }
 
 TEST_F(CmTest, MovedServerListensAgainAndReconnectsItsChild) {

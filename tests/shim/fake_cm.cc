@@ -425,6 +425,16 @@ int FakeCmFabric::Accept(ino_t file, const char* body) {
   auto pit = ctxs_.find(c->peer);
   if (pit == ctxs_.end()) return -EINVAL;
   Ctx& peer = pit->second;
+  if (c->state == St::kRequested && a.conn_param.valid && c->ps == RDMA_PS_UDP) {
+    // A UD id's SIDR REP: the active side's id resolved (its ESTABLISHED
+    // carries the QPN and QKEY), no connection kept on either side.
+    c->uid = a.uid;
+    c->qp_num = a.conn_param.qp_num;
+    c->state = St::kEstablished;
+    peer.state = St::kEstablished;
+    QueueEvent(&peer, kCmEstablished, 0, nullptr);
+    return 0;
+  }
   if (c->state == St::kRequested && a.conn_param.valid) {
     c->uid = a.uid;
     c->qp_num = a.conn_param.qp_num;

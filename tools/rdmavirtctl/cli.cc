@@ -94,7 +94,10 @@ int Client::Connect() {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
   channel_ = grpc::CreateCustomChannel(target_, migrator::MutualTlsChannelCredentials(*tls), args);
-  if (!channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
+  // 20 s: on a loaded TCG lab host a handshake may take over 10 s (a
+  // refused one is reported after the same wait: gRPC tries again until
+  // the deadline).
+  if (!channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(20))) {
     const std::optional<std::string> tcp = TcpRefusal(target_);
     if (tcp.has_value() && tcp->empty())
       fprintf(stderr,

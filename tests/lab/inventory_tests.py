@@ -94,8 +94,7 @@ def etcd_up():
 def migrator_command(n, ttl=TTL, env=""):
     """The shell lines that start host n's inventory migrator and wait
     until it listens (exit 1 if it does not within 180 s: its first start
-    in a lab, beside a forming etcd cluster and the other lab, took over
-    60 s)."""
+    in a loaded lab, beside a forming etcd cluster, took over 60 s)."""
     listening = f"ss -Hltn 'sport = :{PORT}' | grep -q ."
     return (f"mkdir -p {LOGS} && {env} setsid {migrators.DAEMON} --listen {mgmt(n)}:{PORT} "
             f"--socket {SOCK} --state-dir {STATE} --tls-dir {migrators.CERTS}/host{n} "

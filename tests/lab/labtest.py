@@ -1,9 +1,8 @@
 """Helpers for lab tests: a lab client, test registration and a runner.
 
 Each lab test is a function registered with @lab_test; CTest runs one per
-process: `python3 lab_tests.py NAME`. The lab itself ($RDMAVIRT_LAB_DIR:
-one of two, tests/lab/CMakeLists.txt) is booted once per test run by its
-fixture (`lab_up` or `lab2_up`) and torn down by `lab_down` or `lab2_down`.
+process: `python3 lab_tests.py NAME`. The lab itself is booted once per
+test run by the `lab_up` fixture and torn down by `lab_down`.
 """
 
 import json

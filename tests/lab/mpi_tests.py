@@ -124,8 +124,10 @@ def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
         extra_env={"RDMAVIRT_SOCKET": migrators.SOCK, "UCX_RC_VERBS_RX_QUEUE_LEN": "1024"})
     job = LAB.submit(1, f"cd /tmp && {script}", 2100)
     try:
-        before = wait_progress(lambda p: len(p) == 4 and min(r for r, _, _ in p.values()) >= 2,
-                               300, "every rank done 2 rounds")
+        # A round done before the move and one after it (each a full
+        # exchange of every size, verified) show the job running across it.
+        before = wait_progress(lambda p: len(p) == 4 and min(r for r, _, _ in p.values()) >= 1,
+                               300, "every rank done a round")
         moving = {rank: pid for rank, (_, host, pid) in before.items()
                   if host == f"host{MOVING}"}
         check(sorted(moving) == [1, 2], "ranks 1 and 2 are not on host2", before)
@@ -149,9 +151,9 @@ def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
             check(LAB.run(MOVING, f"kill -0 {pid}").rc != 0, f"{what} still exists on host2")
         at_move = mpi.rank_progress(LAB, f"{MOVE_DIR}/progress")
         after = wait_progress(
-            lambda p: all(p[k][0] >= at_move[k][0] + 3 for k in at_move) and
+            lambda p: all(p[k][0] >= at_move[k][0] + 1 for k in at_move) and
             all(p[k][1] == f"host{DEST}" for k in moving),
-            600, "every rank done 3 rounds more, ranks 1 and 2 on host3")
+            600, "every rank done a round more, ranks 1 and 2 on host3")
         print("progress when moved:", at_move, "later:", after, flush=True)
         run_ok(1, f"touch {stop}")
         result = LAB.wait(1, job, 900)

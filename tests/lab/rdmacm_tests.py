@@ -105,6 +105,20 @@ def wait_gone(host, pid, what, timeout=600):
         raise
 
 
+def clear_service(program):
+    """`program` stopped on every host, and the service address gone from
+    them (and from their neighbour caches)."""
+    for h in (1, 2, 3):
+        LAB.run(h, f"pkill -x {program}; ip addr del {SERVICE}/24 dev eth0 2> /dev/null; "
+                   f"ip neigh flush to {SERVICE}")
+
+
+def serve_on_host1(program):
+    """clear_service(program), then the service address on host1."""
+    clear_service(program)
+    run_ok(1, f"ip addr add {SERVICE}/24 dev eth0")
+
+
 COUNT = int(os.environ.get("RDMAVIRT_RPING_COUNT", "2000"))
 
 
@@ -170,11 +184,10 @@ def pingpong_moves(mover, disconnects, how="live", env=""):
     mt.ensure_daemons()
     addr = SERVICE if mover == "server" else mt.ip(3)
     server_host, client_host = (1, 3) if mover == "server" else (3, 1)
-    for h in (1, 2, 3):
-        LAB.run(h, f"pkill -x cm_pingpong; ip addr del {SERVICE}/24 dev eth0 2> /dev/null; "
-                   f"ip neigh flush to {SERVICE}")
     if mover == "server":
-        run_ok(1, f"ip addr add {SERVICE}/24 dev eth0")
+        serve_on_host1("cm_pingpong")
+    else:
+        clear_service("cm_pingpong")
     name = f"pp-{mover}-{disconnects}"
     env = f"{env} {os.environ.get('PP_ENV', '')}"
     spid = start_logged(server_host, f"env {env} {PINGPONG} -s -a {addr} -p {PORT} -n {PP_COUNT} "
@@ -196,8 +209,7 @@ def pingpong_moves(mover, disconnects, how="live", env=""):
         pp_verdict(f"{name}-client.out", "client")
         pp_verdict(f"{name}-server.out", "server")
     finally:
-        for h in (1, 2, 3):
-            LAB.run(h, f"pkill -x cm_pingpong; ip addr del {SERVICE}/24 dev eth0 2> /dev/null")
+        clear_service("cm_pingpong")
 
 
 @lab_test
@@ -228,10 +240,7 @@ def a_persistent_listener_moves_with_its_address_and_accepts_new_clients_there()
     wait_until(2, "ibv_devinfo -d rxe0 | grep -q PORT_ACTIVE", 30, "rxe0 back on host2")
     index = "rdma dev show rxe0 | cut -d: -f1"
     check(run_ok(1, index).out != run_ok(2, index).out, "rxe0 has the same index on both hosts")
-    for h in (1, 2, 3):
-        LAB.run(h, f"pkill -x rping; ip addr del {SERVICE}/24 dev eth0 2> /dev/null; "
-                   f"ip neigh flush to {SERVICE}")
-    run_ok(1, f"ip addr add {SERVICE}/24 dev eth0")
+    serve_on_host1("rping")
     name = "rping-persistent"
     spid = start_logged(1, f"rping -s -P -a {SERVICE} -p {PORT} -C 20 -V", f"{name}-server.out")
     try:
@@ -247,8 +256,7 @@ def a_persistent_listener_moves_with_its_address_and_accepts_new_clients_there()
         served = read(f"{name}-server.out").count("DISCONNECT EVENT")
         check(served == 2, f"the server saw {served} clients end, not 2", read(f"{name}-server.out"))
     finally:
-        for h in (1, 2, 3):
-            LAB.run(h, f"pkill -x rping; ip addr del {SERVICE}/24 dev eth0 2> /dev/null")
+        clear_service("rping")
 
 
 @lab_test
@@ -300,10 +308,7 @@ def a_udaddy_server_moves_with_its_address_between_its_two_clients():
     # on host1 and its second's on host2. Every side must end with "data
     # transfers complete" and exit 0.
     mt.ensure_daemons()
-    for h in (1, 2, 3):
-        LAB.run(h, f"pkill -x udaddy; ip addr del {SERVICE}/24 dev eth0 2> /dev/null; "
-                   f"ip neigh flush to {SERVICE}")
-    run_ok(1, f"ip addr add {SERVICE}/24 dev eth0")
+    serve_on_host1("udaddy")
     name = "udaddy-move"
     spid = start_logged(1, f"stdbuf -oL udaddy -b {SERVICE} -c 2", f"{name}-server.out")
     try:
@@ -324,8 +329,7 @@ def a_udaddy_server_moves_with_its_address_between_its_two_clients():
         r = run_ok(2, f"cat {WORK}/{name}-server.out")
         check("sending replies" in r.out, "the server sent no replies", r)
     finally:
-        for h in (1, 2, 3):
-            LAB.run(h, f"pkill -x udaddy; ip addr del {SERVICE}/24 dev eth0 2> /dev/null")
+        clear_service("udaddy")
 
 
 @lab_test

@@ -246,6 +246,17 @@ class CmTest : public ::testing::Test {
     EXPECT_TRUE(IsEvent(*server, sfd, kCmEstablished, kServerUid, *sid));
   }
 
+  // An id of `p`'s that resolves an address (librdmacm then queries the
+  // device, which the CM layer sees), then goes; the device's answer.
+  static rdma_ucm_query_addr_resp SeeTheDevice(Process* p, int fd, uint64_t uid) {
+    const uint32_t id = p->CreateId(fd, uid);
+    EXPECT_EQ(p->ResolveAddr(fd, id, Addr("10.0.0.2", kServicePort)), 0);
+    EXPECT_TRUE(IsEvent(*p, fd, kCmAddrResolved, uid, id));
+    const rdma_ucm_query_addr_resp addr = p->QueryAddr(fd, id);
+    EXPECT_EQ(p->Destroy(fd, id), 1);
+    return addr;
+  }
+
   FakeCmFabric fabric_;
   FakeCmHost* a_;
   FakeCmHost* b_;
@@ -301,11 +312,7 @@ TEST_F(CmTest, ChannelKeepsItsNumberFlagsAndEpollAcrossAMove) {
   const int fd = p.Channel();
   SetNonblocking(fd);
   // An id that saw the device before the move, then went.
-  const uint32_t first = p.CreateId(fd, 0x11);
-  ASSERT_EQ(p.ResolveAddr(fd, first, Addr("10.0.0.2", kServicePort)), 0);
-  EXPECT_TRUE(IsEvent(p, fd, kCmAddrResolved, 0x11, first));
-  EXPECT_EQ(p.QueryAddr(fd, first).node_guid, 0xa1u);
-  EXPECT_EQ(p.Destroy(fd, first), 1);
+  EXPECT_EQ(SeeTheDevice(&p, fd, 0x11).node_guid, 0xa1u);
   const uint32_t id = p.CreateId(fd, 0x22);
   const int app_ep = epoll_create1(EPOLL_CLOEXEC);
   epoll_event reg{};
@@ -363,11 +370,7 @@ TEST_F(CmTest, AfterAMoveTheDeviceSeenKeepsItsGuidAndIndex) {
   Process p(a_);
   const int fd = p.Channel();
   SetNonblocking(fd);
-  const uint32_t first = p.CreateId(fd, 0x44);
-  ASSERT_EQ(p.ResolveAddr(fd, first, Addr("10.0.0.2", kServicePort)), 0);
-  EXPECT_TRUE(IsEvent(p, fd, kCmAddrResolved, 0x44, first));
-  EXPECT_EQ(p.QueryAddr(fd, first).ibdev_index, 1u);
-  EXPECT_EQ(p.Destroy(fd, first), 1);
+  EXPECT_EQ(SeeTheDevice(&p, fd, 0x44).ibdev_index, 1u);
   const uint32_t id = p.CreateId(fd, 0x45);
   ASSERT_TRUE(p.cm().CheckMovable().ok());
   ASSERT_TRUE(p.cm().Release().ok());

@@ -142,8 +142,6 @@ const char* CmStateName(CmState s) {
       return "established";
     case CmState::kDisconnected:
       return "disconnected";
-    case CmState::kJoined:
-      return "joined to a multicast group";
     case CmState::kRendezvous:
       return "reconnecting after a move";
   }
@@ -216,8 +214,15 @@ void Cm::Forget(int fd) {
     kernel_->Close(it->second->real);
   }
   close(it->second->queue_fd);
-  for (auto i = ids_.begin(); i != ids_.end();)
-    i = i->second.channel == fd ? ids_.erase(i) : std::next(i);
+  for (auto i = ids_.begin(); i != ids_.end();) {
+    if (i->second.channel != fd) {
+      ++i;
+      continue;
+    }
+    for (auto g = groups_.begin(); g != groups_.end();)
+      g = g->second.vid == i->first ? groups_.erase(g) : std::next(g);
+    i = ids_.erase(i);
+  }
   channels_.erase(it);
 }
 
@@ -404,11 +409,11 @@ ssize_t Cm::Command(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t
     case RDMA_USER_CM_CMD_DESTROY_ID:
     case RDMA_USER_CM_CMD_MIGRATE_ID:
       return DestroyOrMigrate(ch, hdr, body, in);
+    case RDMA_USER_CM_CMD_JOIN_IP_MCAST:
+    case RDMA_USER_CM_CMD_JOIN_MCAST:
+      return JoinGroup(ch, hdr, body, in);
     case RDMA_USER_CM_CMD_LEAVE_MCAST:
-      // Names the group's handle, which the application holds as the
-      // kernel gave it.
-      if (ch->real < 0) return Fail(EAGAIN);
-      return Kernel(ch->real, hdr.cmd, body, in, hdr.out) < 0 ? -1 : 0;
+      return LeaveGroup(ch, hdr, body, in);
     default:
       break;
   }
@@ -483,6 +488,7 @@ ssize_t Cm::DestroyOrMigrate(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* bod
   if (id == nullptr) return Fail(ENOENT);
   const bool destroy = hdr.cmd == RDMA_USER_CM_CMD_DESTROY_ID;
   if (destroy && id->channel != ch->fd) return Fail(EINVAL);
+  const uint32_t vid = id->vid;
   Channel* from = ch;
   if (!destroy) {
     auto it = channels_.find(static_cast<int>(c.fd));
@@ -501,7 +507,10 @@ ssize_t Cm::DestroyOrMigrate(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* bod
   // The events the shim holds for the id go with it, as the kernel's do.
   std::deque<std::string> held = TakeQueued(from, id->vid);
   if (destroy) {
-    ids_.erase(id->vid);
+    // The kernel leaves its groups with it.
+    for (auto g = groups_.begin(); g != groups_.end();)
+      g = g->second.vid == vid ? groups_.erase(g) : std::next(g);
+    ids_.erase(vid);
   } else {
     for (std::string& e : held) Queue(ch, std::move(e));
     id->channel = ch->fd;
@@ -513,6 +522,11 @@ ssize_t Cm::DestroyOrMigrate(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* bod
 // What makes the id again after a move.
 void Cm::Keep(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in) {
   switch (hdr.cmd) {
+    case RDMA_USER_CM_CMD_RESOLVE_ADDR:
+    case RDMA_USER_CM_CMD_RESOLVE_IP:
+      id->resolve_cmd = hdr.cmd;
+      id->resolve.assign(body, in);
+      break;
     case RDMA_USER_CM_CMD_BIND: {
       auto c = As<rdma_ucm_bind>(body, in);
       id->bound_len = c.addr_size < sizeof id->bound ? c.addr_size : sizeof id->bound;
@@ -624,13 +638,99 @@ void Cm::Advance(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t i
     case RDMA_USER_CM_CMD_DISCONNECT:
       id->state = CmState::kDisconnected;
       break;
-    case RDMA_USER_CM_CMD_JOIN_IP_MCAST:
-    case RDMA_USER_CM_CMD_JOIN_MCAST:
-      id->state = CmState::kJoined;
-      break;
     default:
       break;
   }
+}
+
+Cm::Group* Cm::GroupByKernel(uint32_t kmc) {
+  if (kmc == kNoKid) return nullptr;
+  for (auto& [vmc, g] : groups_)
+    if (g.kmc == kmc) return &g;
+  return nullptr;
+}
+
+Cm::Group* Cm::GroupByUid(uint64_t uid) {
+  for (auto& [vmc, g] : groups_)
+    if (g.uid == uid) return &g;
+  return nullptr;
+}
+
+bool Cm::HasGroups(uint32_t vid) {
+  for (auto& [vmc, g] : groups_)
+    if (g.vid == vid) return true;
+  return false;
+}
+
+// JOIN_MCAST and JOIN_IP_MCAST (their response and uid lead both): the
+// kernel's handle of the group kept, the shim's given out, and the
+// command kept to join again after a move.
+ssize_t Cm::JoinGroup(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in) {
+  static_assert(offsetof(rdma_ucm_join_mcast, uid) == 8 && offsetof(rdma_ucm_join_ip_mcast, uid) == 8,
+                "a join's response and uid lead it");
+  const size_t id_at = IdOffset(hdr.cmd);
+  if (in < id_at + 4) return Fail(EINVAL);
+  uint32_t vid;
+  memcpy(&vid, body + id_at, 4);
+  Id* id = ById(vid);
+  if (id == nullptr) return Fail(ENOENT);
+  if (id->channel != ch->fd) return Fail(EINVAL);
+  if (id->kid == kNoKid) return Fail(EINVAL);
+  if (ch->real < 0) return Fail(EAGAIN);
+  Group g;
+  g.vid = vid;
+  g.cmd = hdr.cmd;
+  g.body.assign(body, in);
+  memcpy(&g.uid, body + 8, 8);
+  uint64_t app_resp;
+  memcpy(&app_resp, body, 8);
+  rdma_ucm_create_id_resp resp{};
+  const uint64_t mine = reinterpret_cast<uintptr_t>(&resp);
+  memcpy(body, &mine, 8);
+  memcpy(body + id_at, &id->kid, 4);
+  if (Kernel(ch->real, hdr.cmd, body, in, sizeof resp) < 0) return -1;
+  while (next_vmc_ == 0 || groups_.count(next_vmc_)) ++next_vmc_;
+  g.vmc = next_vmc_++;
+  g.kmc = resp.id;
+  resp.id = g.vmc;
+  groups_[g.vmc] = std::move(g);
+  memcpy(UserPtr(app_resp), &resp, hdr.out < sizeof resp ? hdr.out : sizeof resp);
+  return 0;
+}
+
+// LEAVE_MCAST (DESTROY_ID's layout, naming the group): what it answers,
+// the events given out for the group, is the shim's count (a join made
+// again after a move had events of its own, which the program never saw).
+ssize_t Cm::LeaveGroup(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in) {
+  auto c = As<rdma_ucm_destroy_id>(body, in);
+  auto it = groups_.find(c.id);
+  if (it == groups_.end()) return Fail(ENOENT);
+  Group& g = it->second;
+  const Id* id = ById(g.vid);
+  if (id == nullptr || id->channel != ch->fd) return Fail(EINVAL);
+  if (g.kmc != kNoKid) {
+    if (ch->real < 0) return Fail(EAGAIN);
+    rdma_ucm_destroy_id_resp resp{};
+    rdma_ucm_destroy_id k{reinterpret_cast<uintptr_t>(&resp), g.kmc, 0};
+    if (Kernel(ch->real, hdr.cmd, &k, sizeof k, sizeof resp) < 0) return -1;
+  }
+  // The events the shim holds for it go, as the kernel's do.
+  std::deque<std::string> keep;
+  for (std::string& e : ch->queued) {
+    rdma_ucm_event_resp ev{};
+    memcpy(&ev, e.data(), e.size() < sizeof ev ? e.size() : sizeof ev);
+    const bool its = (ev.event == kCmMulticastJoin || ev.event == kCmMulticastError) && ev.uid == g.uid;
+    if (its) {
+      CountDown(ch);
+    } else {
+      keep.push_back(std::move(e));
+    }
+  }
+  ch->queued.swap(keep);
+  rdma_ucm_destroy_id_resp resp{g.events};
+  groups_.erase(it);
+  memcpy(UserPtr(c.response), &resp, hdr.out < sizeof resp ? hdr.out : sizeof resp);
+  return 0;
 }
 
 std::deque<std::string> Cm::TakeQueued(Channel* ch, uint32_t vid) {
@@ -658,6 +758,16 @@ void Cm::Queue(Channel* ch, std::string ev) {
 }
 
 bool Cm::Translate(rdma_ucm_event_resp* ev) {
+  if (ev->event == kCmMulticastJoin || ev->event == kCmMulticastError) {
+    // The kernel names the group by its handle; librdmacm reads only the
+    // uid. The shim names the id joined through, whose events these are
+    // too (DESTROY_ID counts them, and takes those the shim holds).
+    Group* g = GroupByKernel(ev->id);
+    if (g == nullptr) return false;  // a group left since
+    g->state = ev->event == kCmMulticastJoin ? Join::kJoined : Join::kFailed;
+    ev->id = g->vid;
+    return true;
+  }
   Id* id = ByKernel(ev->id);
   if (ev->event == kCmConnectRequest) {
     // The kernel's new id, under the listener the uid names.
@@ -722,6 +832,10 @@ void Cm::Count(const rdma_ucm_event_resp& ev) {
   Id* id = ById(ev.id);
   if (id != nullptr && ev.event == kCmConnectRequest) id = ById(id->listener);
   if (id != nullptr) ++id->events;
+  if (ev.event == kCmMulticastJoin || ev.event == kCmMulticastError) {
+    Group* g = GroupByUid(ev.uid);
+    if (g != nullptr) ++g->events;
+  }
 }
 
 int Cm::TakeEvent(Channel* ch, std::string* out) {

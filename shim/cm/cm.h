@@ -17,6 +17,8 @@
 //   kernel's handle of the moment; DESTROY_ID and MIGRATE_ID answer the
 //   events the shim gave out for the id, which is what librdmacm waits to
 //   see acknowledged.
+// - Multicast groups (rdma_join_multicast) get handles of the shim's
+//   too; a move joins them again on the destination.
 // - A move (cm_move.cc): the moving process refuses ids between states;
 //   its release reads the kernel's pending events into the shim and closes
 //   the kernel's channels; its restore opens new ones, makes listeners and
@@ -134,7 +136,6 @@ enum class CmState : uint8_t {
   kAccepting,  // accepted, ESTABLISHED not yet come
   kEstablished,
   kDisconnected,  // DISCONNECTED given (or sent): nothing more to move
-  kJoined,        // a multicast group joined through it
   kRendezvous,    // restored, its kernel id not yet connected again
 };
 const char* CmStateName(CmState s);
@@ -209,6 +210,10 @@ class Cm {
     uint16_t bound_len = 0;
     uint32_t backlog = 0;
     std::vector<std::string> options;  // SET_OPTIONs: level, name, value
+    // The address resolution librdmacm asked for (RESOLVE_ADDR or
+    // RESOLVE_IP and its body), made again for an id joined to groups.
+    uint32_t resolve_cmd = 0;
+    std::string resolve;
     uint32_t qpn = 0;                  // the QP number CONNECT/ACCEPT carried
     uint32_t events = 0;               // events given out for it
     // A peer's id whose remote endpoint moves: the events of its kernel id
@@ -218,6 +223,20 @@ class Cm {
     uint32_t rendezvous_child = kNoKid;   // restore: the kernel id being connected
     uint32_t rendezvous_qpn = 0;          // restore: the QP's physical QPN, for the REP
     std::string query_addr, query_route;  // the last answers, for a restored id
+  };
+  // A multicast group joined through an id (rdma_join_multicast). Its
+  // events name it by its uid (librdmacm's record of the group); the
+  // kernel's handle is only in LEAVE_MCAST, which gets the shim's.
+  enum class Join : uint8_t { kJoining, kJoined, kFailed };
+  struct Group {
+    uint32_t vmc = 0;       // librdmacm's handle
+    uint32_t kmc = kNoKid;  // the kernel's now
+    uint32_t vid = 0;       // the id joined through
+    uint64_t uid = 0;
+    uint32_t cmd = 0;   // JOIN_MCAST or JOIN_IP_MCAST, as librdmacm wrote it
+    std::string body;   // and its body: the join made again after a move
+    uint32_t events = 0;  // events given out for it: what LEAVE_MCAST answers
+    Join state = Join::kJoining;
   };
   struct Channel {
     uint64_t serial = 0;             // which of the channels that had the fd
@@ -243,6 +262,13 @@ class Cm {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ssize_t DestroyOrMigrate(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ssize_t JoinGroup(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ssize_t LeaveGroup(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Group* GroupByKernel(uint32_t kmc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Group* GroupByUid(uint64_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool HasGroups(uint32_t vid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Keep(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in);
   ssize_t AnswerWithoutKernel(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in);
   ssize_t Query(Channel* ch, Id* id, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)
@@ -261,6 +287,7 @@ class Cm {
 
   // cm_move.cc
   Status RemakeId(Channel* ch, Id* id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status RemakeJoined(Channel* ch, Id* id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Status OpenRendezvous() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ServeRendezvous();
   Status ConnectToRendezvous(uint32_t vid, const RemoteMapping& m, uint16_t port,
@@ -274,6 +301,8 @@ class Cm {
   std::map<int, std::unique_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
   std::map<uint32_t, Id> ids_ ABSL_GUARDED_BY(mu_);
   uint32_t next_vid_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint32_t, Group> groups_ ABSL_GUARDED_BY(mu_);  // by vmc
+  uint32_t next_vmc_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t serials_ ABSL_GUARDED_BY(mu_) = 0;
   // The devices the kernel's answers name now -> as librdmacm first saw
   // them.

@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -56,6 +57,8 @@ const char* EventName(uint32_t e) {
       return "DISCONNECTED";
     case kCmDeviceRemoval:
       return "DEVICE_REMOVAL";
+    case kCmMulticastError:
+      return "MULTICAST_ERROR";
     default:
       return "an unexpected event";
   }
@@ -139,7 +142,17 @@ class CmPrivateChannel {
 
 Status Cm::CheckMovable() {
   MutexLock l(&mu_);
+  for (auto& [vmc, g] : groups_) {
+    if (g.state != Join::kJoining) continue;
+    char msg[256];
+    std::snprintf(msg, sizeof msg,
+                  "an RDMA CM id of the process (id %u) is joining a multicast group, not yet "
+                  "joined, which a move cannot carry yet; nothing was quiesced",
+                  g.vid);
+    return Error(Code::kFailedPrecondition, msg);
+  }
   for (auto& [vid, id] : ids_) {
+    const bool joined = HasGroups(vid);
     bool ok = false;
     switch (id.state) {
       case CmState::kIdle:
@@ -148,20 +161,26 @@ Status Cm::CheckMovable() {
       case CmState::kDisconnected:
         ok = true;
         break;
+      case CmState::kAddrResolved:
+        // A multicast sender's or receiver's: its address is resolved
+        // again on the destination, and its groups joined again.
+        ok = joined && !id.resolve.empty();
+        break;
       case CmState::kEstablished:
         // A UD id keeps no connection: its datagrams are the verbs layer's.
-        ok = id.qp_type == IBV_QPT_UD || (id.qpn != 0 && !id.toward_moving);
+        ok = !joined && (id.qp_type == IBV_QPT_UD || (id.qpn != 0 && !id.toward_moving));
         break;
       default:
         break;
     }
     if (ok) continue;
     char msg[256];
-    const char* what = id.toward_moving ? "its peer is moving" : CmStateName(id.state);
+    std::string what = id.toward_moving ? "its peer is moving" : CmStateName(id.state);
+    if (joined) what += " and joined to a multicast group";
     std::snprintf(msg, sizeof msg,
                   "an RDMA CM id of the process (id %u, on channel fd %d) is %s, which a move "
                   "cannot carry yet; nothing was quiesced",
-                  id.vid, id.channel, what);
+                  id.vid, id.channel, what.c_str());
     return Error(Code::kFailedPrecondition, msg);
   }
   return {};
@@ -196,6 +215,7 @@ Status Cm::Release() {
     ch->real = -1;
   }
   for (auto& [vid, id] : ids_) id.kid = kNoKid;
+  for (auto& [vmc, g] : groups_) g.kmc = kNoKid;
   return {};
 }
 
@@ -212,6 +232,7 @@ Status Cm::RemakeId(Channel* ch, Id* id) {
     default:
       break;
   }
+  if (HasGroups(id->vid)) return RemakeJoined(ch, id);
   char msg[200];
   rdma_ucm_create_id_resp resp{};
   rdma_ucm_create_id c{};
@@ -255,6 +276,88 @@ Status Cm::RemakeId(Channel* ch, Id* id) {
       return Error(Code::kInternal, msg);
     }
   }
+  return {};
+}
+
+// An id joined to multicast groups, made again on a channel of the CM
+// layer's own: its address resolved again as librdmacm asked for it, each
+// group joined again (the same uid: librdmacm's record of it), every event
+// of it awaited there (the move's: the program had its own), then the id
+// put under the program's channel, its groups with it. The QP's
+// attachments are the verbs layer's, made again with the QP.
+Status Cm::RemakeJoined(Channel* ch, Id* id) {
+  char msg[256];
+  CmPrivateChannel pc(kernel_);
+  if (pc.fd() < 0) return Error(Code::kInternal, "an RDMA CM channel cannot be opened here");
+  rdma_ucm_create_id_resp resp{};
+  rdma_ucm_create_id c{id->uid, reinterpret_cast<uintptr_t>(&resp), id->ps, id->qp_type, {}};
+  std::string why;
+  bool ok = pc.Send(RDMA_USER_CM_CMD_CREATE_ID, &c, sizeof c, sizeof resp);
+  const uint32_t kid = resp.id;
+  for (const std::string& o : id->options) {
+    rdma_ucm_set_option s{};
+    memcpy(&s.level, o.data(), 4);
+    memcpy(&s.optname, o.data() + 4, 4);
+    memcpy(&s.optlen, o.data() + 8, 4);
+    s.optval = reinterpret_cast<uintptr_t>(o.data() + 12);
+    s.id = kid;
+    ok = ok && pc.Send(RDMA_USER_CM_CMD_SET_OPTION, &s, sizeof s, 0);
+  }
+  if (ok && id->bound_len != 0) {
+    rdma_ucm_bind b{};
+    b.id = kid;
+    b.addr_size = id->bound_len;
+    memcpy(&b.addr, &id->bound, id->bound_len);
+    ok = pc.Send(RDMA_USER_CM_CMD_BIND, &b, sizeof b, 0);
+  }
+  if (!ok) why = std::string("the kernel refused a command: ") + strerror(errno);
+  if (ok && id->state == CmState::kAddrResolved) {
+    std::string r = id->resolve;
+    const size_t at = id->resolve_cmd == RDMA_USER_CM_CMD_RESOLVE_IP
+                          ? offsetof(rdma_ucm_resolve_ip, id)
+                          : offsetof(rdma_ucm_resolve_addr, id);
+    ok = r.size() >= at + 4;
+    if (ok) memcpy(r.data() + at, &kid, 4);
+    ok = ok && pc.Send(id->resolve_cmd, r.data(), r.size(), 0);
+    if (!ok) why = std::string("its address cannot be resolved again: ") + strerror(errno);
+    ok = ok && pc.Await(kid, kCmAddrResolved, &why);
+  }
+  for (auto& [vmc, g] : groups_) {
+    if (!ok) break;
+    if (g.vid != id->vid || g.state != Join::kJoined) continue;
+    std::string j = g.body;
+    const size_t at = g.cmd == RDMA_USER_CM_CMD_JOIN_IP_MCAST ? offsetof(rdma_ucm_join_ip_mcast, id)
+                                                              : offsetof(rdma_ucm_join_mcast, id);
+    rdma_ucm_create_id_resp jresp{};
+    const uint64_t r = reinterpret_cast<uintptr_t>(&jresp);
+    ok = j.size() >= at + 4;
+    if (ok) {
+      memcpy(j.data(), &r, 8);
+      memcpy(j.data() + at, &kid, 4);
+    }
+    ok = ok && pc.Send(g.cmd, j.data(), j.size(), sizeof jresp);
+    if (!ok) {
+      why = std::string("its multicast group cannot be joined again: ") + strerror(errno);
+      break;
+    }
+    g.kmc = jresp.id;
+    ok = pc.Await(g.kmc, kCmMulticastJoin, &why);
+    if (!ok) why = "its multicast group was not joined again: " + why;
+  }
+  rdma_ucm_migrate_resp mresp{};
+  rdma_ucm_migrate_id m{reinterpret_cast<uintptr_t>(&mresp), kid, static_cast<uint32_t>(pc.fd())};
+  if (ok && Kernel(ch->real, RDMA_USER_CM_CMD_MIGRATE_ID, &m, sizeof m, sizeof mresp) < 0) {
+    ok = false;
+    why = std::string("it cannot be put under its channel: ") + strerror(errno);
+  }
+  if (!ok) {
+    for (auto& [vmc, g] : groups_)
+      if (g.vid == id->vid) g.kmc = kNoKid;  // closed with the private channel
+    std::snprintf(msg, sizeof msg, "RDMA CM id %u (joined to a multicast group) cannot be made "
+                  "again here: %s", id->vid, why.c_str());
+    return Error(Code::kFailedPrecondition, msg);
+  }
+  id->kid = kid;
   return {};
 }
 

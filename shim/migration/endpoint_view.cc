@@ -53,9 +53,14 @@ void DescribeCq(const Cq* cq, EndpointView* v) {
 }
 
 // Where a UD peer an address handle points at is now (`r`: the moved
-// endpoint behind its GID, if any), once per GID.
+// endpoint behind its GID, if any), once per GID. A multicast group's
+// GID names no host (mckey's receiver has an address handle to its group;
+// before, a move asked for a migrator at the group's address and rolled
+// back): the group's members are the UD QP's every possible peer, as
+// every host is for any UD QP.
 void NoteUdPeer(const ibv_gid& virtual_gid, const RemoteEndpoint* r, const IdentityMode& mode,
                 EndpointView* v) {
+  if (IdentityMode::IsMulticast(virtual_gid)) return;
   const ibv_gid g = r ? r->physical_gid() : mode.PhysicalGid(virtual_gid);
   auto same = [&g](const ibv_gid& o) { return memcmp(o.raw, g.raw, 16) == 0; };
   if (std::none_of(v->ud_peer_physical_gids.begin(), v->ud_peer_physical_gids.end(), same))

@@ -519,6 +519,10 @@ void Shim::DestroyReal() {
   for (Qp* qp : All<Qp>(Kind::kQp)) {
     if (qp->real == nullptr) continue;
     qp_index_.Remove(qp->physical_qpn, qp);
+    // uverbs keeps a QP that is still in a multicast group (EBUSY): before,
+    // a moved mckey receiver's QP stayed, its queues mapped, and CRIU
+    // refused the dump. The restore attaches the new QP again.
+    for (const Qp::Group& g : qp->groups) backend_->DetachMcast(qp->real, &g.gid, g.lid);
     backend_->DestroyQp(qp->real);
     qp->real = nullptr;
     qp->real_ex = nullptr;

@@ -332,6 +332,45 @@ def a_udaddy_server_moves_with_its_address_between_its_two_clients():
         clear_service("udaddy")
 
 
+GROUP = "239.1.130.3"
+
+
+@lab_test
+def a_multicast_receiver_moves_with_its_address_and_keeps_receiving_from_its_group():
+    # mckey's receiver: a UD QP joined to a multicast group through the
+    # RDMA CM (rdma_join_multicast), which counts the group's datagrams
+    # until it has its -C. A sender on host3 sends ten to the group before
+    # the move, and ten after it, when the receiver runs on host2: the
+    # receiver must end with all twenty ("data transfers complete"), leave
+    # its group and exit 0, having seen one MULTICAST_JOIN (mckey prints
+    # each). Before, a joined id was refused.
+    mt.ensure_daemons()
+    serve_on_host1("mckey")
+    name = "mckey-move"
+    rpid = start_logged(1, f"stdbuf -oL mckey -m {GROUP} -b {SERVICE} -C 20", f"{name}-receiver.out")
+    try:
+        wait_until(1, f"grep -q 'receiving data transfers' {WORK}/{name}-receiver.out", 60,
+                   "mckey's receiver joined its group")
+        for when in ("before", "after"):
+            if when == "after":
+                move(rpid, "multicast receiver", "live", SERVICE)
+                mt.check_moved(rpid, 1, 2, "mckey's receiver")
+                check("data transfers complete" not in read(f"{name}-receiver.out"),
+                      "the receiver completed before the move")
+            r = LAB.run(3, f"{mt.SHIM}mckey -m {GROUP} -b {mt.ip(3)} -s -C 10", timeout=120)
+            check(r.rc == 0 and "return status 0" in r.out, f"the sender {when} the move failed", r)
+        wait_gone(2, rpid, "mckey's receiver", 120)
+        text = read(f"{name}-receiver.out")
+        print(f"--- receiver\n{text[-600:]}", flush=True)
+        check("data transfers complete" in text and "return status 0" in text,
+              "the receiver did not get its group's twenty datagrams", text[-2000:])
+        joins = len(re.findall(r"mckey: joined dgid", text))
+        check(joins == 1, f"the receiver saw {joins} MULTICAST_JOIN events, not its own one", text)
+        check("event:" not in text, "the receiver saw an error event", text)
+    finally:
+        clear_service("mckey")
+
+
 @lab_test
 def an_rdma_cm_id_between_states_is_refused_before_anything_is_quiesced():
     # 10.77.0.99 is no host's: its address stays being resolved for 60 s.

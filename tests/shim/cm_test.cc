@@ -133,6 +133,26 @@ class Process {
   int Disconnect(int fd, uint32_t id) {
     return Send(fd, RDMA_USER_CM_CMD_DISCONNECT, rdma_ucm_disconnect{id}, 0);
   }
+  // rdma_join_multicast_ex (librdmacm's JOIN_MCAST): the group's handle
+  // as librdmacm keeps it, 0 on failure.
+  uint32_t Join(int fd, uint32_t id, const sockaddr_in& group, uint64_t uid) {
+    rdma_ucm_create_id_resp resp{};
+    rdma_ucm_join_mcast j{};
+    j.response = reinterpret_cast<uintptr_t>(&resp);
+    j.uid = uid;
+    j.id = id;
+    j.addr_size = sizeof group;
+    memcpy(&j.addr, &group, sizeof group);
+    if (Send(fd, RDMA_USER_CM_CMD_JOIN_MCAST, j, sizeof resp) != 0) return 0;
+    return resp.id;
+  }
+  // rdma_leave_multicast: the events_reported it answered, -1 on failure.
+  int64_t Leave(int fd, uint32_t group) {
+    rdma_ucm_destroy_id_resp resp{};
+    rdma_ucm_destroy_id d{reinterpret_cast<uintptr_t>(&resp), group, 0};
+    if (Send(fd, RDMA_USER_CM_CMD_LEAVE_MCAST, d, sizeof resp) != 0) return -1;
+    return resp.events_reported;
+  }
   // GET_EVENT: 0 and `ev`, or the errno.
   int GetEvent(int fd, rdma_ucm_event_resp* ev) {
     *ev = {};
@@ -518,6 +538,71 @@ TEST_F(CmTest, UdIdsMoveWithoutAKernelConnection) {
   EXPECT_EQ(server.Destroy(sfd, sid), 0);
   EXPECT_EQ(server.Destroy(sfd, listener_), 1);  // the CONNECT_REQUEST
   EXPECT_EQ(b_->ids() + c_->ids(), 0u);
+}
+
+// mckey's receiver: a UD id resolved to a multicast address, joined to
+// its group. Before, its JOIN event was known by nothing (the kernel names
+// the group's handle) and a joined id was refused; now the move resolves
+// its address again on the destination and joins its group again, the
+// program seeing none of the move's events, and its leave and destroy
+// answer the events it saw.
+TEST_F(CmTest, AMulticastReceiverIsJoinedAgainOnTheDestination) {
+  constexpr uint64_t kGroupUid = 0x6c00, kIdUid = 0x6100;
+  Process p(a_);
+  const int fd = p.Channel();
+  SetNonblocking(fd);
+  const uint32_t id = p.CreateId(fd, kIdUid, RDMA_PS_UDP, IBV_QPT_UD);
+  const sockaddr_in group = Addr("239.1.130.3", 0);
+  ASSERT_EQ(p.ResolveAddr(fd, id, group), 0);
+  EXPECT_TRUE(IsEvent(p, fd, kCmAddrResolved, kIdUid, id));
+  p.QueryAddr(fd, id);  // librdmacm's, at ADDR_RESOLVED
+  const uint32_t mc = p.Join(fd, id, group, kGroupUid);
+  ASSERT_NE(mc, 0u);
+  Status st = p.cm().CheckMovable();
+  EXPECT_EQ(st.code, Code::kFailedPrecondition) << "a join not yet answered";
+  EXPECT_NE(st.message.find("joining a multicast group"), std::string::npos) << st.message;
+  rdma_ucm_event_resp join;
+  ASSERT_EQ(p.GetEvent(fd, &join), 0);
+  EXPECT_EQ(join.event, kCmMulticastJoin);
+  EXPECT_EQ(join.uid, kGroupUid);
+  EXPECT_EQ(join.param.ud.qp_num, 0xffffffu);
+  st = p.cm().CheckMovable();
+  ASSERT_TRUE(st.ok()) << st.message;
+
+  ASSERT_TRUE(p.cm().Release().ok());
+  EXPECT_EQ(a_->ids() + fabric_.groups(a_), 0u);
+  p.kernel().MoveTo(c_);
+  st = p.cm().Restore({});
+  ASSERT_TRUE(st.ok()) << st.message;
+  EXPECT_EQ(c_->ids(), 1u);
+  EXPECT_EQ(fabric_.groups(c_), 1u) << "the group joined again";
+  EXPECT_TRUE(NoEvent(p, fd)) << "the move's ADDR_RESOLVED and MULTICAST_JOIN are the shim's";
+  EXPECT_EQ(p.QueryAddr(fd, id).node_guid, a_->node_guid()) << "the device librdmacm knows";
+  // A second move carries it as the first did.
+  ASSERT_TRUE(p.cm().CheckMovable().ok());
+
+  EXPECT_EQ(p.Leave(fd, mc), 1) << "the JOIN the program saw, not the move's";
+  EXPECT_EQ(fabric_.groups(c_), 0u);
+  EXPECT_EQ(p.Leave(fd, mc), -1) << "a group left is gone";
+  EXPECT_EQ(p.Destroy(fd, id), 2);  // ADDR_RESOLVED, MULTICAST_JOIN
+  EXPECT_EQ(c_->ids(), 0u);
+}
+
+// A group whose id is destroyed goes with it, in the kernel and in the
+// shim: its handle is unknown after.
+TEST_F(CmTest, AGroupGoesWithItsId) {
+  Process p(a_);
+  const int fd = p.Channel();
+  SetNonblocking(fd);
+  const uint32_t id = p.CreateId(fd, 0x71, RDMA_PS_UDP, IBV_QPT_UD);
+  ASSERT_EQ(p.Bind(fd, id, Addr("10.0.0.1", 0)), 0);
+  const uint32_t mc = p.Join(fd, id, Addr("239.1.1.1", 0), 0x72);
+  ASSERT_NE(mc, 0u);
+  EXPECT_EQ(p.Destroy(fd, id), 0) << "its JOIN, never given out, is not counted";
+  EXPECT_EQ(fabric_.groups(a_), 0u);
+  EXPECT_TRUE(NoEvent(p, fd));
+  EXPECT_EQ(p.Leave(fd, mc), -1);
+  EXPECT_TRUE(p.cm().CheckMovable().ok());
 }
 
 TEST_F(CmTest, MovedServerListensAgainAndReconnectsItsChild) {

@@ -1860,7 +1860,10 @@ int FakeBackend::DestroyQp(ibv_qp* qp) {
   std::lock_guard<std::mutex> lock(mu_);
   int err;
   if (TakeFault(Op::kDestroyQp, &err)) return err;
-  if (Lookup(qps_, qp) == nullptr) return EINVAL;
+  QpObj* q = Lookup(qps_, qp);
+  if (q == nullptr) return EINVAL;
+  // uverbs_free_qp(): a QP still attached to a multicast group stays.
+  if (!q->groups.empty()) return EBUSY;
   qps_.erase(qp);
   return 0;
 }

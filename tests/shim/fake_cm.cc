@@ -83,6 +83,13 @@ size_t FakeCmFabric::Ids(FakeCmHost* host) {
   return n;
 }
 
+size_t FakeCmFabric::groups(FakeCmHost* host) {
+  std::lock_guard<std::mutex> l(mu_);
+  size_t n = 0;
+  for (auto& [h, m] : mcs_) n += ctxs_.count(m.ctx) && ctxs_[m.ctx].host == host;
+  return n;
+}
+
 size_t FakeCmFabric::Files(FakeCmHost* host) {
   std::lock_guard<std::mutex> l(mu_);
   size_t n = 0;
@@ -160,6 +167,10 @@ ssize_t FakeCmFabric::Dispatch(ino_t file, int fd, const Hdr& hdr, const char* b
       return QueryRoute(file, hdr, body);
     case RDMA_USER_CM_CMD_GET_EVENT:
       return GetEvent(file, fd, hdr, body);
+    case RDMA_USER_CM_CMD_JOIN_MCAST:
+      return Join(file, hdr, body);
+    case RDMA_USER_CM_CMD_LEAVE_MCAST:
+      return Leave(file, hdr, body);
     default:
       return -ENOSYS;  // not modelled (fake_cm.h)
   }
@@ -229,6 +240,7 @@ void FakeCmFabric::DestroyCtx(uint32_t handle) {
     SendDreq(c);
   auto f = files_.find(c->file);
   if (f != files_.end()) DropEvents(&f->second, handle);
+  for (auto m = mcs_.begin(); m != mcs_.end();) m = m->second.ctx == handle ? mcs_.erase(m) : std::next(m);
   ctxs_.erase(handle);
 }
 
@@ -348,7 +360,8 @@ int FakeCmFabric::ResolveAddr(ino_t file, const char* body) {
     if (int rc = BindTo(c, src); rc < 0) return rc;
   }
   if (c->state != St::kBound) return -EINVAL;
-  if (HostOf(dst.sin_addr.s_addr) == nullptr) {
+  const bool group = IN_MULTICAST(ntohl(dst.sin_addr.s_addr));
+  if (!group && HostOf(dst.sin_addr.s_addr) == nullptr) {
     QueueEvent(c, kCmAddrError, -EHOSTUNREACH, nullptr);
     return 0;
   }
@@ -539,6 +552,70 @@ void FakeCmFabric::QueueEvent(Ctx* c, uint32_t event, int32_t status, const rdma
   }
 }
 
+// JOIN_MCAST on a bound or resolved id: the group made, its
+// MULTICAST_JOIN queued (its handle and uid; the group's GID and QPN).
+int FakeCmFabric::Join(ino_t file, const Hdr& hdr, const char* body) {
+  auto j = As<rdma_ucm_join_mcast>(body);
+  if (hdr.out < sizeof(rdma_ucm_create_id_resp)) return -ENOSPC;
+  sockaddr_in group;
+  if (!Ipv4(&j.addr, j.addr_size, &group) || !IN_MULTICAST(ntohl(group.sin_addr.s_addr)))
+    return -EINVAL;
+  int err = 0;
+  Ctx* c = Find(file, j.id, &err);
+  if (c == nullptr) return err;
+  if (c->state != St::kBound && c->state != St::kAddrResolved) return -EINVAL;
+  uint32_t h = first_handle_;
+  while (mcs_.count(h)) ++h;
+  mcs_[h] = Mc{c->handle, j.uid, 0};
+  File& f = files_[c->file];
+  Event e;
+  e.ctx = c->handle;
+  e.mc = h + 1;
+  e.resp.uid = j.uid;
+  e.resp.id = h;
+  e.resp.event = kCmMulticastJoin;
+  e.resp.param.ud.qp_num = 0xffffff;
+  e.resp.param.ud.qkey = 0x01234567;
+  e.resp.param.ud.ah_attr.grh.dgid[10] = e.resp.param.ud.ah_attr.grh.dgid[11] = 0xff;
+  memcpy(e.resp.param.ud.ah_attr.grh.dgid + 12, &group.sin_addr, 4);
+  f.events.push_back(e);
+  const char byte = 1;
+  if (write(f.wr, &byte, 1) != 1) {
+    // A pipe holds 64 KiB of events.
+  }
+  rdma_ucm_create_id_resp resp{h};
+  memcpy(UserPtr(j.response), &resp, sizeof resp);
+  return 0;
+}
+
+// LEAVE_MCAST, naming the group: its pending events dropped, its count
+// answered.
+int FakeCmFabric::Leave(ino_t file, const Hdr& hdr, const char* body) {
+  auto d = As<rdma_ucm_destroy_id>(body);
+  if (hdr.out < sizeof(rdma_ucm_destroy_id_resp)) return -ENOSPC;
+  auto m = mcs_.find(d.id);
+  if (m == mcs_.end()) return -ENOENT;
+  auto c = ctxs_.find(m->second.ctx);
+  if (c == ctxs_.end() || c->second.file != file) return -EINVAL;
+  File& f = files_[file];
+  std::deque<Event> keep;
+  for (Event& e : f.events) {
+    if (e.mc != d.id + 1) {
+      keep.push_back(e);
+      continue;
+    }
+    char byte;
+    if (read(f.drain, &byte, 1) != 1) {
+      // One byte per event: the pipe holds it.
+    }
+  }
+  f.events.swap(keep);
+  rdma_ucm_destroy_id_resp resp{m->second.events_reported};
+  mcs_.erase(m);
+  memcpy(UserPtr(d.response), &resp, sizeof resp);
+  return 0;
+}
+
 // Never blocks (fake_cm.h): EAGAIN when nothing waits.
 int FakeCmFabric::GetEvent(ino_t file, int fd, const Hdr& hdr, const char* body) {
   auto g = As<rdma_ucm_get_event>(body);
@@ -560,6 +637,8 @@ int FakeCmFabric::GetEvent(ino_t file, int fd, const Hdr& hdr, const char* body)
     ++it->second.events_reported;
     if (e.resp.event == kCmConnectRequest) ++it->second.backlog;
   }
+  auto mc = e.mc != 0 ? mcs_.find(e.mc - 1) : mcs_.end();
+  if (mc != mcs_.end()) ++mc->second.events_reported;
   memcpy(UserPtr(g.response), &e.resp, hdr.out < sizeof e.resp ? hdr.out : sizeof e.resp);
   return 0;
 }

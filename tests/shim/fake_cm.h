@@ -25,10 +25,17 @@
 // - RESOLVE_ADDR to an address no host has queues ADDR_ERROR; CONNECT to
 //   a port nobody listens on queues REJECTED (status 8, invalid service ID);
 // - the active side's ACCEPT with conn_param.valid == 0 is the RTU: the
-//   passive side gets ESTABLISHED, the active side nothing.
+//   passive side gets ESTABLISHED, the active side nothing;
+// - RESOLVE_ADDR to an IPv4 multicast address resolves on the id's own
+//   host; JOIN_MCAST on a bound or resolved id makes a group (its handle
+//   from a table of its own, as the kernel's multicast_table) whose
+//   MULTICAST_JOIN names the group's handle and uid; GET_EVENT counts a
+//   group's events for its id and for the group, LEAVE_MCAST answers the
+//   group's count and drops its pending events, and a group goes with its
+//   id (MIGRATE_ID, DESTROY_ID).
 // Events are queued at once (the kernel's resolutions are asynchronous,
 // but nothing in the CM layer can tell the difference but timing).
-// Not modelled: RESOLVE_IP, BIND_IP, multicast, options, INIT_QP_ATTR,
+// Not modelled: RESOLVE_IP, BIND_IP, JOIN_IP_MCAST, options, INIT_QP_ATTR,
 // QUERY_PATH/GID, NOTIFY, TIMEWAIT_EXIT, IB addresses (AF_IB), timeouts.
 //
 // Thread-safe: one mutex for the fabric (the CM layer's rendezvous thread
@@ -113,6 +120,8 @@ class FakeCmFabric {
   void SetFirstHandle(uint32_t first);
   // GET_EVENTs written to a channel left blocking.
   int blocking_gets();
+  // Multicast groups joined on `host`'s ids.
+  size_t groups(FakeCmHost* host);
 
  private:
   friend class FakeCmHost;
@@ -144,8 +153,14 @@ class FakeCmFabric {
     uint32_t backlog = 0;  // a listener's requests it may still queue
     uint32_t events_reported = 0;
   };
+  struct Mc {
+    uint32_t ctx = 0;
+    uint64_t uid = 0;
+    uint32_t events_reported = 0;
+  };
   struct Event {
     uint32_t ctx = 0;  // what it is counted for (a request: the listener)
+    uint32_t mc = 0;   // a group's event: its handle (+1; 0: none)
     rdma_ucm_event_resp resp{};
   };
   struct File {
@@ -176,6 +191,8 @@ class FakeCmFabric {
   int Query(ino_t file, const Hdr& hdr, const char* body);
   int QueryRoute(ino_t file, const Hdr& hdr, const char* body);
   int GetEvent(ino_t file, int fd, const Hdr& hdr, const char* body);
+  int Join(ino_t file, const Hdr& hdr, const char* body);
+  int Leave(ino_t file, const Hdr& hdr, const char* body);
 
   Ctx* Find(ino_t file, uint32_t handle, int* err);
   bool PortTaken(FakeCmHost* host, uint16_t ps, uint16_t port);
@@ -192,6 +209,7 @@ class FakeCmFabric {
   std::vector<std::unique_ptr<FakeCmHost>> hosts_;
   std::map<ino_t, File> files_;
   std::map<uint32_t, Ctx> ctxs_;
+  std::map<uint32_t, Mc> mcs_;
   uint32_t first_handle_ = 1000;
   uint16_t next_port_ = 40000;
   int blocking_gets_ = 0;

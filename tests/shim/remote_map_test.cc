@@ -246,8 +246,15 @@ TEST_F(RemoteMapTest, DescribeNamesWhereTheAddressHandlesPointNow) {
   auto [a, b] = UdQps();
   ASSERT_NE(dev().Ah(dev().gid), nullptr);
   ASSERT_NE(dev().Ah(dev().gid), nullptr);
+  ibv_gid group{};  // a multicast group's (::ffff:239.1.130.3): no host's
+  group.raw[10] = group.raw[11] = 0xff;
+  group.raw[12] = 239;
+  group.raw[13] = 1;
+  group.raw[14] = 130;
+  group.raw[15] = 3;
+  ASSERT_NE(dev().Ah(group), nullptr);
   std::vector<ibv_gid> peers = shim_.Describe().ud_peer_physical_gids;
-  ASSERT_EQ(peers.size(), 1u);
+  ASSERT_EQ(peers.size(), 1u) << "a multicast group named as a peer";
   EXPECT_TRUE(GidEq(peers[0], FakeBackend::Gid(1))) << "this host's device, physical";
   RemoteMapping m;  // the moved peer, on another host now
   m.virtual_gid = MovedPeerGid();

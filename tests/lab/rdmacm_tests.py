@@ -332,6 +332,69 @@ def a_udaddy_server_moves_with_its_address_between_its_two_clients():
         clear_service("udaddy")
 
 
+@lab_test
+def a_ucmatose_server_moves_between_its_clients_connections_and_serves_all_four():
+    # ucmatose's server waits for its -c connections, then sends -C
+    # messages on each, receives as many back, moves its ids to a new
+    # channel (-m: rdma_migrate_id) and disconnects each. Two of its four
+    # connections are made (the first client's) when it moves with its
+    # service address; the other two (the second client's) are accepted by
+    # its listener made again on host2. All three must end with "data
+    # transfers complete" and "return status 0": every message received,
+    # and each client's two DISCONNECTED the server's (a spurious one would
+    # end a client's wait early and its connections before the data).
+    mt.ensure_daemons()
+    serve_on_host1("ucmatose")
+    name = "ucmatose-move"
+    spid = start_logged(1, f"stdbuf -oL ucmatose -b {SERVICE} -c 4 -C 20 -m", f"{name}-server.out")
+    try:
+        wait_until(1, "rdma res show cm_id | grep -q 'LISTEN.*:7471'", 30, "ucmatose listens")
+        first = start_logged(3, f"stdbuf -oL ucmatose -s {SERVICE} -c 2 -C 20", f"{name}-first.out")
+        wait_until(3, f"grep -q 'receiving data transfers' {WORK}/{name}-first.out", 60,
+                   "the first client's two connections are established")
+        move(spid, "ucmatose server", "live", SERVICE)
+        mt.check_moved(spid, 1, 2, "the ucmatose server")
+        check("initiating data transfers" not in read(f"{name}-server.out"),
+              "the server had its four connections before the move")
+        second = start_logged(3, f"stdbuf -oL ucmatose -s {SERVICE} -c 2 -C 20", f"{name}-second.out")
+        for host, pid, side in ((2, spid, "server"), (3, first, "first"), (3, second, "second")):
+            wait_gone(host, pid, f"ucmatose's {side}", 120)
+            text = read(f"{name}-{side}.out")
+            print(f"--- {side}\n{text[-400:]}", flush=True)
+            check("data transfers complete" in text and "return status 0" in text,
+                  f"ucmatose's {side} did not complete", text[-2000:])
+            check("event:" not in text, f"ucmatose's {side} saw an error event", text[-2000:])
+        check("migrating to new event channel" in read(f"{name}-server.out"),
+              "the server did not move its ids to a new channel")
+    finally:
+        clear_service("ucmatose")
+
+
+@lab_test
+def an_rdma_server_waiting_for_its_client_moves_and_serves_it_on_the_destination():
+    # rdma_server and rdma_client: librdmacm's synchronous API
+    # (rdma_create_ep without a channel: one private channel per id, each
+    # a blocking GET_EVENT; rdma_get_request, rdma_get_recv_comp). The
+    # server, bound to its service address, moves while it waits in
+    # rdma_get_request; the client then connects to it on host2, sends its
+    # message and takes the server's answer. Both print "end 0" and exit 0.
+    mt.ensure_daemons()
+    serve_on_host1("rdma_server")
+    name = "rdma-server-move"
+    spid = start_logged(1, f"stdbuf -oL rdma_server -s {SERVICE} -p {PORT}", f"{name}.out")
+    try:
+        wait_until(1, f"rdma res show cm_id | grep -q 'LISTEN.*:{PORT}'", 30, "rdma_server listens")
+        move(spid, "rdma_server", "live", SERVICE)
+        mt.check_moved(spid, 1, 2, "rdma_server")
+        r = LAB.run(3, f"{mt.SHIM}rdma_client -s {SERVICE} -p {PORT}", timeout=120)
+        check(r.rc == 0 and "rdma_client: end 0" in r.out, "rdma_client failed", r)
+        wait_gone(2, spid, "rdma_server", 120)
+        text = read(f"{name}.out")
+        check("rdma_server: end 0" in text, "rdma_server did not end well", text)
+    finally:
+        clear_service("rdma_server")
+
+
 GROUP = "239.1.130.3"
 
 

@@ -395,6 +395,46 @@ def an_rdma_server_waiting_for_its_client_moves_and_serves_it_on_the_destination
         clear_service("rdma_server")
 
 
+RSTREAM = "rstream -T v -S 65536 -C 200 -I 10"  # 128 MiB each way, every byte verified
+
+
+@lab_test
+def an_rstream_client_moves_mid_stream_and_both_sides_verify_every_byte():
+    # rsockets (librdmacm's rsocket.c, rstream): its own protocol over RDMA
+    # writes with immediate data into buffers whose addresses and rkeys the
+    # two sides swapped in the CM's private data, credits, a nonblocking
+    # channel per socket polled beside the CQ's. The client streams 64 KiB
+    # transfers both ways, each verified (-T v), and moves from host1 to
+    # host2 mid-stream; both sides must print their result line and exit
+    # 0 (a byte out of place prints "data verification failed").
+    mt.ensure_daemons()
+    name = "rstream-move"
+    LAB.run(3, "pkill -x rstream")
+    spid = start_logged(3, f"stdbuf -oL {RSTREAM}", f"{name}-server.out")
+    try:
+        wait_until(3, "rdma res show cm_id | grep -q 'LISTEN.*:7471'", 30, "rstream listens")
+        # host1's packets sent (rxe counts them): 8 MiB of the stream (2048
+        # packets of 4 KiB or fewer) gone out before the move.
+        sent = "cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts"
+        before = int(run_ok(1, sent).out)
+        cpid = start_logged(1, f"stdbuf -oL {RSTREAM} -s {mt.ip(3)}", f"{name}-client.out")
+        wait_until(1, f"test $({sent}) -gt {before + 2048}", 60, "the client has streamed 8 MiB")
+        move(cpid, "rstream client", "live", None)
+        mt.check_moved(cpid, 1, 2, "the rstream client")
+        check("custom" not in read(f"{name}-client.out").split("usec/xfer")[-1],
+              "the stream ended before the move")
+        for host, pid, side in ((2, cpid, "client"), (3, spid, "server")):
+            wait_gone(host, pid, f"rstream's {side}", 240)
+            text = read(f"{name}-{side}.out")
+            print(f"--- {side}\n{text[-400:]}", flush=True)
+            check(re.search(r"^custom\s+64k\s+200\s+10\s", text, re.M)
+                  and "verification failed" not in text,
+                  f"rstream's {side} did not complete its verified stream", text[-2000:])
+    finally:
+        LAB.run(3, "pkill -x rstream")
+        LAB.run(2, "pkill -x rstream")
+
+
 GROUP = "239.1.130.3"
 
 

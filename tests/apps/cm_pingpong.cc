@@ -7,10 +7,12 @@
 // deadline; the addresses librdmacm reports must be those of the start.
 //
 //   cm_pingpong -s -a ADDR -p PORT -n N [-d client|server]
-//   cm_pingpong -c ADDR -p PORT -n N [-i MS] [-t MS] [-d client|server]
+//   cm_pingpong -c ADDR -p PORT -n N [-i MS] [-t MS] [-u FILE] [-d client|server]
 //
 // -i: a pause after each iteration; -t: the address and route
-// resolutions' timeout (default 5000).
+// resolutions' timeout (default 5000); -u: the client's last iteration is
+// the first after FILE exists (its message tells the server so), or the
+// N-th.
 //
 // Prints "iteration I" every 100 iterations and, last, its verdict:
 // "cm_pingpong: PASS ..." (exit 0) or "cm_pingpong: FAIL: why" (exit 1).
@@ -190,12 +192,17 @@ struct Options {
   int interval_ms = 0;
   bool client_disconnects = true;
   int resolve_ms = 5000;
+  const char* until = nullptr;
 };
+
+// The client's message of its last iteration before -n (its -u file
+// appeared): the same iteration's bytes, salted so.
+constexpr char kLastSalt = 0x7f;
 
 Options Parse(int argc, char** argv) {
   Options o;
   int c;
-  while ((c = getopt(argc, argv, "sc:a:p:n:i:t:d:")) != -1) {
+  while ((c = getopt(argc, argv, "sc:a:p:n:i:t:d:u:")) != -1) {
     switch (c) {
       case 's':
         o.server = true;
@@ -221,9 +228,12 @@ Options Parse(int argc, char** argv) {
       case 'd':
         o.client_disconnects = strcmp(optarg, "server") != 0;
         break;
+      case 'u':
+        o.until = optarg;
+        break;
       default:
         Die("usage: cm_pingpong -s -a ADDR | -c ADDR, -p PORT [-n N] [-i MS] [-t MS] "
-            "[-d client|server]");
+            "[-u FILE] [-d client|server]");
     }
   }
   if (!o.addr || o.port <= 0 || o.iterations <= 0) Die("an address, a port and -n > 0 are needed");
@@ -280,16 +290,22 @@ int main(int argc, char** argv) {
   const std::string local = Addr(rdma_get_local_addr(c.id));
   const std::string peer = Addr(rdma_get_peer_addr(c.id));
   std::printf("connected %s -> %s\n", local.c_str(), peer.c_str());
-  for (int i = 0; i < o.iterations; ++i) {
+  int done = 0;
+  bool last = false;
+  for (int i = 0; i < o.iterations && !last; ++i) {
     if (o.server) {
       Await(&c, &ev, 2, i);
-      Check(c.buf + kMsg, i, 0);
+      char final_message[kMsg];
+      Fill(final_message, i, kLastSalt);
+      last = memcmp(c.buf + kMsg, final_message, kMsg) == 0;
+      if (!last) Check(c.buf + kMsg, i, 0);
       PostRecv(&c);
       Fill(c.buf, i, 0x5a);
       PostSend(&c);
       Await(&c, &ev, 1, i);
     } else {
-      Fill(c.buf, i, 0);
+      last = o.until != nullptr && access(o.until, F_OK) == 0 && i + 1 < o.iterations;
+      Fill(c.buf, i, last ? kLastSalt : 0);
       PostSend(&c);
       Await(&c, &ev, 1, i);
       Await(&c, &ev, 2, i);
@@ -297,7 +313,8 @@ int main(int argc, char** argv) {
       PostRecv(&c);
       if (o.interval_ms) usleep(o.interval_ms * 1000);
     }
-    if ((i + 1) % 100 == 0) std::printf("iteration %d\n", i + 1);
+    done = i + 1;
+    if (done % 100 == 0) std::printf("iteration %d\n", done);
   }
   const bool mine = o.server != o.client_disconnects;
   if (mine && rdma_disconnect(c.id) != 0) Die("rdma_disconnect: %s", strerror(errno));
@@ -310,7 +327,7 @@ int main(int argc, char** argv) {
         peer2.c_str());
   rdma_destroy_qp(c.id);
   if (rdma_destroy_id(c.id) != 0) Die("rdma_destroy_id: %s", strerror(errno));
-  std::printf("cm_pingpong: PASS iterations=%d disconnected by %s, seen as DISCONNECTED\n",
-              o.iterations, o.client_disconnects ? "client" : "server");
+  std::printf("cm_pingpong: PASS iterations=%d disconnected by %s, seen as DISCONNECTED\n", done,
+              o.client_disconnects ? "client" : "server");
   return 0;
 }

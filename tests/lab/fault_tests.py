@@ -64,13 +64,14 @@ def crash_and_restart(host):
     mt.ensure_daemons()
 
 
-def exactly_one_copy(pid, where, elsewhere, what):
-    """`pid` runs on host`where` under the shim and on no host of `elsewhere`."""
+def exactly_one_copy(pid, where, elsewhere, what, comm="integrity"):
+    """`pid` runs on host`where` under the shim and on no host of
+    `elsewhere` (no process `comm` there with that pid)."""
     maps = LAB.run(where, f"cat /proc/{pid}/maps")
     check(maps.rc == 0 and "librdmavirt" in maps.out, f"{what} does not run on host{where}")
     for h in elsewhere:
         r = LAB.run(h, f"cat /proc/{pid}/comm 2>/dev/null")
-        check(r.out.strip() != "integrity", f"a copy of {what} on host{h}")
+        check(r.out.strip() != comm, f"a copy of {what} on host{h}")
 
 
 def images_deleted(host, state_dir, report):
@@ -355,6 +356,111 @@ def a_full_destination_state_directory_rolls_back():
         migrators.kill_daemon(2)
         LAB.run(2, f"umount {small}; rmdir {small}; true")
         cleanup("nospace", (p, q))
+
+
+def pp_iterations(name):
+    """The last "iteration N" cm_pingpong's client printed (every 100)."""
+    import rdmacm_tests as cm
+    found = re.findall(r"^iteration (\d+)$", cm.read(name, missing_ok=True), re.M)
+    return int(found[-1]) if found else 0
+
+
+def pp_progresses(name, by=200, timeout=180):
+    """cm_pingpong's client advances by `by` iterations (each a SEND and
+    its answer, every byte checked)."""
+    start = pp_iterations(name)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pp_iterations(name) >= start + by:
+            return
+        time.sleep(0.5)
+    check(False, f"cm_pingpong's client did not advance by {by} iterations from {start}")
+
+
+def with_failpoints(host, points):
+    """host`host`'s migrator started again with RDMAVIRT_FAILPOINTS."""
+    migrators.kill_daemon(host)
+    migrators.start_daemon(host, f"RDMAVIRT_FAILPOINTS={points}")
+    mt.ensure_daemons()
+
+
+@lab_test
+@mt.logs_on_failure("cmfault")
+def an_rdma_cm_client_through_three_faulted_moves_ends_in_one_copy_and_passes():
+    """An RDMA CM program (tests/apps/cm_pingpong: every byte and every CM
+    event checked, a CM event while connected fails it) through the faults
+    the integrity workload's tests strike, one move each: the source's
+    migrator killed after the final dump (rolled back: it goes on on
+    host1), the destination's killed before the resume (asked again: done,
+    on host2), and from host2 back to host1 a fabric cut of the destination
+    during the transfer and of the peer's host during the reconnect (done
+    or rolled back). After each, exactly one copy and progress; at the end
+    both sides' own verdict, and the disconnect reaching the server."""
+    import rdmacm_tests as cm
+    mt.ensure_daemons()
+    name = "cmfault"
+    stop = f"{cm.WORK}/{name}-stop"
+    run_ok(1, f"rm -f {stop}")
+    args = f"-p {cm.PORT} -n 1000000 -d client"
+    spid = cm.start_logged(3, f"{cm.PINGPONG} -s -a {mt.ip(3)} {args}", f"{name}-server.out")
+    cpid = None
+    try:
+        wait_until(3, f"grep -q listening {cm.WORK}/{name}-server.out", 30, "the server listens")
+        cpid = cm.start_logged(1, f"{cm.PINGPONG} -c {mt.ip(3)} {args} -i 20 -u {stop}",
+                               f"{name}-client.out")
+        pp_progresses(f"{name}-client.out", 100)
+        comm = dict(comm="cm_pingpong")
+
+        with_failpoints(1, "phase:transfer")
+        job = migrate_job(1, cpid, 2, wait=True)
+        stopped_at_failpoint(1, "phase:transfer")
+        crash_and_restart(1)
+        r = LAB.wait(1, job, 900)
+        rep = report_of(r)
+        check(r.rc == 1 and rep is not None and rep.get("rolled_back") is True,
+              "the source killed after the final dump: not rolled back", r)
+        exactly_one_copy(cpid, 1, (2,), "the client", **comm)
+        pp_progresses(f"{name}-client.out")
+
+        with_failpoints(2, "serve:resume")
+        job = migrate_job(1, cpid, 2)
+        if not stopped_or_done(2, job, job_host=1):
+            check(False, "the move ended before the destination reached serve:resume",
+                  LAB.wait(1, job, 60))
+        crash_and_restart(2)
+        r = LAB.wait(1, job, 900)
+        rep = report_of(r)
+        check(r.rc == 0 and rep is not None and rep.get("ok") is True,
+              "the destination killed before the resume: the move did not finish", r)
+        exactly_one_copy(cpid, 2, (1,), "the client", **comm)
+        exactly_one_copy(spid, 3, (1, 2), "the server", **comm)
+        pp_progresses(f"{name}-client.out")
+
+        with_failpoints(2, "phase:transfer,phase:reconnect")
+        job = migrate_job(2, cpid, 1)
+        stopped_at_failpoint(2, "phase:transfer")
+        cut_while_continuing(2, 1)
+        if stopped_or_done(2, job):
+            cut_while_continuing(2, 3)
+        r = LAB.wait(2, job, 900)
+        rep = report_of(r)
+        check(rep is not None and (rep.get("ok") is True or rep.get("rolled_back") is True),
+              "the fabric cut: neither done nor rolled back", r)
+        print("fabric cut:", "done" if rep.get("ok") else f"rolled back: {rep.get('error')}",
+              flush=True)
+        where, other = (1, 2) if rep.get("ok") else (2, 1)
+        exactly_one_copy(cpid, where, (other,), "the client", **comm)
+        pp_progresses(f"{name}-client.out")
+
+        run_ok(1, f"touch {stop}")
+        cm.wait_gone(where, cpid, "cm_pingpong's client", 180)
+        cm.wait_gone(3, spid, "cm_pingpong's server", 120)
+        cm.pp_verdict(f"{name}-client.out", "client")
+        cm.pp_verdict(f"{name}-server.out", "server")
+    finally:
+        for h in (1, 2, 3):
+            cut(h, False)
+        cleanup(name, [spid] + ([cpid] if cpid else []))
 
 
 if __name__ == "__main__":

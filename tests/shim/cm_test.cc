@@ -12,14 +12,17 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/epoll.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/shim/fake_cm.h"
@@ -742,11 +745,27 @@ TEST_F(CmTest, AWaitOnAChannelDestroyedMeanwhileLastsUntilASignalEndsIt) {
   Process p(a_);
   const int fd = p.Channel();
   std::atomic<pthread_t> waiter{};
+  std::atomic<pid_t> tid{0};
   auto waiting = std::async(std::launch::async, [&] {
     waiter = pthread_self();
+    tid = gettid();
     rdma_ucm_event_resp ev{};
     return p.GetEvent(fd, &ev);
   });
+  // Until the waiter is in its poll(2) (on a loaded machine its thread may
+  // start late: before, the channel was destroyed before it asked, and
+  // its EINVAL failed the test).
+  const auto started = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto in_poll = [&tid] {
+    if (tid.load() == 0) return false;
+    std::ifstream f("/proc/self/task/" + std::to_string(tid.load()) + "/syscall");
+    long nr = -1;
+    f >> nr;
+    return nr == SYS_poll || nr == SYS_ppoll;
+  };
+  while (!in_poll() && std::chrono::steady_clock::now() < started)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_TRUE(in_poll()) << "the waiter never waited";
   EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
   p.cm().Forget(fd);  // rdma_destroy_event_channel, then librdmacm's close
   close(fd);

@@ -28,6 +28,9 @@ packages=(
   # MPI over rxe0 in the lab (docs/mpi.md): Open MPI with UCX, NetPIPE,
   # and sshd for the launch (started only inside lab hosts)
   openmpi-bin libopenmpi-dev netpipe-openmpi openssh-server
+  # UCX's own benchmark (ucx_perftest), moved in the lab with UCP's default
+  # configuration
+  ucx-utils
   # the lab: TCG VMs on a VDE switch, booted from an initramfs
   qemu-system-x86 qemu-utils vde2 busybox-static cpio kmod iproute2 coreutils procps
   # the lab's fault tests cut the fabric between hosts with packet filters

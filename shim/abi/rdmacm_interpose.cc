@@ -8,6 +8,8 @@
 #include <errno.h>
 #include <rdma/rdma_cma.h>
 
+#include <atomic>
+
 #include "shim/abi/libc_dl.h"
 #include "shim/cm/channels.h"
 #include "shim/core/log.h"
@@ -16,17 +18,36 @@
 
 namespace {
 
+// librdmacm's own `name`: the next in the global scope, or, for a
+// librdmacm loaded into a local scope (UCX dlopens its rdmacm module,
+// which needs librdmacm: RTLD_NEXT from the shim never sees it, and UCX
+// got ENOSYS from its first rdma_create_event_channel), that library's.
+// Looked up again until found: the first call may come before the
+// library is loaded.
 template <typename Fn>
-Fn Next(const char* name) {
+Fn Next(std::atomic<Fn>* cache, const char* name) {
+  Fn fn = cache->load(std::memory_order_acquire);
+  if (fn != nullptr) return fn;
   const rdmavirt::shim::LibcDl& dl = rdmavirt::shim::Libc();
-  return dl.dlsym == nullptr ? nullptr : reinterpret_cast<Fn>(dl.dlsym(RTLD_NEXT, name));
+  if (dl.dlsym == nullptr) return nullptr;
+  fn = reinterpret_cast<Fn>(dl.dlsym(RTLD_NEXT, name));
+  if (fn == nullptr) {
+    void* local = dlopen("librdmacm.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (local != nullptr) {
+      fn = reinterpret_cast<Fn>(dl.dlsym(local, name));
+      dlclose(local);  // NOLOAD took a reference of its own
+    }
+  }
+  if (fn != nullptr) cache->store(fn, std::memory_order_release);
+  return fn;
 }
 
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) rdma_event_channel* rdma_create_event_channel() {
   using Fn = rdma_event_channel* (*)();
-  static const Fn real = Next<Fn>("rdma_create_event_channel");
+  static std::atomic<Fn> cache{nullptr};
+  const Fn real = Next<Fn>(&cache, "rdma_create_event_channel");
   if (real == nullptr) {
     errno = ENOSYS;
     return nullptr;
@@ -48,7 +69,8 @@ extern "C" __attribute__((visibility("default"))) rdma_event_channel* rdma_creat
 extern "C" __attribute__((visibility("default"))) void rdma_destroy_event_channel(
     rdma_event_channel* channel) {
   using Fn = void (*)(rdma_event_channel*);
-  static const Fn real = Next<Fn>("rdma_destroy_event_channel");
+  static std::atomic<Fn> cache{nullptr};
+  const Fn real = Next<Fn>(&cache, "rdma_destroy_event_channel");
   if (channel != nullptr) rdmavirt::shim::CmForget(channel->fd);
   if (real != nullptr) real(channel);
 }

@@ -435,6 +435,53 @@ def an_rstream_client_moves_mid_stream_and_both_sides_verify_every_byte():
         LAB.run(2, "pkill -x rstream")
 
 
+UCX_ENV = "UCX_TLS=rc_v,self UCX_NET_DEVICES=rxe0:1 UCX_UD_VERBS_ETH_DGID_CHECK=n "
+UCX_PERFTEST = "ucx_perftest -t tag_bw -n 300000 -p 13337"
+
+
+@lab_test
+def a_ucx_perftest_server_moves_with_its_address_mid_run_and_both_finish():
+    # UCX's own benchmark, UCP's tag-matching bandwidth over rc_v, with
+    # UCX's default configuration: its rdmacm connection manager opens an
+    # RDMA CM channel in every process (from a module UCX dlopens, whose
+    # librdmacm the shim did not see: its rdma_create_event_channel failed
+    # with ENOSYS until the shim looked librdmacm up there). Its server
+    # moves with its service address (its TCP connection to the client for
+    # the test's set-up moves with it) after 50000 of the 300000
+    # iterations; the client must print its final line and exit 0, the
+    # server end on host2, neither with an error.
+    mt.ensure_daemons()
+    serve_on_host1("ucx_perftest")
+    name = "ucx-move"
+    spid = start_logged(1, f"{UCX_ENV}{UCX_PERFTEST}", f"{name}-server.out")
+    try:
+        wait_until(1, "ss -Hltn 'sport = :13337' | grep -q .", 60, "ucx_perftest listens")
+        cpid = start_logged(3, f"{UCX_ENV}{UCX_PERFTEST} {SERVICE}", f"{name}-client.out")
+
+        def iterations():
+            found = re.findall(r"^\[thread 0\]\s+(\d+)\s", read(f"{name}-client.out", True), re.M)
+            return int(found[-1]) if found else 0
+        deadline = time.monotonic() + 120
+        while iterations() < 50000 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        check(iterations() >= 50000, "the client did not reach 50000 iterations",
+              read(f"{name}-client.out", True)[-1500:])
+        move(spid, "ucx_perftest server", "live", SERVICE)
+        mt.check_moved(spid, 1, 2, "the ucx_perftest server")
+        moved_at = iterations()
+        check(moved_at < 300000, "the run ended before the move")
+        wait_gone(3, cpid, "ucx_perftest's client", 300)
+        wait_gone(2, spid, "ucx_perftest's server", 60)
+        client, server = read(f"{name}-client.out"), read(f"{name}-server.out")
+        print(f"--- client\n{client[-600:]}\n--- server\n{server[-300:]}", flush=True)
+        check(re.search(r"^Final:\s+300000\s", client, re.M), "the client did not finish", client[-2000:])
+        for side, text in (("client", client), ("server", server)):
+            check(not re.search(r"UCX\s+(ERROR|WARN)", text), f"ucx_perftest's {side} reported an error",
+                  text[-2000:])
+    finally:
+        clear_service("ucx_perftest")
+
+
 GROUP = "239.1.130.3"
 
 

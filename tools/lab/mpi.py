@@ -16,8 +16,9 @@ A movable job (`movable=True`, docs/mpi.md "Moving a host's ranks") adds
 what moving one host's `orted` tree with its ranks needs: `orted` started
 detached from ssh by a launch agent, no pseudo-terminals, PMIx's hash
 store, no hwloc shared file, UCX's posix shared memory instead of SysV,
-no rdma_cm, and `mpirun` on a fixed port that the moving host reaches from
-a service address (`service_address_up`).
+and `mpirun` on a fixed port that the moving host reaches from a service
+address (`service_address_up`). UCX's rdmacm connection manager stays on:
+the RDMA CM channel it opens is the shim's, and moves.
 """
 
 import os
@@ -44,7 +45,6 @@ ROUTE_TABLE = 110
 MOVABLE_UCX_TLS = "rc_v,posix,cma,self"
 MOVABLE_ENV = {
     "PMIX_MCA_gds": "hash",
-    "UCX_SOCKADDR_TLS_PRIORITY": "tcp",
 }
 MOVABLE_MCA = ["--mca", "orte_daemonize", "1", "--mca", "plm_rsh_agent", AGENT,
                "--mca", "rtc", "^hwloc"]

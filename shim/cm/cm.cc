@@ -434,6 +434,7 @@ ssize_t Cm::Command(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t
     }
     return AnswerWithoutKernel(id, hdr, body, in);
   }
+  if (id->rebound && NamesADevice(hdr, body, in)) return AnswerWithoutKernel(id, hdr, body, in);
   if (ch->real < 0) return Fail(EAGAIN);
   memcpy(body + id_at, &id->kid, 4);
   const ssize_t rc = NamesADevice(hdr, body, in) ? Query(ch, id, hdr, body, in)

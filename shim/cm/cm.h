@@ -223,6 +223,10 @@ class Cm {
     uint32_t rendezvous_child = kNoKid;   // restore: the kernel id being connected
     uint32_t rendezvous_qpn = 0;          // restore: the QP's physical QPN, for the REP
     std::string query_addr, query_route;  // the last answers, for a restored id
+    // Bound again to the any-address on the destination (its own was an
+    // address of the source host's, not one that moved): its queries
+    // answer what they did before the move.
+    bool rebound = false;
   };
   // A multicast group joined through an id (rdma_join_multicast). Its
   // events name it by its uid (librdmacm's record of the group); the

@@ -83,6 +83,24 @@ void GidAddress(const ibv_gid& gid, uint16_t port, sockaddr_storage* out, uint16
   }
 }
 
+// Makes `a` (an IPv4 or IPv6 address) its family's any-address, its port
+// kept; false (unchanged) if it was one already or is of another family.
+bool AnyAddress(sockaddr_storage* a) {
+  if (a->ss_family == AF_INET) {
+    auto* in = reinterpret_cast<sockaddr_in*>(a);
+    if (in->sin_addr.s_addr == htonl(INADDR_ANY)) return false;
+    in->sin_addr.s_addr = htonl(INADDR_ANY);
+    return true;
+  }
+  if (a->ss_family == AF_INET6) {
+    auto* in6 = reinterpret_cast<sockaddr_in6*>(a);
+    if (IN6_IS_ADDR_UNSPECIFIED(&in6->sin6_addr)) return false;
+    in6->sin6_addr = in6addr_any;
+    return true;
+  }
+  return false;
+}
+
 const QpView* FindQp(const std::vector<QpView>& qps, uint32_t vqpn) {
   for (const QpView& q : qps)
     if (q.virtual_qpn == vqpn) return &q;
@@ -260,7 +278,22 @@ Status Cm::RemakeId(Channel* ch, Id* id) {
     b.id = id->kid;
     b.addr_size = id->bound_len;
     memcpy(&b.addr, &id->bound, id->bound_len);
-    if (Kernel(ch->real, RDMA_USER_CM_CMD_BIND, &b, sizeof b, 0) < 0) {
+    bool bound = Kernel(ch->real, RDMA_USER_CM_CMD_BIND, &b, sizeof b, 0) >= 0;
+    if (!bound && errno == EADDRNOTAVAIL && AnyAddress(reinterpret_cast<sockaddr_storage*>(&b.addr))) {
+      // An address of the source host's own (libfabric's verbs provider
+      // binds its passive endpoint to the host's address, not to a
+      // service address): the same port on every address here. Before,
+      // the move was refused here and rolled back.
+      bound = Kernel(ch->real, RDMA_USER_CM_CMD_BIND, &b, sizeof b, 0) >= 0;
+      id->rebound = bound;
+      if (bound && LogMoves()) {
+        std::snprintf(msg, sizeof msg,
+                      "RDMA CM id %u bound again to the any-address (its own is not here)",
+                      id->vid);
+        Log(msg);
+      }
+    }
+    if (!bound) {
       std::snprintf(msg, sizeof msg,
                     "RDMA CM id %u cannot be bound again to its address here: %s (a listener "
                     "moves with its service address)",

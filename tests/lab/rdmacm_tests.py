@@ -482,6 +482,43 @@ def a_ucx_perftest_server_moves_with_its_address_mid_run_and_both_finish():
         clear_service("ucx_perftest")
 
 
+FI_PINGPONG = "fi_pingpong -p verbs -e msg -I 10000 -S 64 -c"
+
+
+@lab_test
+def a_libfabric_msg_server_moves_with_its_address_mid_run_and_both_check_every_message():
+    # libfabric's verbs provider over MSG endpoints (fi_pingpong -e msg,
+    # every message's bytes checked with -c): its passive endpoint is an
+    # RDMA CM listener bound to the host's own address (10.77.0.1, which
+    # the client learns over fi_pingpong's TCP control connection to the
+    # service address), not to the service address. Before, the restore
+    # could not bind it again on host2 and the move rolled back; now it
+    # listens on the same port on host2's addresses and its connection is
+    # reconnected as any. Both sides must end with 10000 of 10000 and print
+    # no error (a message whose bytes differ is one).
+    mt.ensure_daemons()
+    serve_on_host1("fi_pingpong")
+    name = "fi-move"
+    spid = start_logged(1, FI_PINGPONG, f"{name}-server.out")
+    try:
+        wait_until(1, "ss -Hltn 'sport = :47592' | grep -q .", 30, "fi_pingpong listens")
+        sent = "cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts"
+        before = int(run_ok(1, sent).out)
+        cpid = start_logged(3, f"{FI_PINGPONG} {SERVICE}", f"{name}-client.out")
+        wait_until(1, f"test $({sent}) -gt {before + 1000}", 60, "500 ping-pongs")
+        move(spid, "fi_pingpong server", "live", SERVICE)
+        mt.check_moved(spid, 1, 2, "the fi_pingpong server")
+        check("10k" not in read(f"{name}-client.out", True), "the run ended before the move")
+        for host, pid, side in ((3, cpid, "client"), (2, spid, "server")):
+            wait_gone(host, pid, f"fi_pingpong's {side}", 180)
+            out = read(f"{name}-{side}.out")
+            print(f"--- {side}\n{out[-300:]}", flush=True)
+            check(re.search(r"^64\s+10k\s+=10k\s", out, re.M) and not re.search(r"(?i)error", out),
+                  f"fi_pingpong's {side} did not check its 10000 messages", out)
+    finally:
+        clear_service("fi_pingpong")
+
+
 GROUP = "239.1.130.3"
 
 

@@ -608,6 +608,32 @@ TEST_F(CmTest, AGroupGoesWithItsId) {
   EXPECT_TRUE(p.cm().CheckMovable().ok());
 }
 
+// libfabric's verbs provider binds its passive endpoint to the host's own
+// address, not to one that moves. Before, the restore refused it ("cannot
+// be bound again to its address here") and the move rolled back; now it
+// listens on the same port on every address of the destination, and its
+// queries answer what they did before the move.
+TEST_F(CmTest, AListenerBoundToTheSourceHostsOwnAddressListensOnTheSamePortThere) {
+  Process server(b_), later(a_);
+  const int sfd = server.Channel(), lfd = later.Channel();
+  SetNonblocking(sfd);
+  const uint32_t listener = server.CreateId(sfd, kListenerUid);
+  ASSERT_EQ(server.Bind(sfd, listener, Addr("10.0.0.2", kServicePort)), 0);
+  ASSERT_EQ(server.Listen(sfd, listener), 0);
+  const rdma_ucm_query_addr_resp before = server.QueryAddr(sfd, listener);
+  ASSERT_TRUE(server.cm().CheckMovable().ok());
+  ASSERT_TRUE(server.cm().Release().ok());
+  server.kernel().MoveTo(c_);
+  const Status st = server.cm().Restore({});
+  ASSERT_TRUE(st.ok()) << st.message;
+  const rdma_ucm_query_addr_resp after = server.QueryAddr(sfd, listener);
+  EXPECT_EQ(memcmp(&after.src_addr, &before.src_addr, sizeof before.src_addr), 0)
+      << "the address the program saw";
+  uint32_t lid, sid;
+  Connect(&later, lfd, &server, sfd, "10.0.0.3", &lid, &sid, listener + 1);
+  EXPECT_EQ(server.Destroy(sfd, listener), 1);
+}
+
 TEST_F(CmTest, MovedServerListensAgainAndReconnectsItsChild) {
   Process server(b_), client(a_), later(a_);
   const int sfd = server.Channel(), cfd = client.Channel(), lfd = later.Channel();

@@ -246,18 +246,26 @@ Cm::Id* Cm::ById(uint32_t vid) {
   return it == ids_.end() ? nullptr : &it->second;
 }
 
+namespace {
+
+// The first value of `m` that `pred` takes, or nullptr.
+template <typename Map, typename Pred>
+typename Map::mapped_type* FindIf(Map& m, Pred pred) {
+  for (auto& [key, value] : m)
+    if (pred(value)) return &value;
+  return nullptr;
+}
+
+}  // namespace
+
 Cm::Id* Cm::ByKernel(uint32_t kid) {
   if (kid == kNoKid) return nullptr;
-  for (auto& [vid, id] : ids_)
-    if (id.kid == kid) return &id;
-  return nullptr;
+  return FindIf(ids_, [kid](const Id& id) { return id.kid == kid; });
 }
 
 Cm::Id* Cm::ByUid(uint64_t uid) {
   if (uid == 0) return nullptr;
-  for (auto& [vid, id] : ids_)
-    if (id.uid == uid) return &id;
-  return nullptr;
+  return FindIf(ids_, [uid](const Id& id) { return id.uid == uid; });
 }
 
 Cm::Id* Cm::NewId(int channel) {
@@ -400,6 +408,19 @@ bool NamesADevice(const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in) {
 
 }  // namespace
 
+// The id a command names (at IdOffset), on channel `ch`; nullptr with
+// errno (ENOENT: none; EINVAL: too short, or another channel's).
+Cm::Id* Cm::CommandId(Channel* ch, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in) {
+  const size_t id_at = IdOffset(hdr.cmd);
+  uint32_t vid;
+  if (in < id_at + sizeof vid) return Fail(EINVAL), nullptr;
+  memcpy(&vid, body + id_at, sizeof vid);
+  Id* id = ById(vid);
+  if (id == nullptr) return Fail(ENOENT), nullptr;
+  if (id->channel != ch->fd) return Fail(EINVAL), nullptr;
+  return id;
+}
+
 // Every command but GET_EVENT: the id's handle made the kernel's, the
 // kernel's answer made the application's, and what a move needs kept.
 ssize_t Cm::Command(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in) {
@@ -418,12 +439,8 @@ ssize_t Cm::Command(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t
       break;
   }
   const size_t id_at = IdOffset(hdr.cmd);
-  if (in < id_at + 4) return Fail(EINVAL);
-  uint32_t vid;
-  memcpy(&vid, body + id_at, 4);
-  Id* id = ById(vid);
-  if (id == nullptr) return Fail(ENOENT);
-  if (id->channel != ch->fd) return Fail(EINVAL);
+  Id* id = CommandId(ch, hdr, body, in);
+  if (id == nullptr) return -1;
   Keep(id, hdr, body, in);
   if (id->kid == kNoKid) {
     if (LogMoves()) {
@@ -646,21 +663,15 @@ void Cm::Advance(Id* id, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t i
 
 Cm::Group* Cm::GroupByKernel(uint32_t kmc) {
   if (kmc == kNoKid) return nullptr;
-  for (auto& [vmc, g] : groups_)
-    if (g.kmc == kmc) return &g;
-  return nullptr;
+  return FindIf(groups_, [kmc](const Group& g) { return g.kmc == kmc; });
 }
 
 Cm::Group* Cm::GroupByUid(uint64_t uid) {
-  for (auto& [vmc, g] : groups_)
-    if (g.uid == uid) return &g;
-  return nullptr;
+  return FindIf(groups_, [uid](const Group& g) { return g.uid == uid; });
 }
 
 bool Cm::HasGroups(uint32_t vid) {
-  for (auto& [vmc, g] : groups_)
-    if (g.vid == vid) return true;
-  return false;
+  return FindIf(groups_, [vid](const Group& g) { return g.vid == vid; }) != nullptr;
 }
 
 // JOIN_MCAST and JOIN_IP_MCAST (their response and uid lead both): the
@@ -670,12 +681,9 @@ ssize_t Cm::JoinGroup(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size
   static_assert(offsetof(rdma_ucm_join_mcast, uid) == 8 && offsetof(rdma_ucm_join_ip_mcast, uid) == 8,
                 "a join's response and uid lead it");
   const size_t id_at = IdOffset(hdr.cmd);
-  if (in < id_at + 4) return Fail(EINVAL);
-  uint32_t vid;
-  memcpy(&vid, body + id_at, 4);
-  Id* id = ById(vid);
-  if (id == nullptr) return Fail(ENOENT);
-  if (id->channel != ch->fd) return Fail(EINVAL);
+  Id* id = CommandId(ch, hdr, body, in);
+  if (id == nullptr) return -1;
+  const uint32_t vid = id->vid;
   if (id->kid == kNoKid) return Fail(EINVAL);
   if (ch->real < 0) return Fail(EAGAIN);
   Group g;

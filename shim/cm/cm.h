@@ -252,6 +252,8 @@ class Cm {
 
   ssize_t Command(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Id* CommandId(Channel* ch, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ssize_t GetEvent(int fd, const rdma_ucm_cmd_hdr& hdr, const char* body, size_t in);
   // One event taken from the shim's queue or the kernel into `out`:
   // 1 one given, 0 none waits, -1 an error (errno).

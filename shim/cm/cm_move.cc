@@ -101,6 +101,27 @@ bool AnyAddress(sockaddr_storage* a) {
   return false;
 }
 
+// A SET_OPTION kept for an id (level, name, length, value), for kernel id
+// `kid`.
+rdma_ucm_set_option OptionCommand(const std::string& o, uint32_t kid) {
+  rdma_ucm_set_option s{};
+  memcpy(&s.level, o.data(), 4);
+  memcpy(&s.optname, o.data() + 4, 4);
+  memcpy(&s.optlen, o.data() + 8, 4);
+  s.optval = reinterpret_cast<uintptr_t>(o.data() + 12);
+  s.id = kid;
+  return s;
+}
+
+// A BIND of kernel id `kid` to `addr` (`len` bytes).
+rdma_ucm_bind BindCommand(const sockaddr_storage& addr, uint16_t len, uint32_t kid) {
+  rdma_ucm_bind b{};
+  b.id = kid;
+  b.addr_size = len;
+  memcpy(&b.addr, &addr, len);
+  return b;
+}
+
 const QpView* FindQp(const std::vector<QpView>& qps, uint32_t vqpn) {
   for (const QpView& q : qps)
     if (q.virtual_qpn == vqpn) return &q;
@@ -265,19 +286,11 @@ Status Cm::RemakeId(Channel* ch, Id* id) {
   }
   id->kid = resp.id;
   for (const std::string& o : id->options) {
-    rdma_ucm_set_option s{};
-    memcpy(&s.level, o.data(), 4);
-    memcpy(&s.optname, o.data() + 4, 4);
-    memcpy(&s.optlen, o.data() + 8, 4);
-    s.optval = reinterpret_cast<uintptr_t>(o.data() + 12);
-    s.id = id->kid;
+    rdma_ucm_set_option s = OptionCommand(o, id->kid);
     Kernel(ch->real, RDMA_USER_CM_CMD_SET_OPTION, &s, sizeof s, 0);
   }
   if (id->bound_len != 0) {
-    rdma_ucm_bind b{};
-    b.id = id->kid;
-    b.addr_size = id->bound_len;
-    memcpy(&b.addr, &id->bound, id->bound_len);
+    rdma_ucm_bind b = BindCommand(id->bound, id->bound_len, id->kid);
     bool bound = Kernel(ch->real, RDMA_USER_CM_CMD_BIND, &b, sizeof b, 0) >= 0;
     if (!bound && errno == EADDRNOTAVAIL && AnyAddress(reinterpret_cast<sockaddr_storage*>(&b.addr))) {
       // An address of the source host's own (libfabric's verbs provider
@@ -328,19 +341,11 @@ Status Cm::RemakeJoined(Channel* ch, Id* id) {
   bool ok = pc.Send(RDMA_USER_CM_CMD_CREATE_ID, &c, sizeof c, sizeof resp);
   const uint32_t kid = resp.id;
   for (const std::string& o : id->options) {
-    rdma_ucm_set_option s{};
-    memcpy(&s.level, o.data(), 4);
-    memcpy(&s.optname, o.data() + 4, 4);
-    memcpy(&s.optlen, o.data() + 8, 4);
-    s.optval = reinterpret_cast<uintptr_t>(o.data() + 12);
-    s.id = kid;
+    rdma_ucm_set_option s = OptionCommand(o, kid);
     ok = ok && pc.Send(RDMA_USER_CM_CMD_SET_OPTION, &s, sizeof s, 0);
   }
   if (ok && id->bound_len != 0) {
-    rdma_ucm_bind b{};
-    b.id = kid;
-    b.addr_size = id->bound_len;
-    memcpy(&b.addr, &id->bound, id->bound_len);
+    rdma_ucm_bind b = BindCommand(id->bound, id->bound_len, kid);
     ok = pc.Send(RDMA_USER_CM_CMD_BIND, &b, sizeof b, 0);
   }
   if (!ok) why = std::string("the kernel refused a command: ") + strerror(errno);

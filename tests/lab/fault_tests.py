@@ -250,27 +250,31 @@ def cut_while_continuing(stopped_host, cut_host):
         cut(cut_host, False)
 
 
+def cut_through_move(src, pid, dest, peer):
+    """`pid` moved host`src` -> host`dest` by a migrator stopped at
+    phase:transfer and phase:reconnect: the destination cut off as the
+    final dump's transfer starts, then the peer's host as the peers are
+    re-pointed (unless the transfer failed: rolled back). The report."""
+    job = migrate_job(src, pid, dest)
+    stopped_at_failpoint(src, "phase:transfer")
+    cut_while_continuing(src, dest)
+    if stopped_or_done(src, job):
+        cut_while_continuing(src, peer)
+    r = LAB.wait(src, job, 900)
+    rep = report_of(r)
+    check(rep is not None and (rep.get("ok") is True or rep.get("rolled_back") is True),
+          "neither done nor rolled back", r)
+    print("outcome:", "done" if rep.get("ok") else f"rolled back: {rep.get('error')}", flush=True)
+    return rep
+
+
 @lab_test
 @mt.logs_on_failure("cut")
 def a_fabric_cut_during_the_transfer_and_the_reconnect_ends_in_one_copy():
     q, p = pair_with_failpoints("cut", 1, "phase:transfer,phase:reconnect")
     try:
         mt.wait_sent("cut", 200)
-        job = migrate_job(1, p, 2)
-        # The destination cut off as the final dump's transfer starts, then
-        # the peer's host as the peers are re-pointed.
-        stopped_at_failpoint(1, "phase:transfer")
-        cut_while_continuing(1, 2)
-        # Re-pointing the peers, unless the transfer failed (rolled back).
-        if stopped_or_done(1, job):
-            cut_while_continuing(1, 3)
-        r = LAB.wait(1, job, 900)
-        rep = report_of(r)
-        check(rep is not None, "no report", r)
-        print("outcome:", "done" if rep.get("ok") else f"rolled back: {rep.get('error')}",
-              flush=True)
-        check(rep.get("ok") is True or rep.get("rolled_back") is True,
-              "neither done nor rolled back", r)
+        rep = cut_through_move(1, p, 2, 3)
         if rep.get("ok"):
             # The cuts were real: each step they struck waited them out.
             b = rep["breakdown"]
@@ -437,17 +441,7 @@ def an_rdma_cm_client_through_three_faulted_moves_ends_in_one_copy_and_passes():
         pp_progresses(f"{name}-client.out")
 
         with_failpoints(2, "phase:transfer,phase:reconnect")
-        job = migrate_job(2, cpid, 1)
-        stopped_at_failpoint(2, "phase:transfer")
-        cut_while_continuing(2, 1)
-        if stopped_or_done(2, job):
-            cut_while_continuing(2, 3)
-        r = LAB.wait(2, job, 900)
-        rep = report_of(r)
-        check(rep is not None and (rep.get("ok") is True or rep.get("rolled_back") is True),
-              "the fabric cut: neither done nor rolled back", r)
-        print("fabric cut:", "done" if rep.get("ok") else f"rolled back: {rep.get('error')}",
-              flush=True)
+        rep = cut_through_move(2, cpid, 1, 3)
         where, other = (1, 2) if rep.get("ok") else (2, 1)
         exactly_one_copy(cpid, where, (other,), "the client", **comm)
         pp_progresses(f"{name}-client.out")

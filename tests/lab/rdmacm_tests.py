@@ -297,6 +297,41 @@ def a_listener_with_no_device_yet_is_restored_on_another_host_and_accepts_its_fi
         LAB.run(1, f"rm -rf {d}")
 
 
+def server_between_two_clients(program, name, server, client, port, unsettled=None):
+    """`program`'s server (`server`, bound to the service address on
+    host1, listening on RDMA CM port `port`) moves live to host2 once its
+    first client (`client`, on host3) prints "receiving data transfers";
+    a second client connects after the move. With `unsettled`, the text
+    the server must not have printed yet at the move. Every side must end
+    with "data transfers complete"; returns each side's output (first,
+    second, server)."""
+    mt.ensure_daemons()
+    serve_on_host1(program)
+    spid = start_logged(1, f"stdbuf -oL {server}", f"{name}-server.out")
+    try:
+        wait_until(1, f"rdma res show cm_id | grep -q 'LISTEN.*:{port}'", 30, f"{program} listens")
+        first = start_logged(3, f"stdbuf -oL {client}", f"{name}-first.out")
+        wait_until(3, f"grep -q 'receiving data transfers' {WORK}/{name}-first.out", 60,
+                   "the first client's transfers started")
+        move(spid, f"{program} server", "live", SERVICE)
+        mt.check_moved(spid, 1, 2, f"the {program} server")
+        if unsettled:
+            check(unsettled not in read(f"{name}-server.out"), f"the server printed {unsettled!r} "
+                  "before the move")
+        check(LAB.run(3, f"kill -0 {first}").rc == 0, "the first client ended before the move")
+        second = start_logged(3, f"stdbuf -oL {client}", f"{name}-second.out")
+        texts = {}
+        for host, pid, side in ((2, spid, "server"), (3, first, "first"), (3, second, "second")):
+            wait_gone(host, pid, f"{program}'s {side}", 120)
+            texts[side] = read(f"{name}-{side}.out")
+            print(f"--- {side}\n{texts[side][-400:]}", flush=True)
+            check("data transfers complete" in texts[side], f"{program}'s {side} did not complete",
+                  texts[side][-2000:])
+        return texts
+    finally:
+        clear_service(program)
+
+
 @lab_test
 def a_udaddy_server_moves_with_its_address_between_its_two_clients():
     # udaddy: UD QPs over the RDMA CM (SIDR; QKEY and AH from the CM's
@@ -307,29 +342,11 @@ def a_udaddy_server_moves_with_its_address_between_its_two_clients():
     # both from there, from the messages its first client's QP had received
     # on host1 and its second's on host2. Every side must end with "data
     # transfers complete" and exit 0.
-    mt.ensure_daemons()
-    serve_on_host1("udaddy")
-    name = "udaddy-move"
-    spid = start_logged(1, f"stdbuf -oL udaddy -b {SERVICE} -c 2", f"{name}-server.out")
-    try:
-        wait_until(1, "rdma res show cm_id | grep -q 'LISTEN.*:7174'", 30, "udaddy listens")
-        first = start_logged(3, f"stdbuf -oL udaddy -s {SERVICE}", f"{name}-first.out")
-        wait_until(3, f"grep -q 'receiving data transfers' {WORK}/{name}-first.out", 60,
-                   "the first client sent its messages")
-        move(spid, "server", "live", SERVICE)
-        mt.check_moved(spid, 1, 2, "the udaddy server")
-        check(LAB.run(3, f"kill -0 {first}").rc == 0, "the first client ended before its answers")
-        second = start_logged(3, f"stdbuf -oL udaddy -s {SERVICE}", f"{name}-second.out")
-        for host, pid, side in ((3, first, "first"), (3, second, "second"), (2, spid, "server")):
-            wait_gone(host, pid, f"udaddy's {side}", 120)
-            text = read(f"{name}-{side}.out")
-            print(f"--- {side}\n{text[-400:]}", flush=True)
-            check("data transfers complete" in text and "udaddy: fail" not in text.lower(),
-                  f"udaddy's {side} did not complete its transfers", text[-2000:])
-        r = run_ok(2, f"cat {WORK}/{name}-server.out")
-        check("sending replies" in r.out, "the server sent no replies", r)
-    finally:
-        clear_service("udaddy")
+    texts = server_between_two_clients("udaddy", "udaddy-move", f"udaddy -b {SERVICE} -c 2",
+                                       f"udaddy -s {SERVICE}", 7174)
+    for side, text in texts.items():
+        check("udaddy: fail" not in text.lower(), f"udaddy's {side} failed", text[-2000:])
+    check("sending replies" in texts["server"], "the server sent no replies", texts["server"])
 
 
 @lab_test
@@ -343,31 +360,14 @@ def a_ucmatose_server_moves_between_its_clients_connections_and_serves_all_four(
     # transfers complete" and "return status 0": every message received,
     # and each client's two DISCONNECTED the server's (a spurious one would
     # end a client's wait early and its connections before the data).
-    mt.ensure_daemons()
-    serve_on_host1("ucmatose")
-    name = "ucmatose-move"
-    spid = start_logged(1, f"stdbuf -oL ucmatose -b {SERVICE} -c 4 -C 20 -m", f"{name}-server.out")
-    try:
-        wait_until(1, "rdma res show cm_id | grep -q 'LISTEN.*:7471'", 30, "ucmatose listens")
-        first = start_logged(3, f"stdbuf -oL ucmatose -s {SERVICE} -c 2 -C 20", f"{name}-first.out")
-        wait_until(3, f"grep -q 'receiving data transfers' {WORK}/{name}-first.out", 60,
-                   "the first client's two connections are established")
-        move(spid, "ucmatose server", "live", SERVICE)
-        mt.check_moved(spid, 1, 2, "the ucmatose server")
-        check("initiating data transfers" not in read(f"{name}-server.out"),
-              "the server had its four connections before the move")
-        second = start_logged(3, f"stdbuf -oL ucmatose -s {SERVICE} -c 2 -C 20", f"{name}-second.out")
-        for host, pid, side in ((2, spid, "server"), (3, first, "first"), (3, second, "second")):
-            wait_gone(host, pid, f"ucmatose's {side}", 120)
-            text = read(f"{name}-{side}.out")
-            print(f"--- {side}\n{text[-400:]}", flush=True)
-            check("data transfers complete" in text and "return status 0" in text,
-                  f"ucmatose's {side} did not complete", text[-2000:])
-            check("event:" not in text, f"ucmatose's {side} saw an error event", text[-2000:])
-        check("migrating to new event channel" in read(f"{name}-server.out"),
-              "the server did not move its ids to a new channel")
-    finally:
-        clear_service("ucmatose")
+    texts = server_between_two_clients(
+        "ucmatose", "ucmatose-move", f"ucmatose -b {SERVICE} -c 4 -C 20 -m",
+        f"ucmatose -s {SERVICE} -c 2 -C 20", 7471, unsettled="initiating data transfers")
+    for side, text in texts.items():
+        check("return status 0" in text and "event:" not in text,
+              f"ucmatose's {side} did not end well", text[-2000:])
+    check("migrating to new event channel" in texts["server"],
+          "the server did not move its ids to a new channel")
 
 
 @lab_test

@@ -292,6 +292,7 @@ Status Cm::RemakeId(Channel* ch, Id* id) {
   if (id->bound_len != 0) {
     rdma_ucm_bind b = BindCommand(id->bound, id->bound_len, id->kid);
     bool bound = Kernel(ch->real, RDMA_USER_CM_CMD_BIND, &b, sizeof b, 0) >= 0;
+    id->rebound = false;  // its own address again (a move back), or as below
     if (!bound && errno == EADDRNOTAVAIL && AnyAddress(reinterpret_cast<sockaddr_storage*>(&b.addr))) {
       // An address of the source host's own (libfabric's verbs provider
       // binds its passive endpoint to the host's address, not to a

@@ -678,8 +678,9 @@ bool Cm::HasGroups(uint32_t vid) {
 // kernel's handle of the group kept, the shim's given out, and the
 // command kept to join again after a move.
 ssize_t Cm::JoinGroup(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in) {
-  static_assert(offsetof(rdma_ucm_join_mcast, uid) == 8 && offsetof(rdma_ucm_join_ip_mcast, uid) == 8,
-                "a join's response and uid lead it");
+  static_assert(
+      offsetof(rdma_ucm_join_mcast, uid) == 8 && offsetof(rdma_ucm_join_ip_mcast, uid) == 8,
+      "a join's response and uid lead it");
   const size_t id_at = IdOffset(hdr.cmd);
   Id* id = CommandId(ch, hdr, body, in);
   if (id == nullptr) return -1;
@@ -728,7 +729,8 @@ ssize_t Cm::LeaveGroup(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, siz
   for (std::string& e : ch->queued) {
     rdma_ucm_event_resp ev{};
     memcpy(&ev, e.data(), e.size() < sizeof ev ? e.size() : sizeof ev);
-    const bool its = (ev.event == kCmMulticastJoin || ev.event == kCmMulticastError) && ev.uid == g.uid;
+    const bool its =
+        (ev.event == kCmMulticastJoin || ev.event == kCmMulticastError) && ev.uid == g.uid;
     if (its) {
       CountDown(ch);
     } else {

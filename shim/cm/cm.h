@@ -214,8 +214,8 @@ class Cm {
     // RESOLVE_IP and its body), made again for an id joined to groups.
     uint32_t resolve_cmd = 0;
     std::string resolve;
-    uint32_t qpn = 0;                  // the QP number CONNECT/ACCEPT carried
-    uint32_t events = 0;               // events given out for it
+    uint32_t qpn = 0;     // the QP number CONNECT/ACCEPT carried
+    uint32_t events = 0;  // events given out for it
     // A peer's id whose remote endpoint moves: the events of its kernel id
     // are the move's.
     bool toward_moving = false;
@@ -237,8 +237,8 @@ class Cm {
     uint32_t kmc = kNoKid;  // the kernel's now
     uint32_t vid = 0;       // the id joined through
     uint64_t uid = 0;
-    uint32_t cmd = 0;   // JOIN_MCAST or JOIN_IP_MCAST, as librdmacm wrote it
-    std::string body;   // and its body: the join made again after a move
+    uint32_t cmd = 0;     // JOIN_MCAST or JOIN_IP_MCAST, as librdmacm wrote it
+    std::string body;     // and its body: the join made again after a move
     uint32_t events = 0;  // events given out for it: what LEAVE_MCAST answers
     Join state = Join::kJoining;
   };

@@ -293,7 +293,8 @@ Status Cm::RemakeId(Channel* ch, Id* id) {
     rdma_ucm_bind b = BindCommand(id->bound, id->bound_len, id->kid);
     bool bound = Kernel(ch->real, RDMA_USER_CM_CMD_BIND, &b, sizeof b, 0) >= 0;
     id->rebound = false;  // its own address again (a move back), or as below
-    if (!bound && errno == EADDRNOTAVAIL && AnyAddress(reinterpret_cast<sockaddr_storage*>(&b.addr))) {
+    if (!bound && errno == EADDRNOTAVAIL &&
+        AnyAddress(reinterpret_cast<sockaddr_storage*>(&b.addr))) {
       // An address of the source host's own (libfabric's verbs provider
       // binds its passive endpoint to the host's address, not to a
       // service address): the same port on every address here. Before,
@@ -392,8 +393,10 @@ Status Cm::RemakeJoined(Channel* ch, Id* id) {
   if (!ok) {
     for (auto& [vmc, g] : groups_)
       if (g.vid == id->vid) g.kmc = kNoKid;  // closed with the private channel
-    std::snprintf(msg, sizeof msg, "RDMA CM id %u (joined to a multicast group) cannot be made "
-                  "again here: %s", id->vid, why.c_str());
+    std::snprintf(msg, sizeof msg,
+                  "RDMA CM id %u (joined to a multicast group) cannot be made "
+                  "again here: %s",
+                  id->vid, why.c_str());
     return Error(Code::kFailedPrecondition, msg);
   }
   id->kid = kid;

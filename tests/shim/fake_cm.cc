@@ -240,7 +240,8 @@ void FakeCmFabric::DestroyCtx(uint32_t handle) {
     SendDreq(c);
   auto f = files_.find(c->file);
   if (f != files_.end()) DropEvents(&f->second, handle);
-  for (auto m = mcs_.begin(); m != mcs_.end();) m = m->second.ctx == handle ? mcs_.erase(m) : std::next(m);
+  for (auto m = mcs_.begin(); m != mcs_.end();)
+    m = m->second.ctx == handle ? mcs_.erase(m) : std::next(m);
   ctxs_.erase(handle);
 }
 

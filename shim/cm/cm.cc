@@ -523,7 +523,8 @@ ssize_t Cm::DestroyOrMigrate(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* bod
   }
   resp.events_reported = id->events;
   // The events the shim holds for the id go with it, as the kernel's do.
-  std::deque<std::string> held = TakeQueued(from, id->vid);
+  std::deque<std::string> held =
+      TakeQueued(from, [vid](const rdma_ucm_event_resp& ev) { return ev.id == vid; });
   if (destroy) {
     // The kernel leaves its groups with it.
     for (auto g = groups_.begin(); g != groups_.end();)
@@ -725,31 +726,22 @@ ssize_t Cm::LeaveGroup(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, siz
     if (Kernel(ch->real, hdr.cmd, &k, sizeof k, sizeof resp) < 0) return -1;
   }
   // The events the shim holds for it go, as the kernel's do.
-  std::deque<std::string> keep;
-  for (std::string& e : ch->queued) {
-    rdma_ucm_event_resp ev{};
-    memcpy(&ev, e.data(), e.size() < sizeof ev ? e.size() : sizeof ev);
-    const bool its =
-        (ev.event == kCmMulticastJoin || ev.event == kCmMulticastError) && ev.uid == g.uid;
-    if (its) {
-      CountDown(ch);
-    } else {
-      keep.push_back(std::move(e));
-    }
-  }
-  ch->queued.swap(keep);
+  const uint64_t uid = g.uid;
+  TakeQueued(
+      ch, [uid](const rdma_ucm_event_resp& ev) { return IsGroupEvent(ev.event) && ev.uid == uid; });
   rdma_ucm_destroy_id_resp resp{g.events};
   groups_.erase(it);
   memcpy(UserPtr(c.response), &resp, hdr.out < sizeof resp ? hdr.out : sizeof resp);
   return 0;
 }
 
-std::deque<std::string> Cm::TakeQueued(Channel* ch, uint32_t vid) {
+std::deque<std::string> Cm::TakeQueued(Channel* ch,
+                                       const std::function<bool(const rdma_ucm_event_resp&)>& its) {
   std::deque<std::string> keep, taken;
   for (std::string& e : ch->queued) {
     rdma_ucm_event_resp ev{};
     memcpy(&ev, e.data(), e.size() < sizeof ev ? e.size() : sizeof ev);
-    if (ev.id != vid) {
+    if (!its(ev)) {
       keep.push_back(std::move(e));
       continue;
     }
@@ -769,7 +761,7 @@ void Cm::Queue(Channel* ch, std::string ev) {
 }
 
 bool Cm::Translate(rdma_ucm_event_resp* ev) {
-  if (ev->event == kCmMulticastJoin || ev->event == kCmMulticastError) {
+  if (IsGroupEvent(ev->event)) {
     // The kernel names the group by its handle; librdmacm reads only the
     // uid. The shim names the id joined through, whose events these are
     // too (DESTROY_ID counts them, and takes those the shim holds).
@@ -843,7 +835,7 @@ void Cm::Count(const rdma_ucm_event_resp& ev) {
   Id* id = ById(ev.id);
   if (id != nullptr && ev.event == kCmConnectRequest) id = ById(id->listener);
   if (id != nullptr) ++id->events;
-  if (ev.event == kCmMulticastJoin || ev.event == kCmMulticastError) {
+  if (IsGroupEvent(ev.event)) {
     Group* g = GroupByUid(ev.uid);
     if (g != nullptr) ++g->events;
   }

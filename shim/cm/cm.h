@@ -42,6 +42,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -77,6 +78,11 @@ enum CmEvent : uint32_t {
   kCmAddrChange,
   kCmTimewaitExit,
 };
+
+// A multicast group's event (the kernel names the group, not an id).
+inline bool IsGroupEvent(uint32_t event) {
+  return event == kCmMulticastJoin || event == kCmMulticastError;
+}
 
 // A device as an RDMA CM answer names it: node GUID (network order) and
 // the kernel's index of the device, which librdmacm looks up together
@@ -263,7 +269,10 @@ class Cm {
   void Queue(Channel* ch, std::string ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One event fewer held: the channel's eventfd counts down with its queue.
   static void CountDown(Channel* ch);
-  std::deque<std::string> TakeQueued(Channel* ch, uint32_t vid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The events `ch` holds that `its` takes, out of its queue.
+  std::deque<std::string> TakeQueued(Channel* ch,
+                                     const std::function<bool(const rdma_ucm_event_resp&)>& its)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ssize_t CreateId(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ssize_t DestroyOrMigrate(Channel* ch, const rdma_ucm_cmd_hdr& hdr, char* body, size_t in)

@@ -395,6 +395,19 @@ def an_rdma_server_waiting_for_its_client_moves_and_serves_it_on_the_destination
         clear_service("rdma_server")
 
 
+SENT_PACKETS = "cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts"
+
+
+def sent_packets(host):
+    """The packets host`host`'s rxe0 has sent (rxe counts them)."""
+    return int(run_ok(host, SENT_PACKETS).out)
+
+
+def wait_sent_packets(host, above, what):
+    """Until host`host`'s rxe0 has sent more than `above` packets."""
+    wait_until(host, f"test $({SENT_PACKETS}) -gt {above}", 60, what)
+
+
 RSTREAM = "rstream -T v -S 65536 -C 200 -I 10"  # 128 MiB each way, every byte verified
 
 
@@ -415,10 +428,9 @@ def an_rstream_client_moves_mid_stream_and_both_sides_verify_every_byte():
         wait_until(3, "rdma res show cm_id | grep -q 'LISTEN.*:7471'", 30, "rstream listens")
         # host1's packets sent (rxe counts them): 8 MiB of the stream (2048
         # packets of 4 KiB or fewer) gone out before the move.
-        sent = "cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts"
-        before = int(run_ok(1, sent).out)
+        before = sent_packets(1)
         cpid = start_logged(1, f"stdbuf -oL {RSTREAM} -s {mt.ip(3)}", f"{name}-client.out")
-        wait_until(1, f"test $({sent}) -gt {before + 2048}", 60, "the client has streamed 8 MiB")
+        wait_sent_packets(1, before + 2048, "the client has streamed 8 MiB")
         move(cpid, "rstream client", "live", None)
         mt.check_moved(cpid, 1, 2, "the rstream client")
         check("custom" not in read(f"{name}-client.out").split("usec/xfer")[-1],
@@ -502,10 +514,9 @@ def a_libfabric_msg_server_moves_with_its_address_mid_run_and_both_check_every_m
     spid = start_logged(1, FI_PINGPONG, f"{name}-server.out")
     try:
         wait_until(1, "ss -Hltn 'sport = :47592' | grep -q .", 30, "fi_pingpong listens")
-        sent = "cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts"
-        before = int(run_ok(1, sent).out)
+        before = sent_packets(1)
         cpid = start_logged(3, f"{FI_PINGPONG} {SERVICE}", f"{name}-client.out")
-        wait_until(1, f"test $({sent}) -gt {before + 1000}", 60, "500 ping-pongs")
+        wait_sent_packets(1, before + 1000, "500 ping-pongs")
         move(spid, "fi_pingpong server", "live", SERVICE)
         mt.check_moved(spid, 1, 2, "the fi_pingpong server")
         check("10k" not in read(f"{name}-client.out", True), "the run ended before the move")

@@ -257,17 +257,24 @@ def nothing_lost(name, p_hosts, q_hosts):
 
 
 def show_logs(name, hosts=(1, 2, 3)):
-    """What the migrators and the workload said: printed when a test fails."""
+    """What the workload, the hosts' QPs and the migrators said: printed
+    when a test fails, the shortest first (a cut output keeps its head)."""
+    outs = os.path.join(LAB.shared, "migration")
+    for path in sorted(glob.glob(os.path.join(outs, f"{name}-*.out"))):
+        with open(path, errors="replace") as f:
+            tail = f.read()[-1500:]
+        print(f"--- {os.path.basename(path)}\n{tail}", flush=True)
+    for h in hosts:
+        # Each RC and UC QP's state and PSNs, and rxe's counters: a pair
+        # whose PSNs stay put while packets go out is sending elsewhere.
+        r = LAB.run(h, "rdma -d res show qp | grep -v -e UD -e GSI -e SMI; "
+                       "rdma statistic show link rxe0/1", 30)
+        print(f"--- host{h} QPs and counters\n{r.out[-2500:]}{r.err[-300:]}", flush=True)
     for h in hosts:
         path = os.path.join(migrators.shared(migrators.LOGS), f"host{h}.log")
         if os.path.exists(path):
             with open(path, errors="replace") as f:
                 print(f"--- host{h} migrator log (end)\n{f.read()[-4000:]}", flush=True)
-    outs = os.path.join(LAB.shared, "migration")
-    for path in sorted(glob.glob(os.path.join(outs, f"{name}-*.out"))):
-        with open(path, errors="replace") as f:
-            tail = f.read()[-3000:]
-        print(f"--- {os.path.basename(path)}\n{tail}", flush=True)
 
 
 def show_process(host, pid):

@@ -516,7 +516,33 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeers(
     if (absl::Status st = AwaitRecovery(request.migration_id(), /*shims_too=*/true); !st.ok())
       return st;
   }
-  return ReconnectHere(request);
+  const std::string key = request.SerializeAsString();
+  std::shared_ptr<Answer> answer;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, first] = answers_.try_emplace(key, nullptr);
+    if (!first) {
+      answer = it->second;
+      while (!answer->done) answered_.Wait(&mu_);
+      return answer->result;
+    }
+    it->second = answer = std::make_shared<Answer>();
+  }
+  absl::StatusOr<v1::ReconnectPeersResponse> result = ReconnectHere(request);
+  absl::MutexLock lock(&mu_);
+  answer->result = result;
+  answer->done = true;
+  answered_.SignalAll();
+  if (!result.ok()) {
+    answers_.erase(key);
+  } else {
+    answered_in_order_.push_back(key);
+    if (answered_in_order_.size() > kAnswersKept) {
+      answers_.erase(answered_in_order_.front());
+      answered_in_order_.pop_front();
+    }
+  }
+  return result;
 }
 
 namespace {

@@ -172,7 +172,10 @@ class Migrator {
   // Asked by another host: not before Recover() has put back the moves
   // into this host and its shims had the time to come back (UNAVAILABLE
   // after half an RPC's deadline), nor do the steps above on a move this
-  // host does not know yet.
+  // host does not know yet. The same request asked again (its caller's
+  // deadline passed while this host worked on it) gets the first one's
+  // answer, waited for while it runs: done twice, a re-point would reset
+  // QPs that carry traffic again. A failed request is done again.
   absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeers(
       const v1::ReconnectPeersRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -272,8 +275,9 @@ class Migrator {
   void Finish(Move* m, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   void SendBytes(Move* m, const std::string& phase, uint64_t done, uint64_t total);
   v1::Transfer::StubInterface* Stub(Move* m, const std::string& target);
-  // ReconnectPeers on `target`, asked again while it is UNAVAILABLE for at
-  // most options_.restart_wait (a fresh channel each time); the move's
+  // ReconnectPeers on `target`, asked again while it is UNAVAILABLE or
+  // past its deadline, for at most options_.restart_wait (a fresh channel
+  // each time); the move's
   // progress says what it waits for.
   absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeersOn(Move* m, const std::string& target,
                                                               const v1::ReconnectPeersRequest& req,
@@ -578,6 +582,16 @@ class Migrator {
   // Set once Recover() has put back the incoming moves a previous run left.
   bool incoming_known_ ABSL_GUARDED_BY(mu_) = false;
   const absl::Time started_ = absl::Now();
+  // ReconnectPeers' answers by request (its bytes): running, or done and
+  // ok (the last kAnswersKept of those).
+  struct Answer {
+    bool done = false;
+    absl::StatusOr<v1::ReconnectPeersResponse> result;
+  };
+  static constexpr size_t kAnswersKept = 64;
+  std::map<std::string, std::shared_ptr<Answer>> answers_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> answered_in_order_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar answered_;
   // Pids this host peer-quiesced for each migration id.
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
   // Endpoints whose own move has begun to quiesce them (quiesce.cc).

@@ -32,8 +32,12 @@ absl::StatusOr<v1::ReconnectPeersResponse> Migrator::ReconnectPeersOn(
           return stub->ReconnectPeers(c, req, out);
         });
     const absl::Duration waited = absl::Now() - start;
-    if (r.ok() || r.status().code() != absl::StatusCode::kUnavailable ||
-        waited >= options_.restart_wait) {
+    // Past its deadline, a request may still be at work there (a host
+    // slowed down or stopped for a while): asked again, that host answers
+    // with its outcome (Migrator::ReconnectPeers).
+    const bool again = r.status().code() == absl::StatusCode::kUnavailable ||
+                       r.status().code() == absl::StatusCode::kDeadlineExceeded;
+    if (r.ok() || !again || waited >= options_.restart_wait) {
       if (!r.ok() && attempt > 1)
         return absl::Status(
             r.status().code(),

@@ -1855,6 +1855,38 @@ TEST(MigratorRecoveryTest, APeerHostAskedToRePointBeforeItRecoveredIsAskedAgain)
   ExpectRepointedToH2(c.host(3).Get(300));
 }
 
+// The source asks h3 again to re-point its peer 300 (its first request's
+// deadline passed while h3 was stopped): h3 answers with the first
+// request's outcome and re-points 300 once. Before, 300 was quiesced and
+// its QPs reset a second time while traffic ran on them.
+TEST(MigratorTest, AReconnectAskedAgainIsAnsweredByTheFirstAndRePointsOnce) {
+  Cluster c("repoint-twice");
+  c.host(3).Add(300, VGid(3), {FakeQp{31, 2, VGid(1), 11, Gid(1)}});
+  v1::MigratorToShim q;
+  q.mutable_peer_quiesce()->set_virtual_gid(VGid(1));
+  ASSERT_TRUE(c.host(3).Call(300, q, absl::Seconds(1)).ok());
+
+  v1::ReconnectPeersRequest repoint;
+  repoint.set_migration_id("moved-1");
+  repoint.mutable_mapping()->set_virtual_gid(VGid(1));
+  repoint.mutable_mapping()->set_physical_gid(Gid(2));
+  absl::StatusOr<v1::ReconnectPeersResponse> first = c.m(3).ReconnectPeers(repoint);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ExpectRepointedToH2(c.host(3).Get(300));
+  const size_t commands = c.host(3).Get(300).log.size();
+
+  absl::StatusOr<v1::ReconnectPeersResponse> again = c.m(3).ReconnectPeers(repoint);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->pids_size(), first->pids_size());
+  ExpectRepointedToH2(c.host(3).Get(300));
+  EXPECT_EQ(c.host(3).Get(300).log.size(), commands) << "the peer was asked again";
+
+  // Another move's request is its own.
+  repoint.set_migration_id("moved-2");
+  ASSERT_TRUE(c.m(3).ReconnectPeers(repoint).ok());
+  EXPECT_EQ(c.host(3).Get(300).reconnected_to.size(), 2u);
+}
+
 // ---- guests ---------------------------------------------------------------
 
 namespace guests {

@@ -1,5 +1,6 @@
 #include "migrator/host/process_control.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
 #include <signal.h>
@@ -8,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -192,6 +194,57 @@ class RealProcessControl final : public ProcessControl {
       if (path.starts_with("/dev/infiniband/")) out.insert(std::move(path));
     }
     return {out.begin(), out.end()};
+  }
+
+  pid_t Parent(pid_t pid) override {
+    std::istringstream rest(StatFields(pid));
+    std::string state;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    return ppid;
+  }
+
+  std::string Program(pid_t pid) override {
+    std::ifstream in(absl::StrCat("/proc/", pid, "/comm"));
+    std::string comm;
+    std::getline(in, comm);
+    return comm;
+  }
+
+  std::set<uint32_t> TcpAddresses(pid_t pid) override {
+    // Its sockets by inode ("socket:[123]"), then the lines of its network
+    // namespace's TCP table that name them: "sl local rem st ... inode".
+    std::set<std::string> inodes;
+    const std::string fds = absl::StrCat("/proc/", pid, "/fd");
+    if (DIR* d = opendir(fds.c_str())) {
+      while (dirent* e = readdir(d)) {
+        char target[64];
+        const ssize_t n =
+            readlink((fds + "/" + e->d_name).c_str(), target, sizeof(target) - 1);
+        const std::string link(target, n > 0 ? n : 0);
+        if (link.starts_with("socket:[") && link.ends_with("]"))
+          inodes.insert(link.substr(8, link.size() - 9));
+      }
+      closedir(d);
+    }
+    std::set<uint32_t> out;
+    if (inodes.empty()) return out;
+    std::ifstream table(absl::StrCat("/proc/", pid, "/net/tcp"));
+    std::string line;
+    std::getline(table, line);  // the header
+    while (std::getline(table, line)) {
+      std::istringstream f(line);
+      std::string slot, local, remote, state, queues, timer, retr, uid, timeout, inode;
+      if (!(f >> slot >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >>
+            inode) ||
+          !inodes.contains(inode))
+        continue;
+      // "0100007F:1F90": the address as the kernel holds it (network
+      // order), printed as a native integer.
+      const uint32_t raw = static_cast<uint32_t>(strtoul(local.substr(0, 8).c_str(), nullptr, 16));
+      if (raw != 0) out.insert(ntohl(raw));
+    }
+    return out;
   }
 
   absl::Status Stop(pid_t pid) override {

@@ -51,6 +51,13 @@ class ProcessControl {
   // The RDMA device files the process holds open (under /dev/infiniband:
   // "/dev/infiniband/uverbs0", "/dev/infiniband/rdma_cm"), each once.
   virtual std::vector<std::string> RdmaFiles(pid_t pid) = 0;
+  // Its parent's pid; 0 when it is gone.
+  virtual pid_t Parent(pid_t pid) = 0;
+  // Its command name (/proc/PID/comm: "orted"); "" when it is gone.
+  virtual std::string Program(pid_t pid) = 0;
+  // The local IPv4 addresses (host order) of the TCP sockets it holds
+  // open, bound or connected (not the any-address), each once.
+  virtual std::set<uint32_t> TcpAddresses(pid_t pid) = 0;
 };
 
 // kill(2) and /proc.

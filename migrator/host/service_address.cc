@@ -210,6 +210,26 @@ class NetlinkAddressControl final : public AddressControl {
   // IPv4's and IPv6's: a peer reached through an IPv6 GID (link-local or
   // global) has its route cached the same way. A kernel without IPv6 has
   // no IPv6 file, and nothing to forget there.
+  absl::StatusOr<std::vector<ServiceAddress>> Secondaries() override {
+    absl::StatusOr<std::vector<IfAddr>> all = ListAddresses();
+    if (!all.ok()) return all.status();
+    // getifaddrs lists an interface's addresses in the kernel's order,
+    // primaries first.
+    std::vector<ServiceAddress> out;
+    for (size_t i = 0; i < all->size(); ++i) {
+      const IfAddr& a = (*all)[i];
+      const ServiceAddress s{a.addr, a.prefix};
+      for (size_t j = 0; j < i; ++j) {
+        const IfAddr& b = (*all)[j];
+        if (b.ifname == a.ifname && s.SameSubnet(b.addr)) {
+          out.push_back(s);
+          break;
+        }
+      }
+    }
+    return out;
+  }
+
   absl::Status ForgetCachedRoutes() override {
     if (absl::Status st = Flush("/proc/sys/net/ipv4/route/flush", false); !st.ok()) return st;
     return Flush("/proc/sys/net/ipv6/route/flush", true);

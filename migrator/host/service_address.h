@@ -66,6 +66,11 @@ class AddressControl {
   // re-pointed from a peer on this host (a local route, through lo) to one
   // on another host would go on sending its packets to itself.
   virtual absl::Status ForgetCachedRoutes() = 0;
+  // The host's secondary IPv4 addresses: each on an interface that had an
+  // address on its subnet before it (the kernel's IFA_F_SECONDARY). Those
+  // are the addresses a workload can own; a host's primary addresses
+  // (the first on each subnet) never move.
+  virtual absl::StatusOr<std::vector<ServiceAddress>> Secondaries() = 0;
 };
 
 // The kernel's: rtnetlink for the addresses, a packet socket for the ARP

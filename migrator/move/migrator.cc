@@ -402,6 +402,41 @@ std::vector<std::pair<pid_t, bool>> Migrator::LocalPeersOf(const std::string& vg
   return out;
 }
 
+namespace {
+
+// The launchers and per-host daemons of MPI jobs: Open MPI's (ORTE's
+// mpirun and orted, PRRTE's prterun and prted) and MPICH's Hydra
+// (mpiexec.hydra, hydra_pmi_proxy). comm is cut at 15 characters.
+bool IsJobDaemon(const std::string& comm) {
+  static const std::set<std::string>* names = new std::set<std::string>{
+      "orted", "prted", "hydra_pmi_proxy", "mpirun", "mpiexec", "mpiexec.hydra", "orterun",
+      "prterun"};
+  return names->contains(comm);
+}
+
+}  // namespace
+
+pid_t Migrator::JobRoot(pid_t pid) {
+  pid_t root = 0;
+  std::set<pid_t> seen;
+  for (pid_t p = procs_->Parent(pid); p > 1 && seen.insert(p).second; p = procs_->Parent(p))
+    if (IsJobDaemon(procs_->Program(p))) root = p;
+  return root;
+}
+
+std::vector<std::string> Migrator::TreeServiceAddresses(pid_t root) {
+  absl::StatusOr<std::vector<ServiceAddress>> secondaries = addresses_->Secondaries();
+  if (!secondaries.ok()) return {};
+  std::vector<pid_t> tree = procs_->Descendants(root);
+  tree.insert(tree.begin(), root);
+  std::set<uint32_t> used;
+  for (pid_t p : tree) used.merge(procs_->TcpAddresses(p));
+  std::vector<std::string> out;
+  for (const ServiceAddress& a : *secondaries)
+    if (used.contains(a.addr)) out.push_back(a.Text());
+  return out;
+}
+
 v1::ListEndpointsResponse Migrator::ListEndpoints() {
   v1::ListEndpointsResponse out;
   const std::vector<ShimInfo> shims = shims_->Connected();
@@ -423,6 +458,16 @@ v1::ListEndpointsResponse Migrator::ListEndpoints() {
   }
   std::sort(out.mutable_endpoints()->begin(), out.mutable_endpoints()->end(),
             [](const auto& a, const auto& b) { return a.pid() < b.pid(); });
+  std::map<pid_t, std::vector<std::string>> job_addresses;
+  for (v1::EndpointSummary& e : *out.mutable_endpoints()) {
+    const pid_t root = JobRoot(e.pid());
+    if (root == 0) continue;
+    e.set_job_root_pid(root);
+    e.set_job_root_program(procs_->Program(root));
+    auto [it, first] = job_addresses.try_emplace(root);
+    if (first) it->second = TreeServiceAddresses(root);
+    for (const std::string& a : it->second) e.add_job_addresses(a);
+  }
   return out;
 }
 

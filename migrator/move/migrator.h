@@ -279,6 +279,11 @@ class Migrator {
   // past its deadline, for at most options_.restart_wait (a fresh channel
   // each time); the move's
   // progress says what it waits for.
+  // The MPI job tree `pid` is in (EndpointSummary.job_root_pid), 0 if none.
+  pid_t JobRoot(pid_t pid);
+  // The secondary addresses of this host that the TCP sockets of `root`'s
+  // tree are on, "a.b.c.d/len".
+  std::vector<std::string> TreeServiceAddresses(pid_t root);
   absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeersOn(Move* m, const std::string& target,
                                                               const v1::ReconnectPeersRequest& req,
                                                               const std::string& what);

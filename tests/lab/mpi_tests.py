@@ -101,7 +101,8 @@ def wait_progress(condition, timeout, what):
 def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
     """4 ranks of mpi_verify under the shim on 3 hosts (host1: mpirun and
     rank 0; host2: orted, ranks 1 and 2; host3: orted, rank 3). While it
-    runs, host2's orted tree is moved to host3 with rdmavirtctl; the ranks
+    runs, host2 is drained (rdmavirtctl drain), which moves its orted tree
+    to host3 as one; the ranks
     must go on there (their progress names host3 and advances), the job
     must end with every byte verified, and nothing of it may be left on
     host2. Neither the ranks nor mpirun know of the move."""
@@ -132,16 +133,29 @@ def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
                   if host == f"host{MOVING}"}
         check(sorted(moving) == [1, 2], "ranks 1 and 2 are not on host2", before)
         orted = int(run_ok(MOVING, "pgrep -x orted").out.split()[0])
+        # host2 drained as an operator would: the ranks found under the
+        # shim move with their orted's tree, as one, with the service
+        # address orted's connection to mpirun is on, which nobody names.
         # One pre-copy round (each costs this test half a minute): the
         # release then leaves out of the final dump the registered pages
         # that round holds unchanged (most of UCX's), and the report must
         # say so.
-        r, rep = migration_tests.ctl(
-            MOVING, f"migrate {orted} --to {migration_tests.ip(DEST)} --address {SERVICE}/24 "
-            "--max-precopy 1",
-            1800)
-        check(r.rc == 0, "migrate host2's orted tree to host3", r)
-        migration_tests.check_report(rep, "migrate host2's orted tree")
+        dest = f"{migration_tests.ip(DEST)}:{migration_tests.PORT}"
+        drain = (f"drain --connect none --to qemu+tcp://{migration_tests.ip(DEST)}/system "
+                 f"--to-migrator {dest} --max-precopy 1")
+        r, plan = migration_tests.ctl(MOVING, f"{drain} --dry-run", 120)
+        tree = (f"pid {orted} (orted's job tree: ranks {min(moving.values())}, "
+                f"{max(moving.values())}; with {SERVICE}/24) -> {dest}")
+        check(r.rc == 0 and plan is not None and plan.get("plan") == [tree],
+              "drain --dry-run does not plan host2's orted tree as one", tree, r)
+        r, drained = migration_tests.ctl(MOVING, drain, 1800)
+        check(r.rc == 0 and drained is not None and drained.get("ok") and
+              len(drained.get("processes", [])) == 1,
+              "drain of host2 did not move its orted tree as one", r)
+        rep = drained["processes"][0]
+        migration_tests.check_report(rep, "drain of host2's orted tree")
+        check(rep.get("pid") == orted and rep.get("addresses") == [f"{SERVICE}/24"],
+              "the drain moved something else than orted's tree with its address", rep)
         unchanged = int(rep.get("registered_pages_unchanged", 0))
         marked = int(rep.get("registered_pages_marked", 0))
         check(unchanged > marked, "the release marked most registered pages for the final "

@@ -95,7 +95,50 @@ absl::Status FakeHost::ForgetCachedRoutes() {
 
 void FakeHost::SetTcpAddress(pid_t pid, const std::string& address) {
   absl::MutexLock lock(&mu_);
-  eps_[pid].tcp_address = address;
+  if (plain_.contains(pid) && !eps_.contains(pid))
+    plain_tcp_[pid] = address;
+  else
+    eps_[pid].tcp_address = address;
+}
+
+absl::StatusOr<std::vector<ServiceAddress>> FakeHost::Secondaries() {
+  absl::MutexLock lock(&mu_);
+  // All but the host's own 10.0.0.N.
+  const uint32_t own = (10u << 24) | static_cast<uint32_t>(n_);
+  std::vector<ServiceAddress> out;
+  for (const auto& [addr, where] : addrs_)
+    if (addr != own) out.push_back({addr, where.second});
+  return out;
+}
+
+void FakeHost::SetProgram(pid_t pid, const std::string& comm) {
+  absl::MutexLock lock(&mu_);
+  programs_[pid] = comm;
+}
+
+pid_t FakeHost::Parent(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [parent, child] : children_)
+    if (child == pid) return parent;
+  return (plain_.contains(pid) || eps_.contains(pid)) ? 1 : 0;
+}
+
+std::string FakeHost::Program(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  auto it = programs_.find(pid);
+  return it == programs_.end() ? "" : it->second;
+}
+
+std::set<uint32_t> FakeHost::TcpAddresses(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  auto ep = eps_.find(pid);
+  auto plain = plain_tcp_.find(pid);
+  const std::string text = ep != eps_.end() ? ep->second.tcp_address
+                           : plain != plain_tcp_.end() ? plain->second
+                                                       : "";
+  absl::StatusOr<ServiceAddress> a = ParseServiceAddress(text);
+  if (text.empty() || !a.ok()) return {};
+  return {a->addr};
 }
 
 FakeEndpoint& FakeHost::Add(pid_t pid, const std::string& vgid, std::vector<FakeQp> qps) {

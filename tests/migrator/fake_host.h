@@ -151,6 +151,9 @@ class FakeHost final : public ShimChannel,
   std::set<int> PtyMasters(pid_t pid) override;
   std::vector<std::string> Terminals(pid_t pid, const std::set<int>& masters_in_tree) override;
   std::vector<std::string> RdmaFiles(pid_t pid) override;
+  pid_t Parent(pid_t pid) override;
+  std::string Program(pid_t pid) override;
+  std::set<uint32_t> TcpAddresses(pid_t pid) override;
   // Checkpointer
   absl::Status Check() override;
   absl::StatusOr<DumpStats> PreDump(pid_t pid, const std::string& dir,
@@ -169,6 +172,10 @@ class FakeHost final : public ShimChannel,
   absl::Status Add(const std::string& ifname, const ServiceAddress& a) override;
   absl::Status Remove(const std::string& ifname, const ServiceAddress& a) override;
   absl::Status ForgetCachedRoutes() override;
+  // Every address held or added but the host's own (10.0.0.N).
+  absl::StatusOr<std::vector<ServiceAddress>> Secondaries() override;
+  // Its command name (Program); "" unless set.
+  void SetProgram(pid_t pid, const std::string& comm);
   int routes_forgotten() {
     absl::MutexLock lock(&mu_);
     return routes_forgotten_;
@@ -192,6 +199,8 @@ class FakeHost final : public ShimChannel,
   std::map<pid_t, std::string> terminals_ ABSL_GUARDED_BY(mu_);
   std::map<pid_t, std::vector<std::string>> rdma_files_ ABSL_GUARDED_BY(mu_);
   std::map<pid_t, std::set<int>> pty_masters_ ABSL_GUARDED_BY(mu_);
+  std::map<pid_t, std::string> programs_ ABSL_GUARDED_BY(mu_);
+  std::map<pid_t, std::string> plain_tcp_ ABSL_GUARDED_BY(mu_);  // plain processes' SetTcpAddress
   std::set<pid_t> markers_ ABSL_GUARDED_BY(mu_);
   // address (host order) -> (interface, prefix)
   std::map<uint32_t, std::pair<std::string, int>> addrs_ ABSL_GUARDED_BY(mu_);

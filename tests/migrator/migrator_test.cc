@@ -42,6 +42,7 @@ using testing::FakeHost;
 using testing::FakeQp;
 using testing::Gid;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
 using ::testing::Not;
 using testing::Rendezvous;
 
@@ -881,6 +882,41 @@ TEST(MigratorTest, DestinationShimFailureKillsTheRestoredProcess) {
   MoveRun run = Migrate(c, 100, "h2");
   ExpectRolledBack(c, run, true);
   EXPECT_EQ(c.host(2).restores, 1);
+}
+
+// An MPI job's local tree: orted (500) and its ranks 501 and 502 (under
+// the shim), orted connected to mpirun from the service address
+// 10.0.0.102; and a shimmed process of no job (100), whose TCP connection
+// is on the host's own address. The listing names each rank's job tree
+// and the addresses it takes along; 100 has none.
+TEST(MigratorTest, TheListingNamesEachRanksJobTreeAndItsServiceAddresses) {
+  Cluster c("job-tree");
+  FakeHost& h = c.host(1);
+  h.AddPlainProcess(500);
+  h.SetProgram(500, "orted");
+  for (pid_t rank : {501, 502}) {
+    h.Add(rank, VGid(1), {FakeQp{static_cast<uint32_t>(rank), 2, "", 0, ""}});
+    h.SetProgram(rank, "mpi_verify");
+    h.AddChild(500, rank);
+  }
+  h.HoldAddress("eth0", "10.0.0.102/24");
+  h.SetTcpAddress(500, "10.0.0.102/24");
+  h.SetTcpAddress(501, "10.0.0.1/24");
+  h.Add(100, VGid(1), {FakeQp{11, 2, "", 0, ""}});
+  h.SetTcpAddress(100, "10.0.0.1/24");
+
+  const v1::ListEndpointsResponse ps = c.m(1).ListEndpoints();
+  ASSERT_EQ(ps.endpoints_size(), 3);
+  const v1::EndpointSummary& plain = ps.endpoints(0);
+  EXPECT_EQ(plain.pid(), 100);
+  EXPECT_EQ(plain.job_root_pid(), 0);
+  EXPECT_THAT(plain.job_addresses(), IsEmpty());
+  for (int i : {1, 2}) {
+    const v1::EndpointSummary& rank = ps.endpoints(i);
+    EXPECT_EQ(rank.job_root_pid(), 500) << rank.pid();
+    EXPECT_EQ(rank.job_root_program(), "orted");
+    EXPECT_THAT(rank.job_addresses(), ElementsAre("10.0.0.102/24"));
+  }
 }
 
 TEST(MigratorTest, AServiceAddressAndItsTcpConnectionsMoveWithTheProcess) {

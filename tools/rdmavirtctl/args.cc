@@ -119,7 +119,8 @@ const std::map<std::string, std::string>& CommandHelp() {
        "Progress goes to stderr; the report (blackout, steps, NICs) to stdout.\n"},
       {"drain",
        "usage: rdmavirtctl drain (--to URI [--to-migrator HOST[:PORT]] | --auto [--hosts FILE])\n"
-       "                         [--connect URI] [--migrate-uri URI] [--dry-run]\n"
+       "                         [--connect URI] [--migrate-uri URI] [--max-precopy N]\n"
+       "                         [--dry-run]\n"
        "Moves every RDMA guest of the libvirt at --connect (default qemu:///system; none:\n"
        "this host runs no libvirt) with vm-migrate, and every process under the shim on\n"
        "--host with migrate, off this\n"
@@ -130,8 +131,13 @@ const std::map<std::string, std::string>& CommandHelp() {
        "processes spread over the hosts where CRIU works and an RDMA port is active, a\n"
        "host a move could not start on not picked again. --auto --hosts FILE takes the\n"
        "hosts from FILE instead (\"LIBVIRT-URI MIGRATOR-HOST:PORT\" lines; processes go to\n"
-       "the first). One at a time, with progress on stderr and a summary; --dry-run\n"
-       "prints the plan and moves nothing. Exit code 1 if anything stayed.\n"},
+       "the first). The ranks of an MPI job move with their launcher's or daemon's tree\n"
+       "(orted, prted, hydra_pmi_proxy, mpirun), as one, to one host, with the service\n"
+       "addresses (secondary addresses of this host) that tree's TCP connections are on.\n"
+       "--max-precopy N goes to each process's move (migrate's). One at a time, with\n"
+       "progress on stderr and a summary; --dry-run prints the plan\n"
+       "(each process or job tree and where it goes) and moves nothing. Exit code 1 if\n"
+       "anything stayed.\n"},
       {"snapshot",
        "usage: rdmavirtctl snapshot DOMAIN NAME [--with DOMAIN[@URI]]... [--connect URI]\n"
        "                            [--guest-command PATH]\n"

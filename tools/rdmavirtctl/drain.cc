@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "migrator/host/addresses.h"
@@ -114,7 +115,7 @@ class DrainRun {
       if (int rc = ReadInventory(); rc != kOk) return Finish(rc);
     }
     for (const std::string& g : guests_) MoveGuest(g);
-    for (const v1::EndpointSummary& e : procs_) MoveProcess(e);
+    for (const Unit& u : Units()) MoveProcess(u);
     return Finish(kOk);
   }
 
@@ -227,6 +228,39 @@ class DrainRun {
     if (RunVmMigrate(vo, r) != kOk || !r->ok()) rep_.add_stayed(absl::StrCat(g, ": ", r->error()));
   }
 
+  // What moves as one: a process of no MPI job alone; the ranks of a job
+  // with their launcher or daemon's tree (orted's, hydra_pmi_proxy's), by
+  // its root, with the service addresses its TCP connections are on. A
+  // rank moved alone would lose its daemon, its shared memory with the
+  // other ranks of the host, and its connections to them.
+  struct Unit {
+    int32_t pid;
+    std::string what;  // "mpi_verify", "orted's job tree: ranks 501, 502"
+    std::vector<std::string> addresses;
+  };
+  std::vector<Unit> Units() const {
+    std::vector<Unit> out;
+    std::map<int32_t, size_t> jobs;  // root -> index in out
+    for (const v1::EndpointSummary& e : procs_) {
+      if (e.job_root_pid() == 0) {
+        out.push_back({e.pid(), e.program(), {}});
+        continue;
+      }
+      auto [it, first] = jobs.try_emplace(e.job_root_pid(), out.size());
+      if (first) {
+        out.push_back({e.job_root_pid(), absl::StrCat(e.job_root_program(), "'s job tree: ranks"),
+                       {e.job_addresses().begin(), e.job_addresses().end()}});
+        absl::StrAppend(&out.back().what, " ", e.pid());
+      } else {
+        absl::StrAppend(&out[it->second].what, ", ", e.pid());
+      }
+    }
+    for (Unit& u : out)
+      if (!u.addresses.empty())
+        absl::StrAppend(&u.what, "; with ", absl::StrJoin(u.addresses, ", "));
+    return out;
+  }
+
   std::string NameOf(const std::string& address) const {
     for (const v1::InventoryHost& h : live_)
       if (h.address() == address) return h.name();
@@ -241,16 +275,16 @@ class DrainRun {
     return o_.candidates.empty() ? "" : o_.candidates[0].second;
   }
 
-  void MoveProcess(const v1::EndpointSummary& e) {
+  void MoveProcess(const Unit& e) {
     if (!o_.dry_run) Refresh();
     for (;;) {
       const std::string dest = ProcessHost();
       if (dest.empty()) {
-        rep_.add_stayed(absl::StrCat("pid ", e.pid(), ": no destination",
+        rep_.add_stayed(absl::StrCat("pid ", e.pid, ": no destination",
                                      o_.from_inventory ? " (no other live host can take it)" : ""));
         return;
       }
-      rep_.add_plan(absl::StrCat("pid ", e.pid(), " (", e.program(), ") -> ", dest));
+      rep_.add_plan(absl::StrCat("pid ", e.pid, " (", e.what, ") -> ", dest));
       ++placed_[NameOf(dest)];
       if (o_.dry_run) return;
       if (!CouldNotStartOn(e, dest)) return;
@@ -260,12 +294,14 @@ class DrainRun {
   // Moves `e` to `dest`, its outcome in the report. True when the
   // destination did not answer before anything was touched: it is not
   // picked again, and the process tries the next host.
-  bool CouldNotStartOn(const v1::EndpointSummary& e, const std::string& dest) {
-    fprintf(stderr, "drain: pid %d (%s) -> %s\n", e.pid(), e.program().c_str(), dest.c_str());
+  bool CouldNotStartOn(const Unit& e, const std::string& dest) {
+    fprintf(stderr, "drain: pid %d (%s) -> %s\n", e.pid, e.what.c_str(), dest.c_str());
     grpc::ClientContext ctx;
     v1::MigrateRequest req;
-    req.set_pid(e.pid());
+    req.set_pid(e.pid);
     req.set_destination(dest);
+    for (const std::string& a : e.addresses) req.add_addresses(a);
+    if (o_.max_precopy >= 0) req.set_max_precopy_iterations(o_.max_precopy);
     std::unique_ptr<grpc::ClientReader<v1::Progress>> reader = here_.stub()->Migrate(&ctx, req);
     v1::Progress p;
     v1::MigrationReport* r = rep_.add_processes();
@@ -281,7 +317,7 @@ class DrainRun {
       --placed_[NameOf(dest)];
       return true;
     }
-    rep_.add_stayed(absl::StrCat("pid ", e.pid(), ": ", st.ok() ? r->error() : st.error_message()));
+    rep_.add_stayed(absl::StrCat("pid ", e.pid, ": ", st.ok() ? r->error() : st.error_message()));
     return false;
   }
 

@@ -33,6 +33,9 @@ struct DrainOptions {
   // each move: only live hosts are picked.
   bool from_inventory = false;
   bool dry_run = false;
+  // Each process move's pre-copy rounds at most (migrate --max-precopy);
+  // -1: the migrator's default.
+  int max_precopy = -1;
 };
 int Drain(const DrainOptions& o);
 

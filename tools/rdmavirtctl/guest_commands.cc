@@ -27,7 +27,8 @@ const std::map<std::string, std::vector<std::string>>& GuestOptions() {
   static const auto* allowed = new std::map<std::string, std::vector<std::string>>{
       {"vm-migrate", {"--to", "--to-migrator", "--connect", "--migrate-uri", "--guest-command"}},
       {"drain",
-       {"--to", "--to-migrator", "--connect", "--migrate-uri", "--guest-command", "--hosts"}},
+       {"--to", "--to-migrator", "--connect", "--migrate-uri", "--guest-command", "--hosts",
+        "--max-precopy"}},
       {"snapshot", {"--with", "--connect", "--guest-command"}},
       {"revert", {"--connect", "--guest-command"}},
       {"suspend", {"--drain-timeout-ms"}},
@@ -151,6 +152,11 @@ int VmCommand(const Args& args) {
   o.unsafe = args.unsafe;
   if (!drain) return VmMigrate(o);
   if (int rc = HostTarget(args, &d.host); rc != kOk) return rc;
+  if (!Opt(args, "--max-precopy").empty()) {
+    absl::StatusOr<uint32_t> n = ParseCount("--max-precopy", Opt(args, "--max-precopy"), 64);
+    if (!n.ok()) return UsageError(std::string(n.status().message()), "drain");
+    d.max_precopy = *n;
+  }
   d.vm = o;
   d.dry_run = args.dry_run;
   return Drain(d);

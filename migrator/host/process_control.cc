@@ -219,8 +219,7 @@ class RealProcessControl final : public ProcessControl {
     if (DIR* d = opendir(fds.c_str())) {
       while (dirent* e = readdir(d)) {
         char target[64];
-        const ssize_t n =
-            readlink((fds + "/" + e->d_name).c_str(), target, sizeof(target) - 1);
+        const ssize_t n = readlink((fds + "/" + e->d_name).c_str(), target, sizeof(target) - 1);
         const std::string link(target, n > 0 ? n : 0);
         if (link.starts_with("socket:[") && link.ends_with("]"))
           inodes.insert(link.substr(8, link.size() - 9));

@@ -408,9 +408,9 @@ namespace {
 // mpirun and orted, PRRTE's prterun and prted) and MPICH's Hydra
 // (mpiexec.hydra, hydra_pmi_proxy). comm is cut at 15 characters.
 bool IsJobDaemon(const std::string& comm) {
-  static const std::set<std::string>* names = new std::set<std::string>{
-      "orted", "prted", "hydra_pmi_proxy", "mpirun", "mpiexec", "mpiexec.hydra", "orterun",
-      "prterun"};
+  static const std::set<std::string>* names =
+      new std::set<std::string>{"orted",   "prted",         "hydra_pmi_proxy", "mpirun",
+                                "mpiexec", "mpiexec.hydra", "orterun",         "prterun"};
   return names->contains(comm);
 }
 

@@ -133,7 +133,7 @@ std::set<uint32_t> FakeHost::TcpAddresses(pid_t pid) {
   absl::MutexLock lock(&mu_);
   auto ep = eps_.find(pid);
   auto plain = plain_tcp_.find(pid);
-  const std::string text = ep != eps_.end() ? ep->second.tcp_address
+  const std::string text = ep != eps_.end()            ? ep->second.tcp_address
                            : plain != plain_tcp_.end() ? plain->second
                                                        : "";
   absl::StatusOr<ServiceAddress> a = ParseServiceAddress(text);

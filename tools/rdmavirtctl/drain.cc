@@ -248,7 +248,8 @@ class DrainRun {
       }
       auto [it, first] = jobs.try_emplace(e.job_root_pid(), out.size());
       if (first) {
-        out.push_back({e.job_root_pid(), absl::StrCat(e.job_root_program(), "'s job tree: ranks"),
+        out.push_back({e.job_root_pid(),
+                       absl::StrCat(e.job_root_program(), "'s job tree: ranks"),
                        {e.job_addresses().begin(), e.job_addresses().end()}});
         absl::StrAppend(&out.back().what, " ", e.pid());
       } else {

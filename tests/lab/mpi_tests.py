@@ -154,7 +154,7 @@ def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
               "drain of host2 did not move its orted tree as one", r)
         rep = drained["processes"][0]
         migration_tests.check_report(rep, "drain of host2's orted tree")
-        check(rep.get("pid") == orted and rep.get("addresses") == [f"{SERVICE}/24"],
+        check(rep.get("tree_root") == orted and rep.get("addresses") == [f"{SERVICE}/24"],
               "the drain moved something else than orted's tree with its address", rep)
         unchanged = int(rep.get("registered_pages_unchanged", 0))
         marked = int(rep.get("registered_pages_marked", 0))

@@ -30,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "migrator/criu/pty_images.h"
 #include "migrator/host/scoped_fd.h"
 
 extern "C" {
@@ -448,6 +449,27 @@ absl::StatusOr<ScopedFd> StartTerminalKeeper(const std::string& criu, const std:
   return ours;
 }
 
+// The tree's pseudo-terminals given indexes this host does not hold
+// (pty_images.h) for as long as this lives: the restore's.
+class RenumberedPtys {
+ public:
+  explicit RenumberedPtys(std::string dir) : dir_(std::move(dir)) {}
+  RenumberedPtys(const RenumberedPtys&) = delete;
+  RenumberedPtys& operator=(const RenumberedPtys&) = delete;
+  ~RenumberedPtys() { (void)PutBackPtyImages(dir_); }
+
+  absl::Status Renumber() {
+    absl::StatusOr<std::map<uint32_t, uint32_t>> moved = RenumberPtys(dir_, PtysInUse());
+    if (moved.ok()) return absl::OkStatus();
+    return absl::Status(
+        moved.status().code(),
+        absl::StrCat("restore: the tree's pseudo-terminals: ", moved.status().message()));
+  }
+
+ private:
+  const std::string dir_;
+};
+
 absl::StatusOr<CriuResult> RunDump(const std::string& log_dir, const DumpArgs& a);
 
 // What every libcriu call starts from: the criu binary (FAILED_PRECONDITION
@@ -647,6 +669,8 @@ absl::StatusOr<pid_t> CriuDriver::Restore(const std::string& dir, bool tcp_estab
     return absl::NotFoundError(absl::StrCat("restore: ", dir, " holds no dump (no inventory.img)"));
   }
   if (absl::Status s = RestoreParentLinks(dir); !s.ok()) return s;
+  RenumberedPtys ptys(dir);
+  if (absl::Status s = ptys.Renumber(); !s.ok()) return s;
   absl::StatusOr<CriuSetup> setup = SetUpCriu(log_dir_);
   if (!setup.ok()) return setup.status();
   const std::string& criu = setup->criu;
@@ -871,6 +895,8 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
   if (!fs::exists(fs::path(dir) / "inventory.img", ec))
     return absl::NotFoundError(absl::StrCat("restore: ", dir, " holds no dump (no inventory.img)"));
   if (absl::Status s = RestoreParentLinks(dir); !s.ok()) return s;
+  RenumberedPtys ptys(dir);
+  if (absl::Status s = ptys.Renumber(); !s.ok()) return s;
   const std::string criu = FindCriu();
   if (criu.empty()) return absl::FailedPreconditionError("criu not found on PATH");
   // The daemon and the restore meet at lazy-pages.socket in their work dir:

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "shim/datapath/probe_answer.h"
+
 // The probed path's entries (data_path.cc) are in a section of their own,
 // so that a thread stopped between their check and their jump is known
 // by its program counter. Weak: a program without them has no such range.
@@ -45,12 +47,10 @@ constexpr int kMaxRanges = 64;
 Range g_ranges[kMaxRanges];
 std::atomic<int> g_range_count{0};
 
-// The answer of the probe numbered (answer >> 8): a Verdict in the low
-// byte. Only the probe the control thread waits for answers (g_awaited):
-// a late one, from a thread that blocked the signal meanwhile, does not
-// overwrite it.
-std::atomic<uint64_t> g_answer{0};
-std::atomic<uint32_t> g_awaited{0};
+// The answer of the probe the control thread waits for, a Verdict. A
+// late one, from a thread that blocked the signal meanwhile or whose
+// handler had just begun when it was passed over, does not overwrite it.
+ProbeAnswer g_answer;
 // The sequence number whose handler has started: it runs with every
 // signal blocked, so while it unwinds its thread shows the probe's signal
 // blocked, and that is not a thread that holds the signal back.
@@ -152,11 +152,11 @@ void OnProbe(int, siginfo_t* si, void* ucv) {
   ++tls_probes_taken;
   const uint32_t seq = static_cast<uint32_t>(si->si_value.sival_int);
   if (si->si_code == SI_QUEUE && si->si_pid == getpid() &&
-      seq == g_awaited.load(std::memory_order_acquire)) {
+      g_answer.Awaits(seq)) {
     g_handling.store(seq, std::memory_order_release);
     const Verdict v = Classify(InterruptedPc(ucv));
-    if (v != kOutside) g_inside_answers.fetch_add(1, std::memory_order_relaxed);
-    g_answer.store(uint64_t{seq} << 8 | v, std::memory_order_release);
+    if (g_answer.Answer(seq, v) && v != kOutside)
+      g_inside_answers.fetch_add(1, std::memory_order_relaxed);
   }
   errno = saved;
 }
@@ -388,7 +388,7 @@ Asked Ask(pid_t tid, int sig, uint32_t seq, uint64_t deadline_ms, std::string* e
   si.si_pid = getpid();
   si.si_uid = getuid();
   si.si_value.sival_int = static_cast<int>(seq);
-  g_awaited.store(seq, std::memory_order_release);
+  g_answer.Open(seq);
   if (syscall(SYS_rt_tgsigqueueinfo, getpid(), tid, sig, &si) != 0) {
     if (errno == ESRCH) return Asked::kGone;
     *error = "signalling thread " + std::to_string(tid) + ": " + strerror(errno);
@@ -403,11 +403,8 @@ Asked Ask(pid_t tid, int sig, uint32_t seq, uint64_t deadline_ms, std::string* e
   // few milliseconds (a yield may take a whole time slice on a busy host).
   uint64_t looked = NowMs();
   for (;;) {
-    const uint64_t a = g_answer.load(std::memory_order_acquire);
-    if ((a >> 8) == seq) {
-      const Verdict v = static_cast<Verdict>(a & 0xff);
-      return v == kOutside ? Asked::kOutside : Asked::kInside;
-    }
+    const uint8_t v = g_answer.Read(seq);
+    if (v != ProbeAnswer::kNone) return v == kOutside ? Asked::kOutside : Asked::kInside;
     const uint64_t now = NowMs();
     if (now - looked >= 5) {
       looked = now;

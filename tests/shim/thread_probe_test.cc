@@ -21,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include "shim/datapath/probe_answer.h"
+
 extern "C" int ProbeProviderSpin(std::atomic<int>* state);
 extern "C" long ProbeProviderWrite(int fd, const void* buf, unsigned long n);
 
@@ -211,6 +213,32 @@ TEST_F(ThreadProbeTest, AReplacedHandlerIsReported) {
   EXPECT_NE(why.find("replaced the handler of signal"), std::string::npos) << why;
   ASSERT_EQ(sigaction(sig, &old, nullptr), 0);
   EXPECT_TRUE(WaitOutsideProviders(Provider(), 2000, &why)) << why;
+}
+
+// The order a move in the lab met: thread A showed the signal blocked
+// because its handler had just begun, so the control thread went on to
+// thread B; B answered, then A's handler finished. A's late answer must
+// not take the place of B's, or the control thread waits for B until
+// its deadline ("did not answer the pause's signal").
+TEST(ProbeAnswerTest, ALateAnswerOfAnEarlierProbeLeavesTheAwaitedOnesAlone) {
+  ProbeAnswer answer;
+  answer.Open(1);  // to thread A
+  ASSERT_TRUE(answer.Awaits(1));  // A's handler begins
+  answer.Open(2);  // A passed over; to thread B
+  EXPECT_FALSE(answer.Awaits(1));
+  EXPECT_EQ(answer.Read(2), ProbeAnswer::kNone);
+  EXPECT_TRUE(answer.Answer(2, 1));   // B: outside
+  EXPECT_FALSE(answer.Answer(1, 2));  // A, late: inside
+  EXPECT_EQ(answer.Read(2), 1);
+  EXPECT_FALSE(answer.Answer(2, 2)) << "a probe answers once";
+  EXPECT_EQ(answer.Read(2), 1);
+}
+
+TEST(ProbeAnswerTest, NothingIsAwaitedBeforeTheFirstProbe) {
+  ProbeAnswer answer;
+  EXPECT_FALSE(answer.Awaits(1));
+  EXPECT_FALSE(answer.Answer(1, 1));
+  EXPECT_EQ(answer.Read(1), ProbeAnswer::kNone);
 }
 
 }  // namespace

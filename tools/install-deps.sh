@@ -26,8 +26,9 @@ packages=(
   # fuzzing (tools/fuzz): clang with libFuzzer and the sanitizers' runtimes
   clang libclang-rt-14-dev
   # MPI over rxe0 in the lab (docs/mpi.md): Open MPI with UCX, NetPIPE,
-  # and sshd for the launch (started only inside lab hosts)
-  openmpi-bin libopenmpi-dev netpipe-openmpi openssh-server
+  # and sshd for the launch (started only inside lab hosts); arping for
+  # the service addresses of MPI daemons (tools/mpi/rdmavirt-mpi-orted)
+  openmpi-bin libopenmpi-dev netpipe-openmpi openssh-server iputils-arping
   # UCX's own benchmark (ucx_perftest), moved in the lab with UCP's default
   # configuration
   ucx-utils

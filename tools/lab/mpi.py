@@ -12,13 +12,11 @@ The recipe (docs/mpi.md says why each setting is there):
     for rc_v) drops every packet rxe delivers otherwise;
   - `--mca oob_tcp_if_include eth0`: the launch's own TCP on the fabric NIC.
 
-A movable job (`movable=True`, docs/mpi.md "Moving a host's ranks") adds
-what moving one host's `orted` tree with its ranks needs: `orted` started
-detached from ssh by a launch agent, no pseudo-terminals, PMIx's hash
-store, no hwloc shared file, UCX's posix shared memory instead of SysV,
-and `mpirun` on a fixed port that the moving host reaches from a service
-address (`service_address_up`). UCX's rdmacm connection manager stays on:
-the RDMA CM channel it opens is the shim's, and moves.
+A movable job runs on hosts set up as an operator sets them up
+(install_mpi: `rdmavirt-install host --mpi` in each, /etc/rdmavirt/mpi.conf
+with each host's service addresses), with the user's stock command
+(stock_script): every setting comes from the files Open MPI, PMIx and UCX
+read themselves.
 """
 
 import os
@@ -27,6 +25,7 @@ import shlex
 import time
 
 KEY_DIR = "/lab/mpi"
+TOP = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 UCX_ENV = {
     "UCX_TLS": "rc_v,sm,self",
     "UCX_NET_DEVICES": "rxe0:1",
@@ -35,20 +34,6 @@ UCX_ENV = {
 MCA = ["--mca", "pml", "ucx", "--mca", "osc", "ucx", "--mca", "btl", "self",
        "--mca", "oob_tcp_if_include", "eth0"]
 SHIM_MODES = ("none", "default", "offset")
-
-# A movable job: mpirun's fixed TCP port, the launch agent, the policy
-# routing table that puts the connections to that port on the service
-# address, and the environment the ranks and orted need.
-MPIRUN_PORT = 7810
-AGENT = f"{KEY_DIR}/detach-ssh"
-ROUTE_TABLE = 110
-MOVABLE_UCX_TLS = "rc_v,posix,cma,self"
-MOVABLE_ENV = {
-    "PMIX_MCA_gds": "hash",
-}
-MOVABLE_MCA = ["--mca", "orte_daemonize", "1", "--mca", "plm_rsh_agent", AGENT,
-               "--mca", "rtc", "^hwloc"]
-
 
 class MpiError(Exception):
     pass
@@ -74,12 +59,11 @@ chmod 600 /root/.ssh/*
 
 
 def mpirun_script(hosts, np, program, shim="none", build=None, extra_env=None,
-                  slots=None, timeout=600, movable=False):
+                  slots=None, timeout=600):
     """The shell command, for hosts[0], that runs `program` (a list) as
     `np` ranks over `hosts` (ranks filled host by host, `slots` each, or
-    slots[n] on host n if `slots` is a dict). `movable`: the settings that
-    let a host's orted tree be moved (see the module's doc; the agent and
-    the service address must be up: movable_setup)."""
+    slots[n] on host n if `slots` is a dict), with every setting on the
+    command line."""
     if shim not in SHIM_MODES:
         raise MpiError(f"shim mode {shim!r}: one of {', '.join(SHIM_MODES)}")
     if isinstance(slots, dict):
@@ -87,17 +71,13 @@ def mpirun_script(hosts, np, program, shim="none", build=None, extra_env=None,
     else:
         per_host = {n: slots or -(-np // len(hosts)) for n in hosts}
     env = dict(UCX_ENV)
-    if movable:
-        env["UCX_TLS"] = MOVABLE_UCX_TLS
-        env.update(MOVABLE_ENV)
     if shim != "none":
         env["LD_PRELOAD"] = f"{build}/shim/librdmavirt.so"
         env["RDMAVIRT_ID_MODE"] = shim
     env.update(extra_env or {})
-    args = (["env", f"OMPI_MCA_oob_tcp_static_ipv4_ports={MPIRUN_PORT}"] if movable else [])
-    args += ["timeout", str(timeout), "mpirun", "--allow-run-as-root",
-             "--host", ",".join(f"host{n}:{per_host[n]}" for n in hosts), "-np", str(np)]
-    args += MCA + (MOVABLE_MCA if movable else [])
+    args = ["timeout", str(timeout), "mpirun", "--allow-run-as-root",
+            "--host", ",".join(f"host{n}:{per_host[n]}" for n in hosts), "-np", str(np)]
+    args += MCA
     for k, v in env.items():
         args += ["-x", f"{k}={v}"]
     return " ".join(shlex.quote(a) for a in args + list(program))
@@ -125,58 +105,6 @@ def run_job(lab, hosts, np, program, shim="none", build=None, timeout=600):
         sent, rcvd = rxe_packets(lab, n)
         packets[n] = (sent - before[n][0], rcvd - before[n][1])
     return r, packets
-
-
-def agent_script(build):
-    """The launch agent (plm_rsh_agent) of a movable job: starts orted on
-    the host named first, detached from ssh (its own session, stdio on
-    /dev/null: no pipes to sshd a move would have to take along), with
-    openpty failing (ORTE then gives the ranks pipes, not terminals whose
-    indexes the destination's orted may already hold). mpirun's fixed port
-    is stripped from orted's command line: every orted on its own port."""
-    return f"""#!/bin/sh
-host=$1; shift
-printf '%s\\n' "$*" | sed 's/-mca oob_tcp_static_ipv4_ports "[^"]*"//' |
-  exec ssh "$host" 'f=$(mktemp /tmp/orted-launch.XXXXXX); cat > "$f"; '\\
-'LD_PRELOAD={build}/tests/apps/librdmavirt_no_pty.so PMIX_MCA_gds=hash '\\
-'setsid sh "$f" < /dev/null > /dev/null 2>&1 &'
-"""
-
-
-def service_address_up(lab, n, address):
-    """hostN gets `address` (/24, on eth0) and a policy route that puts
-    only the TCP connections to mpirun's port on it: orted's connection to
-    mpirun then comes from an address that moves with it (rdmavirtctl
-    migrate --address), while everything else, the migrator's own
-    connections among them, keeps the host's address."""
-    r = lab.run(n, f"""set -e
-ip -4 addr show dev eth0 | grep -q ' {address}/' || ip addr add {address}/24 dev eth0
-ip rule show | grep -q 'dport {MPIRUN_PORT} lookup {ROUTE_TABLE}' ||
-  ip rule add ipproto tcp dport {MPIRUN_PORT} lookup {ROUTE_TABLE}
-ip route replace 10.77.0.0/24 dev eth0 src {address} table {ROUTE_TABLE}""", timeout=30)
-    if r.rc != 0:
-        raise MpiError(f"host{n}: cannot set up the service address: {(r.out + r.err).strip()}")
-
-
-def service_address_down(lab, hosts, address):
-    """The service address, its rule and route, gone from every host."""
-    for n in hosts:
-        lab.run(n, f"ip addr del {address}/24 dev eth0 2> /dev/null; "
-                   f"ip rule del ipproto tcp dport {MPIRUN_PORT} lookup {ROUTE_TABLE} "
-                   f"2> /dev/null; ip route flush table {ROUTE_TABLE} 2> /dev/null; true",
-                timeout=30)
-
-
-def movable_setup(lab, build, hosts, moving_host, address):
-    """What a movable job needs before mpirun: sshd, the launch agent, and
-    `address` on the host whose orted tree will move."""
-    ssh_up(lab, hosts)
-    path = os.path.join(lab.shared, "mpi", "detach-ssh")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(agent_script(build))
-    os.chmod(path, 0o755)
-    service_address_up(lab, moving_host, address)
 
 
 def rank_progress(lab, directory):
@@ -208,8 +136,78 @@ def wait_progress(lab, directory, condition, timeout, job=None):
         time.sleep(0.5)
 
 
-def stop_movable(lab, hosts, address):
-    """Whatever is left of a movable job, and its service address, gone."""
+def stop_job(lab, hosts):
+    """Whatever is left of a job on `hosts`, gone."""
     for n in hosts:
         lab.run(n, "pkill -x mpirun; pkill -x orted; pkill -x mpi_verify; true", timeout=30)
-    service_address_down(lab, hosts, address)
+
+
+# Hosts set up as an operator would (docs/mpi.md): `rdmavirt-install
+# host --mpi` in each, and the service addresses each host's MPI daemons
+# lease (/etc/rdmavirt/mpi.conf, the same on every host).
+def pool(n):
+    return [f"10.77.0.{100 + 10 * n + i}/24" for i in (1, 2)]
+
+
+SAVED = "/run/rdmavirt-lab/mpi-saved"  # what the install changed, as it was
+
+
+def install_mpi(lab, build, hosts, socket, ucx_tuning=()):
+    """Runs `rdmavirt-install --build BUILD host --mpi` in each host (the
+    files it changes saved first, for uninstall_mpi), writes mpi.conf with
+    pool(n) for every host, starts sshd, and makes the shim's default
+    directory (/run/rdmavirt: its socket, the resume files the migrator
+    writes beside it) the lab's migrator's, that of `socket`. `ucx_tuning`: lines an
+    operator adds to /etc/ucx/ucx.conf, after the install's block.
+    Returns the install's output per host."""
+    ssh_up(lab, hosts)
+    conf = "".join(f"host{n} {' '.join(pool(n))}\n" for n in hosts)
+    install = f"{TOP}/tools/rdmavirt-install --build {build} --mpi host"
+    tuning = "".join(f"grep -qxF {shlex.quote(t)} /etc/ucx/ucx.conf || "
+                     f"echo {shlex.quote(t)} >> /etc/ucx/ucx.conf\n" for t in ucx_tuning)
+    out = {}
+    for n in hosts:
+        # Every file the install writes (its dry run names them) saved, or
+        # named as absent, once.
+        r = lab.run(n, f"""set -e
+if [ ! -d {SAVED} ]; then
+  mkdir -p {SAVED}
+  {install} --dry-run | awk '$1 == "installing" || $1 == "configuring" {{print $2}}' |
+    while read -r f; do
+      if [ -e "$f" ]; then i=$((${{i:-0}} + 1)); cp -a "$f" {SAVED}/$i; echo "$i $f" >> {SAVED}/saved
+      else echo "$f" >> {SAVED}/absent; fi
+    done
+fi
+{install}
+printf '%s' {shlex.quote(conf)} > /etc/rdmavirt/mpi.conf
+{tuning}
+if [ ! -L /run/rdmavirt ]; then rm -rf /run/rdmavirt; ln -s {os.path.dirname(socket)} /run/rdmavirt; fi""",
+                   timeout=120)
+        if r.rc != 0:
+            raise MpiError(f"host{n}: rdmavirt-install --mpi failed: {(r.out + r.err).strip()}")
+        out[n] = r.out
+    return out
+
+
+def uninstall_mpi(lab, hosts):
+    """The files install_mpi changed put back, its programs and leases gone
+    (other lab tests run UCX and Open MPI with their own settings)."""
+    for n in hosts:
+        lab.run(n, f"""[ -d {SAVED} ] || exit 0
+pkill -x orted
+[ -f {SAVED}/saved ] && while read -r i f; do cp -a {SAVED}/$i "$f"; done < {SAVED}/saved
+[ -f {SAVED}/absent ] && xargs rm -f < {SAVED}/absent
+for a in {' '.join(a for m in hosts for a in pool(m))}; do ip addr del $a dev eth0 2> /dev/null; done
+ip rule show | awk '/lookup 71[0-9][0-9]/ {{sub(":", "", $1); print $1}}' |
+  while read -r p; do ip rule del priority $p; done
+rm -rf {SAVED} /run/rdmavirt/mpi; [ -L /run/rdmavirt ] && rm /run/rdmavirt; true""", timeout=60)
+
+
+def stock_script(slots, np, program, timeout):
+    """The user's command on a host set up by install_mpi: a stock mpirun
+    with `np` ranks, slots[n] on host n; `--allow-run-as-root` is the one
+    option (the lab runs as root)."""
+    hosts = ",".join(f"host{n}:{k}" for n, k in slots.items())
+    args = ["timeout", str(timeout), "mpirun", "--allow-run-as-root", "-np", str(np),
+            "--host", hosts] + list(program)
+    return " ".join(shlex.quote(a) for a in args)

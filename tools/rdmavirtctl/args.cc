@@ -33,7 +33,7 @@ const char kUsageText[] =
     "VMs (libvirt; HOST's migrator is the destination's):\n"
     "  vm-migrate DOMAIN --to URI [--to-migrator HOST[:PORT]] [--connect URI]\n"
     "                                       live-migrate an RDMA guest, its connections kept\n"
-    "  drain (--to URI | --auto) [--dry-run]\n"
+    "  drain (--to URI | --auto | --connect none --to-migrator HOST) [--dry-run]\n"
     "                                       move every RDMA guest and shimmed process away\n"
     "  snapshot DOMAIN NAME [--with DOMAIN[@URI]]... [--connect URI]\n"
     "                                       snapshot RDMA guests together, connections kept\n"
@@ -120,6 +120,8 @@ const std::map<std::string, std::string>& CommandHelp() {
       {"drain",
        "usage: rdmavirtctl drain (--to URI [--to-migrator HOST[:PORT]] | --auto [--hosts FILE])\n"
        "                         [--connect URI] [--migrate-uri URI] [--max-precopy N]\n"
+       "                         [--dry-run]\n"
+       "       rdmavirtctl drain --connect none --to-migrator HOST[:PORT] [--max-precopy N]\n"
        "                         [--dry-run]\n"
        "Moves every RDMA guest of the libvirt at --connect (default qemu:///system; none:\n"
        "this host runs no libvirt) with vm-migrate, and every process under the shim on\n"

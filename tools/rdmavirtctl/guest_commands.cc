@@ -111,19 +111,26 @@ int DestinationsInto(const Args& args, const VmOptions& o, DrainOptions* d) {
   }
   if (d->from_inventory) return kOk;  // read from --host's migrator as the drain goes
   if (drain && args.auto_pick) return HostsFileInto(args, d);
+  if (!Opt(args, "--hosts").empty()) return UsageError("--hosts is for --auto", args.command);
+  // A host without libvirt has no guests to send anywhere: its processes
+  // need only the destination's migrator.
+  if (drain && o.to.empty() && Opt(args, "--connect") == "none" &&
+      !Opt(args, "--to-migrator").empty())
+    return kOk;
   if (o.to.empty() || o.to.find("://") == std::string::npos)
     return UsageError(absl::StrCat(args.command,
                                    drain ? " needs --auto or --to with a libvirt URI"
                                          : " needs --to with a libvirt URI",
-                                   " (qemu+ssh://HOST/system)"),
+                                   " (qemu+ssh://HOST/system)",
+                                   drain ? ", or --connect none with --to-migrator" : ""),
                       args.command);
-  if (!Opt(args, "--hosts").empty()) return UsageError("--hosts is for --auto", args.command);
   return kOk;
 }
 
-// The migrator of --to's host (--to-migrator, default the host of --to).
+// The migrator of --to's host (--to-migrator, default the host of --to),
+// or a drain's without --to (--connect none).
 int DestinationMigratorInto(const Args& args, VmOptions* o) {
-  if (o->to.empty()) return kOk;
+  if (o->to.empty() && Opt(args, "--to-migrator").empty()) return kOk;
   o->to_migrator = Opt(args, "--to-migrator");
   if (o->to_migrator.empty()) o->to_migrator = UriHost(o->to);
   if (o->to_migrator.empty())

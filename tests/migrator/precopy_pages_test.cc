@@ -12,26 +12,18 @@
 #include <string>
 #include <vector>
 
+#include "tests/migrator/criu_image_bytes.h"
+
 namespace rdmavirt::migrator {
 namespace {
+
+using image_bytes::Le32;
+using image_bytes::Message;
+using image_bytes::Varint;
 
 constexpr uint64_t kPage = 4096;
 constexpr uint32_t kParent = 1, kLazy = 2, kPresent = 4;
 
-void Varint(std::string* s, uint64_t v) {
-  while (v >= 0x80) {
-    s->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  s->push_back(static_cast<char>(v));
-}
-void Le32(std::string* s, uint32_t v) {
-  for (int i = 0; i < 4; ++i) s->push_back(static_cast<char>(v >> (8 * i)));
-}
-void Message(std::string* img, const std::string& m) {
-  Le32(img, static_cast<uint32_t>(m.size()));
-  img->append(m);
-}
 
 struct PageRun {
   uint64_t vaddr;

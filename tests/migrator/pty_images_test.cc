@@ -14,31 +14,19 @@
 #include <string>
 #include <vector>
 
+#include "tests/migrator/criu_image_bytes.h"
+
 namespace rdmavirt::migrator {
 namespace {
+
+using image_bytes::Varint;
+using image_bytes::Le32;
+using image_bytes::VarintField;
+using image_bytes::BytesField;
 
 constexpr uint32_t kCommon = 0x54564319, kTtyInfoMagic = 0x59453036, kFilesMagic = 0x56303138,
                    kTtyDataMagic = 0x59413026;
 
-void Varint(std::string* s, uint64_t v) {
-  while (v >= 0x80) {
-    s->push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  s->push_back(static_cast<char>(v));
-}
-void Le32(std::string* s, uint32_t v) {
-  for (int i = 0; i < 4; ++i) s->push_back(static_cast<char>(v >> (8 * i)));
-}
-void VarintField(std::string* m, int n, uint64_t v) {
-  Varint(m, static_cast<uint64_t>(n) << 3);
-  Varint(m, v);
-}
-void BytesField(std::string* m, int n, const std::string& b) {
-  Varint(m, (static_cast<uint64_t>(n) << 3) | 2);
-  Varint(m, b.size());
-  m->append(b);
-}
 std::string Image(uint32_t magic, const std::vector<std::string>& entries) {
   std::string img;
   Le32(&img, kCommon);

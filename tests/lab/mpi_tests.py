@@ -94,10 +94,10 @@ MOVE_DIR = "/lab/mpi-move"  # in the hosts; under LAB.shared here
 UCX_TUNING = ["UCX_RC_VERBS_RX_QUEUE_LEN=1024"]
 
 
-def wait_progress(condition, timeout, what):
-    """Until condition(progress) holds; the last progress seen."""
-    held, seen = mpi.wait_progress(LAB, f"{MOVE_DIR}/progress", condition, timeout)
-    check(held, f"{what}: not after {timeout}s", seen)
+def wait_progress(job, condition, timeout, what):
+    """Until condition(progress of `job`) holds; the last progress seen."""
+    held, seen = mpi.wait_progress(LAB, job["progress"], condition, timeout)
+    check(held, f"job {job['name']}: {what}: not after {timeout}s", seen)
     return seen
 
 
@@ -107,136 +107,198 @@ def leases(n):
     return [line.split()[0] for line in r.out.splitlines() if line.strip()]
 
 
+# Two jobs with ranks on host2, each started with the user's stock command
+# from host1: A on 3 hosts (host1: mpirun and rank 0; host2: orted, ranks 1
+# and 2; host3: orted, rank 3), B on 2 (host1: rank 0; host2: orted, rank 1).
+JOBS = [
+    {"name": "A", "slots": {1: 1, 2: 2, 3: 1}, "np": 4, "max_bytes": 262144, "on_host2": [1, 2],
+     "ends_on": ["host1", "host3", "host3", "host3"]},
+    {"name": "B", "slots": {1: 1, 2: 1}, "np": 2, "max_bytes": 65536, "on_host2": [1],
+     "ends_on": ["host1", "host3"]},
+]
+
+
 @lab_test
 def an_mpi_job_runs_to_its_end_while_a_host_of_it_is_moved():
     """Hosts set up by `rdmavirt-install host --mpi` (and mpi.conf's
-    addresses), the user's stock mpirun: 4 ranks of mpi_verify on 3 hosts
-    (host1: mpirun and rank 0; host2: orted, ranks 1 and 2; host3: orted,
-    rank 3), every rank under the shim through Open MPI's own settings,
-    orted without it. While it runs, host2 is drained (rdmavirtctl drain),
-    which moves its orted tree to host3 as one, with the service address
-    rdmavirt-mpi-orted leased it; the ranks' terminals, which host3's own
-    orted holds the numbers of, are renumbered by the restore. The ranks
-    must go on there (their progress names host3 and advances), the job
-    must end with every byte verified, and nothing of it may be left on
-    host2. Neither the ranks nor mpirun know of the move."""
+    addresses), the user's stock mpirun: job A of JOBS, every rank under
+    the shim through Open MPI's own settings, orted without it. While it
+    runs, host2 is drained (rdmavirtctl drain), which moves its orted tree
+    to host3 as one, with the service address rdmavirt-mpi-orted leased
+    it; the ranks' terminals, whose numbers host3's own orted holds, are
+    renumbered by the restore. The ranks must go on there (their progress
+    names host3 and advances), the job must end with every byte verified,
+    and nothing of it may be left on host2. Neither the ranks nor mpirun
+    know of the move."""
+    drained_jobs(JOBS[:1])
+
+
+@lab_test
+def two_mpi_jobs_on_a_drained_host_run_to_their_end():
+    """As above with both jobs of JOBS on host2 when it is drained: each
+    job's orted tree moves as one, with its own leased address, and both
+    jobs end with every byte verified."""
+    drained_jobs(JOBS)
+
+
+def drained_jobs(jobs):
     hosts = [1, 2, 3]
     migrators.daemons_up()
     mpi.stop_job(LAB, hosts)
     local = os.path.join(LAB.shared, "mpi-move")
     shutil.rmtree(local, ignore_errors=True)
-    os.makedirs(os.path.join(local, "progress"))
+    for job in jobs:
+        job["progress"] = f"{MOVE_DIR}/progress-{job['name']}"
+        job["stop"] = f"{MOVE_DIR}/stop-{job['name']}"
+        os.makedirs(os.path.join(local, f"progress-{job['name']}"))
     try:
         installed = mpi.install_mpi(LAB, BUILD, hosts, migrators.SOCK, UCX_TUNING)
         for n, out in installed.items():
             check("configuring /etc/openmpi/openmpi-mca-params.conf" in out and
                   "configuring /etc/ucx/ucx.conf" in out and "done: host, with MPI" in out,
                   f"host{n}: rdmavirt-install --mpi did not configure Open MPI and UCX", out)
-        moved_job(hosts)
+        try:
+            for job in jobs:
+                script = mpi.stock_script(
+                    job["slots"], job["np"],
+                    [VERIFY, "--rounds", "3", "--until-file", job["stop"], "--seconds", "1800",
+                     "--max-bytes", str(job["max_bytes"]), "--progress", job["progress"]],
+                    timeout=2000)
+                job["handle"] = LAB.submit(1, f"cd /tmp && {script}", 2100)
+            drain_while_running(jobs)
+        finally:
+            for job in jobs:
+                if "handle" in job:
+                    LAB.kill(1, job["handle"])
     finally:
         mpi.stop_job(LAB, hosts)
         mpi.uninstall_mpi(LAB, hosts)
 
 
-def moved_job(hosts):
-    stop = f"{MOVE_DIR}/stop"
-    script = mpi.stock_script(
-        {1: 1, 2: 2, 3: 1}, 4,
-        [VERIFY, "--rounds", "3", "--until-file", stop, "--seconds", "1800",
-         "--max-bytes", "262144", "--progress", f"{MOVE_DIR}/progress"], timeout=2000)
-    job = LAB.submit(1, f"cd /tmp && {script}", 2100)
-    try:
-        # A round done before the move and one after it (each a full
-        # exchange of every size, verified) show the job running across it.
-        before = wait_progress(lambda p: len(p) == 4 and min(r for r, _, _ in p.values()) >= 1,
-                               300, "every rank done a round")
-        moving = {rank: pid for rank, (_, host, pid) in before.items()
-                  if host == f"host{MOVING}"}
-        check(sorted(moving) == [1, 2], "ranks 1 and 2 are not on host2", before)
-        orted = int(run_ok(MOVING, "pgrep -x orted").out.split()[0])
-        check(LAB.run(MOVING, f"grep -q librdmavirt /proc/{orted}/maps").rc != 0,
-              "orted runs under the shim: the shim's setting reached more than the ranks")
-        # orted's connection to mpirun is on an address of host2's pool,
-        # leased to it (a lease of an earlier job may still wait out its
-        # idle minute beside it).
-        ss = run_ok(MOVING, "ss -Htnp state established").out
-        local = {line.split()[2].rsplit(":", 1)[0] for line in ss.splitlines()
-                 if f"pid={orted}," in line}
-        lease = [a for a in leases(MOVING) if a in local]
-        check(len(lease) == 1 and f"{lease[0]}/24" in mpi.pool(MOVING),
-              "orted's connection to mpirun is not on an address leased from host2's pool",
-              local, leases(MOVING))
-        service = f"{lease[0]}/24"
-        # host2 drained as an operator would: the ranks found under the
-        # shim move with their orted's tree, as one, with the service
-        # address orted's connection to mpirun is on, which nobody names.
-        # One pre-copy round (each costs this test half a minute): the
-        # release then leaves out of the final dump the registered pages
-        # that round holds unchanged (most of UCX's), and the report must
-        # say so.
-        dest = f"{migration_tests.ip(DEST)}:{migration_tests.PORT}"
-        drain = (f"drain --connect none --to qemu+tcp://{migration_tests.ip(DEST)}/system "
-                 f"--to-migrator {dest} --max-precopy 1")
-        r, plan = migration_tests.ctl(MOVING, f"{drain} --dry-run", 120)
-        tree = (f"pid {orted} (orted's job tree: ranks {min(moving.values())}, "
-                f"{max(moving.values())}; with {service}) -> {dest}")
-        check(r.rc == 0 and plan is not None and plan.get("plan") == [tree],
-              "drain --dry-run does not plan host2's orted tree as one", tree, r)
-        r, drained = migration_tests.ctl(MOVING, drain, 1800)
-        check(r.rc == 0 and drained is not None and drained.get("ok") and
-              len(drained.get("processes", [])) == 1,
-              "drain of host2 did not move its orted tree as one", r)
-        rep = drained["processes"][0]
-        migration_tests.check_report(rep, "drain of host2's orted tree")
-        check(rep.get("tree_root") == orted and rep.get("addresses") == [service],
-              "the drain moved something else than orted's tree with its address", rep)
-        unchanged = int(rep.get("registered_pages_unchanged", 0))
-        marked = int(rep.get("registered_pages_marked", 0))
-        check(unchanged > marked, "the release marked most registered pages for the final "
-              "dump, though the pre-copy had sent them", rep)
-        for what, pid in [("orted", orted)] + [(f"rank {k}", v) for k, v in moving.items()]:
-            check(LAB.run(DEST, f"kill -0 {pid}").rc == 0, f"{what} does not run on host3")
-            check(LAB.run(MOVING, f"kill -0 {pid}").rc != 0, f"{what} still exists on host2")
-        check(LAB.run(DEST, f"ip -o addr show to {lease[0]}/32 | grep -q .").rc == 0 and
-              LAB.run(MOVING, f"ip -o addr show to {lease[0]}/32 | grep -q .").rc != 0,
-              f"{service} did not move from host2 to host3 with orted")
-        at_move = mpi.rank_progress(LAB, f"{MOVE_DIR}/progress")
+def started_on_host2(job):
+    """Once every rank of `job` has done a round: its ranks on host2
+    {rank: pid}, their orted, and the address orted's connection to
+    mpirun is on, which must be a lease of host2's pool."""
+    np = job["np"]
+    before = wait_progress(job, lambda p: len(p) == np and min(r for r, _, _ in p.values()) >= 1,
+                           300, "every rank done a round")
+    job["moving"] = {rank: pid for rank, (_, host, pid) in before.items()
+                     if host == f"host{MOVING}"}
+    check(sorted(job["moving"]) == job["on_host2"],
+          f"job {job['name']}: ranks not on host2 as asked", before)
+    parents = {int(run_ok(MOVING, f"ps -o ppid= -p {pid}").out) for pid in job["moving"].values()}
+    check(len(parents) == 1, f"job {job['name']}: host2's ranks have more than one parent",
+          parents)
+    orted = parents.pop()
+    check(run_ok(MOVING, f"cat /proc/{orted}/comm").out.strip() == "orted",
+          f"job {job['name']}: host2's ranks are not orted's children")
+    check(LAB.run(MOVING, f"grep -q librdmavirt /proc/{orted}/maps").rc != 0,
+          "orted runs under the shim: the shim's setting reached more than the ranks")
+    # (a lease of an earlier job may still wait out its idle minute beside it)
+    ss = run_ok(MOVING, "ss -Htnp state established").out
+    local = {line.split()[2].rsplit(":", 1)[0] for line in ss.splitlines()
+             if f"pid={orted}," in line}
+    lease = [a for a in leases(MOVING) if a in local]
+    check(len(lease) == 1 and f"{lease[0]}/24" in mpi.pool(MOVING),
+          f"job {job['name']}: orted's connection to mpirun is not on a lease of host2's pool",
+          local, leases(MOVING))
+    job["orted"] = orted
+    job["lease"] = lease[0]
+    ranks = sorted(job["moving"].values())
+    job["tree"] = (f"pid {orted} (orted's job tree: ranks {', '.join(map(str, ranks))}; "
+                   f"with {lease[0]}/24)")
+
+
+def drain_while_running(jobs):
+    for job in jobs:
+        started_on_host2(job)
+    check(len({j["lease"] for j in jobs}) == len(jobs), "two jobs' daemons share an address",
+          [j["lease"] for j in jobs])
+    # host2 drained as an operator would: the ranks found under the shim
+    # move with their orted's tree, each job's as one, with the service
+    # address its orted's connection to mpirun is on, which nobody names.
+    # One pre-copy round (each costs this test half a minute): the release
+    # then leaves out of the final dump the registered pages that round
+    # holds unchanged (most of UCX's), and the report must say so.
+    dest = f"{migration_tests.ip(DEST)}:{migration_tests.PORT}"
+    drain = f"drain --connect none --to-migrator {dest} --max-precopy 1"
+    r, plan = migration_tests.ctl(MOVING, f"{drain} --dry-run", 120)
+    trees = sorted(f"{j['tree']} -> {dest}" for j in jobs)
+    check(r.rc == 0 and plan is not None and sorted(plan.get("plan", [])) == trees,
+          "drain --dry-run does not plan each job's orted tree on host2 as one", trees, r)
+    r, drained = migration_tests.ctl(MOVING, drain, 2400)
+    check(r.rc == 0 and drained is not None and drained.get("ok") and
+          len(drained.get("processes", [])) == len(jobs),
+          "drain of host2 did not move each job's orted tree as one", r)
+    reports = {int(rep.get("tree_root", 0)): rep for rep in drained["processes"]}
+    at_move = {}
+    for job in jobs:
+        rep = reports.get(job["orted"])
+        check(rep is not None, f"job {job['name']}: no move of its orted tree", drained)
+        moved_tree(job, rep)
+        at_move[job["name"]] = mpi.rank_progress(LAB, job["progress"])
+    for job in jobs:
+        mark = at_move[job["name"]]
         after = wait_progress(
-            lambda p: all(p[k][0] >= at_move[k][0] + 1 for k in at_move) and
-            all(p[k][1] == f"host{DEST}" for k in moving),
-            600, "every rank done a round more, ranks 1 and 2 on host3")
-        print("progress when moved:", at_move, "later:", after, flush=True)
-        run_ok(1, f"touch {stop}")
-        result = LAB.wait(1, job, 900)
-        lines = [l for l in result.out.splitlines() if l.startswith("{")]
-        check(result.rc == 0 and len(lines) == 1, "the job failed after the move", result)
-        v = json.loads(lines[0])
-        check(v["verdict"] == "ok" and v["errors"] == 0, "corrupt data after the move", v)
-        check(v["hosts"] == ["host1", "host3", "host3", "host3"],
-              "the ranks did not end where they should", v)
-        check(v["shimmed_ranks"] == 4, "not every rank had the shim", v)
-        # UCX removes its fds from its epoll set at the end: the fds the
-        # release closed must be back in it (shim/migration/epoll_regs.h).
-        epoll = re.findall(r".*epoll_ctl.*", result.out + result.err)
-        check(not epoll, "UCX's epoll set lost fds across the move", epoll[:3])
-        check(LAB.run(MOVING, "pgrep -x 'orted|mpi_verify'").rc != 0,
-              "a part of the job is left on host2")
-        # host2's next daemon start (here: a collection) drops the lease
-        # whose address left with its daemon.
-        run_ok(MOVING, "/usr/local/lib/rdmavirt/rdmavirt-mpi-orted --gc")
-        check(lease[0] not in leases(MOVING),
-              "host2 still holds the lease of the address that left it", leases(MOVING))
-        b = rep["breakdown"]
-        print(f"registered pages: {marked} in the final dump, {unchanged} held unchanged from "
-              f"the pre-copy; final dump {int(rep.get('final_bytes', 0)) / 2**20:.0f} MiB",
-              flush=True)
-        print(f"moved: blackout {int(b['blackout_us']) / 1e6:.1f} s, reconnect "
-              f"{int(b['reconnect_us']) / 1e6:.1f} s, whole move {int(b['total_us']) / 1e6:.1f} s; "
-              f"job: {v['rounds']} rounds, {v['bytes_verified']} bytes verified, "
-              f"{v['seconds']:.0f} s; longest round per rank {v['longest_round_seconds']} s",
-              flush=True)
-    finally:
-        LAB.kill(1, job)
+            job, lambda p: all(p[k][0] >= mark[k][0] + 1 for k in mark) and
+            all(p[k][1] == f"host{DEST}" for k in job["moving"]),
+            600, "every rank done a round more, host2's on host3")
+        print(f"job {job['name']}: progress when moved: {mark}, later: {after}", flush=True)
+    for job in jobs:
+        run_ok(1, f"touch {job['stop']}")
+    for job in jobs:
+        ended(job, LAB.wait(1, job["handle"], 900))
+    check(LAB.run(MOVING, "pgrep -x 'orted|mpi_verify'").rc != 0,
+          "a part of a job is left on host2")
+    # host2's next daemon start (here: a collection) drops the leases whose
+    # addresses left with their daemons.
+    run_ok(MOVING, "/usr/local/lib/rdmavirt/rdmavirt-mpi-orted --gc")
+    left = [j["lease"] for j in jobs if j["lease"] in leases(MOVING)]
+    check(not left, "host2 still holds leases of addresses that left it", left)
+
+
+def moved_tree(job, rep):
+    """The report of the move of `job`'s tree, and where its parts are."""
+    name = job["name"]
+    migration_tests.check_report(rep, f"drain of host2's orted tree of job {name}")
+    check(rep.get("addresses") == [f"{job['lease']}/24"],
+          f"job {name}: the drain moved orted's tree without its address", rep)
+    unchanged = int(rep.get("registered_pages_unchanged", 0))
+    marked = int(rep.get("registered_pages_marked", 0))
+    check(unchanged > marked, f"job {name}: the release marked most registered pages for the "
+          "final dump, though the pre-copy had sent them", rep)
+    parts = [("orted", job["orted"])] + [(f"rank {k}", v) for k, v in job["moving"].items()]
+    for what, pid in parts:
+        check(LAB.run(DEST, f"kill -0 {pid}").rc == 0, f"job {name}: {what} does not run on host3")
+        check(LAB.run(MOVING, f"kill -0 {pid}").rc != 0, f"job {name}: {what} still on host2")
+    address = f"{job['lease']}/32"
+    check(LAB.run(DEST, f"ip -o addr show to {address} | grep -q .").rc == 0 and
+          LAB.run(MOVING, f"ip -o addr show to {address} | grep -q .").rc != 0,
+          f"job {name}: {job['lease']} did not move from host2 to host3 with orted")
+    b = rep["breakdown"]
+    print(f"job {name}: registered pages: {marked} in the final dump, {unchanged} held unchanged "
+          f"from the pre-copy; final dump {int(rep.get('final_bytes', 0)) / 2**20:.0f} MiB; "
+          f"blackout {int(b['blackout_us']) / 1e6:.1f} s, reconnect "
+          f"{int(b['reconnect_us']) / 1e6:.1f} s, whole move {int(b['total_us']) / 1e6:.1f} s",
+          flush=True)
+
+
+def ended(job, result):
+    """`job`'s end: exit 0 and its verdict."""
+    name = job["name"]
+    lines = [l for l in result.out.splitlines() if l.startswith("{")]
+    check(result.rc == 0 and len(lines) == 1, f"job {name} failed after the move", result)
+    v = json.loads(lines[0])
+    check(v["verdict"] == "ok" and v["errors"] == 0, f"job {name}: corrupt data after the move", v)
+    check(v["hosts"] == job["ends_on"], f"job {name}: the ranks did not end where they should", v)
+    check(v["shimmed_ranks"] == job["np"], f"job {name}: not every rank had the shim", v)
+    # UCX removes its fds from its epoll set at the end: the fds the
+    # release closed must be back in it (shim/migration/epoll_regs.h).
+    epoll = re.findall(r".*epoll_ctl.*", result.out + result.err)
+    check(not epoll, f"job {name}: UCX's epoll set lost fds across the move", epoll[:3])
+    print(f"job {name}: {v['rounds']} rounds, {v['bytes_verified']} bytes verified, "
+          f"{v['seconds']:.0f} s; longest round per rank {v['longest_round_seconds']} s",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ packages=(
   # and sshd for the launch (started only inside lab hosts); arping for
   # the service addresses of MPI daemons (tools/mpi/rdmavirt-mpi-orted)
   openmpi-bin libopenmpi-dev netpipe-openmpi openssh-server iputils-arping
+  # an MPI program nobody here wrote, moved in the lab: HPC Challenge
+  hpcc
   # UCX's own benchmark (ucx_perftest), moved in the lab with UCP's default
   # configuration
   ucx-utils

@@ -177,8 +177,7 @@ def drained_jobs(jobs):
 
 def started_on_host2(job):
     """Once every rank of `job` has done a round: its ranks on host2
-    {rank: pid}, their orted, and the address orted's connection to
-    mpirun is on, which must be a lease of host2's pool."""
+    {rank: pid} (job["moving"]) and host2's part of it (on_host2)."""
     np = job["np"]
     before = wait_progress(job, lambda p: len(p) == np and min(r for r, _, _ in p.values()) >= 1,
                            300, "every rank done a round")
@@ -186,6 +185,13 @@ def started_on_host2(job):
                      if host == f"host{MOVING}"}
     check(sorted(job["moving"]) == job["on_host2"],
           f"job {job['name']}: ranks not on host2 as asked", before)
+    on_host2(job)
+
+
+def on_host2(job):
+    """The orted of `job`'s ranks on host2 (job["moving"]), without the
+    shim, and the address its connection to mpirun is on, which must be a
+    lease of host2's pool."""
     parents = {int(run_ok(MOVING, f"ps -o ppid= -p {pid}").out) for pid in job["moving"].values()}
     check(len(parents) == 1, f"job {job['name']}: host2's ranks have more than one parent",
           parents)
@@ -212,6 +218,25 @@ def started_on_host2(job):
 def drain_while_running(jobs):
     for job in jobs:
         started_on_host2(job)
+    at_move = drain_host2(jobs, mpi.rank_progress)
+    for job in jobs:
+        mark = at_move[job["name"]]
+        after = wait_progress(
+            job, lambda p: all(p[k][0] >= mark[k][0] + 1 for k in mark) and
+            all(p[k][1] == f"host{DEST}" for k in job["moving"]),
+            600, "every rank done a round more, host2's on host3")
+        print(f"job {job['name']}: progress when moved: {mark}, later: {after}", flush=True)
+    for job in jobs:
+        run_ok(1, f"touch {job['stop']}")
+    for job in jobs:
+        ended(job, LAB.wait(1, job["handle"], 900))
+    host2_left(jobs, "mpi_verify")
+
+
+def drain_host2(jobs, progress):
+    """host2 drained while `jobs` run (on_host2 done for each): each
+    job's orted tree moved as one, with its lease (moved_tree); returns
+    {job name: progress(LAB, job["progress"]) once its tree moved}."""
     check(len({j["lease"] for j in jobs}) == len(jobs), "two jobs' daemons share an address",
           [j["lease"] for j in jobs])
     # host2 drained as an operator would: the ranks found under the shim
@@ -236,19 +261,14 @@ def drain_while_running(jobs):
         rep = reports.get(job["orted"])
         check(rep is not None, f"job {job['name']}: no move of its orted tree", drained)
         moved_tree(job, rep)
-        at_move[job["name"]] = mpi.rank_progress(LAB, job["progress"])
-    for job in jobs:
-        mark = at_move[job["name"]]
-        after = wait_progress(
-            job, lambda p: all(p[k][0] >= mark[k][0] + 1 for k in mark) and
-            all(p[k][1] == f"host{DEST}" for k in job["moving"]),
-            600, "every rank done a round more, host2's on host3")
-        print(f"job {job['name']}: progress when moved: {mark}, later: {after}", flush=True)
-    for job in jobs:
-        run_ok(1, f"touch {job['stop']}")
-    for job in jobs:
-        ended(job, LAB.wait(1, job["handle"], 900))
-    check(LAB.run(MOVING, "pgrep -x 'orted|mpi_verify'").rc != 0,
+        at_move[job["name"]] = progress(LAB, job["progress"])
+    return at_move
+
+
+def host2_left(jobs, program):
+    """Nothing of `jobs` (orted, ranks running `program`) left on host2,
+    nor any lease of theirs."""
+    check(LAB.run(MOVING, f"pgrep -x 'orted|{program}'").rc != 0,
           "a part of a job is left on host2")
     # host2's next daemon start (here: a collection) drops the leases whose
     # addresses left with their daemons.
@@ -299,6 +319,103 @@ def ended(job, result):
     print(f"job {name}: {v['rounds']} rounds, {v['bytes_verified']} bytes verified, "
           f"{v['seconds']:.0f} s; longest round per rank {v['longest_round_seconds']} s",
           flush=True)
+
+
+# HPC Challenge (Debian's hpcc), an MPI program nobody here wrote: HPL
+# solves a dense linear system, PTRANS transposes a matrix, RandomAccess
+# updates a table spread over the ranks, then FFT, STREAM, DGEMM and the
+# ranks' latency and bandwidth; hpcc checks each result itself (HPL's and
+# PTRANS's residuals, RandomAccess's table, STREAM's arrays, FFT's error)
+# and ends its summary with Success=1 only if all passed. HPL's order sets
+# the size of every part (RandomAccess's table, PTRANS's matrix): large
+# enough that the job still runs when the drain is done.
+HPCC_N = 2000
+HPCC_DIR = f"{MOVE_DIR}/hpcc"  # the job's directory: hpccinf.txt, hpccoutf.txt
+HPCC_EXAMPLE = "/usr/share/doc/hpcc/examples/_hpccinf.txt"
+
+
+def hpcc_output(lab, directory):
+    try:
+        with open(os.path.join(lab.shared, directory[len("/lab/"):], "hpccoutf.txt")) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def hpcc_sections(lab, directory):
+    """The parts of hpcc's run begun so far, in order."""
+    return re.findall(r"^Begin of (\w+) section\.$", hpcc_output(lab, directory), re.M)
+
+
+@lab_test
+def hpcc_checks_its_own_results_after_a_host_of_it_is_moved():
+    """hpcc with 4 ranks (host1: rank 0 and mpirun; host2: orted, ranks 1
+    and 2; host3: orted, rank 3), started with the stock mpirun on hosts
+    set up by `rdmavirt-install host --mpi`. Once its first MPI part runs,
+    host2 is drained: its orted tree moves to host3 as one, and hpcc runs
+    on to its end there, its own checks passed."""
+    hosts = [1, 2, 3]
+    migrators.daemons_up()
+    mpi.stop_job(LAB, hosts)
+    local = os.path.join(LAB.shared, HPCC_DIR[len("/lab/"):])
+    shutil.rmtree(local, ignore_errors=True)
+    os.makedirs(local)
+    with open(HPCC_EXAMPLE) as f:
+        lines = f.read().splitlines()
+    check(lines[5].split()[1:] == ["Ns"], f"{HPCC_EXAMPLE}: line 6 is not HPL's order", lines[5])
+    lines[5] = f"{HPCC_N:<13}Ns"
+    with open(os.path.join(local, "hpccinf.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    job = {"name": "hpcc", "np": 4, "progress": HPCC_DIR}
+    try:
+        mpi.install_mpi(LAB, BUILD, hosts, migrators.SOCK, UCX_TUNING)
+        script = mpi.stock_script({1: 1, 2: 2, 3: 1}, 4, ["hpcc"], timeout=2000)
+        job["handle"] = LAB.submit(1, f"cd {HPCC_DIR} && {script}", 2100)
+        try:
+            held, _ = mpi.wait_progress(LAB, HPCC_DIR, lambda parts: "MPIRandomAccess" in parts,
+                                        300, progress=hpcc_sections)
+            check(held, "hpcc did not begin its first MPI part in 300 s",
+                  hpcc_output(LAB, HPCC_DIR)[-2000:])
+            job["moving"] = {}
+            for pid in map(int, run_ok(MOVING, "pgrep -x hpcc").out.split()):
+                env = run_ok(MOVING, f"tr '\\0' '\\n' < /proc/{pid}/environ").out
+                rank = re.search(r"^OMPI_COMM_WORLD_RANK=(\d+)$", env, re.M)
+                check(rank is not None, f"hpcc {pid} on host2 names no rank", env[-500:])
+                job["moving"][int(rank.group(1))] = pid
+            check(sorted(job["moving"]) == [1, 2], "hpcc's ranks 1 and 2 are not on host2",
+                  job["moving"])
+            on_host2(job)
+            at_move = drain_host2([job], hpcc_sections)["hpcc"]
+            result = LAB.wait(1, job["handle"], 1500)
+        finally:
+            LAB.kill(1, job["handle"])
+        out = hpcc_output(LAB, HPCC_DIR)
+        parts = hpcc_sections(LAB, HPCC_DIR)
+        print(f"hpcc: {len(at_move)} of its {len(parts)} parts begun when moved "
+              f"({at_move[-1]}); exit {result.rc}", flush=True)
+        check(result.rc == 0 and "End of HPC Challenge tests." in out, "hpcc did not end", result,
+              out[-3000:])
+        check(len(parts) > len(at_move), "hpcc had ended its last part when moved", at_move)
+        hpcc_passed(out)
+        host2_left([job], "hpcc")
+    finally:
+        mpi.stop_job(LAB, hosts)
+        mpi.uninstall_mpi(LAB, hosts)
+
+
+def hpcc_passed(out):
+    """hpcc's own verdicts in its output `out`: every check it made passed."""
+    check(re.search(r"^Success=1$", out, re.M) and re.search(r"^CommWorldProcs=4$", out, re.M),
+          "hpcc's summary does not say Success=1 for 4 ranks", out[-3000:])
+    failed = [int(n) for n in re.findall(r"(\d+) tests completed and failed residual", out)]
+    passed = [int(n) for n in re.findall(r"(\d+) tests completed and passed residual", out)]
+    check(len(failed) == 2 and not any(failed) and len(passed) == 2 and all(passed),
+          "PTRANS's or HPL's residual checks did not all pass", failed, passed)
+    found = re.findall(r"^Found \d+ errors in \d+ locations \((\w+)\)\.$", out, re.M)
+    check(len(found) >= 4 and set(found) == {"passed"}, "RandomAccess's checks did not pass",
+          found)
+    check(len(re.findall(r"^Solution Validates", out, re.M)) >= 2 and "Failed Validation"
+          not in out, "STREAM's checks did not pass")
 
 
 if __name__ == "__main__":

@@ -122,13 +122,14 @@ def rank_progress(lab, directory):
     return found
 
 
-def wait_progress(lab, directory, condition, timeout, job=None):
-    """Polls rank_progress until condition(progress) holds; returns
-    (True, progress), or (False, the last progress seen) after `timeout`
-    seconds or once hosts[0]'s `job` has ended."""
+def wait_progress(lab, directory, condition, timeout, job=None, progress=rank_progress):
+    """Polls progress(lab, directory) (by default rank_progress) until
+    condition(progress) holds; returns (True, progress), or (False, the
+    last progress seen) after `timeout` seconds or once hosts[0]'s `job`
+    has ended."""
     end = time.monotonic() + timeout
     while True:
-        seen = rank_progress(lab, directory)
+        seen = progress(lab, directory)
         if condition(seen):
             return True, seen
         if time.monotonic() > end or (job is not None and lab.done(1, job)):
@@ -139,7 +140,7 @@ def wait_progress(lab, directory, condition, timeout, job=None):
 def stop_job(lab, hosts):
     """Whatever is left of a job on `hosts`, gone."""
     for n in hosts:
-        lab.run(n, "pkill -x mpirun; pkill -x orted; pkill -x mpi_verify; true", timeout=30)
+        lab.run(n, "pkill -x mpirun; pkill -x orted; pkill -x mpi_verify; pkill -x hpcc; true", timeout=30)
 
 
 # Hosts set up as an operator would (docs/mpi.md): `rdmavirt-install

@@ -31,6 +31,9 @@ packages=(
   openmpi-bin libopenmpi-dev netpipe-openmpi openssh-server iputils-arping
   # an MPI program nobody here wrote, moved in the lab: HPC Challenge
   hpcc
+  # MPICH (Hydra, ch4 over UCX) beside Open MPI, which keeps the higher
+  # priority of Debian's mpirun and mpicc alternatives
+  mpich libmpich-dev
   # UCX's own benchmark (ucx_perftest), moved in the lab with UCP's default
   # configuration
   ucx-utils

@@ -18,10 +18,14 @@ HOSTS = [1, 2]
 VERIFY = f"{BUILD}/tests/apps/mpi_verify"
 
 
-def mpirun(np, program, shim, timeout=300):
+VERIFY_MPICH = f"{BUILD}/tests/apps/mpi_verify_mpich"
+
+
+def mpirun(np, program, shim, timeout=300, launcher="openmpi"):
     """Runs the job from host1; returns (result, packets rxe0 carried on
     each host meanwhile)."""
-    r, packets = mpi.run_job(LAB, HOSTS, np, program, shim=shim, build=BUILD, timeout=timeout)
+    r, packets = mpi.run_job(LAB, HOSTS, np, program, shim=shim, build=BUILD, timeout=timeout,
+                             launcher=launcher)
     return r, {n: sent + rcvd for n, (sent, rcvd) in packets.items()}
 
 
@@ -31,10 +35,12 @@ def verdict(r):
     return json.loads(lines[0])
 
 
-def verify_job(shim):
+def verify_job(shim, launcher="openmpi"):
     """Four ranks, two per host: shared memory within a host, RC over
     rxe0 between them; every byte checked by the program itself."""
-    r, packets = mpirun(4, [VERIFY, "--rounds", "2", "--max-bytes", "262144"], shim)
+    program = VERIFY_MPICH if launcher == "mpich" else VERIFY
+    r, packets = mpirun(4, [program, "--rounds", "2", "--max-bytes", "262144"], shim,
+                        launcher=launcher)
     check(r.rc == 0, f"the job failed (shim {shim})", r)
     v = verdict(r)
     check(v["verdict"] == "ok" and v["errors"] == 0, f"corrupt data (shim {shim})", v)
@@ -51,9 +57,9 @@ def verify_job(shim):
     return v
 
 
-def both_agree(shim):
-    native = verify_job("none")
-    shimmed = verify_job(shim)
+def both_agree(shim, launcher="openmpi"):
+    native = verify_job("none", launcher)
+    shimmed = verify_job(shim, launcher)
     check(shimmed["bytes_verified"] == native["bytes_verified"],
           "the shim changed what the job did", native, shimmed)
 
@@ -66,6 +72,17 @@ def mpi_job_verifies_every_byte_natively_and_under_the_shim():
 @lab_test
 def mpi_job_verifies_every_byte_under_the_shim_in_offset_mode():
     verify_job("offset")
+
+
+@lab_test
+def mpich_job_verifies_every_byte_natively_and_under_the_shim_in_both_modes():
+    """mpi_verify built against MPICH (ch4 over UCX), launched by Hydra:
+    the same job natively and under the shim, default and offset."""
+    native = verify_job("none", "mpich")
+    for mode in ("default", "offset"):
+        shimmed = verify_job(mode, "mpich")
+        check(shimmed["bytes_verified"] == native["bytes_verified"],
+              f"the shim ({mode}) changed what the MPICH job did", native, shimmed)
 
 
 @lab_test

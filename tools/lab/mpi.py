@@ -64,6 +64,34 @@ def mpirun_script(hosts, np, program, shim="none", build=None, extra_env=None,
     `np` ranks over `hosts` (ranks filled host by host, `slots` each, or
     slots[n] on host n if `slots` is a dict), with every setting on the
     command line."""
+    per_host, env = _placement_and_env(hosts, np, shim, build, extra_env, slots)
+    args = ["timeout", str(timeout), "mpirun", "--allow-run-as-root",
+            "--host", ",".join(f"host{n}:{per_host[n]}" for n in hosts), "-np", str(np)]
+    args += MCA
+    for k, v in env.items():
+        args += ["-x", f"{k}={v}"]
+    return " ".join(shlex.quote(a) for a in args + list(program))
+
+
+def mpich_script(hosts, np, program, shim="none", build=None, extra_env=None,
+                 slots=None, timeout=600):
+    """As mpirun_script, with Debian's MPICH (ch4 over UCX): Hydra's
+    mpiexec starts its proxies over ssh, its own TCP on eth0 (-iface), the
+    ranks' environment (UCX_ENV, the shim) as -genv."""
+    per_host, env = _placement_and_env(hosts, np, shim, build, extra_env, slots)
+    args = ["timeout", str(timeout), "mpiexec.mpich", "-launcher", "ssh", "-iface", "eth0",
+            "-hosts", ",".join(f"host{n}:{per_host[n]}" for n in hosts), "-np", str(np)]
+    for k, v in env.items():
+        args += ["-genv", k, v]
+    return " ".join(shlex.quote(a) for a in args + list(program))
+
+
+LAUNCHERS = {"openmpi": mpirun_script, "mpich": mpich_script}
+
+
+def _placement_and_env(hosts, np, shim, build, extra_env, slots):
+    """{host: ranks} (filled host by host, `slots` each, or slots[n] on
+    host n if a dict) and the ranks' environment."""
     if shim not in SHIM_MODES:
         raise MpiError(f"shim mode {shim!r}: one of {', '.join(SHIM_MODES)}")
     if isinstance(slots, dict):
@@ -75,12 +103,7 @@ def mpirun_script(hosts, np, program, shim="none", build=None, extra_env=None,
         env["LD_PRELOAD"] = f"{build}/shim/librdmavirt.so"
         env["RDMAVIRT_ID_MODE"] = shim
     env.update(extra_env or {})
-    args = ["timeout", str(timeout), "mpirun", "--allow-run-as-root",
-            "--host", ",".join(f"host{n}:{per_host[n]}" for n in hosts), "-np", str(np)]
-    args += MCA
-    for k, v in env.items():
-        args += ["-x", f"{k}={v}"]
-    return " ".join(shlex.quote(a) for a in args + list(program))
+    return per_host, env
 
 
 def rxe_packets(lab, n):
@@ -93,12 +116,13 @@ def rxe_packets(lab, n):
     return int(sent.group(1)), int(rcvd.group(1))
 
 
-def run_job(lab, hosts, np, program, shim="none", build=None, timeout=600):
-    """Runs an MPI job from hosts[0] (sshd started first); returns its
-    Result and, per host, the packets rxe0 sent and received meanwhile."""
+def run_job(lab, hosts, np, program, shim="none", build=None, timeout=600, launcher="openmpi"):
+    """Runs an MPI job from hosts[0] (sshd started first) with Open MPI's
+    mpirun or MPICH's mpiexec (LAUNCHERS); returns its Result and, per
+    host, the packets rxe0 sent and received meanwhile."""
     ssh_up(lab, hosts)
     before = {n: rxe_packets(lab, n) for n in hosts}
-    script = mpirun_script(hosts, np, program, shim=shim, build=build, timeout=timeout)
+    script = LAUNCHERS[launcher](hosts, np, program, shim=shim, build=build, timeout=timeout)
     r = lab.run(hosts[0], script, timeout=timeout + 30)
     packets = {}
     for n in hosts:
@@ -140,7 +164,9 @@ def wait_progress(lab, directory, condition, timeout, job=None, progress=rank_pr
 def stop_job(lab, hosts):
     """Whatever is left of a job on `hosts`, gone."""
     for n in hosts:
-        lab.run(n, "pkill -x mpirun; pkill -x orted; pkill -x mpi_verify; pkill -x hpcc; true", timeout=30)
+        lab.run(n, "pkill -x mpirun; pkill -x orted; pkill -x mpiexec.hydra; "
+                   "pkill -x hydra_pmi_proxy; pkill -x hpcc; pkill -x mpi_verify; "
+                   "pkill -f '^[^ ]*/mpi_verify_mpich '; true", timeout=30)
 
 
 # Hosts set up as an operator would (docs/mpi.md): `rdmavirt-install

@@ -133,6 +133,10 @@ JOBS = [
     {"name": "B", "slots": {1: 1, 2: 1}, "np": 2, "max_bytes": 65536, "on_host2": [1],
      "ends_on": ["host1", "host3"]},
 ]
+# Each launcher's daemon on the hosts other than the launch's, whose tree
+# a drain moves, and the program its job runs.
+DAEMONS = {"openmpi": "orted", "mpich": "hydra_pmi_proxy"}
+PROGRAMS = {"openmpi": VERIFY, "mpich": VERIFY_MPICH}
 
 
 @lab_test
@@ -158,6 +162,16 @@ def two_mpi_jobs_on_a_drained_host_run_to_their_end():
     drained_jobs(JOBS)
 
 
+@lab_test
+def an_mpich_job_runs_to_its_end_while_a_host_of_it_is_moved():
+    """Job A of JOBS with MPICH (Hydra's mpiexec, ch4 over UCX), started
+    with the stock mpiexec.mpich on hosts set up by `rdmavirt-install host
+    --mpi` (Hydra's own configuration file): host2 is drained mid-run, its
+    hydra_pmi_proxy tree moves to host3 as one with the proxy's leased
+    address, and the job ends with every byte verified."""
+    drained_jobs([dict(JOBS[0], launcher="mpich")])
+
+
 def drained_jobs(jobs):
     hosts = [1, 2, 3]
     migrators.daemons_up()
@@ -174,13 +188,18 @@ def drained_jobs(jobs):
             check("configuring /etc/openmpi/openmpi-mca-params.conf" in out and
                   "configuring /etc/ucx/ucx.conf" in out and "done: host, with MPI" in out,
                   f"host{n}: rdmavirt-install --mpi did not configure Open MPI and UCX", out)
+            check(all(j.get("launcher") != "mpich" for j in jobs) or
+                  "configuring /usr/etc/mpiexec.hydra.conf" in out,
+                  f"host{n}: rdmavirt-install --mpi did not configure MPICH's Hydra", out)
         try:
             for job in jobs:
+                launcher = job.setdefault("launcher", "openmpi")
                 script = mpi.stock_script(
                     job["slots"], job["np"],
-                    [VERIFY, "--rounds", "3", "--until-file", job["stop"], "--seconds", "1800",
-                     "--max-bytes", str(job["max_bytes"]), "--progress", job["progress"]],
-                    timeout=2000)
+                    [PROGRAMS[launcher], "--rounds", "3", "--until-file", job["stop"],
+                     "--seconds", "1800", "--max-bytes", str(job["max_bytes"]),
+                     "--progress", job["progress"]],
+                    timeout=2000, launcher=launcher)
                 job["handle"] = LAB.submit(1, f"cd /tmp && {script}", 2100)
             drain_while_running(jobs)
         finally:
@@ -206,29 +225,30 @@ def started_on_host2(job):
 
 
 def on_host2(job):
-    """The orted of `job`'s ranks on host2 (job["moving"]), without the
-    shim, and the address its connection to mpirun is on, which must be a
-    lease of host2's pool."""
+    """The daemon (orted, hydra_pmi_proxy) of `job`'s ranks on host2
+    (job["moving"]), without the shim, and the address its connection to
+    mpirun (mpiexec) is on, which must be a lease of host2's pool."""
+    daemon = DAEMONS[job.setdefault("launcher", "openmpi")]
     parents = {int(run_ok(MOVING, f"ps -o ppid= -p {pid}").out) for pid in job["moving"].values()}
     check(len(parents) == 1, f"job {job['name']}: host2's ranks have more than one parent",
           parents)
     orted = parents.pop()
-    check(run_ok(MOVING, f"cat /proc/{orted}/comm").out.strip() == "orted",
-          f"job {job['name']}: host2's ranks are not orted's children")
+    check(run_ok(MOVING, f"cat /proc/{orted}/comm").out.strip() == daemon,
+          f"job {job['name']}: host2's ranks are not {daemon}'s children")
     check(LAB.run(MOVING, f"grep -q librdmavirt /proc/{orted}/maps").rc != 0,
-          "orted runs under the shim: the shim's setting reached more than the ranks")
+          f"{daemon} runs under the shim: the shim's setting reached more than the ranks")
     # (a lease of an earlier job may still wait out its idle minute beside it)
     ss = run_ok(MOVING, "ss -Htnp state established").out
     local = {line.split()[2].rsplit(":", 1)[0] for line in ss.splitlines()
              if f"pid={orted}," in line}
     lease = [a for a in leases(MOVING) if a in local]
     check(len(lease) == 1 and f"{lease[0]}/24" in mpi.pool(MOVING),
-          f"job {job['name']}: orted's connection to mpirun is not on a lease of host2's pool",
+          f"job {job['name']}: {daemon}'s connection to mpirun is not on a lease of host2's pool",
           local, leases(MOVING))
     job["orted"] = orted
     job["lease"] = lease[0]
     ranks = sorted(job["moving"].values())
-    job["tree"] = (f"pid {orted} (orted's job tree: ranks {', '.join(map(str, ranks))}; "
+    job["tree"] = (f"pid {orted} ({daemon}'s job tree: ranks {', '.join(map(str, ranks))}; "
                    f"with {lease[0]}/24)")
 
 
@@ -247,7 +267,7 @@ def drain_while_running(jobs):
         run_ok(1, f"touch {job['stop']}")
     for job in jobs:
         ended(job, LAB.wait(1, job["handle"], 900))
-    host2_left(jobs, "mpi_verify")
+    host2_left(jobs)
 
 
 def drain_host2(jobs, progress):
@@ -282,11 +302,14 @@ def drain_host2(jobs, progress):
     return at_move
 
 
-def host2_left(jobs, program):
-    """Nothing of `jobs` (orted, ranks running `program`) left on host2,
-    nor any lease of theirs."""
-    check(LAB.run(MOVING, f"pgrep -x 'orted|{program}'").rc != 0,
-          "a part of a job is left on host2")
+def host2_left(jobs):
+    """Nothing of `jobs` (their daemons and ranks) left on host2, nor any
+    lease of theirs."""
+    pids = [str(p) for j in jobs for p in [j["orted"]] + list(j["moving"].values())]
+    left = [p for p in pids if LAB.run(MOVING, f"kill -0 {p}").rc == 0]
+    check(not left, "a part of a job is left on host2", left)
+    check(LAB.run(MOVING, "pgrep -x 'orted|hydra_pmi_proxy|mpi_verify|hpcc'").rc != 0,
+          "a daemon or rank of an MPI job is left on host2")
     # host2's next daemon start (here: a collection) drops the leases whose
     # addresses left with their daemons.
     run_ok(MOVING, "/usr/local/lib/rdmavirt/rdmavirt-mpi-orted --gc")
@@ -414,7 +437,7 @@ def hpcc_checks_its_own_results_after_a_host_of_it_is_moved():
               out[-3000:])
         check(len(parts) > len(at_move), "hpcc had ended its last part when moved", at_move)
         hpcc_passed(out)
-        host2_left([job], "hpcc")
+        host2_left([job])
     finally:
         mpi.stop_job(LAB, hosts)
         mpi.uninstall_mpi(LAB, hosts)

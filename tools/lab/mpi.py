@@ -230,11 +230,15 @@ ip rule show | awk '/lookup 71[0-9][0-9]/ {{sub(":", "", $1); print $1}}' |
 rm -rf {SAVED} /run/rdmavirt/mpi; [ -L /run/rdmavirt ] && rm /run/rdmavirt; true""", timeout=60)
 
 
-def stock_script(slots, np, program, timeout):
+def stock_script(slots, np, program, timeout, launcher="openmpi"):
     """The user's command on a host set up by install_mpi: a stock mpirun
     with `np` ranks, slots[n] on host n; `--allow-run-as-root` is the one
-    option (the lab runs as root)."""
+    option (the lab runs as root). With MPICH, Debian's mpiexec.mpich and
+    no option."""
     hosts = ",".join(f"host{n}:{k}" for n, k in slots.items())
-    args = ["timeout", str(timeout), "mpirun", "--allow-run-as-root", "-np", str(np),
-            "--host", hosts] + list(program)
+    if launcher == "mpich":
+        start = ["mpiexec.mpich", "-np", str(np), "-hosts", hosts]
+    else:
+        start = ["mpirun", "--allow-run-as-root", "-np", str(np), "--host", hosts]
+    args = ["timeout", str(timeout)] + start + list(program)
     return " ".join(shlex.quote(a) for a in args)

@@ -54,6 +54,8 @@ def verify_job(shim, launcher="openmpi"):
     # for this job).
     for n, count in packets.items():
         check(count > 1000, f"host{n}'s rxe0 carried only {count} packets", r)
+    print(f"{launcher}, shim {shim}: {v['bytes_verified']} bytes verified, "
+          f"{v['shimmed_ranks']} ranks shimmed, rxe0 packets {packets}", flush=True)
     return v
 
 

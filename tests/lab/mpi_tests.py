@@ -411,8 +411,8 @@ def hpcc_checks_its_own_results_after_a_host_of_it_is_moved():
     job = {"name": "hpcc", "np": 4, "progress": HPCC_DIR}
     try:
         mpi.install_mpi(LAB, BUILD, hosts, migrators.SOCK, UCX_TUNING)
-        script = mpi.stock_script({1: 1, 2: 2, 3: 1}, 4, ["hpcc"], timeout=2000)
-        job["handle"] = LAB.submit(1, f"cd {HPCC_DIR} && {script}", 2100)
+        script = mpi.stock_script({1: 1, 2: 2, 3: 1}, 4, ["hpcc"], timeout=2500)
+        job["handle"] = LAB.submit(1, f"cd {HPCC_DIR} && {script}", 2550)
         try:
             held, _ = mpi.wait_progress(LAB, HPCC_DIR, lambda parts: "MPIRandomAccess" in parts,
                                         300, progress=hpcc_sections)
@@ -428,7 +428,7 @@ def hpcc_checks_its_own_results_after_a_host_of_it_is_moved():
                   job["moving"])
             on_host2(job)
             at_move = drain_host2([job], hpcc_sections)["hpcc"]
-            result = LAB.wait(1, job["handle"], 1500)
+            result = LAB.wait(1, job["handle"], 2400)
         finally:
             LAB.kill(1, job["handle"])
         out = hpcc_output(LAB, HPCC_DIR)

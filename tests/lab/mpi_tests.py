@@ -38,8 +38,7 @@ def verdict(r):
 def verify_job(shim, launcher="openmpi"):
     """Four ranks, two per host: shared memory within a host, RC over
     rxe0 between them; every byte checked by the program itself."""
-    program = VERIFY_MPICH if launcher == "mpich" else VERIFY
-    r, packets = mpirun(4, [program, "--rounds", "2", "--max-bytes", "262144"], shim,
+    r, packets = mpirun(4, [PROGRAMS[launcher], "--rounds", "2", "--max-bytes", "262144"], shim,
                         launcher=launcher)
     check(r.rc == 0, f"the job failed (shim {shim})", r)
     v = verdict(r)

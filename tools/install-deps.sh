@@ -29,8 +29,9 @@ packages=(
   # and sshd for the launch (started only inside lab hosts); arping for
   # the service addresses of MPI daemons (tools/mpi/rdmavirt-mpi-orted)
   openmpi-bin libopenmpi-dev netpipe-openmpi openssh-server iputils-arping
-  # an MPI program nobody here wrote, moved in the lab: HPC Challenge
-  hpcc
+  # an MPI program nobody here wrote, moved in the lab: ScaLAPACK's own
+  # test of its LU solver (xdlu: each solution checked by its residual)
+  scalapack-mpi-test scalapack-test-common
   # MPICH (Hydra, ch4 over UCX) beside Open MPI, which keeps the higher
   # priority of Debian's mpirun and mpicc alternatives
   mpich libmpich-dev

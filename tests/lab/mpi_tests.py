@@ -309,7 +309,7 @@ def host2_left(jobs):
     pids = [str(p) for j in jobs for p in [j["orted"]] + list(j["moving"].values())]
     left = [p for p in pids if LAB.run(MOVING, f"kill -0 {p}").rc == 0]
     check(not left, "a part of a job is left on host2", left)
-    check(LAB.run(MOVING, "pgrep -x 'orted|hydra_pmi_proxy|mpi_verify|hpcc'").rc != 0,
+    check(LAB.run(MOVING, "pgrep -x 'orted|hydra_pmi_proxy|mpi_verify|xdlu'").rc != 0,
           "a daemon or rank of an MPI job is left on host2")
     # host2's next daemon start (here: a collection) drops the leases whose
     # addresses left with their daemons.
@@ -362,102 +362,127 @@ def ended(job, result):
           flush=True)
 
 
-# HPC Challenge (Debian's hpcc), an MPI program nobody here wrote: HPL
-# solves a dense linear system, PTRANS transposes a matrix, RandomAccess
-# updates a table spread over the ranks, then FFT, STREAM, DGEMM and the
-# ranks' latency and bandwidth; hpcc checks each result itself (HPL's and
-# PTRANS's residuals, RandomAccess's table, STREAM's arrays, FFT's error)
-# and ends its summary with Success=1 only if all passed. HPL's order sets
-# the size of every part (RandomAccess's table, PTRANS's matrix): large
-# enough that the job still runs when the drain is done.
-HPCC_N = 2000
-HPCC_DIR = f"{MOVE_DIR}/hpcc"  # the job's directory: hpccinf.txt, hpccoutf.txt
-HPCC_EXAMPLE = "/usr/share/doc/hpcc/examples/_hpccinf.txt"
+# ScaLAPACK's own test of its LU solver (Debian's scalapack-mpi-test:
+# xdlu, built against Open MPI), an MPI program nobody here wrote. For
+# each problem of its input file, LU.dat, it spreads a random matrix over
+# a grid of the ranks, factors it (PDGETRF), solves (PDGETRS), refines
+# the solution and estimates the condition (PDGERFS, PDGECON), checks the
+# residual itself and prints PASSED or FAILED for that problem; it ends
+# with a count of each and "END OF TESTS.". The problems below, LU_TOTAL
+# of them on two grids of the 4 ranks, take about 10 minutes on TCG hosts
+# (15 to 25 s each at orders 40 and 80): the drain, begun after the 4th,
+# is done by about the 10th.
+SCALAPACK = "/usr/lib/x86_64-linux-gnu/scalapack/openmpi-tests/xdlu"
+LU_DIR = f"{MOVE_DIR}/scalapack"  # the job's directory: LU.dat, and its output
+LU_SIZES = [40, 80, 120]
+LU_BLOCKS = [8, 32]
+LU_RHS = [1, 4]
+LU_GRIDS = [(2, 2), (1, 4)]
+LU_TOTAL = len(LU_SIZES) * len(LU_BLOCKS) * len(LU_RHS) * len(LU_GRIDS)
 
 
-def hpcc_output(lab, directory):
+def lu_input():
+    """LU.dat, in the layout of /usr/share/scalapack/LU.dat: each value's
+    line, then what it is (xdlu reads the first fields of each line)."""
+    def row(values, what):
+        return f"{' '.join(map(str, values)):<23} {what}"
+    return "\n".join([
+        "'ScaLAPACK LU factorization, moved mid-run'", "'rdmavirt lab'",
+        "'LU.out'                output file name (if any)",
+        row([6], "device out"),
+        row([len(LU_SIZES)], "number of problems sizes"),
+        row(LU_SIZES, "values of M"), row(LU_SIZES, "values of N"),
+        row([len(LU_BLOCKS)], "number of NB's"), row(LU_BLOCKS, "values of NB"),
+        row([len(LU_RHS)], "number of NRHS's"), row(LU_RHS, "values of NRHS"),
+        row([1], "Number of NBRHS's"), row([4], "values of NBRHS"),
+        row([len(LU_GRIDS)], "number of process grids (ordered pairs of P & Q)"),
+        row([p for p, _ in LU_GRIDS], "values of P"), row([q for _, q in LU_GRIDS], "values of Q"),
+        row(["1.0"], "threshold"),
+        row(["T"], "(T or F) Test Cond. Est. and Iter. Ref. Routines"), ""])
+
+
+def lu_output(lab, directory):
     try:
-        with open(os.path.join(lab.shared, directory[len("/lab/"):], "hpccoutf.txt")) as f:
+        with open(os.path.join(lab.shared, directory[len("/lab/"):], "xdlu.out")) as f:
             return f.read()
     except FileNotFoundError:
         return ""
 
 
-def hpcc_sections(lab, directory):
-    """The parts of hpcc's run begun so far, in order."""
-    return re.findall(r"^Begin of (\w+) section\.$", hpcc_output(lab, directory), re.M)
+def lu_checked(lab, directory):
+    """The verdicts of the problems xdlu has checked so far, in order."""
+    return re.findall(r"^WALL .* (PASSED|FAILED)\s*$", lu_output(lab, directory), re.M)
 
 
 @lab_test
-def hpcc_checks_its_own_results_after_a_host_of_it_is_moved():
-    """hpcc with 4 ranks (host1: rank 0 and mpirun; host2: orted, ranks 1
-    and 2; host3: orted, rank 3), started with the stock mpirun on hosts
-    set up by `rdmavirt-install host --mpi`. Once its first MPI part runs,
-    host2 is drained: its orted tree moves to host3 as one, and hpcc runs
-    on to its end there, its own checks passed."""
+def scalapack_checks_its_own_results_after_a_host_of_it_is_moved():
+    """ScaLAPACK's xdlu with 4 ranks (host1: rank 0 and mpirun; host2:
+    orted, ranks 1 and 2; host3: orted, rank 3), started with the stock
+    mpirun on hosts set up by `rdmavirt-install host --mpi`. Once it has
+    checked its first problems, host2 is drained: its orted tree moves to
+    host3 as one, and xdlu goes on there to its last problem, each
+    solution checked by xdlu itself."""
     hosts = [1, 2, 3]
     migrators.daemons_up()
     mpi.stop_job(LAB, hosts)
-    local = os.path.join(LAB.shared, HPCC_DIR[len("/lab/"):])
+    local = os.path.join(LAB.shared, LU_DIR[len("/lab/"):])
     shutil.rmtree(local, ignore_errors=True)
     os.makedirs(local)
-    with open(HPCC_EXAMPLE) as f:
-        lines = f.read().splitlines()
-    check(lines[5].split()[1:] == ["Ns"], f"{HPCC_EXAMPLE}: line 6 is not HPL's order", lines[5])
-    lines[5] = f"{HPCC_N:<13}Ns"
-    with open(os.path.join(local, "hpccinf.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    job = {"name": "hpcc", "np": 4, "progress": HPCC_DIR}
+    with open(os.path.join(local, "LU.dat"), "w") as f:
+        f.write(lu_input())
+    job = {"name": "xdlu", "np": 4, "progress": LU_DIR}
     try:
         mpi.install_mpi(LAB, BUILD, hosts, migrators.SOCK, UCX_TUNING)
-        script = mpi.stock_script({1: 1, 2: 2, 3: 1}, 4, ["hpcc"], timeout=2500)
-        job["handle"] = LAB.submit(1, f"cd {HPCC_DIR} && {script}", 2550)
+        script = mpi.stock_script({1: 1, 2: 2, 3: 1}, 4, [SCALAPACK], timeout=1500)
+        job["handle"] = LAB.submit(1, f"cd {LU_DIR} && {script} > xdlu.out 2>&1", 1550)
         try:
-            held, _ = mpi.wait_progress(LAB, HPCC_DIR, lambda parts: "MPIRandomAccess" in parts,
-                                        300, progress=hpcc_sections)
-            check(held, "hpcc did not begin its first MPI part in 300 s",
-                  hpcc_output(LAB, HPCC_DIR)[-2000:])
-            job["moving"] = {}
-            for pid in map(int, run_ok(MOVING, "pgrep -x hpcc").out.split()):
-                env = run_ok(MOVING, f"tr '\\0' '\\n' < /proc/{pid}/environ").out
-                rank = re.search(r"^OMPI_COMM_WORLD_RANK=(\d+)$", env, re.M)
-                check(rank is not None, f"hpcc {pid} on host2 names no rank", env[-500:])
-                job["moving"][int(rank.group(1))] = pid
-            check(sorted(job["moving"]) == [1, 2], "hpcc's ranks 1 and 2 are not on host2",
+            held, _ = mpi.wait_progress(LAB, LU_DIR, lambda checked: len(checked) >= 4, 300,
+                                        job=job["handle"], progress=lu_checked)
+            check(held, "xdlu did not check its first problems in 300 s",
+                  lu_output(LAB, LU_DIR)[-2000:])
+            job["moving"] = ranks_on(MOVING, "xdlu")
+            check(sorted(job["moving"]) == [1, 2], "xdlu's ranks 1 and 2 are not on host2",
                   job["moving"])
             on_host2(job)
-            at_move = drain_host2([job], hpcc_sections)["hpcc"]
-            result = LAB.wait(1, job["handle"], 2400)
+            at_move = drain_host2([job], lu_checked)["xdlu"]
+            result = LAB.wait(1, job["handle"], 1500)
         finally:
             LAB.kill(1, job["handle"])
-        out = hpcc_output(LAB, HPCC_DIR)
-        parts = hpcc_sections(LAB, HPCC_DIR)
-        print(f"hpcc: {len(at_move)} of its {len(parts)} parts begun when moved "
-              f"({at_move[-1]}); exit {result.rc}", flush=True)
-        check(result.rc == 0 and "End of HPC Challenge tests." in out, "hpcc did not end", result,
-              out[-3000:])
-        check(len(parts) > len(at_move), "hpcc had ended its last part when moved", at_move)
-        hpcc_passed(out)
+        out = lu_output(LAB, LU_DIR)
+        checked = lu_checked(LAB, LU_DIR)
+        print(f"xdlu: {len(at_move)} of its {len(checked)} problems checked when moved; "
+              f"exit {result.rc}", flush=True)
+        check(result.rc == 0 and "END OF TESTS." in out, "xdlu did not end", result, out[-3000:])
+        check(len(at_move) < LU_TOTAL, "xdlu had checked its last problem when moved", at_move)
+        lu_passed(out, checked)
         host2_left([job])
     finally:
         mpi.stop_job(LAB, hosts)
         mpi.uninstall_mpi(LAB, hosts)
 
 
-def hpcc_passed(out):
-    """hpcc's own verdicts in its output `out`: every check it made passed."""
-    check(re.search(r"^Success=1$", out, re.M) and re.search(r"^CommWorldProcs=4$", out, re.M),
-          "hpcc's summary does not say Success=1 for 4 ranks", out[-3000:])
-    failed = [int(n) for n in re.findall(r"(\d+) tests completed and failed residual", out)]
-    passed = [int(n) for n in re.findall(r"(\d+) tests completed and passed residual", out)]
-    check(len(failed) == 2 and not any(failed) and len(passed) == 2 and all(passed),
-          "PTRANS's or HPL's residual checks did not all pass", failed, passed)
-    found = re.findall(r"^Found \d+ errors in \d+ locations \((\w+)\)\.$", out, re.M)
-    check(len(found) >= 4 and set(found) == {"passed"}, "RandomAccess's checks did not pass",
-          found)
-    # (StarSTREAM prints its check; SingleSTREAM prints none)
-    check(len(re.findall(r"^Solution Validates", out, re.M)) == 1 and "Failed Validation"
-          not in out, "STREAM's check did not pass")
+def ranks_on(n, program):
+    """{MPI rank: pid} of `program`'s processes on hostN (Open MPI's
+    OMPI_COMM_WORLD_RANK in each one's environment)."""
+    ranks = {}
+    for pid in map(int, run_ok(n, f"pgrep -x {program}").out.split()):
+        env = run_ok(n, f"tr '\\0' '\\n' < /proc/{pid}/environ").out
+        rank = re.search(r"^OMPI_COMM_WORLD_RANK=(\d+)$", env, re.M)
+        check(rank is not None, f"{program} {pid} on host{n} names no rank", env[-500:])
+        ranks[int(rank.group(1))] = pid
+    return ranks
+
+
+def lu_passed(out, checked):
+    """xdlu's own verdicts in its output `out`: every problem of LU.dat
+    checked and passed (none skipped as illegal input)."""
+    check(len(checked) == LU_TOTAL and set(checked) == {"PASSED"},
+          f"xdlu did not pass all {LU_TOTAL} problems", checked.count("PASSED"),
+          checked.count("FAILED"), out[-3000:])
+    summary = re.search(r"Finished\s+(\d+) tests.*?\n\s+(\d+) tests completed and passed.*?\n"
+                        r"\s+(\d+) tests completed and failed.*?\n\s+(\d+) tests skipped", out)
+    check(summary is not None and [int(g) for g in summary.groups()] == [LU_TOTAL, LU_TOTAL, 0, 0],
+          "xdlu's summary does not say every problem passed", out[-1500:])
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ def stop_job(lab, hosts):
     """Whatever is left of a job on `hosts`, gone."""
     for n in hosts:
         lab.run(n, "pkill -x mpirun; pkill -x orted; pkill -x mpiexec.hydra; "
-                   "pkill -x hydra_pmi_proxy; pkill -x hpcc; pkill -x mpi_verify; "
+                   "pkill -x hydra_pmi_proxy; pkill -x xdlu; pkill -x mpi_verify; "
                    "pkill -f '^[^ ]*/mpi_verify_mpich '; true", timeout=30)
 
 

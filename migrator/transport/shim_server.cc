@@ -11,9 +11,14 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
+#include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "migrator/host/log.h"
 #include "migrator/transport/frame.h"
 
@@ -46,6 +51,23 @@ std::string Dirname(const std::string& path) {
 void SetReceiveTimeout(int fd, absl::Duration d) {
   timeval tv = absl::ToTimeval(d);
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+}
+
+// The pid of process `pid` (of this namespace) in the innermost pid
+// namespace it belongs to (the last field of NSpid in /proc/PID/status);
+// `pid` itself when it shares ours, 0 when it cannot be read.
+pid_t InnermostPid(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (!absl::StartsWith(line, "NSpid:")) continue;
+    const std::vector<absl::string_view> fields =
+        absl::StrSplit(line.substr(6), absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    int inner = 0;
+    if (fields.empty() || !absl::SimpleAtoi(fields.back(), &inner)) return 0;
+    return inner;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -201,7 +223,9 @@ bool ShimServer::Admit(Conn* c) {
         static_cast<int>(h.version()), static_cast<int>(v1::CONTROL_VERSION_V1));
     return false;
   }
-  if (h.pid() != c->cred.pid) {
+  // A process in a pid namespace of its own (a container's) knows its
+  // pid there only.
+  if (h.pid() != c->cred.pid && (h.pid() <= 0 || h.pid() != InnermostPid(c->cred.pid))) {
     Log("shim socket: refused %s: its Hello speaks for pid %d", who, h.pid());
     return false;
   }
@@ -218,7 +242,10 @@ bool ShimServer::Admit(Conn* c) {
     Log("shim socket: refused %s: Hello with a malformed endpoint id or program", who);
     return false;
   }
-  c->info.pid = h.pid();
+  c->info.pid = c->cred.pid;
+  if (h.pid() != c->cred.pid) {
+    Log("shim socket: %s is pid %d in its own pid namespace", who, h.pid());
+  }
   c->info.endpoint_id = h.endpoint_id();
   c->info.program = h.program();
   c->info.phase = h.phase();
@@ -264,6 +291,9 @@ void ShimServer::Serve(std::shared_ptr<Conn> c, Reader* reader) {
     if (msg.reply().has_summary() &&
         msg.reply().summary().phase() != v1::ENDPOINT_PHASE_UNSPECIFIED)
       c->info.phase = msg.reply().summary().phase();
+    // The shim says its pid as it sees it; the migrator speaks of it by
+    // its pid here.
+    if (msg.reply().has_summary()) msg.mutable_reply()->mutable_summary()->set_pid(c->info.pid);
     if (msg.request_id() != 0 && msg.request_id() == c->waiting_id) {
       c->reply = std::move(*msg.mutable_reply());
       c->waiting_id = 0;

@@ -3,10 +3,15 @@
 //
 // A shim connects and says Hello; the server admits it only when the
 // socket's peer credentials (SO_PEERCRED) are those of the process the
-// Hello names (same pid) and its uid is root or the migrator's own, and the
-// Hello is well formed and of a version it speaks. Anything else (a frame
-// over 16 MiB, a truncated or unparsable frame, a wrong version, a pid
-// mismatch) closes the connection, with the reason in the log.
+// Hello names and its uid is root or the migrator's own, and the Hello is
+// well formed and of a version it speaks. The Hello names the process as
+// it sees itself: a process in a pid namespace of its own (a container's)
+// gives its pid there, which must be the innermost of the peer's pids
+// (NSpid in /proc/PID/status). The server knows every shim by its pid in
+// the migrator's namespace, and gives that pid in the summaries the shim
+// replies with. Anything else (a frame over 16 MiB, a truncated or
+// unparsable frame, a wrong version, a pid mismatch) closes the
+// connection, with the reason in the log.
 //
 // One thread accepts, one thread per connection reads; Call() may be used
 // from any thread. Resume markers live in DIR/resume/PID, DIR being the

@@ -1,10 +1,13 @@
 // ShimServer over a real Unix socket, with a fake shim client in the test
-// process (its pid is ours, so SO_PEERCRED matches a Hello that says so).
+// process (its pid is ours, so SO_PEERCRED matches a Hello that says so),
+// or in a child in a pid namespace of its own.
 #include "migrator/transport/shim_server.h"
 
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -189,6 +192,69 @@ TEST_F(ShimServerTest, RefusesAHelloForAnotherPid) {
   const int fd = Connect();
   ASSERT_TRUE(WriteFrame(fd, Hello(getpid() + 1)).ok());
   ExpectRefused(fd);
+}
+
+TEST_F(ShimServerTest, RefusesAHelloForPidOneFromThisNamespace) {
+  const int fd = Connect();
+  ASSERT_TRUE(WriteFrame(fd, Hello(1)).ok());
+  ExpectRefused(fd);
+}
+
+// A shim in a pid namespace of its own (a container's) says Hello with its
+// pid there; the server admits it, knows it by its pid here, and gives
+// that pid in the summaries it replies with.
+TEST_F(ShimServerTest, AdmitsAShimInItsOwnPidNamespaceAndKnowsItByItsPidHere) {
+  int pids[2];
+  ASSERT_EQ(pipe(pids), 0);
+  const std::string hello = Hello(1);  // the first process of a new namespace
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(pids[0]);
+    if (unshare(CLONE_NEWPID) != 0) _exit(2);  // not allowed here: skipped below
+    const pid_t shim = fork();
+    if (shim == 0) {
+      const int fd = Connect();
+      if (!WriteFrame(fd, hello).ok()) _exit(1);
+      absl::StatusOr<std::string> f = ReadFrame(fd);
+      v1::MigratorToShim req;
+      if (!f.ok() || !req.ParseFromString(*f)) _exit(1);
+      v1::ShimToMigrator rep;
+      rep.set_request_id(req.request_id());
+      rep.mutable_reply()->mutable_summary()->set_pid(getpid());
+      if (!WriteFrame(fd, rep.SerializeAsString()).ok()) _exit(1);
+      char c;
+      while (read(fd, &c, 1) > 0) {
+      }
+      _exit(getpid() == 1 ? 0 : 3);
+    }
+    if (write(pids[1], &shim, sizeof(shim)) != sizeof(shim)) _exit(1);
+    int status = 0;
+    waitpid(shim, &status, 0);
+    _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
+  }
+  close(pids[1]);
+  pid_t shim = 0;
+  const bool got = read(pids[0], &shim, sizeof(shim)) == sizeof(shim);
+  close(pids[0]);
+  if (!got) {
+    int status = 0;
+    waitpid(child, &status, 0);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 2) GTEST_SKIP() << "no CLONE_NEWPID here";
+    FAIL() << "the child in a new pid namespace failed";
+  }
+  ASSERT_TRUE(WaitConnected(true));
+  EXPECT_EQ(server_->Connected()[0].pid, shim);
+  v1::MigratorToShim req;
+  req.mutable_describe();
+  absl::StatusOr<v1::Reply> r = server_->Call(shim, req, absl::Seconds(5));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->summary().pid(), shim)
+      << "the summary gives the pid the shim sees, not its pid here";
+  server_.reset();  // closes the connection: the shim ends
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
 }
 
 TEST_F(ShimServerTest, CallFailsCleanlyWhenTheShimDisappears) {

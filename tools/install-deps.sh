@@ -44,6 +44,10 @@ packages=(
   iptables
   # the inventory (docs/migrator.md): etcd for the tests and the lab
   etcd-server etcd-client
+  # RDMA programs in containers: Podman with runc (Debian's crun is built
+  # without CRIU, runc checkpoints through it), conmon, and the CNI plugins
+  # Podman 4.3 networks with
+  podman runc conmon golang-github-containers-common containernetworking-plugins
   python3
 )
 

@@ -19,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "migrator/criu/checkpointer.h"
 #include "migrator/host/addresses.h"
+#include "migrator/host/containers.h"
 #include "migrator/host/failpoints.h"
 #include "migrator/host/inventory.h"
 #include "migrator/host/log.h"
@@ -56,6 +57,8 @@ constexpr char kUsage[] =
     "  --inventory-prefix P  keys under P (default /rdmavirt/)\n"
     "  --inventory-ttl S     seconds a dead migrator stays listed (default 10)\n"
     "  --libvirt-uri URI     where guests moving to this host go, for drain --auto\n"
+    "  --podman PATH         the podman that runs this host's containers, for their moves\n"
+    "                        (default: podman on PATH; \"none\": containers are refused)\n"
     "SIGTERM or SIGINT stops it cleanly.\n";
 
 struct Flags {
@@ -75,6 +78,7 @@ struct Flags {
   std::string inventory_prefix = "/rdmavirt/";
   uint32_t inventory_ttl_s = 10;
   std::string libvirt_uri;
+  std::string podman;
 };
 
 // One flag's value into `f`: 0, or 2 (the exit code) with what is wrong
@@ -123,6 +127,8 @@ int SetFlag(const std::string& name, const std::string& value, Flags* f) {
     }
   } else if (name == "--libvirt-uri") {
     f->libvirt_uri = value;
+  } else if (name == "--podman") {
+    f->podman = value;
   } else {
     fprintf(stderr, "rdmavirt-migratord: unknown option %s\n%s", name.c_str(), kUsage);
     return 2;
@@ -377,8 +383,11 @@ int Run(int argc, char** argv) {
   std::string advertise;
   std::unique_ptr<Inventory> inventory;
   if (int rc = OpenInventory(flags, listen->port, tls, &advertise, &inventory); rc != 0) return rc;
-  Migrator migrator(MigratorOptions(flags, listen->port, inventory.get(), tls), shims->get(),
-                    criu.get(), procs.get());
+  std::unique_ptr<ContainerRuntime> containers;
+  if (flags.podman != "none") containers = NewPodman(flags.podman);
+  Migrator::Options mo = MigratorOptions(flags, listen->port, inventory.get(), tls);
+  mo.containers = containers.get();
+  Migrator migrator(std::move(mo), shims->get(), criu.get(), procs.get());
 
   OperatorService op(&migrator);
   TransferService transfer(&migrator);

@@ -63,6 +63,8 @@ absl::StatusOr<v1::PrepareResponse> Migrator::Prepare(const v1::PrepareRequest& 
   if (!ValidId(request.migration_id()))
     return absl::InvalidArgumentError("a migration id is 1..64 letters, digits, '-' or '_'");
   if (absl::Status st = CheckCanHost(); !st.ok()) return st;
+  if (request.has_container())
+    if (absl::Status st = CheckContainerFits(request.container()); !st.ok()) return st;
   v1::MigrationRecord homed;
   if (absl::Status st = HomeAddresses(request, &homed); !st.ok()) return st;
   auto in = std::make_unique<Incoming>();
@@ -85,6 +87,7 @@ absl::StatusOr<v1::PrepareResponse> Migrator::Prepare(const v1::PrepareRequest& 
     *in->rec.mutable_endpoint() = request.endpoint();
     in->rec.set_image_dir(in->dir);
     *in->rec.mutable_addresses() = homed.addresses();
+    if (request.has_container()) *in->rec.mutable_container() = request.container();
     // Crash recovery reads it: without it, a restored process would be
     // nobody's after a restart.
     PersistIncoming(in.get());
@@ -173,15 +176,24 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
                                                pid_t endpoint_pid,
                                                const std::function<void(pid_t)>& restored,
                                                const std::vector<v1::Mapping>& peers,
-                                               v1::RestoreIncomingResponse* out) {
+                                               v1::RestoreIncomingResponse* out,
+                                               const v1::Container* container) {
   const absl::Time c0 = absl::Now();
-  absl::StatusOr<pid_t> pid = criu_->Restore(dir, tcp_established, new_terminal, lazy_from);
-  if (!pid.ok()) return Annotate(pid.status(), "CRIU restore");
+  absl::StatusOr<pid_t> pid =
+      container != nullptr
+          ? RestoreContainer(dir, *container, tcp_established, &endpoint_pid)
+          : criu_->Restore(dir, tcp_established, new_terminal, lazy_from);
+  if (!pid.ok())
+    return Annotate(pid.status(), container != nullptr ? "container restore" : "CRIU restore");
   restored(*pid);
   // A live move dumps its process stopped, and CRIU restores it so; a
   // checkpoint's process was running. Either way it runs from here on.
+  auto kill_copy = [&] {
+    return container != nullptr ? RemoveContainerCopy(*container, "restored copy")
+                                : KillCopy(*pid, "restored copy");
+  };
   if (absl::Status st = procs_->Continue(*pid); !st.ok()) {
-    const absl::Status k = KillCopy(*pid, "restored copy");
+    const absl::Status k = kill_copy();
     return Annotate(st, absl::StrCat("continuing restored process ", *pid,
                                      k.ok() ? "" : absl::StrCat(" (", k.message(), ")")));
   }
@@ -195,7 +207,7 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
                 absl::StrCat("process ", endpoint, " is not among the processes CRIU restored"));
   if (!e.ok()) {
     // No half-made process stays behind, or the error says it does.
-    const absl::Status k = KillCopy(*pid, "restored copy");
+    const absl::Status k = kill_copy();
     return Annotate(e.status(),
                     absl::StrCat("bringing back the endpoint of restored process ", endpoint,
                                  k.ok() ? "" : absl::StrCat(" (", k.message(), ")")));
@@ -296,7 +308,7 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
           in->rec.set_restored_identity(procs_->Identity(p));
           PersistIncoming(in.get());
         },
-        peers, &out);
+        peers, &out, rec.has_container() ? &rec.container() : nullptr);
   if (absl::Status ended = EndRestoring(in.get(), id, rec, tcp && st.ok(), pid, out); !ended.ok())
     return ended;
   return out;
@@ -332,7 +344,10 @@ absl::Status Migrator::EndRestoring(Incoming* in, const std::string& id,
   absl::MutexLock lock(&in->mu);
   if (in->aborted) {
     // The abort cleaned up what it found; what the restore made since goes too.
-    if (pid.ok() && procs_->Exists(*pid)) (void)procs_->Kill(*pid);
+    if (pid.ok() && rec.has_container())
+      (void)RemoveContainerCopy(rec.container(), "restored copy");
+    else if (pid.ok() && procs_->Exists(*pid))
+      (void)procs_->Kill(*pid);
     if (addresses_added) (void)RemoveAddresses(rec);
     Log("incoming %s: aborted by the source during the restore", id);
     return absl::AbortedError(absl::StrCat("migration ", id, " was aborted during the restore"));
@@ -355,6 +370,9 @@ absl::Status Migrator::EndRestoring(Incoming* in, const std::string& id,
   }
   in->rec.set_phase("restored");
   in->rec.set_confirmed(true);
+  // A container's processes have other pids here: its endpoint is found
+  // by this one from now on (ResumeMoved).
+  if (in->rec.has_container()) in->rec.mutable_report()->set_pid(out.pid());
   {
     // Restored, paused until its source resumes it: not anyone's peer to
     // quiesce yet (QuiescePeers refuses it until then).
@@ -392,7 +410,12 @@ absl::Status Migrator::DropIncoming(Incoming* in, const std::string& why) {
   const pid_t pid = in->rec.restored_pid();
   std::vector<std::string> problems;
   std::string killed;
-  if (SameProcess(pid, in->rec.restored_identity())) {
+  if (in->rec.has_container() && pid > 0) {
+    if (absl::Status st = RemoveContainerCopy(in->rec.container(), "restored copy"); !st.ok())
+      problems.push_back(std::string(st.message()));
+    else
+      killed = absl::StrCat("; restored container ", in->rec.container().name(), " removed");
+  } else if (SameProcess(pid, in->rec.restored_identity())) {
     if (absl::Status st = KillCopy(pid, "restored copy"); !st.ok())
       problems.push_back(std::string(st.message()));
     else

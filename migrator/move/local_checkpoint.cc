@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "migrator/criu/image_dir.h"
 #include "migrator/host/addresses.h"
+#include "migrator/host/containers.h"
 #include "migrator/move/migrator.h"
 #include "migrator/move/migrator_internal.h"
 
@@ -30,11 +31,29 @@ absl::Status Migrator::ValidateCheckpointDir(const std::string& dir) {
 }
 
 absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const ProgressSink& sink) {
-  const pid_t pid = request.pid();
+  pid_t pid = request.pid();
+  pid_t root = pid;
+  std::optional<v1::Container> container;
+  if (!request.container().empty()) {
+    // A container is dumped whole by its runtime; its process under the
+    // shim is the endpoint.
+    absl::StatusOr<v1::Container> c = MovableContainer(request.container(), &root);
+    if (!c.ok()) return c.status();
+    absl::StatusOr<std::vector<pid_t>> endpoints = EndpointsOfTree(root);
+    if (!endpoints.ok()) return endpoints.status();
+    if (endpoints->size() > 1)
+      return absl::FailedPreconditionError(
+          absl::StrCat("container ", c->name(), " has ", endpoints->size(),
+                       " processes under the shim: a container is checkpointed with one"));
+    pid = endpoints->front();
+    c->set_endpoint_pid_inside(InnermostPid(pid));
+    container = *std::move(c);
+  }
   if (absl::Status st = CheckShim(pid); !st.ok()) return st;
-  absl::StatusOr<std::string> terminal = TreeTerminal(pid);
+  absl::StatusOr<std::string> terminal =
+      container.has_value() ? std::string() : TreeTerminal(pid);
   if (!terminal.ok()) return terminal.status();
-  if (absl::Status st = CheckTreeRdmaFiles(pid, {pid}); !st.ok()) return st;
+  if (absl::Status st = CheckTreeRdmaFiles(root, {pid}); !st.ok()) return st;
   if (absl::Status st = ValidateCheckpointDir(request.dir()); !st.ok()) return st;
   if (absl::Status st = MarkMoving(pid); !st.ok()) return st;
   absl::Cleanup unbusy = [&] { DoneMoving(pid); };
@@ -43,6 +62,10 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
   m->rec.set_image_dir(request.dir());
   m->rec.set_terminal(*terminal);
   v1::MigrationReport* r = m->rec.mutable_report();
+  if (container.has_value()) {
+    *m->rec.mutable_container() = *container;
+    r->set_container(container->name());
+  }
 
   v1::EndpointSummary released;
   absl::Status st = QuiesceAndRelease(m.get(), &released);
@@ -61,7 +84,13 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
     return st;
   }
   if (!request.leave_running()) {
-    // The process is gone; its peers stay suspended until a restore.
+    // The process is gone; its peers stay suspended until a restore. A
+    // container's runtime keeps it, stopped: removed, so that its name is
+    // free for the restore.
+    if (container.has_value())
+      if (absl::Status gone = RemoveContainerCopy(*container, "checkpointed container");
+          !gone.ok())
+        r->set_error(std::string(gone.message()));
     r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
     Finish(m.get(), absl::OkStatus());
     return absl::OkStatus();
@@ -76,15 +105,19 @@ absl::Status Migrator::DumpCheckpoint(Move* m, const v1::CheckpointRequest& requ
   const absl::Time d0 = absl::Now();
   absl::Status st;
   absl::StatusOr<DumpStats> dump =
-      criu_->Dump(request.pid(), request.dir(), "", request.leave_running(), false);
+      m->rec.has_container()
+          ? DumpContainer(m->rec.container(), request.dir(), request.leave_running(), false)
+          : criu_->Dump(request.pid(), request.dir(), "", request.leave_running(), false);
   if (!dump.ok()) st = Annotate(dump.status(), "dump");
   if (st.ok()) {
     absl::StatusOr<std::vector<v1::ImageFile>> files = ScanImages(request.dir());
     if (!files.ok())
       st = files.status();
     else {
-      st = WriteManifest(request.dir(), MakeManifest(r->migration_id(), released, *files,
-                                                     options_.host_name, m->rec.terminal()));
+      v1::Manifest manifest = MakeManifest(r->migration_id(), released, *files,
+                                           options_.host_name, m->rec.terminal());
+      if (m->rec.has_container()) *manifest.mutable_container() = m->rec.container();
+      st = WriteManifest(request.dir(), manifest);
       r->set_bytes_moved(SumSizes(*files));
     }
   }
@@ -140,6 +173,16 @@ absl::Status Migrator::Restore(const v1::RestoreRequest& request, const Progress
   r->set_registered_bytes(manifest->endpoint().counts().registered_bytes());
   *m->rec.mutable_endpoint() = manifest->endpoint();
   m->rec.set_image_dir(request.dir());
+  if (manifest->has_container()) {
+    *m->rec.mutable_container() = manifest->container();
+    r->set_container(manifest->container().name());
+    if (!on.has_value())
+      if (absl::Status st = CheckContainerFits(manifest->container()); !st.ok()) {
+        st = Annotate(st, "nothing was restored");
+        Finish(m.get(), st);
+        return st;
+      }
+  }
   m->blackout_start = absl::Now();
   if (absl::Status st = RecordPeerHosts(m.get(), manifest->endpoint()); !st.ok()) {
     st = Annotate(st, "nothing was restored");
@@ -185,6 +228,7 @@ absl::Status Migrator::RestoreElsewhere(Move* m, const std::string& dir,
   v1::PrepareRequest prep;
   prep.set_migration_id(r->migration_id());
   *prep.mutable_endpoint() = manifest.endpoint();
+  if (manifest.has_container()) *prep.mutable_container() = manifest.container();
   absl::Status st = PrepareDestination(m, prep, "nothing was restored");
   if (!st.ok()) {
     Finish(m, st);
@@ -209,7 +253,8 @@ absl::Status Migrator::RestoreHere(Move* m, const std::string& dir, const v1::Ma
   v1::RestoreIncomingResponse out;
   absl::StatusOr<pid_t> pid =
       RestoreFromDir(dir, /*tcp_established=*/false, !manifest.terminal().empty(),
-                     /*lazy_from=*/nullptr, manifest.endpoint().pid(), NoteRestored(m), {}, &out);
+                     /*lazy_from=*/nullptr, manifest.endpoint().pid(), NoteRestored(m), {}, &out,
+                     manifest.has_container() ? &manifest.container() : nullptr);
   if (!pid.ok()) {
     Finish(m, pid.status());
     return pid.status();

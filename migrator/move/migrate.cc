@@ -3,12 +3,14 @@
 // the final images' transfer, the restore there, and the completion that
 // re-points the peers and resumes the endpoint. See migrator.h.
 #include <filesystem>
+#include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "migrator/criu/image_stream.h"
+#include "migrator/host/containers.h"
 #include "migrator/host/log.h"
 #include "migrator/move/migrator.h"
 #include "migrator/move/migrator_internal.h"
@@ -129,7 +131,9 @@ absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peer
   SetPhase(m, "cleanup");
   // A restore elsewhere left no copy here; a move left one, stopped.
   const absl::Status killed =
-      m->rec.stopped() ? KillCopy(TreeRoot(m->rec), "stopped source copy") : absl::OkStatus();
+      !m->rec.stopped()        ? absl::OkStatus()
+      : m->rec.has_container() ? RemoveContainerCopy(m->rec.container(), "stopped source copy")
+                               : KillCopy(TreeRoot(m->rec), "stopped source copy");
   if (r->kind() == "restore") r->set_pid(m->rec.restored_pid());
   RemoveStepDirs(m);
   absl::Status st = peers;
@@ -148,7 +152,16 @@ absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peer
 absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const ProgressSink& sink) {
   // The process named moves with its descendants (what CRIU dumps); the
   // one among them under the shim is the endpoint.
-  const pid_t root = request.pid();
+  // A container moves whole, from its first process.
+  pid_t root = request.pid();
+  std::optional<v1::Container> container;
+  if (!request.container().empty()) {
+    if (request.postcopy())
+      return absl::InvalidArgumentError("a container moves without post-copy");
+    absl::StatusOr<v1::Container> c = MovableContainer(request.container(), &root);
+    if (!c.ok()) return c.status();
+    container = *std::move(c);
+  }
   if (root <= 0) return absl::InvalidArgumentError(absl::StrCat("invalid pid ", root));
   absl::StatusOr<HostPort> dest = ParseHostPort(request.destination(), options_.port);
   if (!dest.ok()) return Annotate(dest.status(), "destination");
@@ -167,11 +180,25 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
     if (absl::Status st = MarkMoving(e); !st.ok()) return st;
     busy.push_back(e);
   }
-  absl::StatusOr<std::string> terminal = TreeTerminal(root);
+  // A container's terminal, if it had one, would be its runtime's.
+  absl::StatusOr<std::string> terminal =
+      container.has_value() ? std::string() : TreeTerminal(root);
   if (!terminal.ok()) return terminal.status();
   if (absl::Status st = CheckTreeRdmaFiles(root, *endpoints); !st.ok()) return st;
+  if (container.has_value()) {
+    if (endpoints->size() > 1)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "container ", container->name(), " has ", endpoints->size(),
+          " processes under the shim: a container moves with one (a job of several, as MPI's, "
+          "moves as a process tree)"));
+    container->set_endpoint_pid_inside(InnermostPid(pid));
+  }
   std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
   m->rec.set_terminal(*terminal);
+  if (container.has_value()) {
+    *m->rec.mutable_container() = *container;
+    m->rec.mutable_report()->set_container(container->name());
+  }
   if (pid != root) {
     m->rec.set_tree_root(root);
     m->rec.mutable_report()->set_tree_root(root);
@@ -232,6 +259,7 @@ absl::Status Migrator::PrepareMigration(Move* m,
   *prep.mutable_endpoint() = m->rec.endpoint();
   // With the prefix this host has for them.
   for (const std::string& a : m->rec.report().addresses()) prep.add_addresses(a);
+  if (m->rec.has_container()) *prep.mutable_container() = m->rec.container();
   if (absl::Status st = PrepareDestination(m, prep, "nothing was quiesced"); !st.ok()) {
     m->rec.mutable_report()->set_rolled_back(false);
     for (const std::unique_ptr<Move>& mm : members) Finish(mm.get(), st);

@@ -47,6 +47,7 @@
 
 namespace rdmavirt::migrator {
 
+class ContainerRuntime;
 class ImageReceiver;
 class Inventory;
 
@@ -107,6 +108,9 @@ class Migrator {
     // guest_nic_bridge is empty. Addresses are handed out from
     // guest_nic_first (a.b.c.d/len) upward, at most guest_nic_capacity.
     std::string guest_nic_bridge;
+    // This host's container runtime (containers.h), for moves of
+    // containers; none: they are refused.
+    ContainerRuntime* containers = nullptr;
     std::string guest_nic_first;
     uint32_t guest_nic_capacity = 0;
   };
@@ -266,6 +270,25 @@ class Migrator {
                                                    const std::set<uint32_t>& qpns, bool with_ud,
                                                    pid_t exclude);
   std::string FirstActiveDeviceName();
+
+  // ---- containers (containers.cc)
+  // The container `name`, running here, if it can move: its first
+  // process's pid here in *root. FAILED_PRECONDITION naming what keeps it
+  // (no runtime here, a runtime without CRIU, a terminal), NOT_FOUND.
+  absl::StatusOr<v1::Container> MovableContainer(const std::string& name, pid_t* root);
+  // On a destination: whether `c` can be restored here (its image, its
+  // devices and mounted paths, its name free); FAILED_PRECONDITION (or
+  // ALREADY_EXISTS) naming what is missing.
+  absl::Status CheckContainerFits(const v1::Container& c);
+  // `c` checkpointed by its runtime into dir/kContainerExport.
+  absl::StatusOr<DumpStats> DumpContainer(const v1::Container& c, const std::string& dir,
+                                          bool leave_running, bool tcp);
+  // `c` restored from dir/kContainerExport: its first process's pid here,
+  // and in *endpoint that of its process under the shim.
+  absl::StatusOr<pid_t> RestoreContainer(const std::string& dir, const v1::Container& c, bool tcp,
+                                         pid_t* endpoint);
+  // `c` killed and removed here (`which` copy, for errors).
+  absl::Status RemoveContainerCopy(const v1::Container& c, const char* which);
 
   // ---- source side (bookkeeping.cc, quiesce.cc, reconnect.cc, precopy_dump.cc,
   // migrate.cc, linked_tree.cc, rollback.cc, local_checkpoint.cc)
@@ -446,13 +469,16 @@ class Migrator {
   // soon as CRIU gives it; out->pid is the endpoint's. A failure kills
   // whatever was restored. `new_terminal`: the tree held a pseudo-terminal
   // that stayed behind; it gets a new one; `lazy_from`: its last pages
-  // come from there (Checkpointer::Restore).
+  // come from there (Checkpointer::Restore). `container`: the images are
+  // its runtime's export, restored by it; `endpoint_pid` is then mapped by
+  // the endpoint's pid inside the container.
   absl::StatusOr<pid_t> RestoreFromDir(const std::string& dir, bool tcp_established,
                                        bool new_terminal, const LazyPages* lazy_from,
                                        pid_t endpoint_pid,
                                        const std::function<void(pid_t)>& restored,
                                        const std::vector<v1::Mapping>& peers,
-                                       v1::RestoreIncomingResponse* out);
+                                       v1::RestoreIncomingResponse* out,
+                                       const v1::Container* container = nullptr);
   // RestoreIncoming's steps. StartRestoring: the received move checked
   // (receiving, no stream running, its final dump's manifest there, its
   // record writable) and marked restoring; its record returned.

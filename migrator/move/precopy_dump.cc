@@ -46,8 +46,12 @@ absl::Status Migrator::RunSource(Move* m, const v1::MigrateRequest& request,
     if (absl::Status st = StartLazyDump(m, root, final_dir, *parent, *tcp); !st.ok())
       return Annotate(st, "final dump (post-copy)");
   } else {
+    // Left running, and stopped: a rollback continues it.
     absl::StatusOr<DumpStats> dump =
-        criu_->Dump(root, final_dir, *parent, /*leave_running=*/true, /*tcp_established=*/*tcp);
+        m->rec.has_container()
+            ? DumpContainer(m->rec.container(), final_dir, /*leave_running=*/true, *tcp)
+            : criu_->Dump(root, final_dir, *parent, /*leave_running=*/true,
+                          /*tcp_established=*/*tcp);
     if (!dump.ok()) return Annotate(dump.status(), "final dump");
   }
   // Inside the blackout each image is read once, by the stream, which
@@ -80,6 +84,12 @@ absl::StatusOr<std::string> Migrator::PreCopy(Move* m, const v1::MigrateRequest&
                                                              : options_.max_precopy_iterations;
   std::string parent;
   for (Move* x : all) x->rec.mutable_report()->set_postcopy(request.postcopy());
+  if (m->rec.has_container()) {
+    // Podman pre-checkpoints only with CRIU's memory tracking, which
+    // cannot pre-dump a process with the device mapped either.
+    SetPhase(m, "precopy", "none: the container's runtime dumps it whole");
+    return parent;
+  }
   uint64_t last_round = 0;
   int flat_rounds = 0;  // in a row, each more than 9/10 of the one before
   for (uint32_t k = 1; k <= std::min(max_iter, kMaxPreDumpIterations); ++k) {

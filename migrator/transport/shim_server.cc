@@ -19,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "migrator/host/containers.h"
 #include "migrator/host/log.h"
 #include "migrator/transport/frame.h"
 
@@ -53,24 +54,17 @@ void SetReceiveTimeout(int fd, absl::Duration d) {
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
 }
 
-// The pid of process `pid` (of this namespace) in the innermost pid
-// namespace it belongs to (the last field of NSpid in /proc/PID/status);
-// `pid` itself when it shares ours, 0 when it cannot be read.
-pid_t InnermostPid(pid_t pid) {
-  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(status, line)) {
-    if (!absl::StartsWith(line, "NSpid:")) continue;
-    const std::vector<absl::string_view> fields =
-        absl::StrSplit(line.substr(6), absl::ByAnyChar(" \t"), absl::SkipEmpty());
-    int inner = 0;
-    if (fields.empty() || !absl::SimpleAtoi(fields.back(), &inner)) return 0;
-    return inner;
-  }
-  return 0;
-}
-
 }  // namespace
+
+std::string ResumeMarkerName(pid_t pid) {
+  // The shim's own view (control.cc): its pid namespace's inode, and its
+  // pid in there, the innermost of NSpid.
+  struct stat ns;
+  const uint64_t inode =
+      stat(absl::StrCat("/proc/", pid, "/ns/pid").c_str(), &ns) == 0 ? ns.st_ino : 0;
+  const pid_t inner = InnermostPid(pid);
+  return absl::StrCat(inode, "-", inner > 0 ? inner : pid);
+}
 
 absl::StatusOr<std::unique_ptr<ShimServer>> ShimServer::Start(Options options) {
   const std::string dir = Dirname(options.socket_path);
@@ -411,7 +405,7 @@ absl::StatusOr<ShimInfo> ShimServer::WaitHello(pid_t pid, v1::EndpointPhase phas
 }
 
 absl::Status ShimServer::SetResumeMarker(pid_t pid, bool present) {
-  const std::string path = absl::StrCat(resume_dir_, "/", pid);
+  const std::string path = absl::StrCat(resume_dir_, "/", ResumeMarkerName(pid));
   if (!present) {
     if (unlink(path.c_str()) != 0 && errno != ENOENT)
       return absl::ErrnoToStatus(errno, absl::StrCat("removing ", path));

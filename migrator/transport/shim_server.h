@@ -14,7 +14,7 @@
 // connection, with the reason in the log.
 //
 // One thread accepts, one thread per connection reads; Call() may be used
-// from any thread. Resume markers live in DIR/resume/PID, DIR being the
+// from any thread. Resume markers live in DIR/resume/NAME (ResumeMarkerName), DIR being the
 // socket's directory.
 #ifndef RDMAVIRT_MIGRATOR_TRANSPORT_SHIM_SERVER_H_
 #define RDMAVIRT_MIGRATOR_TRANSPORT_SHIM_SERVER_H_
@@ -31,6 +31,11 @@
 #include "migrator/transport/shim_channel.h"
 
 namespace rdmavirt::migrator {
+
+// The name of the resume marker that the released shim of `pid` (a pid of
+// this host) waits for: its pid namespace's inode and its pid in there,
+// "4026531836-1234" (a process in a container is pid 1 of its own).
+std::string ResumeMarkerName(pid_t pid);
 
 class ShimServer final : public ShimChannel {
  public:

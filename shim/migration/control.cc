@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 
@@ -497,11 +498,26 @@ std::string RandomId() {
   return s;
 }
 
+// The name of this process's resume marker: its pid namespace's inode and
+// its pid there ("4026531836-1234"), which the migrator reads from
+// /proc/PID of its own view (ResumeMarkerName in shim_server.cc). A pid
+// alone would not do: a process in a container of its own is pid 1 there,
+// as is every other container's first process; and a container's restore
+// makes a new namespace, so it is read again each time.
+std::string ResumeMarkerName() {
+  char link[64];
+  const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
+  std::string inode;
+  for (ssize_t i = 0; i < std::max<ssize_t>(n, 0); ++i)
+    if (link[i] >= '0' && link[i] <= '9') inode.push_back(link[i]);
+  return (inode.empty() ? std::string("0") : inode) + "-" + std::to_string(getpid());
+}
+
 // Released: no fd may stay open while CRIU dumps the process. Wait for the
-// migrator's marker with stat() only.
+// migrator's marker with readlink() and stat() only.
 void WaitForResume(const ControlThread& c) {
   for (;;) {
-    const std::string marker = c.resume_dir + "/" + std::to_string(getpid());
+    const std::string marker = c.resume_dir + "/" + ResumeMarkerName();
     struct stat st;
     if (stat(marker.c_str(), &st) == 0) return;
     usleep(10000);

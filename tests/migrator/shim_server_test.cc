@@ -289,7 +289,7 @@ TEST_F(ShimServerTest, ReleasedShimComesBackThroughTheResumeMarker) {
   const int fd = Connect();
   ASSERT_TRUE(WriteFrame(fd, Hello(getpid())).ok());
   ASSERT_TRUE(WaitConnected(true));
-  const std::string marker = absl::StrCat(dir_, "/resume/", getpid());
+  const std::string marker = absl::StrCat(dir_, "/resume/", ResumeMarkerName(getpid()));
   std::thread shim([&, fd] {
     absl::StatusOr<std::string> f = ReadFrame(fd);
     ASSERT_TRUE(f.ok());

@@ -20,10 +20,10 @@ const char kUsageText[] =
     "\n"
     "commands:\n"
     "  ps                                   processes under the shim on HOST\n"
-    "  migrate PID --to HOST[:PORT] [--address A.B.C.D/LEN]\n"
-    "                                       live-migrate PID from HOST to another host\n"
-    "  checkpoint PID --dir DIR [--leave-running]\n"
-    "                                       checkpoint PID into DIR on HOST\n"
+    "  migrate (PID | --container NAME) --to HOST[:PORT] [--address A.B.C.D/LEN]\n"
+    "                                       live-migrate PID (or a container) to another host\n"
+    "  checkpoint (PID | --container NAME) --dir DIR [--leave-running]\n"
+    "                                       checkpoint PID (or a container) into DIR on HOST\n"
     "  restore --dir DIR [--on HOST[:PORT]] restore a checkpoint of HOST (on another host)\n"
     "  status [--all]                       moves in flight and recent, and HostInfo\n"
     "                                       (--all: every move in flight in the cluster)\n"
@@ -58,6 +58,8 @@ const std::map<std::string, std::string>& CommandHelp() {
       {"migrate",
        "usage: rdmavirtctl migrate PID --to HOST[:PORT] [--max-precopy N] [--drain-timeout-ms MS]\n"
        "                           [--address A.B.C.D/LEN[,...]] [--postcopy] [--wait]\n"
+       "       rdmavirtctl migrate --container NAME --to HOST[:PORT] [--drain-timeout-ms MS]\n"
+       "                           [--address A.B.C.D/LEN[,...]] [--wait]\n"
        "Live-migrates process PID of --host to the migrator at --to (port 7700 by\n"
        "default), with its descendants: PID or one of them must be under the shim (a\n"
        "shell, job script or MPI daemon may be PID, its RDMA programs its children;\n"
@@ -82,12 +84,21 @@ const std::map<std::string, std::string>& CommandHelp() {
        "Without it a process holding a TCP connection cannot move.\n"
        "If the migrator of --host goes away during the move (exit code 3), it finishes\n"
        "the move or rolls it back when it runs again; --wait waits up to 10 minutes for\n"
-       "that and prints the outcome as if the move had ended normally.\n"},
+       "that and prints the outcome as if the move had ended normally.\n"
+       "--container NAME moves the Podman container NAME (or id) of --host whole, with\n"
+       "the one process in it under the shim: Podman's own checkpoint (runc, CRIU) dumps\n"
+       "it in the blackout, and `podman container restore` makes it again on the\n"
+       "destination, with its name, mounts and devices. The destination must have its\n"
+       "image, its devices and the paths mounted into it, and no container of that name:\n"
+       "this is checked before anything is touched. No pre-copy, no --postcopy.\n"},
       {"checkpoint",
-       "usage: rdmavirtctl checkpoint PID --dir DIR [--leave-running]\n"
+       "usage: rdmavirtctl checkpoint (PID | --container NAME) --dir DIR [--leave-running]\n"
        "Checkpoints process PID into DIR (an absolute path on --host, absent or empty).\n"
        "Without --leave-running the process is gone afterwards and its peers stay\n"
-       "suspended until it is restored.\n"},
+       "suspended until it is restored.\n"
+       "--container NAME checkpoints the Podman container NAME whole (Podman's export,\n"
+       "in DIR); without --leave-running the container is removed afterwards, and\n"
+       "`restore --dir DIR` makes it again, with its name, here or --on another host.\n"},
       {"restore",
        "usage: rdmavirtctl restore --dir DIR [--on HOST[:PORT]]\n"
        "Restores the checkpoint in DIR (on --host), on --host or on the host given by\n"
@@ -215,7 +226,8 @@ int ValuedOption(int argc, char** argv, int* i, Args* a) {
   static const std::vector<std::string> kValued = {
       "--host",        "--tls-dir",          "--to",          "--dir",           "--on",
       "--max-precopy", "--drain-timeout-ms", "--address",     "--device",        "--mac",
-      "--to-migrator", "--connect",          "--migrate-uri", "--guest-command", "--with"};
+      "--to-migrator", "--connect",          "--migrate-uri", "--guest-command", "--with",
+      "--container"};
   const std::string arg = argv[*i];
   std::string value;
   const size_t eq = arg.find('=');

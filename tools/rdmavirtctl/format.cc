@@ -134,7 +134,14 @@ std::string HostsTable(const v1::ListHostsResponse& hosts) {
 std::string ReportText(const v1::MigrationReport& r) {
   const v1::Breakdown& b = r.breakdown();
   std::string what;
-  if (r.kind() == "migrate")
+  const std::string container =
+      r.container().empty() ? "" : absl::StrCat("container ", r.container(), " (pid ", r.pid(),
+                                                " under the shim)");
+  if (!container.empty() && r.kind() == "migrate")
+    what = absl::StrCat("migration of ", container, " from ", r.source(), " to ", r.destination());
+  else if (!container.empty() && r.kind() == "checkpoint")
+    what = absl::StrCat("checkpoint of ", container, " into ", r.destination());
+  else if (r.kind() == "migrate")
     what = absl::StrCat("migration of pid ",
                         r.tree_root() ? absl::StrCat(r.tree_root(), " with its descendants (pid ",
                                                      r.pid(), " under the shim)")
@@ -143,7 +150,9 @@ std::string ReportText(const v1::MigrationReport& r) {
   else if (r.kind() == "checkpoint")
     what = absl::StrCat("checkpoint of pid ", r.pid(), " into ", r.destination());
   else
-    what = absl::StrCat("restore of endpoint ", r.endpoint_id().substr(0, 12), " on ",
+    what = absl::StrCat("restore of ",
+                        r.container().empty() ? "endpoint " : absl::StrCat("container ", r.container(), ", endpoint "),
+                        r.endpoint_id().substr(0, 12), " on ",
                         r.destination(), r.pid() ? absl::StrCat(" as pid ", r.pid()) : "");
   std::string out;
   if (r.ok()) {

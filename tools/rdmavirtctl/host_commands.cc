@@ -27,8 +27,8 @@ const std::pair<size_t, std::vector<std::string>>& Takes(const std::string& comm
       {"status", {0, {}}},
       {"host", {0, {}}},
       {"hosts", {0, {}}},
-      {"migrate", {1, {"--to", "--max-precopy", "--drain-timeout-ms", "--address"}}},
-      {"checkpoint", {1, {"--dir"}}},
+      {"migrate", {1, {"--to", "--max-precopy", "--drain-timeout-ms", "--address", "--container"}}},
+      {"checkpoint", {1, {"--dir", "--container"}}},
       {"restore", {0, {"--dir", "--on"}}},
   };
   return takes->at(command);
@@ -36,9 +36,14 @@ const std::pair<size_t, std::vector<std::string>>& Takes(const std::string& comm
 
 // The arguments, options and flags given are the command's.
 int CheckHostArgs(const Args& args) {
-  const auto& [npos, allowed] = Takes(args.command);
+  const auto& [takes_pid, allowed] = Takes(args.command);
+  // A container instead of a PID.
+  const size_t npos = args.options.contains("--container") ? 0 : takes_pid;
+  if (args.options.contains("--container") && !args.positional.empty())
+    return UsageError(absl::StrCat(args.command, " takes a PID or --container, not both"),
+                      args.command);
   if (args.positional.size() != npos)
-    return UsageError(npos ? absl::StrCat(args.command, " takes a PID")
+    return UsageError(npos ? absl::StrCat(args.command, " takes a PID or --container NAME")
                            : absl::StrCat(args.command, " takes no arguments"),
                       args.command);
   for (const auto& [name, value] : args.options)
@@ -57,6 +62,9 @@ int MigrateRequestOf(const Args& args, int pid, v1::MigrateRequest* migrate) {
   absl::StatusOr<migrator::HostPort> to = migrator::ParseHostPort(Opt(args, "--to"));
   if (!to.ok()) return UsageError(absl::StrCat("--to: ", to.status().message()), "migrate");
   migrate->set_pid(pid);
+  migrate->set_container(Opt(args, "--container"));
+  if (args.postcopy && !migrate->container().empty())
+    return UsageError("a container moves without --postcopy", "migrate");
   migrate->set_destination(to->Target());
   migrate->set_postcopy(args.postcopy);
   if (!Opt(args, "--max-precopy").empty()) {
@@ -85,6 +93,7 @@ int CheckpointRequestOf(const Args& args, int pid, v1::CheckpointRequest* checkp
   if (Opt(args, "--dir").empty() || Opt(args, "--dir")[0] != '/')
     return UsageError("checkpoint needs --dir with an absolute path", "checkpoint");
   checkpoint->set_pid(pid);
+  checkpoint->set_container(Opt(args, "--container"));
   checkpoint->set_dir(Opt(args, "--dir"));
   checkpoint->set_leave_running(args.leave_running);
   return kOk;
@@ -111,7 +120,7 @@ struct MoveRequests {
 
 int MoveRequestsOf(const Args& args, MoveRequests* r) {
   int pid = 0;
-  if (Takes(args.command).first == 1) {
+  if (Takes(args.command).first == 1 && !args.positional.empty()) {
     absl::StatusOr<int> p = ParsePid(args.positional[0]);
     if (!p.ok()) return UsageError(std::string(p.status().message()), args.command);
     pid = *p;

@@ -1,22 +1,122 @@
 """RDMA programs in containers: Debian's Podman 4.3 with runc (Debian's
 crun is built without CRIU, so runc is the runtime that can checkpoint)
-in the lab hosts, the container's root the host's own tree (`--rootfs
-/:O`, an overlay over it: no registry is reachable, and every program the
-lab has is then in the container too), its storage on the host's tmpfs."""
+in the lab hosts, on the host's network (Soft-RoCE on this kernel does not
+receive RoCE for a container's own macvlan address: docs/containers.md),
+their storage on the host's tmpfs. No registry is reachable: the image is
+made here, once, from a tarball (the directories and links of a Debian
+root; the programs and their libraries come from the host's /usr, mounted
+read-only), saved, and loaded on every host, so that its id is the same
+everywhere (a restore needs the very image)."""
 
 import json
+import os
 import sys
+import time
 
-from labtest import BUILD, LAB, check, lab_test, main, run_ok, wait_until
+from labtest import (BUILD, LAB, check, json_of, lab_test, main, run_all, run_ok,
+                     wait_listening, wait_until)
 
+import migration_tests as moves
 import migrator_tests as migrators
 
-PODMAN = ("podman --root /tmp/containers --runroot /run/containers --runtime runc "
-          "--cgroup-manager cgroupfs --events-backend file")
+IMAGE = "localhost/rdmavirt-base:1"
+SOCK_DIR = migrators.SOCK.rsplit("/", 1)[0]
+WORK = moves.WORK  # /lab/migration, the same in every host and container
+
+# The hosts' Podman: its storage on the tmpfs (overlay over the host's own
+# overlay root does not work), runc, no systemd; the migrator's `podman`
+# reads the same files.
+PODMAN_SETUP = """set -e
+mkdir -p /etc/containers /lab/containers
+cat > /etc/containers/storage.conf <<EOF
+[storage]
+driver = "overlay"
+graphroot = "/tmp/containers"
+runroot = "/run/containers"
+EOF
+cat > /etc/containers/containers.conf <<EOF
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+EOF
+"""
+
+# The image's root: a Debian root's directories and links, nothing else.
+MAKE_IMAGE = f"""set -e
+if [ ! -s /lab/containers/base.tar ]; then
+  d=$(mktemp -d); cd $d
+  mkdir -p usr etc tmp dev proc sys run var lab
+  ln -s usr/bin bin; ln -s usr/lib lib; ln -s usr/lib64 lib64; ln -s usr/sbin sbin
+  tar -c . | podman import - {IMAGE} > /dev/null
+  podman save -o /lab/containers/base.tar.part {IMAGE}
+  mv /lab/containers/base.tar.part /lab/containers/base.tar
+fi
+"""
 
 
 def podman(host, args, timeout=120):
-    return run_ok(host, f"{PODMAN} {args}", timeout)
+    return run_ok(host, f"podman {args}", timeout)
+
+
+def podman_ready():
+    """Podman configured on every host, the image on each (loaded from one
+    file: the same id everywhere), no container left from before."""
+    run_ok(1, PODMAN_SETUP + MAKE_IMAGE, 300)
+    results = run_all({n: PODMAN_SETUP + f"podman rm -f -t 0 -a > /dev/null; "
+                          f"podman load -q -i /lab/containers/base.tar > /dev/null"
+                       for n in range(1, LAB.hosts() + 1)}, 300)
+    for n, r in results.items():
+        check(r.rc == 0, f"host{n}: podman is not ready", r)
+
+
+def run_container(host, name, command, env="", volumes=()):
+    """Starts `command` (a shell command line, whose program execs as the
+    container's pid 1) in container `name` on `host`, under the shim, with
+    the host's network and uts namespace, uverbs0, the host's /usr, the
+    build tree, the migrator's socket directory and WORK mounted in.
+    Returns the container's pid on the host."""
+    mounts = " ".join(f"-v {v}:{v}" for v in (SOCK_DIR, WORK, *volumes))
+    podman(host, f"run -d --name {name} --network host --uts host "
+                 f"--device /dev/infiniband/uverbs0 -v /usr:/usr:ro "
+                 f"-v /etc/libibverbs.d:/etc/libibverbs.d:ro -v {BUILD}:{BUILD}:ro {mounts} "
+                 f"-e RDMAVIRT_SOCKET={migrators.SOCK} -e LD_PRELOAD={BUILD}/shim/librdmavirt.so "
+                 f"{env} {IMAGE} sh -c '{command}'")
+    return container_pid(host, name)
+
+
+def container_pid(host, name):
+    r = podman(host, f"inspect -f '{{{{.State.Pid}}}} {{{{.State.Status}}}}' {name}")
+    pid, status = r.out.split()
+    check(status == "running" and int(pid) > 0, f"host{host}: container {name} is not running", r)
+    return int(pid)
+
+
+def runs_here(host, name):
+    """Whether container `name` runs on `host`."""
+    r = LAB.run(host, f"podman inspect -f '{{{{.State.Status}}}}' {name}")
+    return r.rc == 0 and r.out.strip() == "running"
+
+
+def exists_here(host, name):
+    return LAB.run(host, f"podman container exists {name}").rc == 0
+
+
+def move_container(name, src, dest, extra=""):
+    """rdmavirtctl migrate --container: `name` runs on host`dest` under the
+    shim and is gone from host`src`; its report."""
+    r, rep = moves.ctl(src, f"migrate --container {name} --to {moves.ip(dest)} {extra}")
+    check(r.rc == 0, f"migrate container {name} host{src} -> host{dest}", r)
+    moves.check_report(rep, f"migrate container {name}")
+    check(rep.get("container") == name, "the report does not name the container", rep)
+    check(runs_here(dest, name), f"container {name} does not run on host{dest}")
+    check(not exists_here(src, name), f"container {name} is still on host{src}")
+    pid = container_pid(dest, name)
+    wait_until(dest, f"grep -q librdmavirt /proc/{pid}/maps", 30,
+               f"container {name}'s program under the shim on host{dest}")
+    print(f"container {name} host{src}->host{dest}:", json.dumps(rep.get("breakdown")),
+          flush=True)
+    return rep
 
 
 @lab_test
@@ -28,15 +128,9 @@ def a_shimmed_program_in_its_own_pid_namespace_is_admitted_and_known_by_its_host
     pid on the host, with its QP. (A migrator that took the Hello's pid
     as the host's refused it: "its Hello speaks for pid 1".)"""
     migrators.daemons_up()
-    sock_dir = migrators.SOCK.rsplit("/", 1)[0]
-    podman(1, "rm -f -t 0 -a")
+    podman_ready()
     try:
-        podman(1, f"run -d --name shimmed --network host --device /dev/infiniband/uverbs0 "
-                  f"-v {sock_dir}:{sock_dir} --rootfs /:O env RDMAVIRT_SOCKET={migrators.SOCK} "
-                  f"LD_PRELOAD={BUILD}/shim/librdmavirt.so "
-                  f"ibv_rc_pingpong -d rxe0 -g 1 -p 18790 -n 1000")
-        wait_until(1, "pgrep -x ibv_rc_pingpong > /dev/null", 60, "the container's program runs")
-        host_pid = int(run_ok(1, "pgrep -x ibv_rc_pingpong").out.split()[0])
+        host_pid = run_container(1, "shimmed", "exec ibv_rc_pingpong -d rxe0 -g 1 -p 18790 -n 1000")
         ns = run_ok(1, f"sed -n 's/^NSpid:\\s*//p' /proc/{host_pid}/status").out.split()
         check(ns == [str(host_pid), "1"], "the program is not pid 1 of a pid namespace of its own",
               ns)
@@ -54,7 +148,84 @@ def a_shimmed_program_in_its_own_pid_namespace_is_admitted_and_known_by_its_host
         print(f"container's ibv_rc_pingpong: pid 1 there, {host_pid} here, listed with "
               f"{len(e['qps'])} QP", flush=True)
     finally:
-        LAB.run(1, f"{PODMAN} rm -f -t 0 -a", 120)
+        LAB.run(1, "podman rm -f -t 0 -a", 120)
+
+
+def start_integrity_pair(name, iterations, server=1, client=2):
+    """The integrity workload (migration_tests.start_pair's) in two
+    containers: Q, the server, in container NAME-q on `server`; P in NAME-p
+    on `client`. Each side's canvas (2 MiB) is RDMA-WRITten by the other
+    all along. Returns the containers' names."""
+    run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
+    args = (f"--iterations {iterations} --ud-lost-after 120 --port 18950 --canvas 2 "
+            f"--until-file {WORK}/{name}-stop")
+    prog = moves.PROG
+    q, p = f"{name}-q", f"{name}-p"
+    run_container(server, q, f"exec {prog} --server {args} --report {WORK}/{name}-q.json "
+                             f"> {WORK}/{name}-q.out 2>&1")
+    wait_listening(server, 18950)
+    run_container(client, p, f"exec {prog} --connect {moves.ip(server)} {args} "
+                             f"--report {WORK}/{name}-p.json > {WORK}/{name}-p.out 2>&1")
+    moves.wait_sent(name, 20)
+    return q, p
+
+
+@lab_test
+@moves.logs_on_failure("ctr")
+def integrity_in_containers_survives_their_live_moves_and_a_checkpoint():
+    """The integrity workload in two Podman containers (Q on host1, P on
+    host2; RC SENDs, RDMA WRITEs into each other's canvas, RDMA READs, UD
+    datagrams): Q's container moves live to host3 and back to host1, then
+    is checkpointed on host1 (and gone), and restored on host3 from that
+    checkpoint while P has kept running. A move to a host without the
+    container's image is refused first, with nothing touched. The
+    workload's own verdict: nothing lost, duplicated, corrupted or out of
+    order, every byte of both canvases verified; each side's report says
+    where it ran."""
+    migrators.daemons_up()
+    podman_ready()
+    try:
+        q, p = start_integrity_pair("ctr", 6000)
+        # Refused before anything is quiesced: host3 has no such image
+        # (and runs no container that needs it).
+        podman(3, f"rmi {IMAGE}")
+        sent = moves.sent_by_p("ctr")
+        r, rep = moves.ctl(1, f"migrate --container {q} --to {moves.ip(3)}")
+        check(r.rc != 0 and "has no image" in r.err + r.out,
+              "a move to a host without the image was not refused for it", r)
+        check(runs_here(1, q) and not exists_here(3, q), "the refused move touched the container")
+        podman(3, "load -q -i /lab/containers/base.tar")
+        moves.wait_sent("ctr", sent + 50)
+        # Live: host1 -> host3 -> host1, traffic flowing in between.
+        move_container(q, 1, 3)
+        moves.wait_sent("ctr", moves.sent_by_p("ctr") + 100)
+        move_container(q, 3, 1)
+        moves.wait_sent("ctr", moves.sent_by_p("ctr") + 100)
+        # Checkpointed on host1 (the container gone), restored on host3
+        # while P runs on, its peer away.
+        run_ok(1, "rm -rf /tmp/ckpt-ctr")
+        r, rep = moves.ctl(1, f"checkpoint --container {q} --dir /tmp/ckpt-ctr")
+        check(r.rc == 0, f"checkpoint container {q} on host1", r)
+        check(not exists_here(1, q), f"container {q} is still on host1 after its checkpoint")
+        check(LAB.run(1, "test -s /tmp/ckpt-ctr/container.tar").rc == 0,
+              "the checkpoint has no container export")
+        r, rep = moves.ctl(1, f"restore --dir /tmp/ckpt-ctr --on {moves.ip(3)}")
+        check(r.rc == 0, f"restore container {q} on host3", r)
+        check(runs_here(3, q), f"container {q} does not run on host3 after its restore")
+        print(f"container {q} restored on host3:", json.dumps(rep.get("breakdown")), flush=True)
+        pq, qq = moves.wait_reports("ctr")
+        for side, rep, peer in (("P", pq, qq), ("Q", qq, pq)):
+            moves.verified(side, rep, peer)
+            check(rep["canvas_peer_writes"] == rep["peer_iterations"] and
+                  rep["canvas_bytes_verified"] == 2 * rep["canvas_mib"] << 20 and
+                  rep["kinds"]["canvas"]["corrupted"] == 0, f"{side}'s canvas", rep)
+        check(moves.hosts_seen(qq) == ["host1", "host3", "host1", "host3"], "Q's places",
+              qq["places"])
+        check(moves.hosts_seen(pq) == ["host2"], "P's places", pq["places"])
+    finally:
+        for n in (1, 2, 3):
+            LAB.run(n, "podman rm -f -t 0 -a > /dev/null; podman image exists "
+                       f"{IMAGE} || podman load -q -i /lab/containers/base.tar", 120)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ everywhere (a restore needs the very image)."""
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -226,6 +227,69 @@ def integrity_in_containers_survives_their_live_moves_and_a_checkpoint():
         for n in (1, 2, 3):
             LAB.run(n, "podman rm -f -t 0 -a > /dev/null; podman image exists "
                        f"{IMAGE} || podman load -q -i /lab/containers/base.tar", 120)
+
+
+@lab_test
+@moves.logs_on_failure("ctr-bw", hosts=(1, 2, 3))
+def ib_write_bw_in_a_container_keeps_its_tcp_connection_through_a_move():
+    """ib_write_bw's server in a Podman container on host1, on a service
+    address of the host's network (Soft-RoCE gives a container no address
+    of its own: docs/containers.md); its client, a bare process under the
+    shim on host3, connects to that address. About 10 s into a 60 s run
+    the container moves to host2 with the address: its TCP control
+    connection, frozen in the dump (Podman's --tcp-established), goes on
+    there, and both sides finish with their results and no error."""
+    migrators.daemons_up()
+    podman_ready()
+    prog, port, service = "ib_write_bw", moves.PERF_PORT, moves.SERVICE
+    out = f"{WORK}/ctr-bw"
+    for h in (1, 2):
+        LAB.run(h, f"ip addr del {service}/24 dev eth0 2> /dev/null; pkill -x {prog}")
+    LAB.run(3, f"pkill -x {prog}; ip neigh flush to {service}")
+    run_ok(1, f"mkdir -p {WORK} && rm -f {out}-* && ip addr add {service}/24 dev eth0")
+    cmd = f"{prog} -d rxe0 -x 1 -F -p {port} -D 60"
+    client = None
+    try:
+        run_container(1, "bw", f"exec {cmd} > {out}-server.out 2>&1")
+        wait_listening(1, port)
+        client = LAB.submit(3, f"env {moves.SHIM}{cmd} {service} > {out}-client.out 2>&1", 600)
+        t0 = time.monotonic()
+        wait_until(1, f"ss -Htn state established 'sport = :{port}' | grep -q .", 30,
+                   "the client connected")
+        time.sleep(max(0.0, 10 - (time.monotonic() - t0)))  # traffic flowing
+        rep = move_container("bw", 1, 2, f"--address {service}/24")
+        check(rep.get("addresses") == [f"{service}/24"], "the address did not move", rep)
+        check(LAB.run(2, f"ip -4 addr show dev eth0 | grep -q ' {service}/24'").rc == 0,
+              "the service address is not on host2")
+        check(LAB.run(1, f"ip -4 addr show dev eth0 | grep -q ' {service}/'").rc != 0,
+              "the service address is still on host1")
+        c = LAB.wait(3, client, 600)
+        client = None
+        # The server ran on host2 to its end: the container exited there.
+        wait_until(2, "[ \"$(podman inspect -f '{{.State.Status}}' bw)\" = exited ]", 120,
+                   "the container's ib_write_bw finished on host2")
+        code = run_ok(2, "podman inspect -f '{{.State.ExitCode}}' bw").out.strip()
+        texts = {}
+        for side in ("client", "server"):
+            with open(os.path.join(LAB.shared, "migration", f"ctr-bw-{side}.out"),
+                      errors="replace") as f:
+                texts[side] = f.read()
+        print(f"--- client\n{texts['client'][-1200:]}\n--- server\n{texts['server'][-1200:]}",
+              flush=True)
+        check(c.rc == 0, f"the {prog} client failed", c)
+        check(code == "0", f"the container's {prog} server exited {code}", texts["server"][-1500:])
+        for side, text in texts.items():
+            check(not re.search(r"(?i)error|fail|couldn't|unable", text),
+                  f"the {prog} {side} reported an error", text[-2000:])
+        check(re.search(r"^\s*\d+\s+\d+\s+(\d|inf)", texts["client"], re.M),
+              f"no result line from the {prog} client", texts["client"][-2000:])
+    finally:
+        if client is not None:
+            LAB.kill(3, client)
+        LAB.run(3, f"pkill -x {prog}")
+        for h in (1, 2):
+            LAB.run(h, f"podman rm -f -t 0 -a > /dev/null; pkill -x {prog}; "
+                       f"ip addr del {service}/24 dev eth0 2> /dev/null", 120)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "migrator/host/addresses.h"
+#include "migrator/host/containers.h"
 #include "migrator/host/failpoints.h"
 #include "migrator/host/inventory.h"
 #include "migrator/host/log.h"
@@ -468,7 +469,30 @@ v1::ListEndpointsResponse Migrator::ListEndpoints() {
     if (first) it->second = TreeServiceAddresses(root);
     for (const std::string& a : it->second) e.add_job_addresses(a);
   }
+  NameContainers(&out);
   return out;
+}
+
+void Migrator::NameContainers(v1::ListEndpointsResponse* list) {
+  // Only a process in a pid namespace of its own can be in a container:
+  // the runtime is asked only then.
+  bool any = false;
+  for (const v1::EndpointSummary& e : list->endpoints())
+    if (InnermostPid(e.pid()) != e.pid()) any = true;
+  if (!any || options_.containers == nullptr) return;
+  absl::StatusOr<std::vector<ContainerInfo>> running = options_.containers->List();
+  if (!running.ok()) {
+    Log("listing the containers: %s", running.status().ToString());
+    return;
+  }
+  for (const ContainerInfo& c : *running) {
+    const std::vector<pid_t> tree = TreeOf(c.pid);
+    for (v1::EndpointSummary& e : *list->mutable_endpoints()) {
+      if (std::find(tree.begin(), tree.end(), e.pid()) == tree.end()) continue;
+      e.set_container(c.name);
+      for (const std::string& a : TreeServiceAddresses(c.pid)) e.add_addresses(a);
+    }
+  }
 }
 
 v1::StatusResponse Migrator::Status(bool all) {

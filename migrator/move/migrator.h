@@ -270,6 +270,9 @@ class Migrator {
                                                    const std::set<uint32_t>& qpns, bool with_ud,
                                                    pid_t exclude);
   std::string FirstActiveDeviceName();
+  // Each endpoint of `list` that runs in a container: its name, and the
+  // service addresses of the container's TCP sockets.
+  void NameContainers(v1::ListEndpointsResponse* list);
 
   // ---- containers (containers.cc)
   // The container `name`, running here, if it can move: its first

@@ -53,7 +53,7 @@ const std::map<std::string, std::string>& CommandHelp() {
       {"ps",
        "usage: rdmavirtctl ps\n"
        "Lists the processes of HOST that are under the rdmavirt shim: PID, PROGRAM,\n"
-       "ENDPOINT (its stable id), PHASE (running, suspended, released), QPS, MRS,\n"
+       "CONTAINER (the Podman container it runs in), ENDPOINT (its stable id), PHASE (running, suspended, released), QPS, MRS,\n"
        "REG MEM (registered memory), CQ PENDING (completions held in shadow CQs).\n"},
       {"migrate",
        "usage: rdmavirtctl migrate PID --to HOST[:PORT] [--max-precopy N] [--drain-timeout-ms MS]\n"
@@ -146,7 +146,9 @@ const std::map<std::string, std::string>& CommandHelp() {
        "MIGRATOR-HOST:PORT\" lines; processes go to the first). The ranks of an MPI job\n"
        "move with their launcher's or daemon's tree (orted, prted, hydra_pmi_proxy,\n"
        "mpirun), as one, to one host, with the service addresses (secondary addresses of\n"
-       "this host) that tree's TCP connections are on. --max-precopy N goes to each\n"
+       "this host) that tree's TCP connections are on. A process in a Podman container\n"
+       "moves with its container, whole (migrate --container), with the service\n"
+       "addresses its connections are on. --max-precopy N goes to each\n"
        "process's move (migrate's). One at a time, with progress on stderr and a\n"
        "summary; --dry-run prints the plan (each process or job tree and where it goes)\n"
        "and moves nothing. Exit code 1 if anything stayed.\n"},

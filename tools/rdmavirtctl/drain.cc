@@ -232,25 +232,34 @@ class DrainRun {
   // with their launcher or daemon's tree (orted's, hydra_pmi_proxy's), by
   // its root, with the service addresses its TCP connections are on. A
   // rank moved alone would lose its daemon, its shared memory with the
-  // other ranks of the host, and its connections to them.
+  // other ranks of the host, and its connections to them. A container
+  // whole, by its name, with the service addresses of its connections.
   struct Unit {
     int32_t pid;
     std::string what;  // "mpi_verify", "orted's job tree: ranks 501, 502"
     std::vector<std::string> addresses;
+    std::string container;  // "" for a process tree
   };
   std::vector<Unit> Units() const {
     std::vector<Unit> out;
     std::map<int32_t, size_t> jobs;  // root -> index in out
     for (const v1::EndpointSummary& e : procs_) {
+      if (!e.container().empty()) {
+        out.push_back({e.pid(), absl::StrCat("container ", e.container(), ": ", e.program()),
+                       {e.addresses().begin(), e.addresses().end()},
+                       e.container()});
+        continue;
+      }
       if (e.job_root_pid() == 0) {
-        out.push_back({e.pid(), e.program(), {}});
+        out.push_back({e.pid(), e.program(), {}, ""});
         continue;
       }
       auto [it, first] = jobs.try_emplace(e.job_root_pid(), out.size());
       if (first) {
         out.push_back({e.job_root_pid(),
                        absl::StrCat(e.job_root_program(), "'s job tree: ranks"),
-                       {e.job_addresses().begin(), e.job_addresses().end()}});
+                       {e.job_addresses().begin(), e.job_addresses().end()},
+                       ""});
         absl::StrAppend(&out.back().what, " ", e.pid());
       } else {
         absl::StrAppend(&out[it->second].what, ", ", e.pid());
@@ -299,7 +308,10 @@ class DrainRun {
     fprintf(stderr, "drain: pid %d (%s) -> %s\n", e.pid, e.what.c_str(), dest.c_str());
     grpc::ClientContext ctx;
     v1::MigrateRequest req;
-    req.set_pid(e.pid);
+    if (e.container.empty())
+      req.set_pid(e.pid);
+    else
+      req.set_container(e.container);
     req.set_destination(dest);
     for (const std::string& a : e.addresses) req.add_addresses(a);
     if (o_.max_precopy >= 0) req.set_max_precopy_iterations(o_.max_precopy);

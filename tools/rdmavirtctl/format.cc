@@ -58,9 +58,11 @@ std::string Micros(uint64_t us) {
 
 std::string EndpointTable(const v1::ListEndpointsResponse& list) {
   std::vector<std::vector<std::string>> rows = {
-      {"PID", "PROGRAM", "ENDPOINT", "PHASE", "QPS", "MRS", "REG MEM", "CQ PENDING"}};
+      {"PID", "PROGRAM", "CONTAINER", "ENDPOINT", "PHASE", "QPS", "MRS", "REG MEM",
+       "CQ PENDING"}};
   for (const v1::EndpointSummary& e : list.endpoints()) {
     rows.push_back({absl::StrCat(e.pid()), e.program().empty() ? "-" : e.program(),
+                    e.container().empty() ? "-" : e.container(),
                     e.endpoint_id().substr(0, 12), Phase(e), absl::StrCat(e.counts().qps()),
                     absl::StrCat(e.counts().mrs()), Bytes(e.counts().registered_bytes()),
                     absl::StrCat(e.counts().pending_completions())});

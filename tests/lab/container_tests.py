@@ -176,7 +176,8 @@ def start_integrity_pair(name, iterations, server=1, client=2):
 def integrity_in_containers_survives_their_live_moves_and_a_checkpoint():
     """The integrity workload in two Podman containers (Q on host1, P on
     host2; RC SENDs, RDMA WRITEs into each other's canvas, RDMA READs, UD
-    datagrams): Q's container moves live to host3 and back to host1, then
+    datagrams): Q's container moves live to host3 and back to host1 (by a
+    drain of host3, which names and plans it first), then
     is checkpointed on host1 (and gone), and restored on host3 from that
     checkpoint while P has kept running. A move to a host without the
     container's image is refused first, with nothing touched. The
@@ -200,7 +201,26 @@ def integrity_in_containers_survives_their_live_moves_and_a_checkpoint():
         # Live: host1 -> host3 -> host1, traffic flowing in between.
         move_container(q, 1, 3)
         moves.wait_sent("ctr", moves.sent_by_p("ctr") + 100)
-        move_container(q, 3, 1)
+        # host3 drained as an operator would: ps names the container, the
+        # plan moves it whole, and it lands on host1.
+        r, listed = moves.ctl(3, "ps")
+        check(r.rc == 0 and any(e.get("container") == q for e in listed.get("endpoints", [])),
+              f"ps on host3 does not name container {q}", r)
+        dest = f"{moves.ip(1)}:{moves.PORT}"
+        drain = f"drain --connect none --to-migrator {dest}"
+        r, plan = moves.ctl(3, f"{drain} --dry-run", 120)
+        check(r.rc == 0 and plan is not None and len(plan.get("plan", [])) == 1 and
+              f"container {q}" in plan["plan"][0] and plan["plan"][0].endswith(f"-> {dest}"),
+              f"drain --dry-run does not plan container {q} of host3", r)
+        check(runs_here(3, q), "drain --dry-run moved the container")
+        r, drained = moves.ctl(3, drain, 900)
+        check(r.rc == 0 and drained is not None and drained.get("ok") and
+              [x.get("container") for x in drained.get("processes", [])] == [q],
+              f"drain of host3 did not move container {q}", r)
+        check(runs_here(1, q) and not exists_here(3, q),
+              f"container {q} is not on host1 (alone) after host3's drain")
+        print(f"container {q} drained host3->host1:",
+              json.dumps(drained["processes"][0].get("breakdown")), flush=True)
         moves.wait_sent("ctr", moves.sent_by_p("ctr") + 100)
         # Checkpointed on host1 (the container gone), restored on host3
         # while P runs on, its peer away.

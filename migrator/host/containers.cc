@@ -175,8 +175,8 @@ class Podman final : public ContainerRuntime {
 
   absl::StatusOr<uint64_t> Checkpoint(const std::string& name, const std::string& file,
                                       bool leave_running, bool tcp_established) override {
-    std::vector<std::string> args = {"container", "checkpoint", "--export", file,
-                                     "--compress", "none"};
+    std::vector<std::string> args = {"container", "checkpoint", "--export",
+                                     file,        "--compress", "none"};
     if (leave_running) args.push_back("--leave-running");
     if (tcp_established) args.push_back("--tcp-established");
     args.push_back(name);
@@ -199,7 +199,8 @@ class Podman final : public ContainerRuntime {
     absl::StatusOr<ContainerInfo> c = Inspect(last);
     if (!c.ok()) return c.status();
     if (c->pid <= 0)
-      return absl::InternalError(absl::StrCat("container ", c->name, " was restored, but runs no process"));
+      return absl::InternalError(
+          absl::StrCat("container ", c->name, " was restored, but runs no process"));
     return c->pid;
   }
 
@@ -229,13 +230,14 @@ class Podman final : public ContainerRuntime {
   // podman with `args`, which must succeed.
   absl::StatusOr<Ran> Call(const std::vector<std::string>& args) {
     absl::StatusOr<Ran> r = Exec(args);
-    if (r.ok() && r->exit != 0) return Failed(absl::StrJoin(args.begin(), args.begin() + 2, " "), *r);
+    if (r.ok() && r->exit != 0)
+      return Failed(absl::StrJoin(args.begin(), args.begin() + 2, " "), *r);
     return r;
   }
 
   static absl::Status Failed(const std::string& what, const Ran& r) {
-    return absl::InternalError(absl::StrCat("podman ", what, " failed (exit ", r.exit, "): ",
-                                            Tail(r.out)));
+    return absl::InternalError(
+        absl::StrCat("podman ", what, " failed (exit ", r.exit, "): ", Tail(r.out)));
   }
 
   static ContainerInfo Parse(const Struct& c) {
@@ -247,7 +249,8 @@ class Podman final : public ContainerRuntime {
     info.runtime = Str(c, "OCIRuntime");
     if (const Struct* state = Obj(c, "State")) {
       const Value* pid = Field(*state, "Pid");
-      info.pid = pid != nullptr && pid->has_number_value() ? static_cast<pid_t>(pid->number_value()) : 0;
+      info.pid =
+          pid != nullptr && pid->has_number_value() ? static_cast<pid_t>(pid->number_value()) : 0;
       info.running = Str(*state, "Status") == "running" && info.pid > 0;
     }
     if (const Struct* hc = Obj(c, "HostConfig")) {

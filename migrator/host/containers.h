@@ -34,8 +34,8 @@ struct ContainerInfo {
   std::string runtime;   // the OCI runtime ("runc")
   pid_t pid = 0;         // its first process, on this host; 0 when not running
   bool running = false;
-  bool host_network = false;  // in the host's network namespace
-  bool terminal = false;      // started with -t
+  bool host_network = false;         // in the host's network namespace
+  bool terminal = false;             // started with -t
   std::vector<std::string> devices;  // device files given to it ("/dev/infiniband/uverbs0")
   std::vector<std::string> binds;    // host paths bind-mounted into it
 };

@@ -7,13 +7,14 @@
 // on the source (no runtime, a runtime without CRIU, a terminal, more than
 // one endpoint) and on the destination (no image, a device or a mounted
 // path it does not have, a container of that name). See migrator.h.
+#include "migrator/host/containers.h"
+
 #include <sys/stat.h>
 
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "migrator/host/containers.h"
 #include "migrator/host/log.h"
 #include "migrator/move/migrator.h"
 #include "migrator/move/migrator_internal.h"
@@ -31,8 +32,8 @@ absl::StatusOr<v1::Container> Migrator::MovableContainer(const std::string& name
   if (absl::Status st = options_.containers->CanCheckpoint(c->runtime); !st.ok())
     return Annotate(st, absl::StrCat("container ", c->name));
   if (c->terminal)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "container ", c->name, " has a terminal (-t): its checkpoint cannot take it"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("container ", c->name, " has a terminal (-t): its checkpoint cannot take it"));
   v1::Container out;
   out.set_name(c->name);
   out.set_id(c->id);
@@ -63,12 +64,12 @@ absl::Status Migrator::CheckContainerFits(const v1::Container& c) {
     if (!std::filesystem::exists(p, ec)) missing.push_back(p);
   }
   if (!missing.empty())
-    return absl::FailedPreconditionError(absl::StrCat(
-        "host ", options_.host_name, " has no ", absl::StrJoin(missing, ", "),
-        ", which container ", c.name(), " is given"));
+    return absl::FailedPreconditionError(absl::StrCat("host ", options_.host_name, " has no ",
+                                                      absl::StrJoin(missing, ", "),
+                                                      ", which container ", c.name(), " is given"));
   if (absl::StatusOr<ContainerInfo> there = options_.containers->Inspect(c.name()); there.ok())
-    return absl::AlreadyExistsError(absl::StrCat("host ", options_.host_name,
-                                                 " has a container named ", c.name(), " already"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("host ", options_.host_name, " has a container named ", c.name(), " already"));
   if (absl::Status st = options_.containers->CanCheckpoint(c.runtime()); !st.ok())
     return Annotate(st, absl::StrCat("host ", options_.host_name));
   return absl::OkStatus();
@@ -100,7 +101,8 @@ absl::StatusOr<pid_t> Migrator::RestoreContainer(const std::string& dir, const v
   *endpoint = HostPidOf(*root, c.endpoint_pid_inside());
   if (*endpoint == 0) {
     (void)options_.containers->Remove(c.name());
-    return absl::NotFoundError(absl::StrCat("container ", c.name(), " was restored without its pid ",
+    return absl::NotFoundError(absl::StrCat("container ", c.name(),
+                                            " was restored without its pid ",
                                             c.endpoint_pid_inside(), " under the shim"));
   }
   Log("container %s restored: its first process is %d here, its endpoint %d", c.name(), *root,
@@ -112,7 +114,8 @@ absl::Status Migrator::RemoveContainerCopy(const v1::Container& c, const char* w
   if (options_.containers == nullptr)
     return absl::InternalError(absl::StrCat("no container runtime to remove the ", which));
   absl::Status st = options_.containers->Remove(c.name());
-  if (!st.ok()) return Annotate(st, absl::StrCat("removing the ", which, " of container ", c.name()));
+  if (!st.ok())
+    return Annotate(st, absl::StrCat("removing the ", which, " of container ", c.name()));
   return absl::OkStatus();
 }
 

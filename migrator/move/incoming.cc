@@ -180,9 +180,8 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
                                                const v1::Container* container) {
   const absl::Time c0 = absl::Now();
   absl::StatusOr<pid_t> pid =
-      container != nullptr
-          ? RestoreContainer(dir, *container, tcp_established, &endpoint_pid)
-          : criu_->Restore(dir, tcp_established, new_terminal, lazy_from);
+      container != nullptr ? RestoreContainer(dir, *container, tcp_established, &endpoint_pid)
+                           : criu_->Restore(dir, tcp_established, new_terminal, lazy_from);
   if (!pid.ok())
     return Annotate(pid.status(), container != nullptr ? "container restore" : "CRIU restore");
   restored(*pid);

@@ -50,8 +50,7 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
     container = *std::move(c);
   }
   if (absl::Status st = CheckShim(pid); !st.ok()) return st;
-  absl::StatusOr<std::string> terminal =
-      container.has_value() ? std::string() : TreeTerminal(pid);
+  absl::StatusOr<std::string> terminal = container.has_value() ? std::string() : TreeTerminal(pid);
   if (!terminal.ok()) return terminal.status();
   if (absl::Status st = CheckTreeRdmaFiles(root, {pid}); !st.ok()) return st;
   if (absl::Status st = ValidateCheckpointDir(request.dir()); !st.ok()) return st;
@@ -88,8 +87,7 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
     // container's runtime keeps it, stopped: removed, so that its name is
     // free for the restore.
     if (container.has_value())
-      if (absl::Status gone = RemoveContainerCopy(*container, "checkpointed container");
-          !gone.ok())
+      if (absl::Status gone = RemoveContainerCopy(*container, "checkpointed container"); !gone.ok())
         r->set_error(std::string(gone.message()));
     r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
     Finish(m.get(), absl::OkStatus());
@@ -114,8 +112,8 @@ absl::Status Migrator::DumpCheckpoint(Move* m, const v1::CheckpointRequest& requ
     if (!files.ok())
       st = files.status();
     else {
-      v1::Manifest manifest = MakeManifest(r->migration_id(), released, *files,
-                                           options_.host_name, m->rec.terminal());
+      v1::Manifest manifest =
+          MakeManifest(r->migration_id(), released, *files, options_.host_name, m->rec.terminal());
       if (m->rec.has_container()) *manifest.mutable_container() = m->rec.container();
       st = WriteManifest(request.dir(), manifest);
       r->set_bytes_moved(SumSizes(*files));

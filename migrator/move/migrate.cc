@@ -130,10 +130,10 @@ absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peer
   }
   SetPhase(m, "cleanup");
   // A restore elsewhere left no copy here; a move left one, stopped.
-  const absl::Status killed =
-      !m->rec.stopped()        ? absl::OkStatus()
-      : m->rec.has_container() ? RemoveContainerCopy(m->rec.container(), "stopped source copy")
-                               : KillCopy(TreeRoot(m->rec), "stopped source copy");
+  const absl::Status killed = !m->rec.stopped() ? absl::OkStatus()
+                              : m->rec.has_container()
+                                  ? RemoveContainerCopy(m->rec.container(), "stopped source copy")
+                                  : KillCopy(TreeRoot(m->rec), "stopped source copy");
   if (r->kind() == "restore") r->set_pid(m->rec.restored_pid());
   RemoveStepDirs(m);
   absl::Status st = peers;
@@ -181,8 +181,7 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
     busy.push_back(e);
   }
   // A container's terminal, if it had one, would be its runtime's.
-  absl::StatusOr<std::string> terminal =
-      container.has_value() ? std::string() : TreeTerminal(root);
+  absl::StatusOr<std::string> terminal = container.has_value() ? std::string() : TreeTerminal(root);
   if (!terminal.ok()) return terminal.status();
   if (absl::Status st = CheckTreeRdmaFiles(root, *endpoints); !st.ok()) return st;
   if (container.has_value()) {

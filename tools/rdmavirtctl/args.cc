@@ -53,7 +53,8 @@ const std::map<std::string, std::string>& CommandHelp() {
       {"ps",
        "usage: rdmavirtctl ps\n"
        "Lists the processes of HOST that are under the rdmavirt shim: PID, PROGRAM,\n"
-       "CONTAINER (the Podman container it runs in), ENDPOINT (its stable id), PHASE (running, suspended, released), QPS, MRS,\n"
+       "CONTAINER (the Podman container it runs in), ENDPOINT (its stable id), PHASE (running, "
+       "suspended, released), QPS, MRS,\n"
        "REG MEM (registered memory), CQ PENDING (completions held in shadow CQs).\n"},
       {"migrate",
        "usage: rdmavirtctl migrate PID --to HOST[:PORT] [--max-precopy N] [--drain-timeout-ms MS]\n"

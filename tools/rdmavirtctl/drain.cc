@@ -245,7 +245,8 @@ class DrainRun {
     std::map<int32_t, size_t> jobs;  // root -> index in out
     for (const v1::EndpointSummary& e : procs_) {
       if (!e.container().empty()) {
-        out.push_back({e.pid(), absl::StrCat("container ", e.container(), ": ", e.program()),
+        out.push_back({e.pid(),
+                       absl::StrCat("container ", e.container(), ": ", e.program()),
                        {e.addresses().begin(), e.addresses().end()},
                        e.container()});
         continue;

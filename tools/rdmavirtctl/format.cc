@@ -58,13 +58,12 @@ std::string Micros(uint64_t us) {
 
 std::string EndpointTable(const v1::ListEndpointsResponse& list) {
   std::vector<std::vector<std::string>> rows = {
-      {"PID", "PROGRAM", "CONTAINER", "ENDPOINT", "PHASE", "QPS", "MRS", "REG MEM",
-       "CQ PENDING"}};
+      {"PID", "PROGRAM", "CONTAINER", "ENDPOINT", "PHASE", "QPS", "MRS", "REG MEM", "CQ PENDING"}};
   for (const v1::EndpointSummary& e : list.endpoints()) {
     rows.push_back({absl::StrCat(e.pid()), e.program().empty() ? "-" : e.program(),
-                    e.container().empty() ? "-" : e.container(),
-                    e.endpoint_id().substr(0, 12), Phase(e), absl::StrCat(e.counts().qps()),
-                    absl::StrCat(e.counts().mrs()), Bytes(e.counts().registered_bytes()),
+                    e.container().empty() ? "-" : e.container(), e.endpoint_id().substr(0, 12),
+                    Phase(e), absl::StrCat(e.counts().qps()), absl::StrCat(e.counts().mrs()),
+                    Bytes(e.counts().registered_bytes()),
                     absl::StrCat(e.counts().pending_completions())});
   }
   if (list.endpoints().empty()) return "no process on this host is under the rdmavirt shim\n";
@@ -137,8 +136,9 @@ std::string ReportText(const v1::MigrationReport& r) {
   const v1::Breakdown& b = r.breakdown();
   std::string what;
   const std::string container =
-      r.container().empty() ? "" : absl::StrCat("container ", r.container(), " (pid ", r.pid(),
-                                                " under the shim)");
+      r.container().empty()
+          ? ""
+          : absl::StrCat("container ", r.container(), " (pid ", r.pid(), " under the shim)");
   if (!container.empty() && r.kind() == "migrate")
     what = absl::StrCat("migration of ", container, " from ", r.source(), " to ", r.destination());
   else if (!container.empty() && r.kind() == "checkpoint")
@@ -153,9 +153,11 @@ std::string ReportText(const v1::MigrationReport& r) {
     what = absl::StrCat("checkpoint of pid ", r.pid(), " into ", r.destination());
   else
     what = absl::StrCat("restore of ",
-                        r.container().empty() ? "endpoint " : absl::StrCat("container ", r.container(), ", endpoint "),
-                        r.endpoint_id().substr(0, 12), " on ",
-                        r.destination(), r.pid() ? absl::StrCat(" as pid ", r.pid()) : "");
+                        r.container().empty()
+                            ? "endpoint "
+                            : absl::StrCat("container ", r.container(), ", endpoint "),
+                        r.endpoint_id().substr(0, 12), " on ", r.destination(),
+                        r.pid() ? absl::StrCat(" as pid ", r.pid()) : "");
   std::string out;
   if (r.ok()) {
     absl::StrAppend(&out, what, ": done in ", Micros(b.total_us()), "\n");

@@ -204,6 +204,25 @@ class Podman final : public ContainerRuntime {
     return c->pid;
   }
 
+  pid_t PidInside(pid_t pid) override { return InnermostPid(pid); }
+
+  pid_t HostPid(pid_t root, pid_t inside) override {
+    // Breadth first through /proc/PID/task/*/children.
+    std::vector<pid_t> todo = {root};
+    for (size_t i = 0; i < todo.size() && i < 100000; ++i) {
+      const pid_t p = todo[i];
+      if (InnermostPid(p) == inside) return p;
+      std::error_code ec;
+      for (const auto& t :
+           std::filesystem::directory_iterator(absl::StrCat("/proc/", p, "/task"), ec)) {
+        std::ifstream children(t.path() / "children");
+        pid_t c = 0;
+        while (children >> c) todo.push_back(c);
+      }
+    }
+    return 0;
+  }
+
   absl::Status Remove(const std::string& name) override {
     absl::StatusOr<Ran> r = Exec({"container", "rm", "--force", "--time", "0", name});
     if (!r.ok()) return r.status();
@@ -290,23 +309,6 @@ pid_t InnermostPid(pid_t pid) {
     int inner = 0;
     if (fields.empty() || !absl::SimpleAtoi(fields.back(), &inner)) return 0;
     return inner;
-  }
-  return 0;
-}
-
-pid_t HostPidOf(pid_t root, pid_t inner) {
-  // Breadth first through /proc/PID/task/*/children.
-  std::vector<pid_t> todo = {root};
-  for (size_t i = 0; i < todo.size() && i < 100000; ++i) {
-    const pid_t p = todo[i];
-    if (InnermostPid(p) == inner) return p;
-    std::error_code ec;
-    for (const auto& t :
-         std::filesystem::directory_iterator(absl::StrCat("/proc/", p, "/task"), ec)) {
-      std::ifstream children(t.path() / "children");
-      pid_t c = 0;
-      while (children >> c) todo.push_back(c);
-    }
   }
   return 0;
 }

@@ -66,6 +66,12 @@ class ContainerRuntime {
   virtual absl::StatusOr<pid_t> Restore(const std::string& file, bool tcp_established) = 0;
   // The container killed and removed; OK when there is none of that name.
   virtual absl::Status Remove(const std::string& name) = 0;
+  // The pid of this host's process `pid` in its own (innermost) pid
+  // namespace: `pid` for a process in this host's, 0 when it is gone.
+  virtual pid_t PidInside(pid_t pid) = 0;
+  // The pid here of the process among `root` and its descendants that is
+  // pid `inside` in its own pid namespace; 0 when none is.
+  virtual pid_t HostPid(pid_t root, pid_t inside) = 0;
 };
 
 // podman at `path` ("" for the one on PATH); each command may take up to
@@ -73,12 +79,8 @@ class ContainerRuntime {
 std::unique_ptr<ContainerRuntime> NewPodman(const std::string& path = "",
                                             absl::Duration timeout = absl::Minutes(10));
 
-// The pid here of the process among `root` and its descendants that is
-// pid `inner` in its own (innermost) pid namespace; 0 when none is.
-pid_t HostPidOf(pid_t root, pid_t inner);
-
 // The pid of `pid` in its innermost pid namespace (the last of NSpid); 0
-// when /proc does not say.
+// when /proc does not say. (Podman's PidInside.)
 pid_t InnermostPid(pid_t pid);
 
 }  // namespace rdmavirt::migrator

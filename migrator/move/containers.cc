@@ -98,7 +98,7 @@ absl::StatusOr<pid_t> Migrator::RestoreContainer(const std::string& dir, const v
   absl::StatusOr<pid_t> root =
       options_.containers->Restore(absl::StrCat(dir, "/", kContainerExport), tcp);
   if (!root.ok()) return root.status();
-  *endpoint = HostPidOf(*root, c.endpoint_pid_inside());
+  *endpoint = options_.containers->HostPid(*root, c.endpoint_pid_inside());
   if (*endpoint == 0) {
     (void)options_.containers->Remove(c.name());
     return absl::NotFoundError(absl::StrCat("container ", c.name(),

@@ -46,7 +46,7 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
           absl::StrCat("container ", c->name(), " has ", endpoints->size(),
                        " processes under the shim: a container is checkpointed with one"));
     pid = endpoints->front();
-    c->set_endpoint_pid_inside(InnermostPid(pid));
+    c->set_endpoint_pid_inside(options_.containers->PidInside(pid));
     container = *std::move(c);
   }
   if (absl::Status st = CheckShim(pid); !st.ok()) return st;

@@ -190,7 +190,7 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
           "container ", container->name(), " has ", endpoints->size(),
           " processes under the shim: a container moves with one (a job of several, as MPI's, "
           "moves as a process tree)"));
-    container->set_endpoint_pid_inside(InnermostPid(pid));
+    container->set_endpoint_pid_inside(options_.containers->PidInside(pid));
   }
   std::unique_ptr<Move> m = NewMove("migrate", pid, sink);
   m->rec.set_terminal(*terminal);

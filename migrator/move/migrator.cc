@@ -476,10 +476,11 @@ v1::ListEndpointsResponse Migrator::ListEndpoints() {
 void Migrator::NameContainers(v1::ListEndpointsResponse* list) {
   // Only a process in a pid namespace of its own can be in a container:
   // the runtime is asked only then.
+  if (options_.containers == nullptr) return;
   bool any = false;
   for (const v1::EndpointSummary& e : list->endpoints())
-    if (InnermostPid(e.pid()) != e.pid()) any = true;
-  if (!any || options_.containers == nullptr) return;
+    if (options_.containers->PidInside(e.pid()) != e.pid()) any = true;
+  if (!any) return;
   absl::StatusOr<std::vector<ContainerInfo>> running = options_.containers->List();
   if (!running.ok()) {
     Log("listing the containers: %s", running.status().ToString());

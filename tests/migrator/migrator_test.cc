@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "migrator/criu/image_dir.h"
 #include "migrator/host/addresses.h"
+#include "migrator/host/containers.h"
 #include "migrator/host/inventory.h"
 #include "migrator/move/migrator_internal.h"
 #include "migrator/move/record_store.h"
@@ -73,12 +75,114 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
+// A FakeHost's containers: each a name for the process that is its first
+// (and its endpoint, pid 1 inside); the checkpoint is the host's dump
+// beside an export file that names the container, the restore the host's
+// restore of it.
+class FakeContainers final : public ContainerRuntime {
+ public:
+  explicit FakeContainers(FakeHost* host) : host_(host) {}
+
+  void Run(const std::string& name, pid_t pid, const std::string& runtime = "runc") {
+    ContainerInfo c;
+    c.name = name;
+    c.id = absl::StrCat("id-", name);
+    c.image = "localhost/app:1";
+    c.image_id = "img1";
+    c.runtime = runtime;
+    c.pid = pid;
+    c.running = true;
+    c.devices = {"/dev/null"};  // a character device every host has
+    absl::MutexLock lock(&mu_);
+    containers_[name] = c;
+  }
+  bool Has(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    return containers_.contains(name);
+  }
+  std::vector<std::string> Events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+  std::set<std::string> images = {"img1"};
+  absl::Status restore_error;
+
+  absl::StatusOr<std::string> Version() override { return std::string("fake"); }
+  absl::StatusOr<ContainerInfo> Inspect(const std::string& name) override {
+    absl::MutexLock lock(&mu_);
+    auto it = containers_.find(name);
+    if (it == containers_.end()) return absl::NotFoundError(absl::StrCat("no container ", name));
+    return it->second;
+  }
+  absl::StatusOr<std::vector<ContainerInfo>> List() override {
+    absl::MutexLock lock(&mu_);
+    std::vector<ContainerInfo> out;
+    for (const auto& [name, c] : containers_) out.push_back(c);
+    return out;
+  }
+  bool HasImage(const std::string& image_id) override { return images.contains(image_id); }
+  absl::Status CanCheckpoint(const std::string& runtime) override {
+    if (runtime == "crun")
+      return absl::FailedPreconditionError("its OCI runtime crun is built without CRIU");
+    return absl::OkStatus();
+  }
+  absl::StatusOr<uint64_t> Checkpoint(const std::string& name, const std::string& file,
+                                      bool leave_running, bool tcp) override {
+    absl::StatusOr<ContainerInfo> c = Inspect(name);
+    if (!c.ok()) return c.status();
+    const std::string dir = std::filesystem::path(file).parent_path();
+    absl::StatusOr<DumpStats> d = host_->Dump(c->pid, dir, "", leave_running, tcp);
+    if (!d.ok()) return d.status();
+    std::ofstream(file) << name;
+    absl::MutexLock lock(&mu_);
+    events_.push_back(absl::StrCat("checkpoint ", name));
+    return d->image_bytes + name.size();
+  }
+  absl::StatusOr<pid_t> Restore(const std::string& file, bool tcp) override {
+    std::string name;
+    std::ifstream(file) >> name;
+    {
+      absl::MutexLock lock(&mu_);
+      events_.push_back(absl::StrCat("restore ", name));
+      if (!restore_error.ok()) return restore_error;
+    }
+    absl::StatusOr<pid_t> pid =
+        host_->Restore(std::filesystem::path(file).parent_path(), tcp, false, nullptr);
+    if (!pid.ok()) return pid.status();
+    Run(name, *pid);
+    return *pid;
+  }
+  absl::Status Remove(const std::string& name) override {
+    absl::MutexLock lock(&mu_);
+    auto it = containers_.find(name);
+    if (it == containers_.end()) return absl::OkStatus();
+    (void)host_->Kill(it->second.pid);
+    containers_.erase(it);
+    events_.push_back(absl::StrCat("remove ", name));
+    return absl::OkStatus();
+  }
+  pid_t PidInside(pid_t pid) override {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, c] : containers_)
+      if (c.pid == pid) return 1;
+    return pid;
+  }
+  pid_t HostPid(pid_t root, pid_t inside) override { return inside == 1 ? root : 0; }
+
+ private:
+  FakeHost* const host_;
+  absl::Mutex mu_;
+  std::map<std::string, ContainerInfo> containers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
+};
+
 // Hosts 1..3 ("h1:7700"...), each a FakeHost, a Migrator and its Transfer
 // service behind a gRPC server on a unix socket.
 class Cluster {
  public:
   struct Node {
     std::unique_ptr<FakeHost> host;
+    std::unique_ptr<FakeContainers> containers;
     std::string state_dir;
     bool rdma = true;
     uint32_t guest_nics = 0;               // capacity; 0: no NICs for guests
@@ -96,6 +200,7 @@ class Cluster {
     for (int n = 1; n <= 3; ++n) {
       Node& node = nodes_[n];
       node.host = std::make_unique<FakeHost>(n);
+      node.containers = std::make_unique<FakeContainers>(node.host.get());
       node.state_dir = TempDir(absl::StrCat(test, "-h", n));
       Start(n);
     }
@@ -166,6 +271,7 @@ class Cluster {
     }
     FakeHost* h = node.host.get();
     o.addresses = h;
+    o.containers = node.containers.get();
     node.m = std::make_unique<Migrator>(o, h, h, h);
     node.svc = std::make_unique<TransferService>(node.m.get(), Admission::kAnyone);
     grpc::ServerBuilder b;
@@ -196,6 +302,7 @@ class Cluster {
 
   Node& operator[](int n) { return nodes_[n]; }
   FakeHost& host(int n) { return *nodes_[n].host; }
+  FakeContainers& containers(int n) { return *nodes_[n].containers; }
   Migrator& m(int n) { return *nodes_[n].m; }
 
  private:
@@ -571,6 +678,127 @@ TEST(MigratorTest, RefusesProcessesNotUnderTheShim) {
   EXPECT_EQ(run.status.code(), absl::StatusCode::kNotFound);
   run = Migrate(c, 555, "bad host!");
   EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument);
+}
+
+MoveRun MigrateContainer(Cluster& c, const std::string& name, const std::string& to) {
+  MoveRun run;
+  v1::MigrateRequest req;
+  req.set_container(name);
+  req.set_destination(to);
+  run.status = c.m(1).Migrate(req, [&](const v1::Progress& p) {
+    if (p.has_report()) run.report = p.report();
+  });
+  return run;
+}
+
+// A container moves whole: its runtime checkpoints it on the source and
+// restores it, with its name, on the destination; its endpoint is
+// released before and restored after, its peers re-pointed, and the
+// source's copy removed.
+TEST(ContainerMoveTest, AContainerMovesWholeByItsRuntimeAndItsSourceCopyIsRemoved) {
+  Cluster c("container");
+  Topology(c);
+  c.containers(1).Run("app", 100);
+  MoveRun run = MigrateContainer(c, "app", "h2");
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  EXPECT_EQ(run.report.container(), "app");
+  EXPECT_THAT(c.containers(1).Events(), ElementsAre("checkpoint app", "remove app"));
+  EXPECT_THAT(c.containers(2).Events(), ElementsAre("restore app"));
+  EXPECT_FALSE(c.containers(1).Has("app"));
+  EXPECT_TRUE(c.containers(2).Has("app"));
+  EXPECT_EQ(c.host(1).predumps, 0);  // no pre-copy for a container
+  EXPECT_THAT(Commands(c.host(1).Get(100).log), Contains("release"));
+  EXPECT_TRUE(c.host(2).Get(100).alive);
+  EXPECT_FALSE(c.host(2).Get(100).paused);
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+  EXPECT_EQ(c.host(3).Get(300).reconnected_to.size(), 1u);
+}
+
+// What cannot move is refused before anything is quiesced, naming it: a
+// runtime without CRIU on the source; on the destination, no image, or a
+// container of that name already.
+TEST(ContainerMoveTest, WhatCannotMoveIsRefusedBeforeAnythingIsQuiesced) {
+  Cluster c("container-refused");
+  Topology(c);
+  c.containers(1).Run("crunny", 100, "crun");
+  MoveRun run = MigrateContainer(c, "crunny", "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("crun"));
+  c.containers(1).Run("app", 100);
+  c.containers(2).images.clear();
+  run = MigrateContainer(c, "app", "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("has no image"));
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("nothing was quiesced"));
+  c.containers(2).images = {"img1"};
+  c.containers(2).Run("app", 999);
+  run = MigrateContainer(c, "app", "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kAlreadyExists) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("a container named app"));
+  run = MigrateContainer(c, "nosuch", "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kNotFound) << run.status;
+  EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());
+  EXPECT_TRUE(Commands(c.host(3).Get(300).log).empty());
+  EXPECT_TRUE(c.containers(1).Events().empty());
+}
+
+// A restore that fails on the destination rolls the container back on
+// its source: continued there, its endpoint back, nothing left behind.
+TEST(ContainerMoveTest, AFailedRestoreRollsTheContainerBackOnItsSource) {
+  Cluster c("container-rollback");
+  Topology(c);
+  c.containers(1).Run("app", 100);
+  c.containers(2).restore_error = absl::InternalError("runc: restore failed");
+  MoveRun run = MigrateContainer(c, "app", "h2");
+  EXPECT_FALSE(run.status.ok());
+  EXPECT_TRUE(run.report.rolled_back()) << run.report.error();
+  EXPECT_TRUE(c.containers(1).Has("app"));
+  EXPECT_FALSE(c.containers(2).Has("app"));
+  EXPECT_THAT(c.containers(1).Events(), ElementsAre("checkpoint app"));
+  EXPECT_THAT(c.host(1).Events(), Contains("continue 100"));
+  EXPECT_TRUE(c.host(1).Get(100).alive);
+  EXPECT_FALSE(c.host(1).Get(100).paused);
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+}
+
+// Checkpointed (and removed), then restored on another host from the
+// directory, under its name.
+TEST(ContainerMoveTest, ACheckpointedContainerIsRemovedAndRestoredElsewhereByItsName) {
+  Cluster c("container-ckpt");
+  Topology(c);
+  c.containers(1).Run("app", 100);
+  const std::string dir = TempDir("container-ckpt-dir") + "/cp";
+  v1::CheckpointRequest req;
+  req.set_container("app");
+  req.set_dir(dir);
+  ASSERT_TRUE(c.m(1).Checkpoint(req, nullptr).ok());
+  EXPECT_FALSE(c.containers(1).Has("app"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/" + kContainerExport));
+  absl::StatusOr<v1::Manifest> manifest = ReadManifest(dir);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_EQ(manifest->container().name(), "app");
+  v1::RestoreRequest rr;
+  rr.set_dir(dir);
+  rr.set_on("h2");
+  const absl::Status st = c.m(1).Restore(rr, nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(c.containers(2).Has("app"));
+  EXPECT_THAT(c.containers(2).Events(), ElementsAre("restore app"));
+  EXPECT_TRUE(c.host(2).Get(100).alive);
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+}
+
+// ps names the container each endpoint runs in; a process in none has "".
+TEST(ContainerMoveTest, EndpointsAreListedWithTheirContainer) {
+  Cluster c("container-ps");
+  Topology(c);
+  c.containers(1).Run("app", 100);
+  std::map<int, std::string> listed;
+  const v1::ListEndpointsResponse list = c.m(1).ListEndpoints();
+  for (const v1::EndpointSummary& e : list.endpoints()) listed[e.pid()] = e.container();
+  EXPECT_EQ(listed[100], "app");
+  EXPECT_EQ(listed[200], "");
 }
 
 // Post-copy: the final dump serves its pages from the source, whose

@@ -112,6 +112,17 @@ std::vector<std::pair<std::string, dev_t>> CharDeviceFds(pid_t pid) {
   return out;
 }
 
+// Whether CRIU dumps an open character device of that number as it is
+// (criu/files.c, dump_chrdev): memory devices, tun and autofs, terminals
+// (tty, tty aux, pseudo-terminals' both sides). Any other it refuses.
+bool CriuDumps(dev_t rdev) {
+  const unsigned maj = major(rdev);
+  const unsigned min = minor(rdev);
+  if (maj == 1) return true;                            // /dev/null, zero, full, random...
+  if (maj == 10) return min == 200 || min == 235;       // /dev/net/tun, autofs
+  return maj == 4 || maj == 5 || (maj >= 128 && maj <= 143);  // terminals
+}
+
 bool Stopped(pid_t pid) {
   const char s = State(pid);
   return s == 'T' || s == 't' || s == 0 || s == 'Z' || s == 'X';
@@ -183,7 +194,7 @@ class RealProcessControl final : public ProcessControl {
     return out;
   }
 
-  std::vector<std::string> RdmaFiles(pid_t pid) override {
+  std::vector<std::string> DeviceFiles(pid_t pid) override {
     std::set<std::string> out;
     for (const auto& [fd, rdev] : CharDeviceFds(pid)) {
       char target[256];
@@ -191,7 +202,10 @@ class RealProcessControl final : public ProcessControl {
       const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
       if (n <= 0) continue;
       std::string path(target, n);
-      if (path.starts_with("/dev/infiniband/")) out.insert(std::move(path));
+      if (path.starts_with("/dev/infiniband/"))
+        out.insert(std::move(path));
+      else if (!CriuDumps(rdev))
+        out.insert(absl::StrCat(path, " (", major(rdev), ":", minor(rdev), ")"));
     }
     return {out.begin(), out.end()};
   }

@@ -48,9 +48,13 @@ class ProcessControl {
   // sides move with the tree, as an MPI daemon and the ranks whose output
   // it reads through one).
   virtual std::vector<std::string> Terminals(pid_t pid, const std::set<int>& masters_in_tree) = 0;
-  // The RDMA device files the process holds open (under /dev/infiniband:
-  // "/dev/infiniband/uverbs0", "/dev/infiniband/rdma_cm"), each once.
-  virtual std::vector<std::string> RdmaFiles(pid_t pid) = 0;
+  // The device files the process holds open that CRIU cannot dump as
+  // they are, each once: its RDMA devices (under /dev/infiniband:
+  // "/dev/infiniband/uverbs0", "/dev/infiniband/rdma_cm"), which the
+  // shim's release closes, and any character device CRIU has no dump for
+  // ("/dev/fuse (10:229)"): CRIU takes memory devices (/dev/null...),
+  // terminals, tun and autofs only.
+  virtual std::vector<std::string> DeviceFiles(pid_t pid) = 0;
   // Its parent's pid; 0 when it is gone.
   virtual pid_t Parent(pid_t pid) = 0;
   // Its command name (/proc/PID/comm: "orted"); "" when it is gone.

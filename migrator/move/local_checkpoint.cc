@@ -52,7 +52,7 @@ absl::Status Migrator::Checkpoint(const v1::CheckpointRequest& request, const Pr
   if (absl::Status st = CheckShim(pid); !st.ok()) return st;
   absl::StatusOr<std::string> terminal = container.has_value() ? std::string() : TreeTerminal(pid);
   if (!terminal.ok()) return terminal.status();
-  if (absl::Status st = CheckTreeRdmaFiles(root, {pid}); !st.ok()) return st;
+  if (absl::Status st = CheckTreeDevices(root, {pid}); !st.ok()) return st;
   if (absl::Status st = ValidateCheckpointDir(request.dir()); !st.ok()) return st;
   if (absl::Status st = MarkMoving(pid); !st.ok()) return st;
   absl::Cleanup unbusy = [&] { DoneMoving(pid); };

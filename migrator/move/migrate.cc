@@ -183,7 +183,7 @@ absl::Status Migrator::Migrate(const v1::MigrateRequest& request, const Progress
   // A container's terminal, if it had one, would be its runtime's.
   absl::StatusOr<std::string> terminal = container.has_value() ? std::string() : TreeTerminal(root);
   if (!terminal.ok()) return terminal.status();
-  if (absl::Status st = CheckTreeRdmaFiles(root, *endpoints); !st.ok()) return st;
+  if (absl::Status st = CheckTreeDevices(root, *endpoints); !st.ok()) return st;
   if (container.has_value()) {
     if (endpoints->size() > 1)
       return absl::FailedPreconditionError(absl::StrCat(

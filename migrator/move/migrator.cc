@@ -304,10 +304,10 @@ absl::StatusOr<std::string> Migrator::TreeTerminal(pid_t pid) {
   return pty;
 }
 
-absl::Status Migrator::CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& endpoints) {
+absl::Status Migrator::CheckTreeDevices(pid_t root, const std::vector<pid_t>& endpoints) {
   for (pid_t p : TreeOf(root)) {
     const bool shimmed = std::find(endpoints.begin(), endpoints.end(), p) != endpoints.end();
-    for (const std::string& file : procs_->RdmaFiles(p)) {
+    for (const std::string& file : procs_->DeviceFiles(p)) {
       // The shim releases its devices and its RDMA CM channels (their
       // kernel files; the program's fds are the shim's: shim/cm/cm.h),
       // and refuses at its quiesce an RDMA CM id a move cannot carry.
@@ -325,7 +325,7 @@ absl::Status Migrator::CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& 
             ", an RDMA device of a process this step does not release (not under the rdmavirt "
             "shim, or a descendant, which a checkpoint does not release), which CRIU cannot dump";
       else
-        why = ", which CRIU cannot dump";
+        why = ", a device CRIU cannot dump";
       return absl::FailedPreconditionError(absl::StrCat(
           "process ", p, p == root ? "" : absl::StrCat(" (a descendant of process ", root, ")"),
           " holds ", file, why, "; nothing was quiesced"));

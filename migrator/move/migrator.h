@@ -218,7 +218,7 @@ class Migrator {
   // and the file, for any other (an RDMA CM channel, a MAD port, a verbs
   // device of another process of the tree): CRIU cannot dump it, and finding it
   // at the final dump would cost the pre-copy and a blackout.
-  absl::Status CheckTreeRdmaFiles(pid_t root, const std::vector<pid_t>& endpoints);
+  absl::Status CheckTreeDevices(pid_t root, const std::vector<pid_t>& endpoints);
   // The processes under the shim that a move of `root` (with its
   // descendants, as CRIU dumps it) takes: `root` first if it is one, then
   // its descendants that are, parents before children.

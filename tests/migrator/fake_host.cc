@@ -205,15 +205,15 @@ void FakeHost::AddPtyMaster(pid_t pid, int index) {
   pty_masters_[pid].insert(index);
 }
 
-void FakeHost::AddRdmaFile(pid_t pid, const std::string& path) {
+void FakeHost::AddDeviceFile(pid_t pid, const std::string& path) {
   absl::MutexLock lock(&mu_);
-  rdma_files_[pid].push_back(path);
+  device_files_[pid].push_back(path);
 }
 
-std::vector<std::string> FakeHost::RdmaFiles(pid_t pid) {
+std::vector<std::string> FakeHost::DeviceFiles(pid_t pid) {
   absl::MutexLock lock(&mu_);
-  auto it = rdma_files_.find(pid);
-  return it == rdma_files_.end() ? std::vector<std::string>{} : it->second;
+  auto it = device_files_.find(pid);
+  return it == device_files_.end() ? std::vector<std::string>{} : it->second;
 }
 
 std::set<int> FakeHost::PtyMasters(pid_t pid) {

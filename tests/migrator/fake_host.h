@@ -97,8 +97,8 @@ class FakeHost final : public ShimChannel,
   void SetTerminal(pid_t pid, const std::string& tty);
   // The process holds the master side of /dev/pts/`index`.
   void AddPtyMaster(pid_t pid, int index);
-  // The process holds this RDMA device file (ProcessControl::RdmaFiles).
-  void AddRdmaFile(pid_t pid, const std::string& path);
+  // The process holds this RDMA device file (ProcessControl::DeviceFiles).
+  void AddDeviceFile(pid_t pid, const std::string& path);
   const std::string& gid() const { return gid_; }
 
   // Network: `ifname` holds `address` ("a.b.c.d/len").
@@ -150,7 +150,7 @@ class FakeHost final : public ShimChannel,
   absl::Status Kill(pid_t pid) override;
   std::set<int> PtyMasters(pid_t pid) override;
   std::vector<std::string> Terminals(pid_t pid, const std::set<int>& masters_in_tree) override;
-  std::vector<std::string> RdmaFiles(pid_t pid) override;
+  std::vector<std::string> DeviceFiles(pid_t pid) override;
   pid_t Parent(pid_t pid) override;
   std::string Program(pid_t pid) override;
   std::set<uint32_t> TcpAddresses(pid_t pid) override;
@@ -197,7 +197,7 @@ class FakeHost final : public ShimChannel,
   std::map<pid_t, int> incarnation_ ABSL_GUARDED_BY(mu_);  // Identity's
 
   std::map<pid_t, std::string> terminals_ ABSL_GUARDED_BY(mu_);
-  std::map<pid_t, std::vector<std::string>> rdma_files_ ABSL_GUARDED_BY(mu_);
+  std::map<pid_t, std::vector<std::string>> device_files_ ABSL_GUARDED_BY(mu_);
   std::map<pid_t, std::set<int>> pty_masters_ ABSL_GUARDED_BY(mu_);
   std::map<pid_t, std::string> programs_ ABSL_GUARDED_BY(mu_);
   std::map<pid_t, std::string> plain_tcp_ ABSL_GUARDED_BY(mu_);  // plain processes' SetTcpAddress

@@ -883,7 +883,7 @@ TEST(MigratorTest, RefusesATerminalCriuCannotGiveBackBeforeQuiescingAnything) {
 // and by a checkpoint: CRIU refused it only at the final dump, after the
 // pre-copy and inside the blackout. An endpoint's own verbs device and
 // RDMA CM channel (which its shim releases) move.
-TEST(MigratorTest, RefusesAnRdmaFileTheReleaseDoesNotCloseBeforeQuiescingAnything) {
+TEST(MigratorTest, RefusesADeviceFileTheReleaseDoesNotCloseBeforeQuiescingAnything) {
   struct Held {
     pid_t holder;
     const char* file;
@@ -894,7 +894,10 @@ TEST(MigratorTest, RefusesAnRdmaFileTheReleaseDoesNotCloseBeforeQuiescingAnythin
                              "/dev/infiniband/rdma_cm, an RDMA CM channel (librdmacm) of a "
                              "process not under the rdmavirt shim"},
                         Held{100, "/dev/infiniband/umad0",
-                             "process 100 holds /dev/infiniband/umad0, which CRIU cannot dump"},
+                             "process 100 holds /dev/infiniband/umad0, a device CRIU cannot dump"},
+                        Held{101, "/dev/fuse (10:229)",
+                             "process 101 (a descendant of process 100) holds /dev/fuse "
+                             "(10:229), a device CRIU cannot dump"},
                         Held{101, "/dev/infiniband/uverbs0",
                              "process 101 (a descendant of process 100) holds "
                              "/dev/infiniband/uverbs0, an RDMA device of a process this step "
@@ -904,8 +907,8 @@ TEST(MigratorTest, RefusesAnRdmaFileTheReleaseDoesNotCloseBeforeQuiescingAnythin
     Topology(c);
     c.host(1).AddPlainProcess(101);
     c.host(1).AddChild(100, 101);
-    c.host(1).AddRdmaFile(100, "/dev/infiniband/uverbs0");
-    c.host(1).AddRdmaFile(h.holder, h.file);
+    c.host(1).AddDeviceFile(100, "/dev/infiniband/uverbs0");
+    c.host(1).AddDeviceFile(h.holder, h.file);
     MoveRun run = Migrate(c, 100, "h2");
     EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
     EXPECT_THAT(std::string(run.status.message()), HasSubstr(h.said));
@@ -926,8 +929,8 @@ TEST(MigratorTest, RefusesAnRdmaFileTheReleaseDoesNotCloseBeforeQuiescingAnythin
   // Only the endpoint's own verbs device and RDMA CM channel: it moves.
   Cluster c("rdmafile-ok");
   Topology(c);
-  c.host(1).AddRdmaFile(100, "/dev/infiniband/uverbs0");
-  c.host(1).AddRdmaFile(100, "/dev/infiniband/rdma_cm");
+  c.host(1).AddDeviceFile(100, "/dev/infiniband/uverbs0");
+  c.host(1).AddDeviceFile(100, "/dev/infiniband/rdma_cm");
   MoveRun run = Migrate(c, 100, "h2");
   EXPECT_TRUE(run.status.ok()) << run.status;
 }

@@ -188,15 +188,14 @@ class Podman final : public ContainerRuntime {
     return static_cast<uint64_t>(size);
   }
 
-  absl::StatusOr<pid_t> Restore(const std::string& file, bool tcp_established) override {
+  absl::StatusOr<pid_t> Restore(const std::string& name, const std::string& file,
+                                bool tcp_established) override {
     std::vector<std::string> args = {"container", "restore", "--import", file};
     if (tcp_established) args.push_back("--tcp-established");
     absl::StatusOr<Ran> r = Call(args);
     if (!r.ok()) return r.status();
-    // It prints the restored container's id.
-    const std::string id(absl::StripAsciiWhitespace(r->out));
-    const std::string last = id.substr(id.find_last_of('\n') + 1);
-    absl::StatusOr<ContainerInfo> c = Inspect(last);
+    // Made again with the name it had.
+    absl::StatusOr<ContainerInfo> c = Inspect(name);
     if (!c.ok()) return c.status();
     if (c->pid <= 0)
       return absl::InternalError(

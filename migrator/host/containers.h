@@ -60,10 +60,11 @@ class ContainerRuntime {
   // `tcp_established` as Checkpointer::Dump's. Returns the file's size.
   virtual absl::StatusOr<uint64_t> Checkpoint(const std::string& name, const std::string& file,
                                               bool leave_running, bool tcp_established) = 0;
-  // A container restored from `file`, with its name; its first process's
-  // pid here. Its processes stay as the checkpoint saw them (a stopped
-  // one stays stopped).
-  virtual absl::StatusOr<pid_t> Restore(const std::string& file, bool tcp_established) = 0;
+  // Container `name` restored from `file` (its export, which names it);
+  // its first process's pid here. Its processes stay as the checkpoint saw
+  // them (a stopped one stays stopped).
+  virtual absl::StatusOr<pid_t> Restore(const std::string& name, const std::string& file,
+                                        bool tcp_established) = 0;
   // The container killed and removed; OK when there is none of that name.
   virtual absl::Status Remove(const std::string& name) = 0;
   // The pid of this host's process `pid` in its own (innermost) pid

@@ -96,7 +96,7 @@ absl::StatusOr<pid_t> Migrator::RestoreContainer(const std::string& dir, const v
     return absl::FailedPreconditionError(
         absl::StrCat("host ", options_.host_name, " has no container runtime"));
   absl::StatusOr<pid_t> root =
-      options_.containers->Restore(absl::StrCat(dir, "/", kContainerExport), tcp);
+      options_.containers->Restore(c.name(), absl::StrCat(dir, "/", kContainerExport), tcp);
   if (!root.ok()) return root.status();
   *endpoint = options_.containers->HostPid(*root, c.endpoint_pid_inside());
   if (*endpoint == 0) {

@@ -174,10 +174,14 @@ void Migrator::RestoreFinalDumpHere(Move* m, const absl::Status& cause) {
     else
       m->rec.set_addresses_moved(false);
   }
+  // A container's runtime still holds the dead one by its name: removed,
+  // so that the restore can make it again.
+  const v1::Container* container = m->rec.has_container() ? &m->rec.container() : nullptr;
+  if (container != nullptr) (void)RemoveContainerCopy(*container, "dead source copy");
   v1::RestoreIncomingResponse out;
   absl::StatusOr<pid_t> back =
       RestoreFromDir(m->rec.image_dir(), tcp, !m->rec.terminal().empty(), /*lazy_from=*/nullptr,
-                     pid, NoteRestored(m), {}, &out);
+                     pid, NoteRestored(m), {}, &out, container);
   if (!back.ok()) {
     r->set_error(absl::StrCat(cause.message(), addresses_error,
                               "; restoring the final dump failed: ", back.status().message()));

@@ -138,9 +138,11 @@ class FakeContainers final : public ContainerRuntime {
     events_.push_back(absl::StrCat("checkpoint ", name));
     return d->image_bytes + name.size();
   }
-  absl::StatusOr<pid_t> Restore(const std::string& file, bool tcp) override {
+  absl::StatusOr<pid_t> Restore(const std::string& asked, const std::string& file,
+                                bool tcp) override {
     std::string name;
     std::ifstream(file) >> name;
+    if (name != asked) return absl::InvalidArgumentError("the export names another container");
     {
       absl::MutexLock lock(&mu_);
       events_.push_back(absl::StrCat("restore ", name));

@@ -71,19 +71,32 @@ def podman_ready():
         check(r.rc == 0, f"host{n}: podman is not ready", r)
 
 
-def run_container(host, name, command, env="", volumes=()):
+def run_container(host, name, command, env="", volumes=(), devices=()):
     """Starts `command` (a shell command line, whose program execs as the
     container's pid 1) in container `name` on `host`, under the shim, with
-    the host's network and uts namespace, uverbs0, the host's /usr, the
-    build tree, the migrator's socket directory and WORK mounted in.
-    Returns the container's pid on the host."""
+    the host's network and uts namespace, uverbs0 (and `devices`), the
+    host's /usr, the build tree, the migrator's socket directory and WORK
+    mounted in. Returns the container's pid on the host."""
     mounts = " ".join(f"-v {v}:{v}" for v in (SOCK_DIR, WORK, *volumes))
-    podman(host, f"run -d --name {name} --network host --uts host "
+    more = "".join(f" --device {d}" for d in devices)
+    podman(host, f"run -d --name {name} --network host --uts host{more} "
                  f"--device /dev/infiniband/uverbs0 -v /usr:/usr:ro "
                  f"-v /etc/libibverbs.d:/etc/libibverbs.d:ro -v {BUILD}:{BUILD}:ro {mounts} "
                  f"-e RDMAVIRT_SOCKET={migrators.SOCK} -e LD_PRELOAD={BUILD}/shim/librdmavirt.so "
                  f"{env} {IMAGE} sh -c '{command}'")
     return container_pid(host, name)
+
+
+def shim_connected(host, name, timeout=60):
+    """Until host`host`'s migrator lists a process of container `name`."""
+    end = time.monotonic() + timeout
+    while True:
+        r, listed = moves.ctl(host, "ps")
+        if r.rc == 0 and any(e.get("container") == name for e in listed.get("endpoints", [])):
+            return
+        check(time.monotonic() < end, f"host{host}: no process of container {name} under the "
+                                      f"shim after {timeout}s", r)
+        time.sleep(1)
 
 
 def container_pid(host, name):
@@ -180,7 +193,9 @@ def integrity_in_containers_survives_their_live_moves_and_a_checkpoint():
     drain of host3, which names and plans it first), then
     is checkpointed on host1 (and gone), and restored on host3 from that
     checkpoint while P has kept running. A move to a host without the
-    container's image is refused first, with nothing touched. The
+    container's image is refused first, with nothing touched, and so is a
+    move of another container whose program holds a device CRIU has no
+    dump for. The
     workload's own verdict: nothing lost, duplicated, corrupted or out of
     order, every byte of both canvases verified; each side's report says
     where it ran."""
@@ -197,6 +212,19 @@ def integrity_in_containers_survives_their_live_moves_and_a_checkpoint():
               "a move to a host without the image was not refused for it", r)
         check(runs_here(1, q) and not exists_here(3, q), "the refused move touched the container")
         podman(3, "load -q -i /lab/containers/base.tar")
+        # A container whose program holds a device CRIU has no dump for:
+        # refused before anything is quiesced, naming the device.
+        run_container(2, "held", "exec ibv_rc_pingpong -d rxe0 -g 1 -p 18791 "
+                                 "3< /dev/cpu_dma_latency", devices=("/dev/cpu_dma_latency",))
+        shim_connected(2, "held")
+        r, rep = moves.ctl(2, f"migrate --container held --to {moves.ip(3)}")
+        said = r.err + r.out
+        check(r.rc != 0 and "/dev/cpu_dma_latency" in said and
+              "a device CRIU cannot dump" in said and "nothing was quiesced" in said,
+              "a container holding a device CRIU cannot dump was not refused for it", r)
+        check(runs_here(2, "held") and not exists_here(3, "held"),
+              "the refused move touched the container")
+        podman(2, "rm -f -t 0 held")
         moves.wait_sent("ctr", sent + 50)
         # Live: host1 -> host3 -> host1, traffic flowing in between.
         move_container(q, 1, 3)

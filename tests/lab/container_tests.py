@@ -116,20 +116,24 @@ def exists_here(host, name):
     return LAB.run(host, f"podman container exists {name}").rc == 0
 
 
-def move_container(name, src, dest, extra=""):
+def move_container(name, src, dest, extra="", may_have_ended=False):
     """rdmavirtctl migrate --container: `name` runs on host`dest` under the
-    shim and is gone from host`src`; its report."""
+    shim and is gone from host`src`; its report. `may_have_ended`: its
+    program may have run to its end on host`dest` by the time it is
+    looked at (then the caller checks how it ended there)."""
     r, rep = moves.ctl(src, f"migrate --container {name} --to {moves.ip(dest)} {extra}")
     check(r.rc == 0, f"migrate container {name} host{src} -> host{dest}", r)
     moves.check_report(rep, f"migrate container {name}")
     check(rep.get("container") == name, "the report does not name the container", rep)
-    check(runs_here(dest, name), f"container {name} does not run on host{dest}")
     check(not exists_here(src, name), f"container {name} is still on host{src}")
+    print(f"container {name} host{src}->host{dest}:", json.dumps(rep.get("breakdown")),
+          flush=True)
+    if may_have_ended and exists_here(dest, name) and not runs_here(dest, name):
+        return rep
+    check(runs_here(dest, name), f"container {name} does not run on host{dest}")
     pid = container_pid(dest, name)
     wait_until(dest, f"grep -q librdmavirt /proc/{pid}/maps", 30,
                f"container {name}'s program under the shim on host{dest}")
-    print(f"container {name} host{src}->host{dest}:", json.dumps(rep.get("breakdown")),
-          flush=True)
     return rep
 
 
@@ -283,7 +287,7 @@ def ib_write_bw_in_a_container_keeps_its_tcp_connection_through_a_move():
     """ib_write_bw's server in a Podman container on host1, on a service
     address of the host's network (Soft-RoCE gives a container no address
     of its own: docs/containers.md); its client, a bare process under the
-    shim on host3, connects to that address. About 10 s into a 60 s run
+    shim on host3, connects to that address. About 10 s into a 75 s run
     the container moves to host2 with the address: its TCP control
     connection, frozen in the dump (Podman's --tcp-established), goes on
     there, and both sides finish with their results and no error."""
@@ -295,7 +299,9 @@ def ib_write_bw_in_a_container_keeps_its_tcp_connection_through_a_move():
         LAB.run(h, f"ip addr del {service}/24 dev eth0 2> /dev/null; pkill -x {prog}")
     LAB.run(3, f"pkill -x {prog}; ip neigh flush to {service}")
     run_ok(1, f"mkdir -p {WORK} && rm -f {out}-* && ip addr add {service}/24 dev eth0")
-    cmd = f"{prog} -d rxe0 -x 1 -F -p {port} -D 60"
+    # 75 s of writes: the move, about 10 s in, takes 25 to 40 s on a
+    # loaded CI machine; the run may end soon after it.
+    cmd = f"{prog} -d rxe0 -x 1 -F -p {port} -D 75"
     client = None
     try:
         run_container(1, "bw", f"exec {cmd} > {out}-server.out 2>&1")
@@ -305,7 +311,7 @@ def ib_write_bw_in_a_container_keeps_its_tcp_connection_through_a_move():
         wait_until(1, f"ss -Htn state established 'sport = :{port}' | grep -q .", 30,
                    "the client connected")
         time.sleep(max(0.0, 10 - (time.monotonic() - t0)))  # traffic flowing
-        rep = move_container("bw", 1, 2, f"--address {service}/24")
+        rep = move_container("bw", 1, 2, f"--address {service}/24", may_have_ended=True)
         check(rep.get("addresses") == [f"{service}/24"], "the address did not move", rep)
         check(LAB.run(2, f"ip -4 addr show dev eth0 | grep -q ' {service}/24'").rc == 0,
               "the service address is not on host2")

@@ -40,6 +40,10 @@ std::unique_ptr<Migrator::Move> Migrator::NewMove(const std::string& kind, pid_t
   m->start = absl::Now();
   m->sink = sink;
   const std::string id = NewId();
+  {
+    absl::MutexLock lock(&mu_);
+    begun_here_.insert(id);
+  }
   m->dir = absl::StrCat(options_.state_dir, "/migrations/", id);
   v1::MigrationReport* r = m->rec.mutable_report();
   r->set_migration_id(id);
@@ -50,6 +54,11 @@ std::unique_ptr<Migrator::Move> Migrator::NewMove(const std::string& kind, pid_t
   m->rec.set_role("source");
   m->rec.set_identity(procs_->Identity(pid));
   return m;
+}
+
+bool Migrator::BegunHere(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  return begun_here_.contains(id);
 }
 
 void Migrator::Persist(Move* m) {

@@ -69,6 +69,10 @@ absl::StatusOr<v1::PrepareResponse> Migrator::Prepare(const v1::PrepareRequest& 
   if (absl::Status st = HomeAddresses(request, &homed); !st.ok()) return st;
   auto in = std::make_unique<Incoming>();
   in->dir = IncomingDir(request.migration_id());
+  {
+    absl::MutexLock lock(&mu_);
+    begun_here_.insert(request.migration_id());
+  }
   std::error_code ec;
   if (std::filesystem::exists(in->dir, ec))
     return absl::AlreadyExistsError(

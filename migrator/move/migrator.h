@@ -615,6 +615,11 @@ class Migrator {
   std::map<std::string, std::shared_ptr<Incoming>> incoming_ ABSL_GUARDED_BY(mu_);
   // Set once Recover() has put back the incoming moves a previous run left.
   bool incoming_known_ ABSL_GUARDED_BY(mu_) = false;
+  // The moves this run began, as source or destination: Recover() runs
+  // while this run already serves, and leaves their records alone (they
+  // are not a previous run's).
+  std::set<std::string> begun_here_ ABSL_GUARDED_BY(mu_);
+  bool BegunHere(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
   const absl::Time started_ = absl::Now();
   // ReconnectPeers' answers by request (its bytes): running, or done and
   // ok (the last kAnswersKept of those).

@@ -47,8 +47,15 @@ void Migrator::Recover() {
   // host's own moves. Two hosts restarted together with moves toward each
   // other each ask the other to resume theirs (RecoverSource), and would
   // otherwise wait for each other until one gave up.
+  // Only a previous run's: this one serves already (main() recovers on a
+  // thread of its own, after `criu check`), and a move it began meanwhile
+  // is in flight, not left over. (Before, a move begun in that window was
+  // rolled back under its own feet.)
+  auto previous_run = [this](const v1::MigrationRecord& rec) {
+    return !rec.done() && !BegunHere(rec.report().migration_id());
+  };
   for (auto& [dir, rec] : ListRecords(options_.state_dir + "/incoming"))
-    if (!rec.done()) RecoverDestination(dir, std::move(rec));
+    if (previous_run(rec)) RecoverDestination(dir, std::move(rec));
   {
     absl::MutexLock lock(&mu_);
     incoming_known_ = true;
@@ -63,12 +70,12 @@ void Migrator::Recover() {
     tree_forward[rec.report().migration_id()] =
         rec.done() ? rec.report().ok() && rec.report().kind() == "migrate" : GoesForward(rec);
   for (auto& [dir, rec] : sources)
-    if (!rec.done() && rec.tree_lead().empty() && !GoesForward(rec)) RecoverSource(dir, rec);
+    if (previous_run(rec) && rec.tree_lead().empty() && !GoesForward(rec)) RecoverSource(dir, rec);
   for (auto& [dir, rec] : sources)
-    if (!rec.done() && !rec.tree_lead().empty())
+    if (previous_run(rec) && !rec.tree_lead().empty())
       RecoverSource(dir, rec, tree_forward[rec.tree_lead()]);
   for (auto& [dir, rec] : sources)
-    if (!rec.done() && rec.tree_lead().empty() && GoesForward(rec)) RecoverSource(dir, rec);
+    if (previous_run(rec) && rec.tree_lead().empty() && GoesForward(rec)) RecoverSource(dir, rec);
 }
 
 absl::Status Migrator::AwaitRecovery(const std::string& id, bool shims_too) {

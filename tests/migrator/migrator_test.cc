@@ -1593,6 +1593,37 @@ TEST(MigratorTest, AnAbortDoesNotWaitForTheRestoreItCancels) {
   EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.paused);
 }
 
+// main() recovers on a thread of its own while the migrator already
+// serves: a move begun in that window is this run's, in flight, and
+// Recover() leaves it alone on both of its hosts. (The chaos soak found a
+// restarted source rolling back, under its own feet, the move it had just
+// begun: "no migration ... was prepared here".)
+TEST(MigratorTest, RecoveryLeavesAloneTheMovesThisRunBegan) {
+  Cluster c("recover-own");
+  Topology(c);
+  c.host(2).stall_restore = true;
+  MoveRun run;
+  std::thread mover([&] { run = Migrate(c, 100, "h2"); });
+  for (int i = 0; c.host(2).restores_started.load() == 0; ++i) {
+    if (i == 30000) {
+      c.host(2).stall_restore = false;
+      mover.join();
+      FAIL() << "the move never reached the restore: " << run.status;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  // Each host's recovery, as main() runs it, while the move is in flight.
+  c.m(1).Recover();
+  c.m(2).Recover();
+  c.host(2).stall_restore = false;
+  mover.join();
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(run.report.ok()) << run.report.error();
+  EXPECT_TRUE(c.host(2).Get(100).alive);
+  EXPECT_FALSE(c.host(2).Get(100).paused);
+  EXPECT_FALSE(c.host(1).Exists(100));
+}
+
 // A source that aborts while its image stream hangs (the source stalled,
 // the network slow) is answered at once, not when the stream ends; the
 // stream then stops at its next piece and leaves no image behind.

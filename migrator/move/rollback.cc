@@ -85,7 +85,10 @@ bool Migrator::BringBackHere(Move* m, std::optional<v1::Mapping>* paused,
   bool connected_running = false;
   for (const ShimInfo& s : shims_->Connected())
     if (s.pid == pid && s.phase == v1::ENDPOINT_PHASE_RUNNING) connected_running = true;
-  if (m->rec.released() && !connected_running) {
+  // Quiesced, and not back as running: released, its answer (or the
+  // record of it) lost with a migrator that died meanwhile (the chaos
+  // soak's source killed during the release).
+  if ((m->rec.released() || m->rec.quiesced()) && !connected_running) {
     absl::StatusOr<v1::EndpointSummary> e = BringBack(pid, FirstActiveDeviceName(), {});
     if (!e.ok()) {
       // Its peers stay suspended: resumed, they would post to a QP that

@@ -1864,6 +1864,28 @@ TEST(MigratorRecoveryTest, ATreeCutBeforeItsRestoreComesBackWhole) {
   }
 }
 
+// The migrator died as the release was answered: the shim is released (it
+// waits for its resume marker) but the record does not say so. Recovery
+// brings it back all the same. (The chaos soak's source, killed during the
+// release, left its process released and stuck: "no shim of process ... is
+// connected".)
+TEST(MigratorRecoveryTest, SourceBringsBackAProcessReleasedWithoutARecordOfIt) {
+  Cluster c("recover-rel");
+  Topology(c);
+  Crash(c, /*released=*/true, /*stopped=*/false);
+  const std::string dir = c[1].state_dir + "/migrations/crashed-1";
+  ASSERT_TRUE(WriteRecord(dir, CrashedRecord("release")).ok());
+  c.Stop(1);
+  c.Start(1);
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_TRUE(e.alive && e.connected && !e.released && !e.paused);
+  EXPECT_FALSE(c.host(3).Get(300).paused);
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->done());
+  EXPECT_TRUE(after->report().rolled_back()) << after->report().error();
+}
+
 TEST(MigratorRecoveryTest, SourceResumesAQuiescedProcess) {
   Cluster c("recover-q");
   Topology(c);

@@ -118,8 +118,8 @@ std::vector<std::pair<std::string, dev_t>> CharDeviceFds(pid_t pid) {
 bool CriuDumps(dev_t rdev) {
   const unsigned maj = major(rdev);
   const unsigned min = minor(rdev);
-  if (maj == 1) return true;                            // /dev/null, zero, full, random...
-  if (maj == 10) return min == 200 || min == 235;       // /dev/net/tun, autofs
+  if (maj == 1) return true;                                  // /dev/null, zero, full, random...
+  if (maj == 10) return min == 200 || min == 235;             // /dev/net/tun, autofs
   return maj == 4 || maj == 5 || (maj >= 128 && maj <= 143);  // terminals
 }
 

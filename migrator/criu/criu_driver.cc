@@ -32,6 +32,7 @@
 #include "absl/strings/strip.h"
 #include "migrator/criu/pty_images.h"
 #include "migrator/host/scoped_fd.h"
+#include "migrator/host/spawn.h"
 
 extern "C" {
 #include <criu/criu.h>
@@ -374,30 +375,9 @@ struct DumpArgs {
 };
 
 // Runs `args` (args[0] is the program's path) with /dev/null as its
-// standard files, `fd_as_3` (if not -1) as its fd 3 (a dup2 clears
-// close-on-exec), and no signal of this daemon's mask blocked; its pid.
+// standard files and `fd_as_3` (if not -1) as its fd 3 (SpawnProgram).
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& args, int fd_as_3 = -1) {
-  std::vector<char*> argv;
-  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  absl::Cleanup fa_done = [&] { posix_spawn_file_actions_destroy(&fa); };
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDWR, 0);
-  posix_spawn_file_actions_adddup2(&fa, 0, 1);
-  posix_spawn_file_actions_adddup2(&fa, 0, 2);
-  if (fd_as_3 >= 0) posix_spawn_file_actions_adddup2(&fa, fd_as_3, 3);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  absl::Cleanup attr_done = [&] { posix_spawnattr_destroy(&attr); };
-  sigset_t none;
-  sigemptyset(&none);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
-  pid_t pid = 0;
-  const int err = posix_spawn(&pid, args[0].c_str(), &fa, &attr, argv.data(), environ);
-  if (err != 0) return absl::ErrnoToStatus(err, absl::StrCat("cannot start ", args[0]));
-  return pid;
+  return SpawnProgram(args, SpawnFds{.as_fd3 = fd_as_3});
 }
 
 // The exit status of the child `pid`, -1 if a signal ended it.

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,8 +21,7 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "migrator/host/scoped_fd.h"
-
-extern char** environ;
+#include "migrator/host/spawn.h"
 
 namespace rdmavirt::migrator {
 namespace {
@@ -45,25 +43,10 @@ absl::StatusOr<Ran> Run(const std::vector<std::string>& args, absl::Duration tim
   if (pipe2(pipefd, O_CLOEXEC) != 0) return absl::ErrnoToStatus(errno, "pipe");
   ScopedFd rd(pipefd[0]);
   ScopedFd wr(pipefd[1]);
-  std::vector<char*> argv;
-  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  absl::Cleanup fa_done = [&] { posix_spawn_file_actions_destroy(&fa); };
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&fa, wr.get(), 1);
-  posix_spawn_file_actions_adddup2(&fa, wr.get(), 2);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  absl::Cleanup attr_done = [&] { posix_spawnattr_destroy(&attr); };
-  sigset_t none;
-  sigemptyset(&none);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
-  pid_t pid = 0;
-  const int err = posix_spawnp(&pid, args[0].c_str(), &fa, &attr, argv.data(), environ);
-  if (err != 0) return absl::ErrnoToStatus(err, absl::StrCat("cannot start ", args[0]));
+  absl::StatusOr<pid_t> spawned =
+      SpawnProgram(args, SpawnFds{.output = wr.get(), .search_path = true});
+  if (!spawned.ok()) return spawned.status();
+  const pid_t pid = *spawned;
   wr = ScopedFd();  // closed here: the read ends when the child exits
   Ran ran;
   const absl::Time deadline = absl::Now() + timeout;
@@ -161,8 +144,8 @@ class Podman final : public ContainerRuntime {
 
   absl::Status CanCheckpoint(const std::string& runtime) override {
     if (runtime.empty()) return absl::FailedPreconditionError("its OCI runtime is not known");
-    absl::StatusOr<Ran> r = Exec({runtime, "--version"});
-    if (!r.ok() || r->exit != 0)
+    absl::StatusOr<Ran> r = Run({runtime, "--version"}, timeout_);
+    if (!r.ok() || r->timed_out || r->exit != 0)
       return absl::FailedPreconditionError(
           absl::StrCat("its OCI runtime ", runtime, " does not run here"));
     // crun says "+CRIU" when it has it; runc always has it.
@@ -233,8 +216,7 @@ class Podman final : public ContainerRuntime {
  private:
   // podman with `args`; its output whatever its exit status.
   absl::StatusOr<Ran> Exec(std::vector<std::string> args) {
-    if (args.front() != "runc" && args.front() != "crun" && args.front()[0] != '/')
-      args.insert(args.begin(), path_);
+    args.insert(args.begin(), path_);
     absl::StatusOr<Ran> r = Run(args, timeout_);
     if (!r.ok())
       return absl::FailedPreconditionError(

@@ -48,14 +48,17 @@ const char kUsageText[] =
     "--json prints the result (report, listing) as JSON on stdout.\n"
     "exit codes: 0 ok, 1 the operation failed, 2 usage error, 3 cannot reach the daemon\n";
 
-const std::map<std::string, std::string>& CommandHelp() {
-  static const auto* help = new std::map<std::string, std::string>{
+namespace {
+
+// The host's own commands: its processes and containers, and the host.
+std::map<std::string, std::string> HostCommandHelp() {
+  return {
       {"ps",
        "usage: rdmavirtctl ps\n"
        "Lists the processes of HOST that are under the rdmavirt shim: PID, PROGRAM,\n"
-       "CONTAINER (the Podman container it runs in), ENDPOINT (its stable id), PHASE (running, "
-       "suspended, released), QPS, MRS,\n"
-       "REG MEM (registered memory), CQ PENDING (completions held in shadow CQs).\n"},
+       "CONTAINER (the Podman container it runs in), ENDPOINT (its stable id), PHASE\n"
+       "(running, suspended, released), QPS, MRS, REG MEM (registered memory), CQ\n"
+       "PENDING (completions held in shadow CQs).\n"},
       {"migrate",
        "usage: rdmavirtctl migrate PID --to HOST[:PORT] [--max-precopy N] [--drain-timeout-ms MS]\n"
        "                           [--address A.B.C.D/LEN[,...]] [--postcopy] [--wait]\n"
@@ -116,6 +119,16 @@ const std::map<std::string, std::string>& CommandHelp() {
        "its migrator listens, RDMA ports active, GIDs, CRIU, free RDMA NICs for guests,\n"
        "libvirt URI. A host whose migrator stopped or died is not listed (its lease\n"
        "expired). Exit code 1 when --host's migrator has no inventory.\n"},
+      {"host",
+       "usage: rdmavirtctl host\n"
+       "HostInfo of --host: name, version, RDMA devices with their ports and GIDs, and\n"
+       "whether CRIU works there.\n"},
+  };
+}
+
+// VMs, and the commands run in a guest or for its hooks.
+std::map<std::string, std::string> GuestCommandHelp() {
+  return {
       {"vm-migrate",
        "usage: rdmavirtctl vm-migrate DOMAIN --to URI [--to-migrator HOST[:PORT]]\n"
        "                              [--connect URI] [--migrate-uri URI] [--unsafe]\n"
@@ -185,11 +198,17 @@ const std::map<std::string, std::string>& CommandHelp() {
        "usage: rdmavirtctl guest-event DOMAIN started|stopped [--mac MAC]\n"
        "Tells the migrator of --host that the RDMA guest DOMAIN started (with its RDMA\n"
        "NIC MAC) or stopped there; the libvirt hook calls it.\n"},
-      {"host",
-       "usage: rdmavirtctl host\n"
-       "HostInfo of --host: name, version, RDMA devices with their ports and GIDs, and\n"
-       "whether CRIU works there.\n"},
   };
+}
+
+}  // namespace
+
+const std::map<std::string, std::string>& CommandHelp() {
+  static const auto* help = [] {
+    auto* all = new std::map<std::string, std::string>(HostCommandHelp());
+    all->merge(GuestCommandHelp());
+    return all;
+  }();
   return *help;
 }
 

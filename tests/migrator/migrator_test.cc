@@ -83,7 +83,8 @@ class FakeContainers final : public ContainerRuntime {
  public:
   explicit FakeContainers(FakeHost* host) : host_(host) {}
 
-  void Run(const std::string& name, pid_t pid, const std::string& runtime = "runc") {
+  void Run(const std::string& name, pid_t pid, const std::string& runtime = "runc",
+           std::vector<std::string> binds = {}) {
     ContainerInfo c;
     c.name = name;
     c.id = absl::StrCat("id-", name);
@@ -93,6 +94,7 @@ class FakeContainers final : public ContainerRuntime {
     c.pid = pid;
     c.running = true;
     c.devices = {"/dev/null"};  // a character device every host has
+    c.binds = std::move(binds);
     absl::MutexLock lock(&mu_);
     containers_[name] = c;
   }
@@ -738,6 +740,12 @@ TEST(ContainerMoveTest, WhatCannotMoveIsRefusedBeforeAnythingIsQuiesced) {
   run = MigrateContainer(c, "app", "h2");
   EXPECT_EQ(run.status.code(), absl::StatusCode::kAlreadyExists) << run.status;
   EXPECT_THAT(std::string(run.status.message()), HasSubstr("a container named app"));
+  ASSERT_TRUE(c.containers(2).Remove("app").ok());
+  c.containers(1).Run("app", 100, "runc", {"/nonexistent/rdmavirt-test"});
+  run = MigrateContainer(c, "app", "h2");
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+  EXPECT_THAT(std::string(run.status.message()),
+              HasSubstr("has no /nonexistent/rdmavirt-test, which container app is given"));
   run = MigrateContainer(c, "nosuch", "h2");
   EXPECT_EQ(run.status.code(), absl::StatusCode::kNotFound) << run.status;
   EXPECT_TRUE(Commands(c.host(1).Get(100).log).empty());

@@ -30,6 +30,16 @@ struct LazyPages {
   int port = 0;
 };
 
+// Post-copy: the CRIU process that serves the last pages (a source's lazy
+// dump) or takes them (a destination's lazy-pages daemon). It outlives a
+// restart of the migrator, and writes its exit status to `status_file`
+// when it ends ("0": every page went): the next run learns from there how
+// the post-copy ended (SpawnFds::exit_status_file).
+struct PostCopyHelper {
+  pid_t pid = 0;
+  std::string status_file;
+};
+
 class Checkpointer {
  public:
   virtual ~Checkpointer() = default;
@@ -47,14 +57,14 @@ class Checkpointer {
                                          const std::string& parent, bool leave_running,
                                          bool tcp_established) = 0;
   // The final dump of a post-copy move, of a stopped process: writes every
-  // image but the memory pages not in `parent`'s chain, calls `written()`
-  // once those images are complete, then serves the pages at `serve` until
-  // the destination's restore has taken them all, and only then returns.
-  // On an error, before or after `written`, the process is left as it was.
-  virtual absl::StatusOr<DumpStats> LazyDump(pid_t pid, const std::string& dir,
-                                             const std::string& parent, bool tcp_established,
-                                             const LazyPages& serve,
-                                             const std::function<void()>& written) = 0;
+  // image but the memory pages not in `parent`'s chain, calls
+  // `written(helper)` once those images are complete (`helper`: the CRIU
+  // process serving the pages), then serves the pages at `serve` until the
+  // destination's restore has taken them all, and only then returns. On an
+  // error, before or after `written`, the process is left as it was.
+  virtual absl::StatusOr<DumpStats> LazyDump(
+      pid_t pid, const std::string& dir, const std::string& parent, bool tcp_established,
+      const LazyPages& serve, const std::function<void(const PostCopyHelper&)>& written) = 0;
   // Ends a LazyDump of this host that waits for its destination at
   // `serve`: the dump fails.
   virtual void CancelLazyDump(const LazyPages& serve) = 0;
@@ -65,9 +75,12 @@ class Checkpointer {
   // in a session of their own, whose output goes to a log
   // (CriuDriver::Restore). `lazy_from`, if not null: the dump was a
   // LazyDump serving its pages there; they come in as the process touches
-  // them, and the rest after, while it runs.
+  // them, and the rest after, while it runs, taken by `*helper` (filled
+  // in); a process whose pages cannot all come is killed. The restore
+  // fails if that helper has already failed when it returns.
   virtual absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established,
-                                        bool new_terminal, const LazyPages* lazy_from) = 0;
+                                        bool new_terminal, const LazyPages* lazy_from,
+                                        PostCopyHelper* helper) = 0;
 };
 
 // CRIU through CriuDriver; logs go to `log_dir`. CRIU's TLS for post-copy

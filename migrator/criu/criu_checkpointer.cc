@@ -6,12 +6,20 @@
 #include <cerrno>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "migrator/criu/checkpointer.h"
 #include "migrator/criu/criu_driver.h"
 #include "migrator/host/log.h"
 
 namespace rdmavirt::migrator {
 namespace {
+
+bool Succeeded(int wait_status) { return WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0; }
+
+std::string DescribeStatus(int wait_status) {
+  if (WIFSIGNALED(wait_status)) return absl::StrCat("killed by signal ", WTERMSIG(wait_status));
+  return absl::StrCat("exit status ", WEXITSTATUS(wait_status));
+}
 
 class CriuCheckpointer final : public Checkpointer {
  public:
@@ -35,9 +43,9 @@ class CriuCheckpointer final : public Checkpointer {
     return DumpStats{r->elapsed_us, r->image_bytes};
   }
 
-  absl::StatusOr<DumpStats> LazyDump(pid_t pid, const std::string& dir, const std::string& parent,
-                                     bool tcp_established, const LazyPages& serve,
-                                     const std::function<void()>& written) override {
+  absl::StatusOr<DumpStats> LazyDump(
+      pid_t pid, const std::string& dir, const std::string& parent, bool tcp_established,
+      const LazyPages& serve, const std::function<void(const PostCopyHelper&)>& written) override {
     absl::StatusOr<CriuResult> r =
         CriuDriver(log_dir_).LazyDump(pid, dir, parent, tcp_established, serve, tls_dir_, written);
     if (!r.ok()) return r.status();
@@ -47,7 +55,7 @@ class CriuCheckpointer final : public Checkpointer {
   void CancelLazyDump(const LazyPages& serve) override { CriuDriver::CancelLazyDump(serve); }
 
   absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established, bool new_terminal,
-                                const LazyPages* lazy_from) override {
+                                const LazyPages* lazy_from, PostCopyHelper* helper) override {
     if (lazy_from != nullptr) {
       if (new_terminal)
         return absl::FailedPreconditionError(
@@ -55,6 +63,23 @@ class CriuCheckpointer final : public Checkpointer {
       absl::StatusOr<LazyRestored> r =
           CriuDriver(log_dir_).LazyRestore(dir, tcp_established, *lazy_from, tls_dir_);
       if (!r.ok()) return r.status();
+      // A daemon that died during the restore leaves a process whose
+      // pages cannot all come: killed, and the restore failed (the source
+      // still has its copy).
+      int status = 0;
+      const bool ended = waitpid(r->pages_daemon, &status, WNOHANG) == r->pages_daemon;
+      if (ended && !Succeeded(status)) {
+        kill(r->pid, SIGKILL);
+        return absl::UnavailableError(
+            absl::StrCat("CRIU's lazy-pages daemon ended (", DescribeStatus(status),
+                         ") before the restore with post-copy returned; the restored process ",
+                         r->pid, " is killed (", r->daemon_log, ")"));
+      }
+      if (helper != nullptr) *helper = PostCopyHelper{r->pages_daemon, r->daemon_status};
+      if (ended) {
+        Log("process %d: post-copy done, every page is in", r->pid);
+        return r->pid;
+      }
       // The daemon fills the pages the process has not touched yet; a
       // process whose pages cannot all come is lost, and killed rather
       // than left to fault on the missing ones.
@@ -62,13 +87,13 @@ class CriuCheckpointer final : public Checkpointer {
         int status = 0;
         while (waitpid(r.pages_daemon, &status, 0) < 0 && errno == EINTR) {
         }
-        if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+        if (Succeeded(status)) {
           Log("process %d: post-copy done, every page is in", r.pid);
           return;
         }
-        Log("process %d: post-copy failed (CRIU's lazy-pages daemon: %s); the process is killed: "
-            "its pages cannot all come",
-            r.pid, r.daemon_log);
+        Log("process %d: post-copy failed (CRIU's lazy-pages daemon: %s, %s); the process is "
+            "killed: its pages cannot all come",
+            r.pid, DescribeStatus(status), r.daemon_log);
         kill(r.pid, SIGKILL);
       }).detach();
       return r->pid;

@@ -756,7 +756,7 @@ void Append(std::vector<std::string>* to, const std::vector<std::string>& more) 
 absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& dir,
                                                 const std::string& parent, bool tcp_established,
                                                 const LazyPages& serve, const std::string& tls_dir,
-                                                const std::function<void()>& written) {
+                                                const std::function<void(const PostCopyHelper&)>& written) {
   absl::StatusOr<DumpPlan> plan = PlanDump("lazy dump", log_dir_, pid, dir, parent);
   if (!plan.ok()) return plan.status();
   const std::string log_name = LogName("lazy-dump", pid);
@@ -770,7 +770,10 @@ absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& di
   if (tcp_established) Append(&args, {"--tcp-established", "--network-lock", "nftables"});
   Append(&args, TlsArgs(tls_dir));
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<pid_t> criu = Spawn(args);
+  const PostCopyHelper helper_status{0, log_path + ".status"};
+  unlink(helper_status.status_file.c_str());
+  absl::StatusOr<pid_t> criu =
+      SpawnProgram(args, SpawnFds{.exit_status_file = helper_status.status_file});
   if (!criu.ok()) return criu.status();
   // CRIU listens for the destination once every other image is written.
   for (;;) {
@@ -793,7 +796,7 @@ absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& di
       return s;
     }
   }
-  written();
+  written(PostCopyHelper{*criu, helper_status.status_file});
   const int status = WaitExit(*criu);
   result.elapsed_us = ElapsedUs(start);
   if (status != 0)
@@ -887,11 +890,13 @@ absl::StatusOr<LazyRestored> CriuDriver::LazyRestore(const std::string& dir, boo
   if (absl::Status s = MakeDir(work, 0700); !s.ok()) return s;
   LazyRestored out;
   out.daemon_log = work + "/lazy-pages.log";
-  absl::StatusOr<pid_t> d = Spawn(LazyPagesArgs(criu, dir, work, from, tls_dir));
+  out.daemon_status = work + "/lazy-pages.status";
+  absl::StatusOr<pid_t> d = SpawnProgram(LazyPagesArgs(criu, dir, work, from, tls_dir),
+                                         SpawnFds{.exit_status_file = out.daemon_status});
   if (!d.ok()) return d.status();
   out.pages_daemon = *d;
   absl::Cleanup stop_daemon = [&] {
-    kill(out.pages_daemon, SIGKILL);
+    kill(-out.pages_daemon, SIGKILL);  // its shell's group: the shell and CRIU
     WaitExit(out.pages_daemon);
   };
   if (absl::Status st = AwaitPagesSocket(out, work, dir, from); !st.ok()) return st;

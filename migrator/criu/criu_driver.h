@@ -50,8 +50,9 @@ struct CriuResult {
 
 struct LazyRestored {
   pid_t pid = 0;           // the restored root
-  pid_t pages_daemon = 0;  // `criu lazy-pages`, to be waited for
+  pid_t pages_daemon = 0;  // `criu lazy-pages` under its status shell, to be waited for
   std::string daemon_log;
+  std::string daemon_status;  // where its exit status goes (SpawnFds::exit_status_file)
 };
 
 // Drives CRIU through libcriu, and post-copy through CRIU's command line
@@ -117,11 +118,12 @@ class CriuDriver {
   // Post-copy (Checkpointer::LazyDump), through CRIU's command line:
   // `criu dump --lazy-pages`, its page server at `serve` over CRIU's TLS
   // with tls_dir's ca.pem, host.pem and host.key. `written` is called once
-  // CRIU listens there, which it does only after writing every image.
+  // CRIU listens there, which it does only after writing every image, with
+  // that CRIU (under a shell that writes its exit status beside its log).
   absl::StatusOr<CriuResult> LazyDump(pid_t pid, const std::string& dir, const std::string& parent,
                                       bool tcp_established, const LazyPages& serve,
                                       const std::string& tls_dir,
-                                      const std::function<void()>& written);
+                                      const std::function<void(const PostCopyHelper&)>& written);
   // Connects to a LazyDump's page server and hangs up: that dump fails.
   static void CancelLazyDump(const LazyPages& serve);
   // Restores a LazyDump's images: starts `criu lazy-pages` (the pages
@@ -129,7 +131,7 @@ class CriuDriver {
   // dir, then `criu restore --lazy-pages` beside it. Returns once the
   // process runs; the daemon goes on until every page is in, and the
   // caller waits for it (LazyRestored::pages_daemon, a child of the
-  // caller's).
+  // caller's, whose exit status also goes to LazyRestored::daemon_status).
   absl::StatusOr<LazyRestored> LazyRestore(const std::string& dir, bool tcp_established,
                                            const LazyPages& from, const std::string& tls_dir);
 

@@ -177,17 +177,19 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
 
 absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_established,
                                                bool new_terminal, const LazyPages* lazy_from,
-                                               pid_t endpoint_pid,
+                                               v1::PostCopyHelper* postcopy, pid_t endpoint_pid,
                                                const std::function<void(pid_t)>& restored,
                                                const std::vector<v1::Mapping>& peers,
                                                v1::RestoreIncomingResponse* out,
                                                const v1::Container* container) {
   const absl::Time c0 = absl::Now();
+  PostCopyHelper helper;
   absl::StatusOr<pid_t> pid =
       container != nullptr ? RestoreContainer(dir, *container, tcp_established, &endpoint_pid)
-                           : criu_->Restore(dir, tcp_established, new_terminal, lazy_from);
+                           : criu_->Restore(dir, tcp_established, new_terminal, lazy_from, &helper);
   if (!pid.ok())
     return Annotate(pid.status(), container != nullptr ? "container restore" : "CRIU restore");
+  if (postcopy != nullptr && helper.pid > 0) *postcopy = RecordHelper(helper);
   restored(*pid);
   // A live move dumps its process stopped, and CRIU restores it so; a
   // checkpoint's process was running. Either way it runs from here on.
@@ -298,17 +300,21 @@ absl::StatusOr<v1::RestoreIncomingResponse> Migrator::RestoreIncoming(
       lazy = LazyPages{from->host, from->port};
   }
   v1::RestoreIncomingResponse out;
+  v1::PostCopyHelper postcopy;
   absl::StatusOr<pid_t> pid = absl::UnknownError("not restored");
   if (!st.ok())
     pid = st;
   else
     pid = RestoreFromDir(
-        final_dir, tcp, !rec.terminal().empty(), lazy ? &*lazy : nullptr, rec.report().pid(),
+        final_dir, tcp, !rec.terminal().empty(), lazy ? &*lazy : nullptr, &postcopy,
+        rec.report().pid(),
         [&](pid_t p) {
           absl::MutexLock lock(&in->mu);
           if (in->aborted) return;  // the record says aborted; killed below
           in->rec.set_restored_pid(p);
           in->rec.set_restored_identity(procs_->Identity(p));
+          // A restarted migrator watches its pages come (WatchPostCopy).
+          if (postcopy.pid() > 0) *in->rec.mutable_postcopy() = postcopy;
           PersistIncoming(in.get());
         },
         peers, &out, rec.has_container() ? &rec.container() : nullptr);

@@ -251,7 +251,7 @@ absl::Status Migrator::RestoreHere(Move* m, const std::string& dir, const v1::Ma
   v1::RestoreIncomingResponse out;
   absl::StatusOr<pid_t> pid =
       RestoreFromDir(dir, /*tcp_established=*/false, !manifest.terminal().empty(),
-                     /*lazy_from=*/nullptr, manifest.endpoint().pid(), NoteRestored(m), {}, &out,
+                     /*lazy_from=*/nullptr, /*postcopy=*/nullptr, manifest.endpoint().pid(), NoteRestored(m), {}, &out,
                      manifest.has_container() ? &manifest.container() : nullptr);
   if (!pid.ok()) {
     Finish(m, pid.status());

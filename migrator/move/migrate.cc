@@ -118,10 +118,13 @@ absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peer
   r->mutable_breakdown()->set_blackout_us(MicrosSince(m->blackout_start));
   // Post-copy: the source copy serves the destination's last pages until
   // they have all gone; past the restore nothing can bring it back.
+  // A previous run's page server (a restart during the post-copy) is
+  // waited for by its record.
   absl::Status pages = absl::OkStatus();
-  if (m->lazy_dump.joinable()) {
+  const bool resumed_postcopy = !m->lazy_dump.joinable() && m->rec.postcopy().pid() > 0;
+  if (m->lazy_dump.joinable() || resumed_postcopy) {
     SetPhase(m, "postcopy", absl::StrCat(m->rec.destination(), " takes the last pages"));
-    pages = EndLazyDump(m, /*cancel=*/false);
+    pages = resumed_postcopy ? AwaitPostCopy(m->rec.postcopy()) : EndLazyDump(m, /*cancel=*/false);
     if (!pages.ok())
       pages = Annotate(
           pages, absl::StrCat("post-copy: the process is lost (its copy on ", m->rec.destination(),

@@ -112,7 +112,11 @@ Migrator::Migrator(Options options, ShimChannel* shims, Checkpointer* criu, Proc
   }
 }
 
-Migrator::~Migrator() = default;
+Migrator::~Migrator() {
+  stopping_.Notify();
+  absl::MutexLock lock(&watchers_mu_);
+  for (std::thread& t : watchers_) t.join();
+}
 
 std::string Migrator::NewId() {
   static absl::Mutex id_mu(absl::kConstInit);

@@ -32,12 +32,14 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "migrator/criu/checkpointer.h"
 #include "migrator/host/process_control.h"
@@ -472,12 +474,13 @@ class Migrator {
   // soon as CRIU gives it; out->pid is the endpoint's. A failure kills
   // whatever was restored. `new_terminal`: the tree held a pseudo-terminal
   // that stayed behind; it gets a new one; `lazy_from`: its last pages
-  // come from there (Checkpointer::Restore). `container`: the images are
+  // come from there (Checkpointer::Restore), taken by `*postcopy`
+  // (filled in before `restored` is called). `container`: the images are
   // its runtime's export, restored by it; `endpoint_pid` is then mapped by
   // the endpoint's pid inside the container.
   absl::StatusOr<pid_t> RestoreFromDir(const std::string& dir, bool tcp_established,
                                        bool new_terminal, const LazyPages* lazy_from,
-                                       pid_t endpoint_pid,
+                                       v1::PostCopyHelper* postcopy, pid_t endpoint_pid,
                                        const std::function<void(pid_t)>& restored,
                                        const std::vector<v1::Mapping>& peers,
                                        v1::RestoreIncomingResponse* out,
@@ -512,6 +515,22 @@ class Migrator {
   bool SourceProcessAlive(Move* m);
   void RecoverDestination(const std::string& dir, v1::MigrationRecord record)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // ---- post-copy's CRIU helpers across a restart (postcopy.cc)
+  // The record's entry for `helper` (its identity taken now).
+  v1::PostCopyHelper RecordHelper(const PostCopyHelper& helper);
+  // Until the helper a previous run started has ended: OK if every page
+  // went, else what ended it. Polls its status file (SpawnFds::
+  // exit_status_file) and whether it still runs.
+  absl::Status AwaitPostCopy(const v1::PostCopyHelper& helper);
+  // A helper of a move that goes back (not confirmed): killed, so that
+  // CRIU lets go of the process.
+  void StopPostCopyHelper(const v1::PostCopyHelper& helper);
+  // A destination's post-copy a previous run left running: watched on a
+  // thread of its own; if its pages cannot all come, the restored process
+  // (rec.restored_pid, while it is the same process) is killed rather than
+  // left to fault on the missing ones.
+  void WatchPostCopy(const v1::MigrationRecord& rec) ABSL_LOCKS_EXCLUDED(watchers_mu_);
   // ReconnectPeers as this host's own step (a move or a recovery from
   // here), not waiting for the recovery.
   absl::StatusOr<v1::ReconnectPeersResponse> ReconnectHere(
@@ -653,6 +672,10 @@ class Migrator {
   absl::Mutex criu_mu_;
   bool criu_checked_ ABSL_GUARDED_BY(criu_mu_) = false;
   absl::Status criu_status_ ABSL_GUARDED_BY(criu_mu_);
+  // WatchPostCopy's threads, told to end and joined by ~Migrator.
+  absl::Notification stopping_;
+  absl::Mutex watchers_mu_;
+  std::vector<std::thread> watchers_ ABSL_GUARDED_BY(watchers_mu_);
 };
 
 // A guest's RDMA NIC in its domain XML: the <interface> with this alias

@@ -72,6 +72,7 @@ struct Migrator::Move {
   LazyPages lazy_serve;
   absl::Mutex lazy_mu;
   bool lazy_written ABSL_GUARDED_BY(lazy_mu) = false;  // its images are complete
+  PostCopyHelper lazy_helper ABSL_GUARDED_BY(lazy_mu);  // the CRIU serving them
   bool lazy_ended ABSL_GUARDED_BY(lazy_mu) = false;
   absl::Status lazy_status ABSL_GUARDED_BY(lazy_mu);
   absl::Time lazy_done ABSL_GUARDED_BY(lazy_mu);

@@ -243,21 +243,31 @@ absl::Status Migrator::StartLazyDump(Move* m, pid_t root, const std::string& dir
   m->lazy_serve = LazyPages{*address, *port};
   SetPhase(m, "dump", absl::StrCat("post-copy: its last pages served on ", *address, ":", *port));
   m->lazy_dump = std::thread([this, m, root, dir, parent, tcp] {
-    absl::StatusOr<DumpStats> d = criu_->LazyDump(root, dir, parent, tcp, m->lazy_serve, [m] {
-      absl::MutexLock lock(&m->lazy_mu);
-      m->lazy_written = true;
-    });
+    absl::StatusOr<DumpStats> d =
+        criu_->LazyDump(root, dir, parent, tcp, m->lazy_serve, [m](const PostCopyHelper& h) {
+          absl::MutexLock lock(&m->lazy_mu);
+          m->lazy_written = true;
+          m->lazy_helper = h;
+        });
     absl::MutexLock lock(&m->lazy_mu);
     m->lazy_status = d.status();
     m->lazy_done = absl::Now();
     m->lazy_ended = true;
   });
-  absl::MutexLock lock(&m->lazy_mu);
-  m->lazy_mu.Await(absl::Condition(
-      +[](Move* x)
-           ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->lazy_mu) { return x->lazy_written || x->lazy_ended; },
-      m));
-  return m->lazy_written ? absl::OkStatus() : m->lazy_status;
+  PostCopyHelper helper;
+  {
+    absl::MutexLock lock(&m->lazy_mu);
+    m->lazy_mu.Await(absl::Condition(
+        +[](Move* x)
+             ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->lazy_mu) { return x->lazy_written || x->lazy_ended; },
+        m));
+    if (!m->lazy_written) return m->lazy_status;
+    helper = m->lazy_helper;
+  }
+  // A restarted migrator finds it here (postcopy.cc).
+  *m->rec.mutable_postcopy() = RecordHelper(helper);
+  Persist(m);
+  return absl::OkStatus();
 }
 
 absl::Status Migrator::EndLazyDump(Move* m, bool cancel) {

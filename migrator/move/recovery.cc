@@ -10,6 +10,10 @@
 //    delete the images);
 //  - destination, restored: keep the process, wait for the source's
 //    ReconnectPeers to resume it.
+//  - post-copy (postcopy.cc): a confirmed move's source waits for its
+//    page server's end; one that goes back ends it first; a destination
+//    watches its lazy-pages daemon, and kills the process if its pages
+//    cannot all come.
 //  - a tree's further endpoints (tree_lead) follow the tree's first move:
 //    brought back on its destination when that move finishes there, put
 //    back here once it has rolled back (the tree running again);
@@ -54,8 +58,15 @@ void Migrator::Recover() {
   auto previous_run = [this](const v1::MigrationRecord& rec) {
     return !rec.done() && !BegunHere(rec.report().migration_id());
   };
-  for (auto& [dir, rec] : ListRecords(options_.state_dir + "/incoming"))
-    if (previous_run(rec)) RecoverDestination(dir, std::move(rec));
+  for (auto& [dir, rec] : ListRecords(options_.state_dir + "/incoming")) {
+    if (previous_run(rec)) {
+      RecoverDestination(dir, std::move(rec));
+    } else if (rec.done() && rec.confirmed() && rec.postcopy().pid() > 0 &&
+               !BegunHere(rec.report().migration_id())) {
+      // Resumed, its last pages maybe still coming.
+      WatchPostCopy(rec);
+    }
+  }
   {
     absl::MutexLock lock(&mu_);
     incoming_known_ = true;
@@ -113,6 +124,9 @@ void Migrator::RecoverSource(const std::string& dir, v1::MigrationRecord record,
   }
   const absl::Status cause = absl::AbortedError(absl::StrCat(
       "rdmavirt-migratord restarted during the ", r->kind(), " (phase ", m.rec.phase(), ")"));
+  // A post-copy's page server of a move that goes back lets go of the
+  // process first.
+  if (!m.rec.confirmed()) StopPostCopyHelper(m.rec.postcopy());
   const bool alive = SourceProcessAlive(&m);
 
   if (!m.rec.tree_lead().empty() && !m.rec.confirmed() && tree_forward) {
@@ -188,7 +202,7 @@ void Migrator::RestoreFinalDumpHere(Move* m, const absl::Status& cause) {
   v1::RestoreIncomingResponse out;
   absl::StatusOr<pid_t> back =
       RestoreFromDir(m->rec.image_dir(), tcp, !m->rec.terminal().empty(), /*lazy_from=*/nullptr,
-                     pid, NoteRestored(m), {}, &out, container);
+                     /*postcopy=*/nullptr, pid, NoteRestored(m), {}, &out, container);
   if (!back.ok()) {
     r->set_error(absl::StrCat(cause.message(), addresses_error,
                               "; restoring the final dump failed: ", back.status().message()));
@@ -218,6 +232,7 @@ void Migrator::RecoverDestination(const std::string& dir, v1::MigrationRecord re
     // Restored and confirmed: the source finishes the move and resumes it.
     Log("recovery: incoming %s: restored process %d kept for its source", id,
         in->rec.restored_pid());
+    if (in->rec.postcopy().pid() > 0) WatchPostCopy(in->rec);
     absl::MutexLock l(&mu_);
     incoming_[id] = std::move(in);
     return;

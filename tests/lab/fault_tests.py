@@ -23,11 +23,11 @@ import migrator_tests as migrators
 CTL = mt.CTL
 
 
-def migrate_job(src, pid, dest, wait=False):
+def migrate_job(src, pid, dest, wait=False, options=""):
     """rdmavirtctl migrate in the background on host`src`; LAB.wait it."""
     return LAB.submit(src, f"{CTL} --host {mt.ip(src)}:{mt.PORT} --tls-dir "
                            f"{migrators.CERTS}/host{src} --json migrate {pid} --to {mt.ip(dest)}"
-                           f"{' --wait' if wait else ''}", 900)
+                           f"{' --wait' if wait else ''} {options}", 900)
 
 
 def report_of(result):
@@ -360,6 +360,159 @@ def a_full_destination_state_directory_rolls_back():
         migrators.kill_daemon(2)
         LAB.run(2, f"umount {small}; rmdir {small}; true")
         cleanup("nospace", (p, q))
+
+
+# Post-copy against real CRIU. The client of qp_holder (4 RC QPs to its
+# server on host3) holds 128 MiB of plain memory that it rewrites as fast as
+# it runs: after the one pre-copy round nearly all of it is dirty again, and
+# its pages come to the destination after the restore (CRIU's lazy-pages
+# daemon there, the source's CRIU serving them), for seconds on TCG hosts:
+# long enough for a fault to strike in the middle.
+PC_PORT = 18960
+PC_MOVE = "--postcopy --max-precopy 1"
+# Fixed-string patterns that do not match the shell that runs them.
+LAZY_DAEMON = "'[c]riu lazy-pages'"
+PAGE_SERVER = "'[c]riu dump'"
+
+
+def postcopy_client(name):
+    """qp_holder's server on host3 and its client on host1, writing;
+    the client's pid."""
+    prog = f"{mt.BUILD}/tests/apps/qp_holder"
+    run_ok(1, f"mkdir -p {mt.WORK} && rm -f {mt.WORK}/{name}-*")
+    stop_postcopy_client()
+    args = f"--qps 4 --port {PC_PORT} --seconds 3600"
+    run_ok(3, f"(setsid env {mt.SHIM}{prog} --server {args} > {mt.WORK}/{name}-q.out 2>&1 "
+              f"< /dev/null &)")
+    mt.wait_listening(3, PC_PORT)
+    run_ok(1, f"(setsid env {mt.SHIM}{prog} --connect {mt.ip(3)} {args} --heap-mib 128 "
+              f"--dirty-mib-s 1024 > {mt.WORK}/{name}-p.out 2>&1 < /dev/null &)")
+    wait_until(1, f"grep -q 'writes by thread: [1-9]' {mt.WORK}/{name}-p.out", 120,
+               "the client wrote")
+    return mt.pid_of(1, f"qp_holder .*--connect.*--port {PC_PORT}")
+
+
+def stop_postcopy_client():
+    run_all({h: f"pkill -f 'qp_holder .*--port {PC_PORT}'; true" for h in (1, 2, 3)})
+
+
+def postcopy_client_verdict(name, host, pid):
+    """The client keeps writing on host`host`, then ends (SIGTERM) with
+    every write completed and every page of its memory as it wrote it."""
+    mt.each_thread_goes_on(lambda: mt.writes_by_thread(name), 1, host, pid, "the client",
+                           "writing")
+    run_ok(host, f"kill -TERM {pid}")
+    wait_until(host, f"grep -q '^{{' {mt.WORK}/{name}-p.out", 120, "the client reported")
+    v = json.loads(run_ok(host, f"grep '^{{' {mt.WORK}/{name}-p.out").out)
+    print(f"{name}: the client's verdict: {v}", flush=True)
+    check(v["ok"] and v["errors"] == 0 and v["heap_bad_pages"] == 0 and v["heap_mib"] == 128,
+          "the client's writes or memory", v)
+
+
+def failpoint_on_host1(point):
+    mt.ensure_daemons()
+    migrators.kill_daemon(1)
+    migrators.start_daemon(1, f"RDMAVIRT_FAILPOINTS={point}")
+    mt.ensure_daemons()
+
+
+@lab_test
+@mt.logs_on_failure("pcdaemon")
+def a_lazy_pages_daemon_killed_during_the_restore_rolls_the_postcopy_move_back():
+    """host2's lazy-pages daemon is SIGKILLed as soon as CRIU's restore
+    starts there: the restore fails or finds the daemon dead when it
+    returns, host2 kills what it restored, and the move rolls back: the
+    client resumes on host1 with its memory whole."""
+    mt.ensure_daemons()
+    pid = postcopy_client("pcdaemon")
+    try:
+        killer = LAB.submit(2, "for i in $(seq 12000); do pgrep -f '[c]riu restore' > /dev/null "
+                               f"&& break; sleep 0.05; done; pkill -9 -f {LAZY_DAEMON} "
+                               "&& echo killed", 900)
+        r = LAB.wait(1, migrate_job(1, pid, 2, options=PC_MOVE), 900)
+        k = LAB.wait(2, killer, 60)
+        check("killed" in k.out, "no lazy-pages daemon found during the restore", k)
+        rep = report_of(r)
+        check(r.rc == 1 and rep is not None and rep.get("rolled_back") is True,
+              "not rolled back", r)
+        print("outcome:", rep.get("error"), flush=True)
+        check("lazy-pages" in rep.get("error", "") or "restor" in rep.get("error", ""),
+              "not the restore's failure", rep)
+        exactly_one_copy(pid, 1, (2,), "the client", comm="qp_holder")
+        postcopy_client_verdict("pcdaemon", 1, pid)
+    finally:
+        stop_postcopy_client()
+        cleanup("pcdaemon", ())
+
+
+@lab_test
+@mt.logs_on_failure("pcsource")
+def the_source_page_server_killed_during_the_postcopy_loses_the_process_and_says_so():
+    """P runs on host2 and takes its last pages from host1 when host1's
+    CRIU serving them is SIGKILLed (a source that dies): the process
+    cannot be whole anywhere. host2's copy is killed rather than left to
+    fault on the missing pages, host1's stopped copy too, and the CLI says
+    the process is lost."""
+    failpoint_on_host1("phase:postcopy")
+    pid = postcopy_client("pcsource")
+    try:
+        job = migrate_job(1, pid, 2, options=PC_MOVE)
+        stopped_at_failpoint(1, "phase:postcopy")
+        check(LAB.run(2, f"pgrep -f {LAZY_DAEMON}").rc == 0,
+              "post-copy ended before the fault (too little memory to fetch)")
+        run_ok(1, f"pkill -9 -f {PAGE_SERVER}")
+        wait_until(2, f"[ \"$(cat /proc/{pid}/comm 2>/dev/null)\" != qp_holder ]", 120,
+                   "host2's copy killed once its pages could not all come")
+        run_ok(1, "kill -CONT $(pgrep -x rdmavirt-migrat)")
+        r = LAB.wait(1, job, 900)
+        rep = report_of(r)
+        print("outcome:", r.rc, rep and rep.get("error"), r.err[-400:], flush=True)
+        said = (rep or {}).get("error", "") + r.err
+        check(r.rc != 0 and "the process is lost" in said, "the CLI does not say it is lost", r)
+        check(rep is None or rep.get("rolled_back") is not True, "said rolled back", rep)
+        for h in (1, 2):
+            check(LAB.run(h, f"cat /proc/{pid}/comm 2>/dev/null").out.strip() != "qp_holder",
+                  f"a copy of the lost client on host{h}")
+        check(LAB.run(3, f"pgrep -f 'qp_holder --server.*--port {PC_PORT}'").rc == 0,
+              "the peer (the server on host3) went down with it")
+    finally:
+        stop_postcopy_client()
+        cleanup("pcsource", ())
+
+
+@lab_test
+@mt.logs_on_failure("pcrestart")
+def migrators_restarted_during_a_postcopy_find_it_in_their_records_and_finish_it():
+    """Both migrators of a post-copy move are SIGKILLed and started again
+    while the last pages still flow (CRIU's page server and lazy-pages
+    daemon run on, in process groups of their own): the restarted source
+    finds the post-copy in its record and waits for its page server's
+    end, the restarted destination watches its daemon; the move ends
+    done, one copy, every page whole."""
+    failpoint_on_host1("phase:postcopy")
+    pid = postcopy_client("pcrestart")
+    try:
+        job = migrate_job(1, pid, 2, wait=True, options=PC_MOVE)
+        stopped_at_failpoint(1, "phase:postcopy")
+        check(LAB.run(2, f"pgrep -f {LAZY_DAEMON}").rc == 0 and
+              LAB.run(1, f"pgrep -f {PAGE_SERVER}").rc == 0,
+              "post-copy ended before the restarts (too little memory to fetch)")
+        crash_and_restart(2)
+        crash_and_restart(1)
+        r = LAB.wait(1, job, 900)
+        rep = report_of(r)
+        print("outcome:", r.rc, rep and rep.get("error"), flush=True)
+        check(r.rc == 0 and rep is not None and rep.get("ok") is True,
+              "the move did not finish after the restarts", r)
+        check(LAB.run(1, f"pgrep -f {PAGE_SERVER}").rc != 0, "host1's page server still runs")
+        status = run_ok(2, f"cat $(ls -t {mt.STATE}/criu-logs/postcopy-*/lazy-pages.status "
+                           "| head -1)").out.strip()
+        check(status == "0", "host2's lazy-pages daemon did not end well", status)
+        exactly_one_copy(pid, 2, (1,), "the client", comm="qp_holder")
+        postcopy_client_verdict("pcrestart", 2, pid)
+    finally:
+        stop_postcopy_client()
+        cleanup("pcrestart", ())
 
 
 def pp_iterations(name):

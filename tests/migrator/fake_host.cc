@@ -564,17 +564,16 @@ void FakeHost::RestoreEndpoint(const v1::EndpointSummary& s, const std::string& 
 
 // The pages are "served" once `written` returns: the destination's fake
 // restore takes none of them.
-absl::StatusOr<DumpStats> FakeHost::LazyDump(pid_t pid, const std::string& dir,
-                                             const std::string& parent, bool tcp_established,
-                                             const LazyPages& serve,
-                                             const std::function<void()>& written) {
+absl::StatusOr<DumpStats> FakeHost::LazyDump(
+    pid_t pid, const std::string& dir, const std::string& parent, bool tcp_established,
+    const LazyPages& serve, const std::function<void(const PostCopyHelper&)>& written) {
   absl::StatusOr<DumpStats> d = Dump(pid, dir, parent, /*leave_running=*/true, tcp_established);
   if (!d.ok()) return d;
   {
     absl::MutexLock lock(&mu_);
     events_.push_back(absl::StrCat("serve pages on ", serve.address, ":", serve.port));
   }
-  written();
+  written(PostCopyHelper{});  // none that outlives the migrator
   absl::MutexLock lock(&mu_);
   if (!lazy_serve_error.ok()) return lazy_serve_error;
   return d;
@@ -586,7 +585,8 @@ void FakeHost::CancelLazyDump(const LazyPages& serve) {
 }
 
 absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_established,
-                                        bool new_terminal, const LazyPages* lazy_from) {
+                                        bool new_terminal, const LazyPages* lazy_from,
+                                        PostCopyHelper* /*helper*/) {
   ++restores_started;
   while (stall_restore.load()) absl::SleepFor(absl::Milliseconds(1));
   absl::MutexLock lock(&mu_);

@@ -160,12 +160,12 @@ class FakeHost final : public ShimChannel,
                                     const std::string& parent) override;
   absl::StatusOr<DumpStats> Dump(pid_t pid, const std::string& dir, const std::string& parent,
                                  bool leave_running, bool tcp_established) override;
-  absl::StatusOr<DumpStats> LazyDump(pid_t pid, const std::string& dir, const std::string& parent,
-                                     bool tcp_established, const LazyPages& serve,
-                                     const std::function<void()>& written) override;
+  absl::StatusOr<DumpStats> LazyDump(
+      pid_t pid, const std::string& dir, const std::string& parent, bool tcp_established,
+      const LazyPages& serve, const std::function<void(const PostCopyHelper&)>& written) override;
   void CancelLazyDump(const LazyPages& serve) override;
   absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established, bool new_terminal,
-                                const LazyPages* lazy_from) override;
+                                const LazyPages* lazy_from, PostCopyHelper* helper) override;
   // AddressControl
   absl::StatusOr<std::string> Holder(ServiceAddress* a) override;
   absl::StatusOr<std::string> Home(const ServiceAddress& a) override;

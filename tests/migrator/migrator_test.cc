@@ -151,7 +151,7 @@ class FakeContainers final : public ContainerRuntime {
       if (!restore_error.ok()) return restore_error;
     }
     absl::StatusOr<pid_t> pid =
-        host_->Restore(std::filesystem::path(file).parent_path(), tcp, false, nullptr);
+        host_->Restore(std::filesystem::path(file).parent_path(), tcp, false, nullptr, nullptr);
     if (!pid.ok()) return pid.status();
     Run(name, *pid);
     return *pid;
@@ -2039,6 +2039,114 @@ TEST(MigratorRecoveryTest, DestinationDoesNotKillAStrangerGivenTheRestoredPid) {
   EXPECT_EQ(after->phase(), "aborted");
   EXPECT_THAT(after->report().error(),
               HasSubstr("restored process 100 was gone (its pid names another process now)"));
+}
+
+// Until `done()` holds, for at most 30 s; whether it did.
+template <typename F>
+bool Eventually(F done) {
+  for (absl::Time end = absl::Now() + absl::Seconds(30); absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(10)))
+    if (done()) return true;
+  return done();
+}
+
+// h1's migrator died during the post-copy of a confirmed move of P (100):
+// CRIU's page server (the helper, pid 700, a process of its own) still
+// serves P's last pages to h2. The restarted migrator waits for it to end
+// (`ending`: what it writes to its status file, or "" for none, and gone)
+// and returns the record it finished with.
+v1::MigrationRecord RecoverDuringPostcopy(Cluster& c, const std::string& ending) {
+  Topology(c);
+  Crash(c, /*released=*/true, /*stopped=*/true);
+  c.host(1).AddPlainProcess(700);
+  v1::MigrationRecord rec = CrashedRecord("postcopy");
+  rec.set_released(true);
+  rec.set_stopped(true);
+  rec.set_confirmed(true);
+  rec.mutable_report()->set_postcopy(true);
+  const std::string dir = c[1].state_dir + "/migrations/crashed-1";
+  const std::string status_file = c[1].state_dir + "/lazy-dump.log.status";
+  rec.mutable_postcopy()->set_pid(700);
+  rec.mutable_postcopy()->set_identity(c.host(1).Identity(700));
+  rec.mutable_postcopy()->set_status_file(status_file);
+  EXPECT_TRUE(WriteRecord(dir, rec).ok());
+  c.Stop(1);
+  c.Start(1, /*recover=*/false);
+  std::thread recovery([&] { c.m(1).Recover(); });
+  // It waits in phase postcopy while the helper runs.
+  EXPECT_TRUE(Eventually([&] {
+    absl::StatusOr<v1::MigrationRecord> r = ReadRecord(dir);
+    return r.ok() && r->phase() == "postcopy";
+  }));
+  absl::SleepFor(absl::Milliseconds(300));
+  absl::StatusOr<v1::MigrationRecord> waiting = ReadRecord(dir);
+  EXPECT_TRUE(waiting.ok() && !waiting->done());
+  if (ending.empty()) {
+    EXPECT_TRUE(c.host(1).Kill(700).ok());
+  } else {
+    std::ofstream(status_file) << ending << "\n";
+  }
+  recovery.join();
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  EXPECT_TRUE(after.ok());
+  return after.ok() ? *after : v1::MigrationRecord();
+}
+
+TEST(MigratorRecoveryTest, ASourceRestartedDuringAPostcopyFinishesItWhenThePagesHaveGone) {
+  Cluster c("recover-postcopy");
+  const v1::MigrationRecord after = RecoverDuringPostcopy(c, "0");
+  EXPECT_TRUE(after.done());
+  EXPECT_THAT(after.report().error(), Not(HasSubstr("post-copy")));
+  EXPECT_FALSE(c.host(1).Exists(100));  // the stopped source copy, killed
+}
+
+TEST(MigratorRecoveryTest, ASourceRestartedDuringAPostcopySaysTheProcessIsLostIfThePagesDidNotGo) {
+  for (const char* ending : {"1", ""}) {
+    SCOPED_TRACE(ending);
+    Cluster c(absl::StrCat("recover-postcopy-lost", ending));
+    const v1::MigrationRecord after = RecoverDuringPostcopy(c, ending);
+    EXPECT_TRUE(after.done());
+    EXPECT_FALSE(after.report().rolled_back());
+    EXPECT_THAT(after.report().error(), HasSubstr("post-copy: the process is lost"));
+    EXPECT_THAT(after.report().error(), HasSubstr(*ending != '\0' ? "exit status 1"
+                                                                   : "without its exit status"));
+  }
+}
+
+// h2's migrator died while CRIU's lazy-pages daemon (700) still brought in
+// the pages of P (100), restored and resumed: the restarted migrator
+// watches it; when the daemon fails, P is killed rather than left to
+// fault on the pages that never came. One whose daemon succeeded is kept.
+TEST(MigratorRecoveryTest, ADestinationRestartedDuringAPostcopyKillsTheProcessIfItsPagesFail) {
+  for (const std::string ending : {"137", "0"}) {
+    SCOPED_TRACE(ending);
+    Cluster c(absl::StrCat("recover-dst-postcopy", ending));
+    c.host(2).Add(100, VGid(1), {});
+    c.host(2).AddPlainProcess(700);
+    const std::string dir = c[2].state_dir + "/incoming/moved-1";
+    v1::MigrationRecord rec = RestoringRecord("moved-1");
+    rec.set_phase("resumed");
+    rec.set_confirmed(true);
+    rec.set_done(true);
+    rec.set_restored_identity(c.host(2).Identity(100));
+    const std::string status_file = c[2].state_dir + "/lazy-pages.status";
+    rec.mutable_postcopy()->set_pid(700);
+    rec.mutable_postcopy()->set_identity(c.host(2).Identity(700));
+    rec.mutable_postcopy()->set_status_file(status_file);
+    ASSERT_TRUE(WriteRecord(dir, rec).ok());
+    c.Stop(2);
+    c.Start(2);
+    absl::SleepFor(absl::Milliseconds(300));
+    EXPECT_TRUE(c.host(2).Exists(100));  // the daemon still runs
+    std::ofstream(status_file) << ending << "\n";
+    if (ending == "0") {
+      absl::SleepFor(absl::Milliseconds(300));  // past the watcher's next look
+      c.Stop(2);  // joins its watcher
+      EXPECT_TRUE(c.host(2).Exists(100));
+    } else {
+      EXPECT_TRUE(Eventually([&] { return !c.host(2).Exists(100); }));
+    }
+  }
 }
 
 // h2's migrator restarted after it restored P (endpoint 100, moved from

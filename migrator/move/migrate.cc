@@ -124,7 +124,8 @@ absl::Status Migrator::Conclude(Move* m, absl::Time c0, const absl::Status& peer
   const bool resumed_postcopy = !m->lazy_dump.joinable() && m->rec.postcopy().pid() > 0;
   if (m->lazy_dump.joinable() || resumed_postcopy) {
     SetPhase(m, "postcopy", absl::StrCat(m->rec.destination(), " takes the last pages"));
-    pages = resumed_postcopy ? AwaitPostCopy(m->rec.postcopy()) : EndLazyDump(m, /*cancel=*/false);
+    pages = resumed_postcopy ? AwaitPostCopy(m->rec.postcopy(), options_.transfer_timeout)
+                             : EndLazyDump(m, /*cancel=*/false);
     if (!pages.ok())
       pages = Annotate(
           pages, absl::StrCat("post-copy: the process is lost (its copy on ", m->rec.destination(),

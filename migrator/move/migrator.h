@@ -520,9 +520,10 @@ class Migrator {
   // The record's entry for `helper` (its identity taken now).
   v1::PostCopyHelper RecordHelper(const PostCopyHelper& helper);
   // Until the helper a previous run started has ended: OK if every page
-  // went, else what ended it. Polls its status file (SpawnFds::
+  // went, else what ended it; DEADLINE_EXCEEDED after `limit`, CANCELLED
+  // once the migrator stops. Polls its status file (SpawnFds::
   // exit_status_file) and whether it still runs.
-  absl::Status AwaitPostCopy(const v1::PostCopyHelper& helper);
+  absl::Status AwaitPostCopy(const v1::PostCopyHelper& helper, absl::Duration limit);
   // A helper of a move that goes back (not confirmed): killed, so that
   // CRIU lets go of the process.
   void StopPostCopyHelper(const v1::PostCopyHelper& helper);

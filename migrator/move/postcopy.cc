@@ -10,8 +10,6 @@
 //    which lets go of the process;
 //  - as the destination, watches the lazy-pages daemon and kills the
 //    restored process if its pages cannot all come (WatchPostCopy).
-#include <signal.h>
-
 #include "absl/strings/str_cat.h"
 #include "migrator/host/log.h"
 #include "migrator/host/spawn.h"
@@ -41,14 +39,17 @@ v1::PostCopyHelper Migrator::RecordHelper(const PostCopyHelper& helper) {
   return h;
 }
 
-absl::Status Migrator::AwaitPostCopy(const v1::PostCopyHelper& helper) {
+absl::Status Migrator::AwaitPostCopy(const v1::PostCopyHelper& helper, absl::Duration limit) {
+  // A helper recorded without an identity had ended before it was noted.
+  const bool known = !helper.identity().empty();
+  const absl::Time deadline = absl::Now() + limit;
   for (;;) {
     if (std::optional<int> status = ReadExitStatus(helper.status_file()); status.has_value()) {
       if (*status == 0) return absl::OkStatus();
       return absl::UnavailableError(absl::StrCat("CRIU's post-copy helper (pid ", helper.pid(),
                                                  ") ended: ", DescribeExit(*status)));
     }
-    if (!SameProcess(helper.pid(), helper.identity())) {
+    if (!known || !SameProcess(helper.pid(), helper.identity())) {
       // It may have written its status just before it ended.
       if (std::optional<int> status = ReadExitStatus(helper.status_file()); status.has_value())
         continue;
@@ -58,15 +59,17 @@ absl::Status Migrator::AwaitPostCopy(const v1::PostCopyHelper& helper) {
     }
     if (stopping_.WaitForNotificationWithTimeout(kPoll))
       return absl::CancelledError("the migrator stops");
+    if (absl::Now() > deadline)
+      return absl::DeadlineExceededError(absl::StrCat("CRIU's post-copy helper (pid ", helper.pid(),
+                                                      ") still runs after ",
+                                                      absl::FormatDuration(limit)));
   }
 }
 
 void Migrator::StopPostCopyHelper(const v1::PostCopyHelper& helper) {
-  if (helper.pid() <= 0 || !SameProcess(helper.pid(), helper.identity())) return;
+  if (helper.identity().empty() || !SameProcess(helper.pid(), helper.identity())) return;
   Log("post-copy helper %d of a move that goes back: killed", helper.pid());
-  kill(-helper.pid(), SIGKILL);  // its group: the shell and CRIU
-  for (int i = 0; i < 100 && SameProcess(helper.pid(), helper.identity()); ++i)
-    absl::SleepFor(kPoll / 4);
+  (void)KillCopy(helper.pid(), "post-copy helper");  // the shell and CRIU under it
 }
 
 void Migrator::WatchPostCopy(const v1::MigrationRecord& rec) {
@@ -74,7 +77,7 @@ void Migrator::WatchPostCopy(const v1::MigrationRecord& rec) {
   absl::MutexLock lock(&watchers_mu_);
   watchers_.emplace_back([this, rec] {
     const std::string& id = rec.report().migration_id();
-    const absl::Status pages = AwaitPostCopy(rec.postcopy());
+    const absl::Status pages = AwaitPostCopy(rec.postcopy(), absl::InfiniteDuration());
     if (pages.ok()) {
       Log("incoming %s: post-copy done, every page of process %d is in", id, rec.restored_pid());
       return;

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -81,6 +82,9 @@ class Checkpointer {
   virtual absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established,
                                         bool new_terminal, const LazyPages* lazy_from,
                                         PostCopyHelper* helper) = 0;
+  // The pids of the processes dumped into `dir`, which a restore gives
+  // back: what a restore that failed part way may have left behind.
+  virtual absl::StatusOr<std::vector<pid_t>> DumpedPids(const std::string& dir) = 0;
 };
 
 // CRIU through CriuDriver; logs go to `log_dir`. CRIU's TLS for post-copy

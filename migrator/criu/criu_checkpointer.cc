@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "migrator/criu/checkpointer.h"
 #include "migrator/criu/criu_driver.h"
+#include "migrator/criu/criu_images.h"
 #include "migrator/host/log.h"
 
 namespace rdmavirt::migrator {
@@ -104,6 +105,10 @@ class CriuCheckpointer final : public Checkpointer {
     if (pid.ok() && !terminal_log.empty())
       Log("process %d: restored with a new terminal; its output goes to %s", *pid, terminal_log);
     return pid;
+  }
+
+  absl::StatusOr<std::vector<pid_t>> DumpedPids(const std::string& dir) override {
+    return DumpedTreePids(dir);
   }
 
  private:

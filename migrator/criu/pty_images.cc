@@ -20,16 +20,20 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "migrator/criu/criu_images.h"
 
 namespace rdmavirt::migrator {
 namespace {
 
+using criu_images::Field;
+using criu_images::Fields;
+using criu_images::Image;
+using criu_images::ReadImage;
+using criu_images::Serialize;
+using criu_images::VarintOf;
 using google::protobuf::internal::WireFormatLite;
 using IndexMap = std::map<uint32_t, uint32_t>;
 
-// criu/include/magic.h: every image opens with one of these, then its own.
-constexpr uint32_t kImgCommonMagic = 0x54564319;
-constexpr uint32_t kImgServiceMagic = 0x55105940;
 constexpr char kTtyInfo[] = "tty-info.img";
 constexpr char kTtyData[] = "tty-data.img";
 constexpr char kFiles[] = "files.img";
@@ -39,51 +43,6 @@ constexpr const char* kRewritten[] = {kTtyInfo, kTtyData, kFiles};
 constexpr uint64_t kTtyTypePty = 1;
 constexpr uint32_t kPtsMajor = 136, kPtsMajors = 8;
 constexpr absl::string_view kPtsPrefix = "/dev/pts/";
-
-// One field of a message as it was on the wire: a varint's value, or the
-// bytes of a length-delimited or fixed-size field.
-struct Field {
-  int number = 0;
-  WireFormatLite::WireType type = WireFormatLite::WIRETYPE_VARINT;
-  uint64_t varint = 0;
-  std::string bytes;
-};
-
-bool Fields(std::string_view msg, std::vector<Field>* out) {
-  const auto* data = reinterpret_cast<const uint8_t*>(msg.data());
-  google::protobuf::io::CodedInputStream in(data, static_cast<int>(msg.size()));
-  while (const uint32_t tag = in.ReadTag()) {
-    Field f;
-    f.number = WireFormatLite::GetTagFieldNumber(tag);
-    f.type = WireFormatLite::GetTagWireType(tag);
-    const int at = in.CurrentPosition();
-    uint32_t n = 0;
-    switch (f.type) {
-      case WireFormatLite::WIRETYPE_VARINT:
-        if (!in.ReadVarint64(&f.varint)) return false;
-        break;
-      case WireFormatLite::WIRETYPE_FIXED32:
-        n = 4;
-        break;
-      case WireFormatLite::WIRETYPE_FIXED64:
-        n = 8;
-        break;
-      case WireFormatLite::WIRETYPE_LENGTH_DELIMITED:
-        if (!in.ReadVarint32(&n)) return false;
-        break;
-      default:  // groups: CRIU's images have none
-        return false;
-    }
-    if (f.type != WireFormatLite::WIRETYPE_VARINT) {
-      const int from =
-          f.type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED ? in.CurrentPosition() : at;
-      if (!in.Skip(static_cast<int>(n))) return false;
-      f.bytes.assign(msg.data() + from, n);
-    }
-    out->push_back(std::move(f));
-  }
-  return in.ConsumedEntireMessage();
-}
 
 void PutVarint(uint64_t v, std::string* out) {
   while (v >= 0x80) {
@@ -111,79 +70,6 @@ bool Rewrite(std::string_view msg, Edit&& edit, std::string* out) {
     Put(f, out);
   }
   return true;
-}
-
-// The varint field `number` of `msg`, if it has one.
-std::optional<uint64_t> VarintOf(std::string_view msg, int number) {
-  std::vector<Field> fields;
-  if (!Fields(msg, &fields)) return std::nullopt;
-  for (const Field& f : fields)
-    if (f.number == number && f.type == WireFormatLite::WIRETYPE_VARINT) return f.varint;
-  return std::nullopt;
-}
-
-// An image: its two magics, then its entries (a 32-bit little-endian
-// length, then a message).
-struct Image {
-  std::string head;
-  std::vector<std::string> entries;
-};
-
-absl::StatusOr<std::string> ReadWhole(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("cannot open ", path));
-  std::string out;
-  char buf[1 << 16];
-  ssize_t n;
-  while ((n = read(fd, buf, sizeof buf)) != 0) {
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int e = errno;
-      close(fd);
-      return absl::ErrnoToStatus(e, absl::StrCat("cannot read ", path));
-    }
-    out.append(buf, static_cast<size_t>(n));
-  }
-  close(fd);
-  return out;
-}
-
-uint32_t Le32(const char* p) {
-  uint32_t v;
-  memcpy(&v, p, 4);
-  return v;
-}
-
-// The image `name` of `dir`; nullopt when the dump has none.
-absl::StatusOr<std::optional<Image>> ReadImage(const std::string& dir, const char* name) {
-  const std::string path = absl::StrCat(dir, "/", name);
-  if (access(path.c_str(), F_OK) != 0 && errno == ENOENT) return std::nullopt;
-  absl::StatusOr<std::string> raw = ReadWhole(path);
-  if (!raw.ok()) return raw.status();
-  if (raw->size() < 8 ||
-      (Le32(raw->data()) != kImgCommonMagic && Le32(raw->data()) != kImgServiceMagic))
-    return absl::DataLossError(absl::StrCat(path, ": not a CRIU image"));
-  Image img{raw->substr(0, 8), {}};
-  std::string_view rest(*raw);
-  rest.remove_prefix(8);
-  while (!rest.empty()) {
-    if (rest.size() < 4 || rest.size() - 4 < Le32(rest.data()))
-      return absl::DataLossError(absl::StrCat(path, ": cut short"));
-    const uint32_t n = Le32(rest.data());
-    img.entries.emplace_back(rest.substr(4, n));
-    rest.remove_prefix(4 + n);
-  }
-  return img;
-}
-
-std::string Serialize(const Image& img) {
-  std::string out = img.head;
-  for (const std::string& e : img.entries) {
-    const uint32_t n = static_cast<uint32_t>(e.size());
-    out.append(reinterpret_cast<const char*>(&n), 4);
-    out.append(e);
-  }
-  return out;
 }
 
 uint32_t MapId(uint64_t id, const IndexMap& m) {

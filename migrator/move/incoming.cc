@@ -175,6 +175,28 @@ absl::StatusOr<v1::PushImagesResponse> Migrator::PushImages(
   return out;
 }
 
+std::map<pid_t, std::string> Migrator::IdentitiesOf(const std::string& dir) {
+  std::map<pid_t, std::string> out;
+  absl::StatusOr<std::vector<pid_t>> pids = criu_->DumpedPids(dir);
+  if (!pids.ok()) {
+    Log("restore from %s: the tree's pids are unknown (%s)", dir, pids.status().ToString());
+    return out;
+  }
+  for (pid_t p : *pids) out[p] = procs_->Identity(p);
+  return out;
+}
+
+void Migrator::KillHalfRestored(const std::map<pid_t, std::string>& before) {
+  // CRIU kills what it restored when the restore fails, unless it dies
+  // itself (killed, crashed): the processes it had made are left then.
+  for (const auto& [p, identity] : before) {
+    const std::string now = procs_->Identity(p);
+    if (now.empty() || now == identity) continue;  // none, or what ran there before
+    Log("process %d: left by the failed restore; killed", p);
+    if (absl::Status st = KillCopy(p, "half-restored process"); !st.ok()) Log("%s", st.ToString());
+  }
+}
+
 absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_established,
                                                bool new_terminal, const LazyPages* lazy_from,
                                                v1::PostCopyHelper* postcopy, pid_t endpoint_pid,
@@ -184,11 +206,16 @@ absl::StatusOr<pid_t> Migrator::RestoreFromDir(const std::string& dir, bool tcp_
                                                const v1::Container* container) {
   const absl::Time c0 = absl::Now();
   PostCopyHelper helper;
+  // What already runs under the tree's pids, for a restore that fails.
+  const std::map<pid_t, std::string> before =
+      container != nullptr ? std::map<pid_t, std::string>() : IdentitiesOf(dir);
   absl::StatusOr<pid_t> pid =
       container != nullptr ? RestoreContainer(dir, *container, tcp_established, &endpoint_pid)
                            : criu_->Restore(dir, tcp_established, new_terminal, lazy_from, &helper);
-  if (!pid.ok())
+  if (!pid.ok()) {
+    KillHalfRestored(before);
     return Annotate(pid.status(), container != nullptr ? "container restore" : "CRIU restore");
+  }
   if (postcopy != nullptr && helper.pid > 0) *postcopy = RecordHelper(helper);
   restored(*pid);
   // A live move dumps its process stopped, and CRIU restores it so; a

@@ -485,6 +485,12 @@ class Migrator {
                                        const std::vector<v1::Mapping>& peers,
                                        v1::RestoreIncomingResponse* out,
                                        const v1::Container* container = nullptr);
+  // The pids of the tree dumped into `dir`, each with the identity of
+  // what runs under it now ("" for none).
+  std::map<pid_t, std::string> IdentitiesOf(const std::string& dir);
+  // After a failed restore: every pid of `before` that names a process it
+  // did not name then, killed (what a CRIU that died part way left).
+  void KillHalfRestored(const std::map<pid_t, std::string>& before);
   // RestoreIncoming's steps. StartRestoring: the received move checked
   // (receiving, no stream running, its final dump's manifest there, its
   // record writable) and marked restoring; its record returned.

@@ -579,6 +579,24 @@ absl::StatusOr<DumpStats> FakeHost::LazyDump(
   return d;
 }
 
+// The endpoints' pids (core.img, core-*.img) and the tree's (tree.img).
+absl::StatusOr<std::vector<pid_t>> FakeHost::DumpedPids(const std::string& dir) {
+  std::vector<pid_t> pids;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    const std::string name = f.path().filename().string();
+    if (name != "core.img" && name.rfind("core-", 0) != 0) continue;
+    std::ifstream in(f.path(), std::ios::binary);
+    std::stringstream buf;
+    buf << in.rdbuf();
+    v1::EndpointSummary s;
+    if (!s.ParseFromString(buf.str())) return absl::DataLossError(absl::StrCat("bad ", name));
+    pids.push_back(s.pid());
+  }
+  std::ifstream t(dir + "/tree.img");
+  for (pid_t parent, child; t >> parent >> child;) pids.insert(pids.end(), {parent, child});
+  return pids;
+}
+
 void FakeHost::CancelLazyDump(const LazyPages& serve) {
   absl::MutexLock lock(&mu_);
   events_.push_back(absl::StrCat("cancel pages on ", serve.address, ":", serve.port));
@@ -595,7 +613,16 @@ absl::StatusOr<pid_t> FakeHost::Restore(const std::string& dir, bool tcp_establi
       "restore", tcp_established ? " tcp" : "", new_terminal ? " terminal" : "",
       lazy_from != nullptr ? absl::StrCat(" lazy from ", lazy_from->address, ":", lazy_from->port)
                            : ""));
-  if (!restore_error.ok()) return restore_error;
+  if (!restore_error.ok()) {
+    if (failed_restore_leaves_process) {
+      std::ifstream in(dir + "/core.img", std::ios::binary);
+      std::stringstream buf;
+      buf << in.rdbuf();
+      v1::EndpointSummary s;
+      if (s.ParseFromString(buf.str())) RestoreEndpoint(s, "");
+    }
+    return restore_error;
+  }
   std::ifstream in(dir + "/core.img", std::ios::binary);
   std::stringstream buf;
   buf << in.rdbuf();

@@ -124,6 +124,9 @@ class FakeHost final : public ShimChannel,
   int predumps = 0, dumps = 0, restores = 0;
   // While set, Restore waits (before it counts), as a slow CRIU does.
   std::atomic<bool> stall_restore{false};
+  // With restore_error: the restore fails after it made the dumped
+  // endpoint's process (CRIU killed part way), which it leaves behind.
+  bool failed_restore_leaves_process = false;
   // Set by a test: each peer_reconnect on this host meets there first.
   Rendezvous* reconnect_rendezvous = nullptr;
   // The same for each describe.
@@ -166,6 +169,7 @@ class FakeHost final : public ShimChannel,
   void CancelLazyDump(const LazyPages& serve) override;
   absl::StatusOr<pid_t> Restore(const std::string& dir, bool tcp_established, bool new_terminal,
                                 const LazyPages* lazy_from, PostCopyHelper* helper) override;
+  absl::StatusOr<std::vector<pid_t>> DumpedPids(const std::string& dir) override;
   // AddressControl
   absl::StatusOr<std::string> Holder(ServiceAddress* a) override;
   absl::StatusOr<std::string> Home(const ServiceAddress& a) override;

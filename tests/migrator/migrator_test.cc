@@ -861,6 +861,38 @@ TEST(MigratorTest, APostcopyMoveRollsBackBeforeTheRestoreAndSaysSoAfter) {
   EXPECT_THAT(run.report.error(), HasSubstr("connection reset"));
 }
 
+// CRIU killed during the destination's restore leaves the processes it
+// had made there (the chaos soak found P's copy on the destination of a
+// move that rolled back): those of the tree's pids that name a process
+// now and did not before the restore are killed, and the move rolls back
+// with one copy.
+TEST(MigratorTest, ARestoreThatFailsPartWayLeavesNoProcessBehind) {
+  Cluster c("restore-left");
+  Topology(c);
+  c.host(2).restore_error =
+      absl::InternalError("lost criu swrk (it could not start or it crashed)");
+  c.host(2).failed_restore_leaves_process = true;
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_FALSE(run.status.ok());
+  EXPECT_TRUE(run.report.rolled_back()) << run.report.error();
+  EXPECT_FALSE(c.host(2).Exists(100));
+  EXPECT_THAT(c.host(2).Events(), Contains("kill 100"));
+  EXPECT_TRUE(c.host(1).Get(100).alive);
+}
+
+// A process that held the pid before the restore is not the restore's:
+// left alone when the restore fails.
+TEST(MigratorTest, AFailedRestoreLeavesAloneWhatHeldTheTreesPidBefore) {
+  Cluster c("restore-held");
+  Topology(c);
+  c.host(2).AddPlainProcess(100);
+  c.host(2).restore_error = absl::AlreadyExistsError("a pid of the dumped tree is in use");
+  MoveRun run = Migrate(c, 100, "h2");
+  EXPECT_TRUE(run.report.rolled_back()) << run.report.error();
+  EXPECT_TRUE(c.host(2).Exists(100));
+  EXPECT_THAT(c.host(2).Events(), Not(Contains("kill 100")));
+}
+
 // A terminal other than a pseudo-terminal (/dev/tty held open, a serial
 // line), or a second pseudo-terminal, is refused before anything is
 // quiesced; without it the same process moves.
@@ -2108,8 +2140,8 @@ TEST(MigratorRecoveryTest, ASourceRestartedDuringAPostcopySaysTheProcessIsLostIf
     EXPECT_TRUE(after.done());
     EXPECT_FALSE(after.report().rolled_back());
     EXPECT_THAT(after.report().error(), HasSubstr("post-copy: the process is lost"));
-    EXPECT_THAT(after.report().error(), HasSubstr(*ending != '\0' ? "exit status 1"
-                                                                   : "without its exit status"));
+    EXPECT_THAT(after.report().error(),
+                HasSubstr(*ending != '\0' ? "exit status 1" : "without its exit status"));
   }
 }
 
@@ -2141,7 +2173,7 @@ TEST(MigratorRecoveryTest, ADestinationRestartedDuringAPostcopyKillsTheProcessIf
     std::ofstream(status_file) << ending << "\n";
     if (ending == "0") {
       absl::SleepFor(absl::Milliseconds(300));  // past the watcher's next look
-      c.Stop(2);  // joins its watcher
+      c.Stop(2);                                // joins its watcher
       EXPECT_TRUE(c.host(2).Exists(100));
     } else {
       EXPECT_TRUE(Eventually([&] { return !c.host(2).Exists(100); }));

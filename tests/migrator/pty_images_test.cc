@@ -14,15 +14,16 @@
 #include <string>
 #include <vector>
 
+#include "migrator/criu/criu_images.h"
 #include "tests/migrator/criu_image_bytes.h"
 
 namespace rdmavirt::migrator {
 namespace {
 
-using image_bytes::Varint;
-using image_bytes::Le32;
-using image_bytes::VarintField;
 using image_bytes::BytesField;
+using image_bytes::Le32;
+using image_bytes::Varint;
+using image_bytes::VarintField;
 
 constexpr uint32_t kCommon = 0x54564319, kTtyInfoMagic = 0x59453036, kFilesMagic = 0x56303138,
                    kTtyDataMagic = 0x59413026;
@@ -215,6 +216,32 @@ TEST_F(PtyImagesTest, PtysInUseReadsTheNumericEntriesOfDevpts) {
   for (const char* name : {"0", "3", "12", "ptmx"}) Put(std::string("pts/") + name, "");
   EXPECT_EQ(PtysInUse(dir_ + "/pts"), (std::set<uint32_t>{0, 3, 12}));
   EXPECT_TRUE(PtysInUse(dir_ + "/none").empty());
+}
+
+// pstree.img as CRIU 3.17 writes it (PSTREE_MAGIC; PstreeEntry: pid 1,
+// ppid 2, pgid 3, sid 4, threads 5): the tree's pids, root first; one
+// without a pid, or no pstree.img, is DATA_LOSS.
+TEST_F(PtyImagesTest, DumpedTreePidsReadsThePidOfEachProcessOfTheTree) {
+  constexpr uint32_t kPstreeMagic = 0x50273030;
+  auto entry = [](uint32_t pid, uint32_t ppid, std::vector<uint32_t> threads) {
+    std::string m;
+    VarintField(&m, 1, pid);
+    VarintField(&m, 2, ppid);
+    VarintField(&m, 3, pid);
+    VarintField(&m, 4, pid);
+    for (uint32_t t : threads) VarintField(&m, 5, t);
+    return m;
+  };
+  EXPECT_EQ(DumpedTreePids(dir_).status().code(), absl::StatusCode::kDataLoss);
+  Put("pstree.img", Image(kPstreeMagic, {entry(100774, 1, {100774}),
+                                         entry(100775, 100774, {100775, 100776, 100777})}));
+  absl::StatusOr<std::vector<pid_t>> pids = DumpedTreePids(dir_);
+  ASSERT_TRUE(pids.ok()) << pids.status();
+  EXPECT_EQ(*pids, (std::vector<pid_t>{100774, 100775}));
+  std::string no_pid;
+  VarintField(&no_pid, 2, 1);
+  Put("pstree.img", Image(kPstreeMagic, {entry(100774, 1, {}), no_pid}));
+  EXPECT_EQ(DumpedTreePids(dir_).status().code(), absl::StatusCode::kDataLoss);
 }
 
 }  // namespace

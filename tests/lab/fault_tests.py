@@ -11,6 +11,7 @@ nothing lost, duplicated, corrupted or out of order.
 """
 
 import json
+import os
 import re
 import sys
 import time
@@ -330,6 +331,80 @@ def criu_failing_on_the_destination_rolls_back():
         kill = f"kill {holder} 2>/dev/null; " if holder is not None else ""
         LAB.run(2, f"{kill}echo {own_range} > /proc/sys/kernel/ns_last_pid")
         cleanup("criufail", (p, q))
+
+
+def at_once(host, commands):
+    """`commands` (name -> rdmavirtctl arguments) run at the same moment on
+    host`host`, against its migrator; name -> (exit status, JSON, stderr)."""
+    base = f"{CTL} --host {mt.ip(host)}:{mt.PORT} --tls-dir {migrators.CERTS}/host{host} --json"
+    out = f"{mt.WORK}/at-once"
+    script = f"rm -rf {out}; mkdir -p {out}\n" + "".join(
+        f"({base} {args} > {out}/{name}.json 2> {out}/{name}.err; echo $? > {out}/{name}.rc) &\n"
+        for name, args in commands.items()) + "wait\n" + "".join(
+        f"echo {name} $(cat {out}/{name}.rc)\n" for name in commands)
+    run_ok(host, script, 900)
+    d = os.path.join(LAB.shared, out[len("/lab/"):])
+    results = {}
+    for name in commands:
+        with open(os.path.join(d, f"{name}.rc")) as f:
+            rc = int(f.read())
+        with open(os.path.join(d, f"{name}.json")) as f:
+            text = f.read()
+        with open(os.path.join(d, f"{name}.err")) as f:
+            err = f.read()
+        try:
+            rep = json.loads(text) if text.strip() else None
+        except json.JSONDecodeError:
+            rep = None
+        results[name] = (rc, rep, err)
+        print(f"{name}: exit {rc}; {(rep or {}).get('error', '')[:200]}", flush=True)
+    return results
+
+
+def where_is(pid, comm="integrity"):
+    """The hosts where `pid` runs as `comm`."""
+    return [h for h in (1, 2, 3)
+            if LAB.run(h, f"cat /proc/{pid}/comm 2>/dev/null").out.strip() == comm]
+
+
+@lab_test
+@mt.logs_on_failure("race")
+def two_moves_of_one_process_and_a_drain_racing_a_move_end_in_one_copy():
+    """P (host1) is asked at the same moment to move to host2 and to
+    host3: one move takes it, the other is refused, and P runs on exactly
+    one host. Then, from there, a drain of its host and a move of P race:
+    again one copy, nothing hangs, and the workload loses nothing."""
+    mt.ensure_daemons()
+    q, p = mt.start_pair("race", 100000)
+    try:
+        mt.wait_sent("race", 200)
+        r = at_once(1, {"to2": f"migrate {p} --to {mt.ip(2)} --max-precopy 1",
+                        "to3": f"migrate {p} --to {mt.ip(3)} --max-precopy 1"})
+        took = [n for n, (rc, rep, _) in r.items() if rc == 0 and rep and rep.get("ok")]
+        check(len(took) == 1, "not exactly one of the two moves took P", r)
+        other = r["to3" if took == ["to2"] else "to2"]
+        said = (other[1] or {}).get("error", "") + other[2]
+        check(other[0] != 0 and not (other[1] or {}).get("ok") and
+              re.search(r"already moving|being moved|nothing was quiesced", said),
+              "the other move was not refused, or not for the move in flight", other)
+        check(where_is(p) == [2 if took == ["to2"] else 3], "P is not on the host of the move",
+              where_is(p))
+        progresses("race")
+        here = where_is(p)[0]
+        there = [h for h in (1, 2, 3) if h != here]
+        r = at_once(here, {"drain": f"drain --connect none --to-migrator {mt.ip(there[0])} "
+                                    "--max-precopy 1",
+                           "move": f"migrate {p} --to {mt.ip(there[1])} --max-precopy 1"})
+        hosts = where_is(p)
+        check(len(hosts) == 1, "P does not run on exactly one host", hosts, r)
+        moved = [n for n, (rc, rep, _) in r.items() if rc == 0 and rep and rep.get("ok")]
+        print(f"P: host{here} -> host{hosts[0]}; succeeded: {moved}", flush=True)
+        check(hosts[0] != here or not moved, "a command said it moved P, which stayed", r)
+        progresses("race")
+        path = ["host1", f"host{here}"] + ([f"host{hosts[0]}"] if hosts[0] != here else [])
+        mt.nothing_lost("race", path, ["host3"])
+    finally:
+        cleanup("race", (p, q))
 
 
 @lab_test

@@ -893,6 +893,32 @@ TEST(MigratorTest, AFailedRestoreLeavesAloneWhatHeldTheTreesPidBefore) {
   EXPECT_THAT(c.host(2).Events(), Not(Contains("kill 100")));
 }
 
+// A second move of a process in the middle of its move (two operators,
+// a drain racing a move) is refused before it touches anything, and the
+// first one ends as if alone.
+TEST(MigratorTest, ASecondMoveOfAProcessInTheMiddleOfItsMoveIsRefused) {
+  Cluster c("second-move");
+  Topology(c);
+  c.host(2).stall_restore = true;
+  MoveRun first;
+  std::thread mover([&] { first = Migrate(c, 100, "h2"); });
+  for (absl::Time end = absl::Now() + absl::Seconds(30);
+       c.host(2).restores_started.load() == 0 && absl::Now() < end;)
+    absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GT(c.host(2).restores_started.load(), 0);
+  const std::vector<std::string> before = c.host(1).Events();
+  MoveRun second = Migrate(c, 100, "h3");
+  EXPECT_EQ(second.status.code(), absl::StatusCode::kFailedPrecondition) << second.status;
+  EXPECT_THAT(second.status.message(), HasSubstr("process 100 is already moving"));
+  EXPECT_EQ(c.host(1).Events(), before);  // nothing stopped, dumped or continued again
+  c.host(2).stall_restore = false;
+  mover.join();
+  EXPECT_TRUE(first.status.ok()) << first.status;
+  EXPECT_TRUE(c.host(2).Get(100).alive);
+  EXPECT_FALSE(c.host(1).Exists(100));
+  EXPECT_FALSE(c.host(3).Exists(100));
+}
+
 // A terminal other than a pseudo-terminal (/dev/tty held open, a serial
 // line), or a second pseudo-terminal, is refused before anything is
 // quiesced; without it the same process moves.

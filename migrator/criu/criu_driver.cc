@@ -753,10 +753,10 @@ void Append(std::vector<std::string>* to, const std::vector<std::string>& more) 
 
 }  // namespace
 
-absl::StatusOr<CriuResult> CriuDriver::LazyDump(pid_t pid, const std::string& dir,
-                                                const std::string& parent, bool tcp_established,
-                                                const LazyPages& serve, const std::string& tls_dir,
-                                                const std::function<void(const PostCopyHelper&)>& written) {
+absl::StatusOr<CriuResult> CriuDriver::LazyDump(
+    pid_t pid, const std::string& dir, const std::string& parent, bool tcp_established,
+    const LazyPages& serve, const std::string& tls_dir,
+    const std::function<void(const PostCopyHelper&)>& written) {
   absl::StatusOr<DumpPlan> plan = PlanDump("lazy dump", log_dir_, pid, dir, parent);
   if (!plan.ok()) return plan.status();
   const std::string log_name = LogName("lazy-dump", pid);

@@ -249,10 +249,10 @@ absl::Status Migrator::RestoreHere(Move* m, const std::string& dir, const v1::Ma
   r->set_destination(options_.host_name);
   SetPhase(m, "restore", "on this host");
   v1::RestoreIncomingResponse out;
-  absl::StatusOr<pid_t> pid =
-      RestoreFromDir(dir, /*tcp_established=*/false, !manifest.terminal().empty(),
-                     /*lazy_from=*/nullptr, /*postcopy=*/nullptr, manifest.endpoint().pid(), NoteRestored(m), {}, &out,
-                     manifest.has_container() ? &manifest.container() : nullptr);
+  absl::StatusOr<pid_t> pid = RestoreFromDir(
+      dir, /*tcp_established=*/false, !manifest.terminal().empty(),
+      /*lazy_from=*/nullptr, /*postcopy=*/nullptr, manifest.endpoint().pid(), NoteRestored(m), {},
+      &out, manifest.has_container() ? &manifest.container() : nullptr);
   if (!pid.ok()) {
     Finish(m, pid.status());
     return pid.status();

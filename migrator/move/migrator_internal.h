@@ -71,7 +71,7 @@ struct Migrator::Move {
   std::thread lazy_dump;
   LazyPages lazy_serve;
   absl::Mutex lazy_mu;
-  bool lazy_written ABSL_GUARDED_BY(lazy_mu) = false;  // its images are complete
+  bool lazy_written ABSL_GUARDED_BY(lazy_mu) = false;   // its images are complete
   PostCopyHelper lazy_helper ABSL_GUARDED_BY(lazy_mu);  // the CRIU serving them
   bool lazy_ended ABSL_GUARDED_BY(lazy_mu) = false;
   absl::Status lazy_status ABSL_GUARDED_BY(lazy_mu);

@@ -60,10 +60,10 @@ inline absl::StatusOr<pid_t> SpawnProgram(const std::vector<std::string>& args,
                                           const SpawnFds& fds = {}) {
   std::vector<std::string> wrapped;
   if (!fds.exit_status_file.empty()) {
-    wrapped = {"/bin/sh", "-c", kExitStatusScript, fds.exit_status_file};
-    wrapped.insert(wrapped.end(), args.begin(), args.end());
     if (fds.search_path)
       return absl::InvalidArgumentError("an exit status file needs the program's path");
+    wrapped = {"/bin/sh", "-c", kExitStatusScript, fds.exit_status_file};
+    wrapped.insert(wrapped.end(), args.begin(), args.end());
   }
   const std::vector<std::string>& run = wrapped.empty() ? args : wrapped;
   std::vector<char*> argv;

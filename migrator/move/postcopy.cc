@@ -10,12 +10,13 @@
 //    which lets go of the process;
 //  - as the destination, watches the lazy-pages daemon and kills the
 //    restored process if its pages cannot all come (WatchPostCopy).
+#include <optional>
+#include <string>
+
 #include "absl/strings/str_cat.h"
 #include "migrator/host/log.h"
 #include "migrator/host/spawn.h"
 #include "migrator/move/migrator.h"
-#include "migrator/move/migrator_internal.h"
-#include "migrator/move/record_store.h"
 
 namespace rdmavirt::migrator {
 namespace {
@@ -44,18 +45,19 @@ absl::Status Migrator::AwaitPostCopy(const v1::PostCopyHelper& helper, absl::Dur
   const bool known = !helper.identity().empty();
   const absl::Time deadline = absl::Now() + limit;
   for (;;) {
-    if (std::optional<int> status = ReadExitStatus(helper.status_file()); status.has_value()) {
+    std::optional<int> status = ReadExitStatus(helper.status_file());
+    if (!status.has_value() && (!known || !SameProcess(helper.pid(), helper.identity()))) {
+      // Gone: it may have written its status just before it ended.
+      status = ReadExitStatus(helper.status_file());
+      if (!status.has_value())
+        return absl::UnavailableError(
+            absl::StrCat("CRIU's post-copy helper (pid ", helper.pid(),
+                         ") is gone without its exit status: killed with its shell"));
+    }
+    if (status.has_value()) {
       if (*status == 0) return absl::OkStatus();
       return absl::UnavailableError(absl::StrCat("CRIU's post-copy helper (pid ", helper.pid(),
                                                  ") ended: ", DescribeExit(*status)));
-    }
-    if (!known || !SameProcess(helper.pid(), helper.identity())) {
-      // It may have written its status just before it ended.
-      if (std::optional<int> status = ReadExitStatus(helper.status_file()); status.has_value())
-        continue;
-      return absl::UnavailableError(
-          absl::StrCat("CRIU's post-copy helper (pid ", helper.pid(),
-                       ") is gone without its exit status: killed with its shell"));
     }
     if (stopping_.WaitForNotificationWithTimeout(kPoll))
       return absl::CancelledError("the migrator stops");

@@ -893,19 +893,30 @@ TEST(MigratorTest, AFailedRestoreLeavesAloneWhatHeldTheTreesPidBefore) {
   EXPECT_THAT(c.host(2).Events(), Not(Contains("kill 100")));
 }
 
+// A move of 100 from h1 to h2 held in its restore (stall_restore) until
+// the test lets it go, on `*mover`, its outcome in `*run`; false (the
+// restore let go, the move joined) if it ended before its restore.
+bool MoveHeldInRestore(Cluster& c, MoveRun* run, std::thread* mover) {
+  c.host(2).stall_restore = true;
+  *mover = std::thread([&c, run] { *run = Migrate(c, 100, "h2"); });
+  for (absl::Time end = absl::Now() + absl::Seconds(30); absl::Now() < end;
+       absl::SleepFor(absl::Milliseconds(1)))
+    if (c.host(2).restores_started.load() > 0) return true;
+  c.host(2).stall_restore = false;
+  mover->join();
+  return false;
+}
+
 // A second move of a process in the middle of its move (two operators,
 // a drain racing a move) is refused before it touches anything, and the
 // first one ends as if alone.
 TEST(MigratorTest, ASecondMoveOfAProcessInTheMiddleOfItsMoveIsRefused) {
   Cluster c("second-move");
   Topology(c);
-  c.host(2).stall_restore = true;
   MoveRun first;
-  std::thread mover([&] { first = Migrate(c, 100, "h2"); });
-  for (absl::Time end = absl::Now() + absl::Seconds(30);
-       c.host(2).restores_started.load() == 0 && absl::Now() < end;)
-    absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_GT(c.host(2).restores_started.load(), 0);
+  std::thread mover;
+  ASSERT_TRUE(MoveHeldInRestore(c, &first, &mover))
+      << "the move never reached the restore: " << first.status;
   const std::vector<std::string> before = c.host(1).Events();
   MoveRun second = Migrate(c, 100, "h3");
   EXPECT_EQ(second.status.code(), absl::StatusCode::kFailedPrecondition) << second.status;
@@ -1632,16 +1643,10 @@ TEST(MigratorTest, RestoreElsewhereStreamsTheCheckpoint) {
 TEST(MigratorTest, AnAbortDoesNotWaitForTheRestoreItCancels) {
   Cluster c("abortrestore");
   Topology(c);
-  c.host(2).stall_restore = true;
   MoveRun run;
-  std::thread mover([&] { run = Migrate(c, 100, "h2"); });
-  for (int i = 0; c.host(2).restores_started.load() == 0; ++i) {
-    if (i == 30000) {  // a failure, not a hang: the move ended before its restore
-      mover.join();
-      FAIL() << "the move never reached the restore: " << run.status;
-    }
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  std::thread mover;
+  ASSERT_TRUE(MoveHeldInRestore(c, &run, &mover))
+      << "the move never reached the restore: " << run.status;
   std::string id;
   for (const auto& e : std::filesystem::directory_iterator(c[2].state_dir + "/incoming"))
     id = e.path().filename().string();
@@ -1667,17 +1672,10 @@ TEST(MigratorTest, AnAbortDoesNotWaitForTheRestoreItCancels) {
 TEST(MigratorTest, RecoveryLeavesAloneTheMovesThisRunBegan) {
   Cluster c("recover-own");
   Topology(c);
-  c.host(2).stall_restore = true;
   MoveRun run;
-  std::thread mover([&] { run = Migrate(c, 100, "h2"); });
-  for (int i = 0; c.host(2).restores_started.load() == 0; ++i) {
-    if (i == 30000) {
-      c.host(2).stall_restore = false;
-      mover.join();
-      FAIL() << "the move never reached the restore: " << run.status;
-    }
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  std::thread mover;
+  ASSERT_TRUE(MoveHeldInRestore(c, &run, &mover))
+      << "the move never reached the restore: " << run.status;
   // Each host's recovery, as main() runs it, while the move is in flight.
   c.m(1).Recover();
   c.m(2).Recover();

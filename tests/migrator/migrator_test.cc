@@ -2148,6 +2148,38 @@ v1::MigrationRecord RecoverDuringPostcopy(Cluster& c, const std::string& ending)
   return after.ok() ? *after : v1::MigrationRecord();
 }
 
+// h1's migrator died after its post-copy dump began serving P's pages
+// (700: CRIU's page server, which holds P) but before h2 confirmed the
+// restore: the move goes back, the page server is killed first (so that
+// CRIU lets go of P), and P runs on h1 again.
+TEST(MigratorRecoveryTest, ASourceRestartedBeforeAPostcopyWasConfirmedEndsItsPageServer) {
+  Cluster c("recover-postcopy-back");
+  Topology(c);
+  Crash(c, /*released=*/true, /*stopped=*/true);
+  c.host(1).AddPlainProcess(700);
+  v1::MigrationRecord rec = CrashedRecord("restore");
+  rec.set_released(true);
+  rec.set_stopped(true);
+  rec.mutable_report()->set_postcopy(true);
+  rec.mutable_postcopy()->set_pid(700);
+  rec.mutable_postcopy()->set_identity(c.host(1).Identity(700));
+  rec.mutable_postcopy()->set_status_file(c[1].state_dir + "/lazy-dump.log.status");
+  const std::string dir = c[1].state_dir + "/migrations/crashed-1";
+  ASSERT_TRUE(WriteRecord(dir, rec).ok());
+  c.Stop(1);
+  c.Start(1);
+  EXPECT_FALSE(c.host(1).Exists(700));
+  const std::vector<std::string> events = c.host(1).Events();
+  const auto killed = std::find(events.begin(), events.end(), "kill 700");
+  ASSERT_NE(killed, events.end());
+  EXPECT_LT(killed, std::find(events.begin(), events.end(), "continue 100"));
+  FakeEndpoint e = c.host(1).Get(100);
+  EXPECT_TRUE(e.alive && !e.stopped && e.connected && !e.released && !e.paused);
+  absl::StatusOr<v1::MigrationRecord> after = ReadRecord(dir);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->report().rolled_back());
+}
+
 TEST(MigratorRecoveryTest, ASourceRestartedDuringAPostcopyFinishesItWhenThePagesHaveGone) {
   Cluster c("recover-postcopy");
   const v1::MigrationRecord after = RecoverDuringPostcopy(c, "0");

@@ -176,16 +176,38 @@ void Migrator::DoneMoving(pid_t pid) {
   quiescing_.erase(pid);
 }
 
-// Marks `pid` as being quiesced for its own move (QuiescePeers then refuses
-// to pause it), unless it is paused as another move's peer.
-absl::Status Migrator::MarkQuiescing(pid_t pid) {
+// Marks `pid` as being quiesced for its own move `id` (QuiescePeers then
+// refuses to pause it). Paused as another move's peer, it waits for that
+// move to let it go if `id` is the older move, else is refused (AwaitHeld).
+absl::Status Migrator::MarkQuiescing(pid_t pid, const std::string& id) {
   absl::MutexLock lock(&mu_);
-  for (const auto& [id, pids] : peer_sets_)
-    if (pids.contains(pid))
-      return absl::AbortedError(absl::StrCat("process ", pid, " is paused as a peer of migration ",
-                                             id, "; try again when that move is done"));
+  if (absl::Status st = AwaitHeld(pid, id, "process "); !st.ok()) return st;
   quiescing_.insert(pid);
   return absl::OkStatus();
+}
+
+std::string Migrator::HolderOf(pid_t pid, const std::string& id) {
+  for (const auto& [holder, pids] : peer_sets_)
+    if (holder != id && pids.contains(pid)) return holder;
+  return "";
+}
+
+// Moves that meet wait or yield by age (their ids begin with their start
+// time): the older waits for the younger to let go of what it holds, the
+// younger is refused and lets go of all it holds (QuiesceWhenFree). Waits
+// go only from older to younger, so none waits in a cycle, and the oldest
+// move never yields: it goes. A wait is bounded (half the RPC timeout, so a
+// remote requester hears back), then refused all the same.
+absl::Status Migrator::AwaitHeld(pid_t pid, const std::string& id, const std::string& what) {
+  std::string holder = HolderOf(pid, id);
+  if (!holder.empty() && id < holder) {
+    auto free = [&] { return HolderOf(pid, id).empty(); };
+    mu_.AwaitWithTimeout(absl::Condition(&free), options_.rpc_timeout / 2);
+    holder = HolderOf(pid, id);
+  }
+  if (holder.empty()) return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat(what, pid, " is paused as a peer of migration ", holder,
+                                         "; try again when that move is done"));
 }
 
 // A copy of a moved process that must not stay: the source's stopped copy

@@ -565,6 +565,12 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
       if (quiescing_.contains(pid) || arriving_.contains(pid))
         return absl::AbortedError(
             absl::StrCat("process ", pid, " on ", options_.host_name, " is moving itself"));
+      // Paused by one move at a time: that move's re-point resumes it, and
+      // would resume it under this one too.
+      if (absl::Status st = AwaitHeld(pid, request.migration_id(),
+                                      absl::StrCat("on ", options_.host_name, ", process "));
+          !st.ok())
+        return st;
       peer_sets_[request.migration_id()].insert(pid);
     }
     v1::MigratorToShim req;

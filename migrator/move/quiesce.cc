@@ -1,6 +1,7 @@
 // Quiesce and release: an endpoint's peers drained toward it on every host
 // that has one (QuiescePeers there), then the endpoint itself quiesced and
 // released, its socket closed before CRIU dumps it. See migrator.h.
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
@@ -103,20 +104,59 @@ absl::Status Migrator::CountQuiesced(
   return absl::OkStatus();
 }
 
-// Two moves may meet: P and its peer Q each moving (toward each other, say).
-// One endpoint is quiesced with its peers at a time, and the second move is
-// refused (ABORTED, rolled back, nothing of it quiesced) rather than
-// queued: its pre-copy and its view of the peers date from before the
-// other move, and it is cheaper and safer to start it again once the other
-// is done. A move is refused when its endpoint is paused as another move's
-// peer, and when a peer is being quiesced for its own move or was restored
-// and not yet resumed (QuiescePeers).
+// Two moves may meet: P and its peer Q each moving (toward each other,
+// say), or two moves whose endpoints share a peer (every endpoint with a UD
+// QP is the peer of every other such endpoint's move). One endpoint is
+// quiesced with its peers at a time: a move is refused (ABORTED) when its
+// endpoint is paused as another move's peer, and when a peer is being
+// quiesced for its own move, was restored and not yet resumed, or is
+// paused as another move's peer (QuiescePeers). Refused, a move lets go of
+// the peers it paused so far, holding nothing another move could wait
+// for, and tries again after a random 0.5 to 2 s (two moves that met do
+// not meet again in step), for up to options_.busy_wait; then it is rolled
+// back. Its pre-copy stays good: the final dump takes what changed since.
+absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceWhenFree(Move* m) {
+  const absl::Time give_up = absl::Now() + options_.busy_wait;
+  absl::BitGen gen;
+  for (int attempt = 1;; ++attempt) {
+    absl::StatusOr<v1::EndpointSummary> e = QuiesceThePeers(m);
+    if (e.ok() || !absl::IsAborted(e.status()) || absl::Now() >= give_up) return e;
+    if (absl::Status st = LetGoOfPeers(m); !st.ok()) {
+      Log("migration %s: letting go of the peers it paused: %s", m->rec.report().migration_id(),
+          st.ToString());
+      return e;  // the rollback resumes them
+    }
+    if (attempt == 1)
+      SetPhase(m, "quiesce",
+               absl::StrCat("waiting for another move (up to ",
+                            absl::FormatDuration(options_.busy_wait), "): ", e.status().message()));
+    absl::SleepFor(absl::Milliseconds(absl::Uniform(gen, 500, 2000)));
+  }
+}
+
+absl::Status Migrator::LetGoOfPeers(Move* m) {
+  {
+    absl::MutexLock lock(&mu_);
+    quiescing_.erase(m->rec.report().pid());
+  }
+  if (m->rec.local_peers() || m->rec.peer_hosts_size() > 0) {
+    if (absl::Status st = ReconnectAll(m, m->rec.endpoint().mapping(), /*resume_only=*/true);
+        !st.ok())
+      return st;
+  }
+  m->rec.set_local_peers(false);
+  m->rec.clear_peer_hosts();
+  m->blackout_start = absl::InfiniteFuture();
+  Persist(m);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceThePeers(Move* m) {
   const pid_t pid = m->rec.report().pid();
   // A guest's suspend pauses its endpoints together, each as the others'
   // peer and then as itself (guests.cc): it is not refused for that.
   if (m->rec.report().kind() != "suspend") {
-    if (absl::Status st = MarkQuiescing(pid); !st.ok()) return st;
+    if (absl::Status st = MarkQuiescing(pid, m->rec.report().migration_id()); !st.ok()) return st;
   }
   absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
   if (!e.ok()) return e.status();
@@ -144,7 +184,7 @@ absl::Status Migrator::QuiesceEndpoint(Move* m) {
   SetPhase(m, "quiesce");
   if (!m->record_error.ok()) return m->record_error;
   const absl::Time q0 = absl::Now();
-  absl::StatusOr<v1::EndpointSummary> e = QuiesceThePeers(m);
+  absl::StatusOr<v1::EndpointSummary> e = QuiesceWhenFree(m);
   if (!e.ok()) return e.status();
   if (m->blackout_start == absl::InfiniteFuture()) m->blackout_start = absl::Now();
   m->rec.set_quiesced(true);

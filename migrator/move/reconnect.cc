@@ -222,6 +222,16 @@ std::map<pid_t, bool> Migrator::PeersToRepoint(const v1::ReconnectPeersRequest& 
       targets[pid] = targets[pid] || suspended || quiesced.contains(pid);
   }
   for (pid_t p : tree) targets.erase(p);
+  if (request.resume_only()) {
+    // A move that lets go of its peers (rolled back, or meeting another
+    // move) resumes none that another move holds paused: that one does.
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, pids] : peer_sets_) {
+      if (id == request.migration_id()) continue;
+      for (pid_t p : pids)
+        if (!quiesced.contains(p)) targets.erase(p);
+    }
+  }
   return targets;
 }
 

@@ -368,6 +368,96 @@ def a_ud_receiver_moved_goes_on_receiving_from_its_sender_on_another_host():
         mt.stop_srq_workers(port)
 
 
+def fourth_host_up():
+    """The lab grown to four hosts (Lab.resize: host4 boots beside the
+    others), host4's inventory migrator started, all four listed with
+    CRIU checked. etcd stays a cluster of three on hosts 1 to 3, and
+    host4 one of its clients, as in a cluster larger than its etcd."""
+    LAB.resize(4)
+    migrators.make_certs()
+    start_migrator(4)
+    wait_hosts(["host1", "host2", "host3", "host4"])
+    end = time.monotonic() + 120
+    while not live_hosts()["host4"].get("info", {}).get("criu_ok"):
+        check(time.monotonic() < end, "host4's CRIU is not checked after 120s",
+              live_hosts()["host4"])
+        time.sleep(2)
+
+
+def fourth_host_down():
+    """host4's migrator leaves the inventory (SIGTERM revokes its lease),
+    then the VM stops: the next test finds the three hosts it expects."""
+    if LAB.hosts() < 4:
+        return
+    LAB.run(4, f"pkill -f '{MIGRATORS}'; {until_script(f'! pgrep -f {MIGRATORS!r}', 20)}; true",
+            40)
+    LAB.resize(3)
+
+
+@inventory_test
+def eight_moves_across_four_hosts_at_once_each_end_in_one_copy():
+    """Eight integrity pairs, their clients P spread over four hosts; the
+    eight P move at once, each to the host two along (every host the source
+    of two moves, the destination of two, and the peer of two P that move),
+    while the cluster's claims are read from a host that is no party to
+    some of them. Each move ends within its deadline, done, with one copy
+    of its process; no claim is left; every pair verifies."""
+    inventory_up()
+    try:
+        fourth_host_up()
+        pairs = []
+        for k in range(8):
+            client, server, dest = k % 4 + 1, (k + 1) % 4 + 1, (k + 2) % 4 + 1
+            name = f"inv-at-once{k}"
+            q, p = mt.start_pair(name, 100000, server=server, client=client, shim=SHIM,
+                                 port=18970 + k)
+            pairs.append((name, p, client, server, dest))
+        for h in (1, 2, 3, 4):
+            under_shim(h, *[p for _, p, client, _, _ in pairs if client == h])
+        started = time.monotonic()
+        jobs = [(LAB.submit(client, f"{CTL} --host {mgmt(client)}:{PORT} --tls-dir "
+                                    f"{migrators.CERTS}/host{client} --json migrate {p} "
+                                    f"--to {mgmt(dest)}:{PORT} --max-precopy 1", 900), pair)
+                for pair in pairs for _, p, client, _, dest in [pair]]
+        # The claims as the cluster sees them, while the moves run: each
+        # one a move of ours, none twice.
+        most = 0
+        while not all(LAB.done(pair[2], job) for job, pair in jobs):
+            r, data = ctl(3, "status --all")
+            moves = (data or {}).get("cluster_moves", []) if r.rc == 0 else []
+            subjects = [m["subject"] for m in moves]
+            check(len(subjects) == len(set(subjects)), "a subject claimed twice", moves)
+            ours = {p: (f"host{client}", f"{mgmt(dest)}:{PORT}")
+                    for _, p, client, _, dest in pairs}
+            for m in moves:
+                check(ours.get(m["pid"]) == (m["source"], m["destination"]),
+                      "a claim that is none of the eight moves", m)
+            most = max(most, len(moves))
+            time.sleep(2)
+        took = time.monotonic() - started
+        print(f"eight moves at once: all ended after {took:.0f}s; "
+              f"at most {most} claims seen at once", flush=True)
+        for job, (name, p, client, server, dest) in jobs:
+            res = LAB.wait(client, job, 60)
+            rep = json.loads(res.out) if res.out.strip() else {}
+            check(res.rc == 0 and rep.get("ok"), f"{name}: migrate {p} host{client} -> host{dest}",
+                  res)
+            check(rep.get("peers", 0) >= 1, f"{name}: Q was not re-pointed", rep)
+        check(most >= 2, "the moves were never in flight together", most)
+        r, data = ctl(4, "status --all")
+        check(r.rc == 0 and not (data or {}).get("cluster_moves"), "a claim is left", data)
+        for name, p, client, server, dest in pairs:
+            mt.check_moved(p, client, dest, f"{name}'s P")
+        for name, p, client, server, dest in pairs:
+            mt.nothing_lost(name, [f"host{client}", f"host{dest}"], [f"host{server}"])
+    except BaseException:
+        for k in range(8):
+            mt.show_logs(f"inv-at-once{k}", hosts=())
+        raise
+    finally:
+        fourth_host_down()
+
+
 if __name__ == "__main__":
     import sys
     if sys.argv[1:] == ["--down"]:

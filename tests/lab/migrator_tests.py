@@ -35,28 +35,39 @@ def shared(path):
 
 def make_certs():
     """A CA, each host's host.pem/host.key and cli.pem/cli.key in
-    CERTS/hostN; a second CA's client in CERTS/other (must be refused)."""
+    CERTS/hostN; a second CA's client in CERTS/other (must be refused). A
+    host the lab gained later (Lab.resize) gets its own from the same CA."""
     d = shared(CERTS)
-    if os.path.exists(os.path.join(d, "done")):
+    hosts = LAB.hosts()
+    if all(os.path.exists(os.path.join(d, f"host{n}", "host.key")) for n in range(1, hosts + 1)):
         return
-    shutil.rmtree(d, ignore_errors=True)
     tool = os.path.join(ROOT, "tools", "rdmavirt-certs")
-    subprocess.run([tool, "--dir", os.path.join(d, "all"), "lab", str(LAB.hosts())],
-                   check=True, capture_output=True)
-    subprocess.run([tool, "--dir", os.path.join(d, "other-ca"), "lab", "1"],
-                   check=True, capture_output=True)
-    for n in range(1, LAB.hosts() + 1):
+    if not os.path.exists(os.path.join(d, "done")):
+        shutil.rmtree(d, ignore_errors=True)
+        subprocess.run([tool, "--dir", os.path.join(d, "other-ca"), "lab", "1"],
+                       check=True, capture_output=True)
+        subprocess.run([tool, "--dir", os.path.join(d, "all"), "lab", str(hosts)],
+                       check=True, capture_output=True)
+    for n in range(1, hosts + 1):
         h = os.path.join(d, f"host{n}")
-        os.makedirs(h)
+        if os.path.exists(os.path.join(h, "host.key")):
+            continue
+        if not os.path.exists(os.path.join(d, "all", f"host{n}.key")):
+            # A host added later: signed by the CA the others trust.
+            subprocess.run([tool, "--dir", os.path.join(d, "all"), "host", f"host{n}",
+                            "--ip", f"10.77.0.{n}", "--ip", f"10.78.0.{n}", "--ip", "127.0.0.1"],
+                           check=True, capture_output=True)
+        os.makedirs(h, exist_ok=True)
         for src, dst in (("ca.pem", "ca.pem"), (f"host{n}.pem", "host.pem"),
                          (f"host{n}.key", "host.key"), ("cli.pem", "cli.pem"),
                          ("cli.key", "cli.key")):
             shutil.copy(os.path.join(d, "all", src), os.path.join(h, dst))
     o = os.path.join(d, "other")
-    os.makedirs(o)
-    shutil.copy(os.path.join(d, "all", "ca.pem"), os.path.join(o, "ca.pem"))
-    for f in ("cli.pem", "cli.key"):
-        shutil.copy(os.path.join(d, "other-ca", f), os.path.join(o, f))
+    if not os.path.exists(os.path.join(o, "cli.key")):
+        os.makedirs(o, exist_ok=True)
+        shutil.copy(os.path.join(d, "all", "ca.pem"), os.path.join(o, "ca.pem"))
+        for f in ("cli.pem", "cli.key"):
+            shutil.copy(os.path.join(d, "other-ca", f), os.path.join(o, f))
     open(os.path.join(d, "done"), "w").close()
 
 

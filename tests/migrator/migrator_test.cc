@@ -1088,6 +1088,86 @@ TEST(MigratorTest, TwoPeersMovingAtOnceMeetOneAtATime) {
   }
 }
 
+// Two moves of different processes that share a peer (A on h1 and B on h2,
+// each connected to X on h3), started at once: X is paused by one move at a
+// time. The second waits, with nothing of its own quiesced, and goes once
+// the first has re-pointed and resumed X. Before, both paused X, the
+// first's re-point resumed it, and the second's re-point found it running
+// ("peer reconnect needs a paused endpoint"): its move failed after the
+// endpoint had moved, and X was left pointing at where B had been.
+TEST(MigratorTest, TwoMovesSharingAPeerPauseItOneAtATimeAndBothGo) {
+  for (int round = 0; round < 5; ++round) {
+    Cluster c(absl::StrCat("sharedpeer", round));
+    c.host(1).Add(100, VGid(1), {FakeQp{11, 2, VGid(3), 31, Gid(3)}});
+    c.host(2).Add(200, VGid(2), {FakeQp{21, 2, VGid(3), 32, Gid(3)}});
+    c.host(3).Add(300, VGid(3),
+                  {FakeQp{31, 2, VGid(1), 11, Gid(1)}, FakeQp{32, 2, VGid(2), 21, Gid(2)}});
+    MoveRun a, b;
+    std::thread ta([&] { a = Migrate(c, 100, "h2", {}, 1); });
+    std::thread tb([&] { b = Migrate(c, 200, "h1", {}, 2); });
+    ta.join();
+    tb.join();
+    ASSERT_TRUE(a.status.ok() && a.report.ok()) << a.status << " " << a.report.error();
+    ASSERT_TRUE(b.status.ok() && b.report.ok()) << b.status << " " << b.report.error();
+    FakeEndpoint x = c.host(3).Get(300);
+    EXPECT_TRUE(x.alive && x.connected && !x.paused && !x.released);
+    ASSERT_EQ(x.qps.size(), 2u);
+    EXPECT_EQ(x.qps[0].remote_pgid, Gid(2)) << "X does not point at A on h2";
+    EXPECT_EQ(x.qps[1].remote_pgid, Gid(1)) << "X does not point at B on h1";
+    EXPECT_TRUE(c.host(2).Get(100).alive);
+    EXPECT_TRUE(c.host(1).Get(200).alive);
+    EXPECT_FALSE(c.host(1).Exists(100));
+    EXPECT_FALSE(c.host(2).Exists(200));
+  }
+}
+
+// Three moves at once (A h1 -> h2, B h2 -> h3, C h3 -> h1) whose endpoints
+// share peers, one on each host, each connected to the movers of the other
+// two hosts: every peer is paused by two moves, as endpoints with UD QPs
+// are by every move. The younger yields to the older, the older waits: all
+// three go, none refused, and each peer ends pointing at where each went.
+TEST(MigratorTest, ThreeMovesSharingPeersOnEveryHostAllGo) {
+  for (int round = 0; round < 3; ++round) {
+    Cluster c(absl::StrCat("sharedpeers", round));
+    const int movers[] = {100, 200, 300};  // on h1, h2, h3
+    const int peers[] = {101, 201, 301};
+    for (int h = 1; h <= 3; ++h) {
+      std::vector<FakeQp> to_peers, to_movers;
+      for (int k = 1; k <= 3; ++k) {
+        if (k == h) continue;  // a peer on its own host shares its virtual GID
+        to_peers.push_back(FakeQp{uint32_t(10 * h + k), 2, VGid(k), uint32_t(50 + 10 * k + h),
+                                  Gid(k)});
+        to_movers.push_back(FakeQp{uint32_t(50 + 10 * h + k), 2, VGid(k), uint32_t(10 * k + h),
+                                   Gid(k)});
+      }
+      c.host(h).Add(movers[h - 1], VGid(h), to_peers);
+      c.host(h).Add(peers[h - 1], VGid(h), to_movers);
+    }
+    MoveRun run[3];
+    std::vector<std::thread> threads;
+    for (int h = 1; h <= 3; ++h)
+      threads.emplace_back(
+          [&, h] { run[h - 1] = Migrate(c, movers[h - 1], absl::StrCat("h", h % 3 + 1), {}, h); });
+    for (std::thread& t : threads) t.join();
+    for (int h = 1; h <= 3; ++h)
+      ASSERT_TRUE(run[h - 1].status.ok() && run[h - 1].report.ok())
+          << "round " << round << ", the move from h" << h << ": " << run[h - 1].status << " "
+          << run[h - 1].report.error();
+    for (int h = 1; h <= 3; ++h) {
+      EXPECT_TRUE(c.host(h % 3 + 1).Get(movers[h - 1]).alive);
+      EXPECT_FALSE(c.host(h).Exists(movers[h - 1]));
+      FakeEndpoint x = c.host(h).Get(peers[h - 1]);
+      EXPECT_TRUE(x.alive && x.connected && !x.paused && !x.released);
+      ASSERT_EQ(x.qps.size(), 2u);
+      for (const FakeQp& q : x.qps) {
+        const int k = q.remote_vgid == VGid(1) ? 1 : q.remote_vgid == VGid(2) ? 2 : 3;
+        EXPECT_EQ(q.remote_pgid, Gid(k % 3 + 1))
+            << "the peer on h" << h << " does not point at where the mover of h" << k << " went";
+      }
+    }
+  }
+}
+
 TEST(MigratorTest, ASourceCopyThatWillNotDieIsReportedNotHidden) {
   Cluster c("unkillable");
   Topology(c);

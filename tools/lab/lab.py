@@ -289,6 +289,52 @@ class Lab:
             time.sleep(0.2)
         return time.monotonic() - started
 
+    def resize(self, hosts, boot_timeout=120):
+        """Grows the running lab to `hosts` hosts (the new ones boot and this
+        returns when they are ready) or shrinks it (the last ones are
+        stopped); the others run on untouched. A test that needs more hosts
+        than the rest of its run resizes the lab it shares with them, rather
+        than booting a second one beside it on the same cores."""
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise LabError(f"hosts must be 1..{MAX_HOSTS}, got {hosts}")
+        if not self.running():
+            raise LabError(f"no lab running in {self.dir}")
+        had = self.hosts()
+        if hosts == had:
+            return 0.0
+        started = time.monotonic()
+        for n in range(hosts + 1, had + 1):
+            shutil.rmtree(self.ctl(n), ignore_errors=True)
+        tmp = os.path.join(self.dir, "resize.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{hosts}\n")
+        os.rename(tmp, os.path.join(self.dir, "resize"))
+        deadline = started + boot_timeout
+        while True:
+            st = self.state() or {}
+            if st.get("hosts") == hosts and not os.path.exists(
+                    os.path.join(self.dir, "resize")):
+                break
+            if not self.running() or time.monotonic() > deadline:
+                raise LabError(f"the lab's supervisor did not resize it to {hosts} hosts")
+            time.sleep(0.2)
+        for n in range(hosts + 1, had + 1):
+            shutil.rmtree(self.ctl(n), ignore_errors=True)
+        pending = set(range(had + 1, hosts + 1))
+        while pending:
+            if time.monotonic() > deadline:
+                raise LabError(f"host(s) {sorted(pending)} not ready after "
+                               f"{boot_timeout}s" + self._console_tails(pending))
+            for n in list(pending):
+                err = os.path.join(self.ctl(n), "boot-error")
+                if os.path.exists(err):
+                    raise LabError(f"host{n}: {open(err).read().strip()}"
+                                   + self._console_tails([n]))
+                if os.path.exists(os.path.join(self.ctl(n), "ready")):
+                    pending.discard(n)
+            time.sleep(0.2)
+        return time.monotonic() - started
+
     def down(self, timeout=15):
         """Stops the supervisor, which kills the VMs and the switch."""
         st = self.state()
@@ -521,9 +567,10 @@ def supervise(directory):
                 x.kill()
             return 1
 
-    for n in range(1, cfg["hosts"] + 1):
+    def start(n):
         for end in (".in", ".out"):
-            os.mkfifo(bell_path(directory, n) + end)
+            if not os.path.exists(bell_path(directory, n) + end):
+                os.mkfifo(bell_path(directory, n) + end)
         cmd = qemu_command(cfg, directory, n)
         with open(os.path.join(directory, f"host{n}.cmdline"), "w") as f:
             f.write(shlex.join(cmd) + "\n")
@@ -532,10 +579,45 @@ def supervise(directory):
             stdout=open(os.path.join(directory, f"host{n}.qemu.log"), "wb"),
             stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         state["pids"].append(procs[n].pid)
+
+    def stop(p):
+        p.terminate()
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def resize():
+        """Lab.resize's request: start the hosts beyond the running ones,
+        or stop the last ones."""
+        path = os.path.join(directory, "resize")
+        if not os.path.exists(path):
+            return
+        try:
+            want = int(_read(path))
+        except ValueError:
+            want = 0
+        if 1 <= want <= MAX_HOSTS:
+            for n in sorted(procs):
+                if n > want:
+                    stop(procs.pop(n))
+                    if n in state["dead"]:
+                        state["dead"].remove(n)
+            for n in range(state["hosts"] + 1, want + 1):
+                start(n)
+            print(f"resized from {state['hosts']} to {want} hosts", flush=True)
+            state["hosts"] = want
+            save()
+        _unlink(path)
+
+    for n in range(1, cfg["hosts"] + 1):
+        start(n)
     save()
 
     owner = cfg.get("owner")
     while not stopping:
+        resize()
         if owner and not _alive(owner):
             print(f"owner {owner} is gone: tearing down", flush=True)
             break

@@ -12,6 +12,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "migrator/host/addresses.h"
 #include "tools/rdmavirtctl/cli.h"
 #include "tools/rdmavirtctl/libvirt.h"
@@ -93,6 +95,8 @@ void PrintDrainReport(const DrainOptions& o, const v1::DrainReport& rep) {
              static_cast<int>(std::count_if(rep.processes().begin(), rep.processes().end(),
                                             [](const auto& p) { return !p.ok(); })),
          rep.stayed_size());
+  for (const std::string& s : rep.moved_by_another())
+    printf("  moved by another move meanwhile: %s\n", s.c_str());
   for (const std::string& s : rep.stayed()) printf("  stayed: %s\n", s.c_str());
 }
 
@@ -304,9 +308,46 @@ class DrainRun {
 
   // Moves `e` to `dest`, its outcome in the report. True when the
   // destination did not answer before anything was touched: it is not
-  // picked again, and the process tries the next host.
+  // picked again, and the process tries the next host. A process in the
+  // middle of another move (an operator's, racing the drain) is asked for
+  // again every 2 s until that move ends: moved away, it has left the host
+  // (NOT_FOUND here), and it is listed as moved by another; rolled back, it
+  // moves with the drain.
   bool CouldNotStartOn(const Unit& e, const std::string& dest) {
     fprintf(stderr, "drain: pid %d (%s) -> %s\n", e.pid, e.what.c_str(), dest.c_str());
+    const absl::Time give_up = absl::Now() + kOtherMoveWait;
+    v1::MigrationReport r;
+    grpc::Status st;
+    for (bool waited = false;; waited = true) {
+      st = Ask(e, dest, &r);
+      if (waited && st.error_code() == grpc::StatusCode::NOT_FOUND) {
+        rep_.add_moved_by_another(absl::StrCat("pid ", e.pid, ": ", st.error_message()));
+        fprintf(stderr, "drain: pid %d left this host with the other move\n", e.pid);
+        return false;
+      }
+      if (st.error_code() != grpc::StatusCode::FAILED_PRECONDITION ||
+          !absl::StrContains(st.error_message(), "is already moving") || absl::Now() >= give_up)
+        break;
+      if (!waited)
+        fprintf(stderr, "drain: pid %d is in the middle of another move: waiting for its end\n",
+                e.pid);
+      absl::SleepFor(absl::Seconds(2));
+    }
+    *rep_.add_processes() = r;
+    if (st.ok() && r.ok()) return false;
+    if (o_.from_inventory && st.error_code() == grpc::StatusCode::UNAVAILABLE && !r.rolled_back()) {
+      fprintf(stderr, "drain: %s cannot take it (%s); trying another host\n", dest.c_str(),
+              st.error_message().c_str());
+      dead_.insert(NameOf(dest));
+      --placed_[NameOf(dest)];
+      return true;
+    }
+    rep_.add_stayed(absl::StrCat("pid ", e.pid, ": ", st.ok() ? r.error() : st.error_message()));
+    return false;
+  }
+
+  // One Migrate of `e` to `dest`: its status, and its report in `r`.
+  grpc::Status Ask(const Unit& e, const std::string& dest, v1::MigrationReport* r) {
     grpc::ClientContext ctx;
     v1::MigrateRequest req;
     if (e.container.empty())
@@ -318,22 +359,15 @@ class DrainRun {
     if (o_.max_precopy >= 0) req.set_max_precopy_iterations(o_.max_precopy);
     std::unique_ptr<grpc::ClientReader<v1::Progress>> reader = here_.stub()->Migrate(&ctx, req);
     v1::Progress p;
-    v1::MigrationReport* r = rep_.add_processes();
+    *r = v1::MigrationReport();
     while (reader->Read(&p))
       if (p.has_report()) *r = p.report();
-    const grpc::Status st = reader->Finish();
-    if (st.ok() && r->ok()) return false;
-    if (o_.from_inventory && st.error_code() == grpc::StatusCode::UNAVAILABLE &&
-        !r->rolled_back()) {
-      fprintf(stderr, "drain: %s cannot take it (%s); trying another host\n", dest.c_str(),
-              st.error_message().c_str());
-      dead_.insert(NameOf(dest));
-      --placed_[NameOf(dest)];
-      return true;
-    }
-    rep_.add_stayed(absl::StrCat("pid ", e.pid, ": ", st.ok() ? r->error() : st.error_message()));
-    return false;
+    return reader->Finish();
   }
+
+  // How long a process in the middle of another move is waited for: the
+  // longest a move's transfer may take (the migrator's transfer_timeout).
+  static constexpr absl::Duration kOtherMoveWait = absl::Minutes(30);
 
   const DrainOptions& o_;
   v1::DrainReport rep_;

@@ -182,32 +182,42 @@ void Migrator::DoneMoving(pid_t pid) {
 absl::Status Migrator::MarkQuiescing(pid_t pid, const std::string& id) {
   absl::MutexLock lock(&mu_);
   if (absl::Status st = AwaitHeld(pid, id, "process "); !st.ok()) return st;
-  quiescing_.insert(pid);
+  quiescing_[pid] = id;
   return absl::OkStatus();
 }
 
 std::string Migrator::HolderOf(pid_t pid, const std::string& id) {
   for (const auto& [holder, pids] : peer_sets_)
     if (holder != id && pids.contains(pid)) return holder;
+  auto own = quiescing_.find(pid);
+  if (own != quiescing_.end() && own->second != id) return own->second;
   return "";
 }
 
 // Moves that meet wait or yield by age (their ids begin with their start
-// time): the older waits for the younger to let go of what it holds, the
-// younger is refused and lets go of all it holds (QuiesceWhenFree). Waits
-// go only from older to younger, so none waits in a cycle, and the oldest
-// move never yields: it goes. A wait is bounded (half the RPC timeout, so a
-// remote requester hears back), then refused all the same.
+// time): the older waits for the younger to let go of what it holds (a
+// peer it paused, or its own endpoint it is quiescing), the younger is
+// refused and lets go of all it holds (QuiesceWhenFree). Waits go only from
+// older to younger, so none waits in a cycle, and the oldest move never
+// yields: it goes. A wait is bounded (half the RPC timeout, so a remote
+// requester hears back), then refused all the same; so is a wait that ends
+// with the endpoint moved away by the younger move.
 absl::Status Migrator::AwaitHeld(pid_t pid, const std::string& id, const std::string& what) {
   std::string holder = HolderOf(pid, id);
   if (!holder.empty() && id < holder) {
     auto free = [&] { return HolderOf(pid, id).empty(); };
-    mu_.AwaitWithTimeout(absl::Condition(&free), options_.rpc_timeout / 2);
+    if (mu_.AwaitWithTimeout(absl::Condition(&free), options_.rpc_timeout / 2) &&
+        !procs_->Exists(pid))
+      return absl::AbortedError(absl::StrCat(what, pid, " moved with migration ", holder,
+                                             " while this move waited for it"));
     holder = HolderOf(pid, id);
   }
   if (holder.empty()) return absl::OkStatus();
-  return absl::AbortedError(absl::StrCat(what, pid, " is paused as a peer of migration ", holder,
-                                         "; try again when that move is done"));
+  const bool moving = quiescing_.contains(pid) && quiescing_.at(pid) == holder;
+  return absl::AbortedError(absl::StrCat(what, pid,
+                                         moving ? " is being quiesced for its own move, migration "
+                                                : " is paused as a peer of migration ",
+                                         holder, "; try again when that move is done"));
 }
 
 // A copy of a moved process that must not stay: the source's stopped copy

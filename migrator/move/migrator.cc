@@ -561,12 +561,13 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
     if (tree.contains(pid)) continue;
     {
       absl::MutexLock lock(&mu_);
-      // Being quiesced for its own move: one endpoint's peers at a time.
-      if (quiescing_.contains(pid) || arriving_.contains(pid))
+      // Restored and not resumed yet: its move has it.
+      if (arriving_.contains(pid))
         return absl::AbortedError(
             absl::StrCat("process ", pid, " on ", options_.host_name, " is moving itself"));
       // Paused by one move at a time: that move's re-point resumes it, and
-      // would resume it under this one too.
+      // would resume it under this one too. Being quiesced for its own
+      // move, it is that move's. (Who waits: AwaitHeld.)
       if (absl::Status st = AwaitHeld(pid, request.migration_id(),
                                       absl::StrCat("on ", options_.host_name, ", process "));
           !st.ok())

@@ -678,7 +678,7 @@ class Migrator {
   // Pids this host peer-quiesced for each migration id.
   std::map<std::string, std::set<pid_t>> peer_sets_ ABSL_GUARDED_BY(mu_);
   // Endpoints whose own move has begun to quiesce them (quiesce.cc).
-  std::set<pid_t> quiescing_ ABSL_GUARDED_BY(mu_);
+  std::map<pid_t, std::string> quiescing_ ABSL_GUARDED_BY(mu_);  // pid -> its move's id
   // Endpoints restored here whose source has not resumed them yet.
   std::set<pid_t> arriving_ ABSL_GUARDED_BY(mu_);
   // Endpoints this host suspended (Suspend), by pid, until Resume. Their

@@ -373,7 +373,8 @@ def two_moves_of_one_process_and_a_drain_racing_a_move_end_in_one_copy():
     """P (host1) is asked at the same moment to move to host2 and to
     host3: one move takes it, the other is refused, and P runs on exactly
     one host. Then, from there, a drain of its host and a move of P race:
-    again one copy, nothing hangs, and the workload loses nothing."""
+    again one copy, nothing hangs, the drain waits for the move and leaves
+    nothing behind, and the workload loses nothing."""
     mt.ensure_daemons()
     q, p = mt.start_pair("race", 100000)
     try:
@@ -400,6 +401,12 @@ def two_moves_of_one_process_and_a_drain_racing_a_move_end_in_one_copy():
         moved = [n for n, (rc, rep, _) in r.items() if rc == 0 and rep and rep.get("ok")]
         print(f"P: host{here} -> host{hosts[0]}; succeeded: {moved}", flush=True)
         check(hosts[0] != here or not moved, "a command said it moved P, which stayed", r)
+        # The drain waits for the racing move's end: P (and Q, if paused as
+        # its peer on this host) went with one of the two, nothing stayed.
+        drc, drep, _ = r["drain"]
+        check(drc == 0 and drep is not None and not drep.get("stayed"),
+              "the drain left something on the host", r["drain"])
+        check(hosts[0] != here, "P is still on the drained host", hosts, r)
         progresses("race")
         path = ["host1", f"host{here}"] + ([f"host{hosts[0]}"] if hosts[0] != here else [])
         mt.nothing_lost("race", path, ["host3"])

@@ -405,13 +405,10 @@ def eight_moves_across_four_hosts_at_once_each_end_in_one_copy():
     inventory_up()
     try:
         fourth_host_up()
-        pairs = []
-        for k in range(8):
-            client, server, dest = k % 4 + 1, (k + 1) % 4 + 1, (k + 2) % 4 + 1
-            name = f"inv-at-once{k}"
-            q, p = mt.start_pair(name, 100000, server=server, client=client, shim=SHIM,
-                                 port=18970 + k)
-            pairs.append((name, p, client, server, dest))
+        specs = [dict(name=f"inv-at-once{k}", client=k % 4 + 1, server=(k + 1) % 4 + 1,
+                      port=18970 + k) for k in range(8)]
+        pairs = [(s["name"], p, s["client"], s["server"], (s["client"] + 1) % 4 + 1)
+                 for s, (_, p) in zip(specs, mt.start_pairs(specs, 100000, shim=SHIM))]
         for h in (1, 2, 3, 4):
             under_shim(h, *[p for _, p, client, _, _ in pairs if client == h])
         started = time.monotonic()

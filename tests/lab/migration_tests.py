@@ -15,7 +15,7 @@ import sys
 import time
 
 from labtest import (BUILD, LAB, Failure, check, json_of, lab_test, main, run_all, run_ok,
-                     wait_listening, wait_until)
+                     until_script, wait_listening, wait_until)
 
 import migrator_tests as migrators
 
@@ -62,18 +62,45 @@ def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, p
     known to be sent counts as lost (a move holds them for seconds; the
     fabric drops a few under load, and the workload must go on and say
     which: verified). `iterations` bounds the run: wait_reports() ends it
-    sooner (integrity --until-file: the pair's stop file)."""
-    run_ok(1, f"mkdir -p {WORK} && rm -f {WORK}/{name}-*")
-    args = (f"--iterations {iterations} --ud-lost-after {ud_lost_after} --port {port} "
-            f"--canvas {canvas_mib} --until-file {WORK}/{name}-stop")
-    run_ok(server, f"(setsid env {shim}{PROG} --server {args} --report {WORK}/{name}-q.json "
-                   f"> {WORK}/{name}-q.out 2>&1 < /dev/null &)")
-    wait_listening(server, port)
-    run_ok(client, f"(setsid env {shim}{PROG} --connect {ip(server)} {args} "
-                   f"--ballast {ballast_mib} "
-                   f"--report {WORK}/{name}-p.json > {WORK}/{name}-p.out 2>&1 < /dev/null &)")
-    wait_sent(name, 20)
-    return pid_of(server, f"integrity --server.*{name}"), pid_of(client, f"integrity --connect.*{name}")
+    sooner (integrity --until-file: the pair's stop file). (Q's pid, P's)."""
+    return start_pairs([dict(name=name, server=server, client=client, port=port)], iterations,
+                       ballast_mib, shim, canvas_mib, ud_lost_after)[0]
+
+
+def start_pairs(pairs, iterations, ballast_mib=0, shim=SHIM, canvas_mib=0, ud_lost_after=120):
+    """start_pair for each of `pairs` (dicts of name, server, client,
+    port), started side by side: every host's servers in one command, then
+    every host's clients. [(Q's pid, P's pid)] in the order of `pairs`."""
+    run_ok(1, f"mkdir -p {WORK} && rm -f " + " ".join(f"{WORK}/{p['name']}-*" for p in pairs))
+
+    def args(p):
+        return (f"--iterations {iterations} --ud-lost-after {ud_lost_after} --port {p['port']} "
+                f"--canvas {canvas_mib} --until-file {WORK}/{p['name']}-stop")
+
+    def on_each(side, line, ready):
+        scripts = {}
+        for p in pairs:
+            scripts[p[side]] = scripts.get(p[side], "") + line(p) + "\n"
+        for p in pairs:
+            scripts[p[side]] += ready(p)
+        for h, r in run_all(scripts, 150).items():
+            check(r.rc == 0, f"host{h}: the workload's {side}s did not start", r)
+
+    listening = "ss -Hltn 'sport = :{port}' | grep -q ."
+    on_each("server",
+            lambda p: f"(setsid env {shim}{PROG} --server {args(p)} "
+                      f"--report {WORK}/{p['name']}-q.json > {WORK}/{p['name']}-q.out 2>&1 "
+                      f"< /dev/null &)",
+            lambda p: until_script(listening.format(port=p["port"]), 30) + " || exit 1\n")
+    on_each("client",
+            lambda p: f"(setsid env {shim}{PROG} --connect {ip(p['server'])} {args(p)} "
+                      f"--ballast {ballast_mib} --report {WORK}/{p['name']}-p.json "
+                      f"> {WORK}/{p['name']}-p.out 2>&1 < /dev/null &)",
+            lambda p: "")
+    for p in pairs:
+        wait_sent(p["name"], 20)
+    return [(pid_of(p["server"], f"integrity --server.*{p['name']}"),
+             pid_of(p["client"], f"integrity --connect.*{p['name']}")) for p in pairs]
 
 
 def progress(name, side, field):

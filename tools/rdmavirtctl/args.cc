@@ -165,7 +165,9 @@ std::map<std::string, std::string> GuestCommandHelp() {
        "addresses its connections are on. --max-precopy N goes to each\n"
        "process's move (migrate's). One at a time, with progress on stderr and a\n"
        "summary; --dry-run prints the plan (each process or job tree and where it goes)\n"
-       "and moves nothing. Exit code 1 if anything stayed.\n"},
+       "and moves nothing. A process in the middle of another move is waited for (up\n"
+       "to 30 minutes): moved away, it is listed as moved by another move; rolled back,\n"
+       "it moves with the drain. Exit code 1 if anything stayed.\n"},
       {"snapshot",
        "usage: rdmavirtctl snapshot DOMAIN NAME [--with DOMAIN[@URI]]... [--connect URI]\n"
        "                            [--guest-command PATH]\n"

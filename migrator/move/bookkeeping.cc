@@ -197,27 +197,33 @@ std::string Migrator::HolderOf(pid_t pid, const std::string& id) {
 // Moves that meet wait or yield by age (their ids begin with their start
 // time): the older waits for the younger to let go of what it holds (a
 // peer it paused, or its own endpoint it is quiescing), the younger is
-// refused and lets go of all it holds (QuiesceWhenFree). Waits go only from
-// older to younger, so none waits in a cycle, and the oldest move never
-// yields: it goes. A wait is bounded (half the RPC timeout, so a remote
-// requester hears back), then refused all the same; so is a wait that ends
-// with the endpoint moved away by the younger move.
+// refused (ABORTED) and lets go of all it holds (QuiesceWhenFree). Waits go
+// only from older to younger, so none waits in a cycle, and the oldest move
+// never lets go: it goes. A wait here is bounded (half the RPC timeout, so
+// a remote requester hears back): still held then, the older is told so
+// (RESOURCE_EXHAUSTED), keeps what it holds and asks again (AskToQuiesce).
+// A wait that ends with the endpoint moved away by the younger move is
+// refused (ABORTED): the older's view of its peers is out of date.
 absl::Status Migrator::AwaitHeld(pid_t pid, const std::string& id, const std::string& what) {
   std::string holder = HolderOf(pid, id);
-  if (!holder.empty() && id < holder) {
+  if (holder.empty()) return absl::OkStatus();
+  const bool older = id < holder;
+  if (older) {
     auto free = [&] { return HolderOf(pid, id).empty(); };
-    if (mu_.AwaitWithTimeout(absl::Condition(&free), options_.rpc_timeout / 2) &&
-        !procs_->Exists(pid))
+    if (mu_.AwaitWithTimeout(absl::Condition(&free), options_.rpc_timeout / 2)) {
+      if (procs_->Exists(pid)) return absl::OkStatus();
       return absl::AbortedError(absl::StrCat(what, pid, " moved with migration ", holder,
                                              " while this move waited for it"));
+    }
     holder = HolderOf(pid, id);
   }
-  if (holder.empty()) return absl::OkStatus();
   const bool moving = quiescing_.contains(pid) && quiescing_.at(pid) == holder;
-  return absl::AbortedError(absl::StrCat(what, pid,
-                                         moving ? " is being quiesced for its own move, migration "
-                                                : " is paused as a peer of migration ",
-                                         holder, "; try again when that move is done"));
+  const std::string held = absl::StrCat(what, pid,
+                                        moving ? " is being quiesced for its own move, migration "
+                                               : " is paused as a peer of migration ",
+                                        holder);
+  if (older) return absl::ResourceExhaustedError(absl::StrCat(held, "; asking again"));
+  return absl::AbortedError(absl::StrCat(held, "; try again when that move is done"));
 }
 
 // A copy of a moved process that must not stay: the source's stopped copy

@@ -561,6 +561,12 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
     if (tree.contains(pid)) continue;
     {
       absl::MutexLock lock(&mu_);
+      // Paused by this move already (asked again after a wait, AskToQuiesce).
+      auto ours = peer_sets_.find(request.migration_id());
+      if (ours != peer_sets_.end() && ours->second.contains(pid)) {
+        out.add_pids(pid);
+        continue;
+      }
       // Restored and not resumed yet: its move has it.
       if (arriving_.contains(pid))
         return absl::AbortedError(

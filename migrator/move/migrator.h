@@ -79,11 +79,13 @@ class Migrator {
     absl::Duration restart_wait = absl::Minutes(2);
     // A move that meets another before its endpoint is quiesced (its
     // endpoint paused as that move's peer, a peer of it paused by that
-    // move or moving itself) lets go of the peers it paused and tries
-    // again, after 0.5 to 2 s, for this long; then it is refused (ABORTED)
-    // and rolled back. Zero: refused at once. Moves of endpoints with UD
-    // QPs all meet: eight at once on TCG lab hosts took ... each.
-    absl::Duration busy_wait = absl::Minutes(5);
+    // move or being quiesced for its own) waits for it if it is the older
+    // move, else lets go of the peers it paused and tries again after 0.5
+    // to 2 s (bookkeeping.cc: AwaitHeld), for this long; then it is
+    // refused (ABORTED) and rolled back. Moves of endpoints with UD QPs
+    // all meet, and go one after the other: eight at once took the lab's
+    // TCG hosts minutes.
+    absl::Duration busy_wait = absl::Minutes(10);
     // A restarted migrator's shims come back within this (each retries
     // every second). Until then a re-point or a resume, and until
     // Recover() has put back the moves into this host a step of a move it
@@ -235,7 +237,7 @@ class Migrator {
   absl::StatusOr<std::vector<pid_t>> EndpointsOfTree(pid_t root);
   // The endpoint described and its peers quiesced; ABORTED when another
   // move holds it or a peer (quiesce.cc).
-  absl::StatusOr<v1::EndpointSummary> QuiesceThePeers(Move* m);
+  absl::StatusOr<v1::EndpointSummary> QuiesceThePeers(Move* m, absl::Time give_up);
   // QuiesceThePeers, tried again while it meets another move, for up to
   // options_.busy_wait (quiesce.cc); LetGoOfPeers resumes the peers a
   // refused attempt paused.
@@ -333,13 +335,14 @@ class Migrator {
   absl::StatusOr<v1::ReconnectPeersResponse> ReconnectPeersOn(Move* m, const std::string& target,
                                                               const v1::ReconnectPeersRequest& req,
                                                               const std::string& what);
-  absl::Status QuiescePeersOf(Move* m, const v1::EndpointSummary& summary);
+  absl::Status QuiescePeersOf(Move* m, const v1::EndpointSummary& summary, absl::Time give_up);
   // QuiescePeersOf's steps (quiesce.cc): `req` on each of `targets` at once
   // ("" for this host); then the peers they paused counted, and the hosts
   // that were asked only as possible UD senders (`listed`) and did not
   // answer left out of the move. Another failure is returned.
   std::vector<absl::StatusOr<v1::QuiescePeersResponse>> AskToQuiesce(
-      Move* m, const v1::QuiescePeersRequest& req, const std::vector<std::string>& targets);
+      Move* m, const v1::QuiescePeersRequest& req, const std::vector<std::string>& targets,
+      absl::Time give_up);
   absl::Status CountQuiesced(Move* m, const std::vector<std::string>& targets,
                              const std::set<std::string>& listed,
                              const std::vector<absl::StatusOr<v1::QuiescePeersResponse>>& results);

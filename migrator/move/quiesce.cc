@@ -12,7 +12,7 @@
 
 namespace rdmavirt::migrator {
 
-absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
+absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e, absl::Time give_up) {
   v1::QuiescePeersRequest req;
   req.set_migration_id(m->rec.report().migration_id());
   req.set_virtual_gid(e.mapping().virtual_gid());
@@ -46,28 +46,33 @@ absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e) {
     Stub(m, t);  // made before the calls, which share `stubs`
   }
   Persist(m);
-  return CountQuiesced(m, targets, listed, AskToQuiesce(m, req, targets));
+  return CountQuiesced(m, targets, listed, AskToQuiesce(m, req, targets, give_up));
 }
 
 std::vector<absl::StatusOr<v1::QuiescePeersResponse>> Migrator::AskToQuiesce(
-    Move* m, const v1::QuiescePeersRequest& req, const std::vector<std::string>& targets) {
-  // All hosts at once: each drains its peers' QPs toward the endpoint.
+    Move* m, const v1::QuiescePeersRequest& req, const std::vector<std::string>& targets,
+    absl::Time give_up) {
+  // All hosts at once: each drains its peers' QPs toward the endpoint. A
+  // host where a younger move holds a peer is asked again until it lets go
+  // (AwaitHeld), keeping what the others paused.
   std::vector<absl::StatusOr<v1::QuiescePeersResponse>> results(targets.size(),
                                                                 absl::UnknownError("not asked"));
   AllAtOnce(targets.size(), [&](size_t i) {
-    if (targets[i].empty()) {
-      v1::QuiescePeersRequest here = req;
-      for (pid_t p : m->tree_pids) here.add_tree_pids(p);
-      results[i] = QuiescePeers(here);
-      return;
-    }
-    v1::Transfer::StubInterface* stub = m->stubs.at(targets[i]).get();
-    results[i] = Rpc<v1::QuiescePeersResponse>(
-        absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout,
-        absl::StrCat("quiescing the peers on ", targets[i]),
-        [&](grpc::ClientContext* c, v1::QuiescePeersResponse* out) {
-          return stub->QuiescePeers(c, req, out);
-        });
+    do {
+      if (targets[i].empty()) {
+        v1::QuiescePeersRequest here = req;
+        for (pid_t p : m->tree_pids) here.add_tree_pids(p);
+        results[i] = QuiescePeers(here);
+        continue;
+      }
+      v1::Transfer::StubInterface* stub = m->stubs.at(targets[i]).get();
+      results[i] = Rpc<v1::QuiescePeersResponse>(
+          absl::Milliseconds(options_.drain_timeout_ms) + options_.rpc_timeout,
+          absl::StrCat("quiescing the peers on ", targets[i]),
+          [&](grpc::ClientContext* c, v1::QuiescePeersResponse* out) {
+            return stub->QuiescePeers(c, req, out);
+          });
+    } while (absl::IsResourceExhausted(results[i].status()) && absl::Now() < give_up);
   });
   return results;
 }
@@ -119,7 +124,7 @@ absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceWhenFree(Move* m) {
   const absl::Time give_up = absl::Now() + options_.busy_wait;
   absl::BitGen gen;
   for (int attempt = 1;; ++attempt) {
-    absl::StatusOr<v1::EndpointSummary> e = QuiesceThePeers(m);
+    absl::StatusOr<v1::EndpointSummary> e = QuiesceThePeers(m, give_up);
     if (e.ok() || !absl::IsAborted(e.status()) || absl::Now() >= give_up) return e;
     if (absl::Status st = LetGoOfPeers(m); !st.ok()) {
       Log("migration %s: letting go of the peers it paused: %s", m->rec.report().migration_id(),
@@ -151,12 +156,15 @@ absl::Status Migrator::LetGoOfPeers(Move* m) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceThePeers(Move* m) {
+absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceThePeers(Move* m, absl::Time give_up) {
   const pid_t pid = m->rec.report().pid();
   // A guest's suspend pauses its endpoints together, each as the others'
   // peer and then as itself (guests.cc): it is not refused for that.
   if (m->rec.report().kind() != "suspend") {
-    if (absl::Status st = MarkQuiescing(pid, m->rec.report().migration_id()); !st.ok()) return st;
+    absl::Status st = MarkQuiescing(pid, m->rec.report().migration_id());
+    while (absl::IsResourceExhausted(st) && absl::Now() < give_up)
+      st = MarkQuiescing(pid, m->rec.report().migration_id());
+    if (!st.ok()) return absl::AbortedError(st.message());
   }
   absl::StatusOr<v1::EndpointSummary> e = Describe(pid);
   if (!e.ok()) return e.status();
@@ -166,8 +174,8 @@ absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceThePeers(Move* m) {
   r->set_qps(e->counts().qps());
   r->set_mrs(e->counts().mrs());
   r->set_registered_bytes(e->counts().registered_bytes());
-  absl::Status st = QuiescePeersOf(m, *e);
-  if (absl::IsAborted(st))
+  absl::Status st = QuiescePeersOf(m, *e, give_up);
+  if (absl::IsAborted(st) || absl::IsResourceExhausted(st))
     return absl::AbortedError(absl::StrCat(st.message(), "; try again when its move is done"));
   if (!st.ok()) return st;
   return e;

@@ -124,8 +124,11 @@ absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceWhenFree(Move* m) {
   const absl::Time give_up = absl::Now() + options_.busy_wait;
   absl::BitGen gen;
   for (int attempt = 1;; ++attempt) {
+    m->quiesce_attempt = attempt;
     absl::StatusOr<v1::EndpointSummary> e = QuiesceThePeers(m, give_up);
     if (e.ok() || !absl::IsAborted(e.status()) || absl::Now() >= give_up) return e;
+    Log("migration %s: attempt %d to quiesce met another move: %s", m->rec.report().migration_id(),
+        attempt, e.status().message());
     if (absl::Status st = LetGoOfPeers(m); !st.ok()) {
       Log("migration %s: letting go of the peers it paused: %s", m->rec.report().migration_id(),
           st.ToString());

@@ -1135,10 +1135,10 @@ TEST(MigratorTest, ThreeMovesSharingPeersOnEveryHostAllGo) {
       std::vector<FakeQp> to_peers, to_movers;
       for (int k = 1; k <= 3; ++k) {
         if (k == h) continue;  // a peer on its own host shares its virtual GID
-        to_peers.push_back(FakeQp{uint32_t(10 * h + k), 2, VGid(k), uint32_t(50 + 10 * k + h),
-                                  Gid(k)});
-        to_movers.push_back(FakeQp{uint32_t(50 + 10 * h + k), 2, VGid(k), uint32_t(10 * k + h),
-                                   Gid(k)});
+        to_peers.push_back(
+            FakeQp{uint32_t(10 * h + k), 2, VGid(k), uint32_t(50 + 10 * k + h), Gid(k)});
+        to_movers.push_back(
+            FakeQp{uint32_t(50 + 10 * h + k), 2, VGid(k), uint32_t(10 * k + h), Gid(k)});
       }
       c.host(h).Add(movers[h - 1], VGid(h), to_peers);
       c.host(h).Add(peers[h - 1], VGid(h), to_movers);
@@ -1165,6 +1165,35 @@ TEST(MigratorTest, ThreeMovesSharingPeersOnEveryHostAllGo) {
             << "the peer on h" << h << " does not point at where the mover of h" << k << " went";
       }
     }
+  }
+}
+
+// A move that met another lets go of the peers it paused after each
+// attempt: each let-go resumes them, not only the first. The second was
+// the answer to the first repeated (ReconnectPeers keeps the answers of
+// requests asked again), and its peers stayed paused and held by the move:
+// older moves waiting for them waited until their limit (in the lab, no
+// move went for five minutes).
+TEST(MigratorTest, EachLetGoOfAMovesPeersResumesThem) {
+  Cluster c("letgo");
+  c.host(3).Add(300, VGid(3), {FakeQp{31, 2, VGid(1), 11, Gid(1)}});
+  for (uint32_t attempt = 1; attempt <= 3; ++attempt) {
+    v1::QuiescePeersRequest q;
+    q.set_migration_id("20261207-120000-aaaaaa");
+    q.set_virtual_gid(VGid(1));
+    q.add_virtual_qpns(11);
+    absl::StatusOr<v1::QuiescePeersResponse> paused = c.m(3).QuiescePeers(q);
+    ASSERT_TRUE(paused.ok()) << paused.status();
+    ASSERT_EQ(paused->pids_size(), 1);
+    ASSERT_TRUE(c.host(3).Get(300).paused) << "attempt " << attempt;
+    v1::ReconnectPeersRequest r;
+    r.set_migration_id(q.migration_id());
+    r.mutable_mapping()->set_virtual_gid(VGid(1));
+    r.set_resume_only(true);
+    r.set_quiesce_attempt(attempt);
+    absl::StatusOr<v1::ReconnectPeersResponse> resumed = c.m(3).ReconnectPeers(r);
+    ASSERT_TRUE(resumed.ok()) << resumed.status();
+    EXPECT_FALSE(c.host(3).Get(300).paused) << "still paused after let-go " << attempt;
   }
 }
 

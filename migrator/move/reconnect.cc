@@ -225,13 +225,13 @@ std::map<pid_t, bool> Migrator::PeersToRepoint(const v1::ReconnectPeersRequest& 
   for (pid_t p : tree) targets.erase(p);
   if (request.resume_only()) {
     // A move that lets go of its peers (rolled back, or meeting another
-    // move) resumes none that another move holds paused: that one does.
+    // move) resumes none that another move holds: paused as its peer, or
+    // being quiesced for its own move. That move resumes it.
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, pids] : peer_sets_) {
-      if (id == request.migration_id()) continue;
-      for (pid_t p : pids)
-        if (!quiesced.contains(p)) targets.erase(p);
-    }
+    for (auto it = targets.begin(); it != targets.end();)
+      it = !quiesced.contains(it->first) && !HolderOf(it->first, request.migration_id()).empty()
+               ? targets.erase(it)
+               : std::next(it);
   }
   return targets;
 }

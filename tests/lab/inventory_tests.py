@@ -400,8 +400,11 @@ def eight_moves_across_four_hosts_at_once_each_end_in_one_copy():
     eight P move at once, each to the host two along (every host the source
     of two moves, the destination of two, and the peer of two P that move),
     while the cluster's claims are read from a host that is no party to
-    some of them. Each move ends within its deadline, done, with one copy
-    of its process; no claim is left; every pair verifies."""
+    some of them. Their endpoints have UD QPs: every move meets every
+    other, and they go one after the other (docs/migrator.md, "Two moves
+    that meet"). Each move ends within its deadline, done (or refused
+    cleanly and made again), with one copy of its process; no claim is
+    left; every pair verifies."""
     inventory_up()
     try:
         fourth_host_up()
@@ -413,35 +416,60 @@ def eight_moves_across_four_hosts_at_once_each_end_in_one_copy():
         # takes longer than with three.
         for h in (1, 2, 3, 4):
             under_shim(h, *[p for _, p, client, _, _ in pairs if client == h], timeout=240)
-        started = time.monotonic()
-        jobs = [(LAB.submit(client, f"{CTL} --host {mgmt(client)}:{PORT} --tls-dir "
-                                    f"{migrators.CERTS}/host{client} --json migrate {p} "
-                                    f"--to {mgmt(dest)}:{PORT} --max-precopy 1", 900), pair)
-                for pair in pairs for _, p, client, _, dest in [pair]]
         # The claims as the cluster sees them, while the moves run: each
         # one a move of ours, none twice.
+        ours = {p: (f"host{client}", f"{mgmt(dest)}:{PORT}") for _, p, client, _, dest in pairs}
         most = 0
-        while not all(LAB.done(pair[2], job) for job, pair in jobs):
-            r, data = ctl(3, "status --all")
-            moves = (data or {}).get("cluster_moves", []) if r.rc == 0 else []
-            subjects = [m["subject"] for m in moves]
-            check(len(subjects) == len(set(subjects)), "a subject claimed twice", moves)
-            ours = {p: (f"host{client}", f"{mgmt(dest)}:{PORT}")
-                    for _, p, client, _, dest in pairs}
-            for m in moves:
-                check(ours.get(m["pid"]) == (m["source"], m["destination"]),
-                      "a claim that is none of the eight moves", m)
-            most = max(most, len(moves))
-            time.sleep(2)
+
+        def at_once(todo):
+            """Each of `todo` moved, all started together; the claims
+            checked while they run. [(pair, exit status, report)]."""
+            nonlocal most
+            jobs = [(LAB.submit(client, f"{CTL} --host {mgmt(client)}:{PORT} --tls-dir "
+                                        f"{migrators.CERTS}/host{client} --json migrate {p} "
+                                        f"--to {mgmt(dest)}:{PORT} --max-precopy 1", 900), pair)
+                    for pair in todo for _, p, client, _, dest in [pair]]
+            while not all(LAB.done(pair[2], job) for job, pair in jobs):
+                r, data = ctl(3, "status --all")
+                moves = (data or {}).get("cluster_moves", []) if r.rc == 0 else []
+                subjects = [m["subject"] for m in moves]
+                check(len(subjects) == len(set(subjects)), "a subject claimed twice", moves)
+                for m in moves:
+                    check(ours.get(m["pid"]) == (m["source"], m["destination"]),
+                          "a claim that is none of the eight moves", m)
+                most = max(most, len(moves))
+                time.sleep(2)
+            out = []
+            for job, pair in jobs:
+                res = LAB.wait(pair[2], job, 60)
+                out.append((pair, res, json.loads(res.out) if res.out.strip() else {}))
+            return out
+
+        # A move refused or rolled back with its process still on its source
+        # (the four TCG hosts' etcd, on two cores, may not answer within its
+        # deadline: "the inventory cannot be reached") goes again, as an
+        # operator would make it; any other outcome fails the test.
+        todo, rounds = pairs, 0
+        started = time.monotonic()
+        while todo and rounds < 3:
+            rounds += 1
+            again = []
+            for (name, p, client, server, dest), res, rep in at_once(todo):
+                if res.rc == 0 and rep.get("ok"):
+                    check(rep.get("peers", 0) >= 1, f"{name}: Q was not re-pointed", rep)
+                    continue
+                said = rep.get("error", "") + res.err
+                clean = rep.get("rolled_back") or "nothing was quiesced" in said
+                check(clean and mt.runs_on(client, p) and not mt.runs_on(dest, p),
+                      f"{name}: migrate {p} host{client} -> host{dest}", res)
+                print(f"round {rounds}: {name}'s move did not go, and goes again: "
+                      f"{said.strip()[-300:]}", flush=True)
+                again.append((name, p, client, server, dest))
+            todo = again
         took = time.monotonic() - started
-        print(f"eight moves at once: all ended after {took:.0f}s; "
+        print(f"eight moves at once: all ended after {took:.0f}s in {rounds} round(s); "
               f"at most {most} claims seen at once", flush=True)
-        for job, (name, p, client, server, dest) in jobs:
-            res = LAB.wait(client, job, 60)
-            rep = json.loads(res.out) if res.out.strip() else {}
-            check(res.rc == 0 and rep.get("ok"), f"{name}: migrate {p} host{client} -> host{dest}",
-                  res)
-            check(rep.get("peers", 0) >= 1, f"{name}: Q was not re-pointed", rep)
+        check(not todo, "moves that did not go in three rounds", todo)
         check(most >= 2, "the moves were never in flight together", most)
         r, data = ctl(4, "status --all")
         check(r.rc == 0 and not (data or {}).get("cluster_moves"), "a claim is left", data)

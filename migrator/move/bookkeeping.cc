@@ -209,7 +209,10 @@ absl::Status Migrator::AwaitHeld(pid_t pid, const std::string& id, const std::st
   if (holder.empty()) return absl::OkStatus();
   const bool older = id < holder;
   if (older) {
-    auto free = [&] { return HolderOf(pid, id).empty(); };
+    auto free = [&] {
+      mu_.AssertHeld();  // a Condition is evaluated with mu_ held
+      return HolderOf(pid, id).empty();
+    };
     if (mu_.AwaitWithTimeout(absl::Condition(&free), options_.rpc_timeout / 2)) {
       if (procs_->Exists(pid)) return absl::OkStatus();
       return absl::AbortedError(absl::StrCat(what, pid, " moved with migration ", holder,

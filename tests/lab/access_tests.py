@@ -177,7 +177,7 @@ def certificates_that_may_not_act_are_refused_with_clear_errors():
             "host": "cli.pem (CN=host3) is a host's certificate; this needs the CLI's",
             "noeku": "CN=noeku has no extendedKeyUsage",
             "foreign": "is not signed by the CA in ca.pem",
-            "other-ca": "it accepts connections, but the TLS handshake failed",
+            "other-ca": "it accepts connections, but the TLS handshake did not complete",
         }
         for name, text in expect.items():
             r = LAB.run(3, f"{CTL} --tls-dir {dirs[name]} --host 10.77.0.1:7700 "

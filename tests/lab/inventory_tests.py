@@ -411,7 +411,7 @@ def eight_moves_across_four_hosts_at_once_each_end_in_one_copy():
         specs = [dict(name=f"inv-at-once{k}", client=k % 4 + 1, server=(k + 1) % 4 + 1,
                       port=18970 + k) for k in range(8)]
         pairs = [(s["name"], p, s["client"], s["server"], (s["client"] + 1) % 4 + 1)
-                 for s, (_, p) in zip(specs, mt.start_pairs(specs, 100000, shim=SHIM))]
+                 for s, (_, p) in zip(specs, mt.start_pairs(specs, 100000, shim=SHIM, rate=10))]
         # Four hosts and sixteen processes on two cores: `rdmavirtctl ps`
         # takes longer than with three.
         for h in (1, 2, 3, 4):
@@ -447,8 +447,11 @@ def eight_moves_across_four_hosts_at_once_each_end_in_one_copy():
 
         # A move refused or rolled back with its process still on its source
         # (the four TCG hosts' etcd, on two cores, may not answer within its
-        # deadline: "the inventory cannot be reached") goes again, as an
-        # operator would make it; any other outcome fails the test.
+        # deadline: "the inventory cannot be reached"; a loaded host's
+        # migrator may not finish the CLI's TLS handshake in 20 s) goes
+        # again, as an operator would make it; any other outcome fails the
+        # test. Ten iterations a second per pair (integrity's default is
+        # 50): sixteen processes on four TCG hosts on two cores.
         todo, rounds = pairs, 0
         started = time.monotonic()
         while todo and rounds < 3:
@@ -459,7 +462,10 @@ def eight_moves_across_four_hosts_at_once_each_end_in_one_copy():
                     check(rep.get("peers", 0) >= 1, f"{name}: Q was not re-pointed", rep)
                     continue
                 said = rep.get("error", "") + res.err
-                clean = rep.get("rolled_back") or "nothing was quiesced" in said
+                # Not started (the CLI's handshake with its own host's
+                # migrator timed out), refused before anything, or rolled back.
+                clean = (rep.get("rolled_back") or "nothing was quiesced" in said or
+                         (res.rc == 3 and "cannot reach" in said))
                 check(clean and mt.runs_on(client, p) and not mt.runs_on(dest, p),
                       f"{name}: migrate {p} host{client} -> host{dest}", res)
                 print(f"round {rounds}: {name}'s move did not go, and goes again: "

@@ -67,14 +67,17 @@ def start_pair(name, iterations, server=3, client=1, ballast_mib=0, shim=SHIM, p
                        ballast_mib, shim, canvas_mib, ud_lost_after)[0]
 
 
-def start_pairs(pairs, iterations, ballast_mib=0, shim=SHIM, canvas_mib=0, ud_lost_after=120):
+def start_pairs(pairs, iterations, ballast_mib=0, shim=SHIM, canvas_mib=0, ud_lost_after=120,
+                rate=50):
     """start_pair for each of `pairs` (dicts of name, server, client,
     port), started side by side: every host's servers in one command, then
-    every host's clients. [(Q's pid, P's pid)] in the order of `pairs`."""
+    every host's clients, each at `rate` iterations a second (integrity's
+    default). [(Q's pid, P's pid)] in the order of `pairs`."""
     run_ok(1, f"mkdir -p {WORK} && rm -f " + " ".join(f"{WORK}/{p['name']}-*" for p in pairs))
 
     def args(p):
         return (f"--iterations {iterations} --ud-lost-after {ud_lost_after} --port {p['port']} "
+                f"--rate {rate} "
                 f"--canvas {canvas_mib} --until-file {WORK}/{p['name']}-stop")
 
     def on_each(side, line, ready):

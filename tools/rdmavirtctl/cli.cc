@@ -102,8 +102,9 @@ int Client::Connect() {
     if (tcp.has_value() && tcp->empty())
       fprintf(stderr,
               "rdmavirtctl: cannot reach rdmavirt-migratord at %s: it accepts connections, but "
-              "the TLS handshake failed: it refused our certificate (is %s/cli.pem of its CA?) "
-              "or we refused its (is it signed by %s/ca.pem?)\n",
+              "the TLS handshake did not complete within 20 s: it refused our certificate (is "
+              "%s/cli.pem of its CA?), we refused its (is it signed by %s/ca.pem?), or its host "
+              "is too loaded to answer in time\n",
               target_.c_str(), tls_dir_.c_str(), tls_dir_.c_str());
     else if (tcp.has_value())
       fprintf(stderr,

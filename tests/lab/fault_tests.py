@@ -409,7 +409,8 @@ def two_moves_of_one_process_and_a_drain_racing_a_move_end_in_one_copy():
         check(hosts[0] != here, "P is still on the drained host", hosts, r)
         progresses("race")
         path = ["host1", f"host{here}"] + ([f"host{hosts[0]}"] if hosts[0] != here else [])
-        mt.nothing_lost("race", path, ["host3"])
+        # Q is on host3: drained with P if P was there (the drain's host).
+        mt.nothing_lost("race", path, ["host3"] + ([f"host{there[0]}"] if here == 3 else []))
     finally:
         cleanup("race", (p, q))
 

@@ -561,24 +561,24 @@ absl::StatusOr<v1::QuiescePeersResponse> Migrator::QuiescePeers(
     if (tree.contains(pid)) continue;
     {
       absl::MutexLock lock(&mu_);
-      // Paused by this move already (asked again after a wait, AskToQuiesce).
+      // Paused by this move already (asked again after a wait, AskToQuiesce,
+      // or for a tree's further endpoint, HolderId): drained again below,
+      // toward this endpoint, but not taken twice.
       auto ours = peer_sets_.find(request.migration_id());
-      if (ours != peer_sets_.end() && ours->second.contains(pid)) {
-        out.add_pids(pid);
-        continue;
+      if (ours == peer_sets_.end() || !ours->second.contains(pid)) {
+        // Restored and not resumed yet: its move has it.
+        if (arriving_.contains(pid))
+          return absl::AbortedError(
+              absl::StrCat("process ", pid, " on ", options_.host_name, " is moving itself"));
+        // Paused by one move at a time: that move's re-point resumes it,
+        // and would resume it under this one too. Being quiesced for its
+        // own move, it is that move's. (Who waits: AwaitHeld.)
+        if (absl::Status st = AwaitHeld(pid, request.migration_id(),
+                                        absl::StrCat("on ", options_.host_name, ", process "));
+            !st.ok())
+          return st;
+        peer_sets_[request.migration_id()].insert(pid);
       }
-      // Restored and not resumed yet: its move has it.
-      if (arriving_.contains(pid))
-        return absl::AbortedError(
-            absl::StrCat("process ", pid, " on ", options_.host_name, " is moving itself"));
-      // Paused by one move at a time: that move's re-point resumes it, and
-      // would resume it under this one too. Being quiesced for its own
-      // move, it is that move's. (Who waits: AwaitHeld.)
-      if (absl::Status st = AwaitHeld(pid, request.migration_id(),
-                                      absl::StrCat("on ", options_.host_name, ", process "));
-          !st.ok())
-        return st;
-      peer_sets_[request.migration_id()].insert(pid);
     }
     v1::MigratorToShim req;
     req.mutable_peer_quiesce()->set_virtual_gid(request.virtual_gid());

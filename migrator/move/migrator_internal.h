@@ -128,6 +128,14 @@ inline pid_t TreeRoot(const v1::MigrationRecord& r) {
   return r.tree_root() > 0 ? r.tree_root() : r.report().pid();
 }
 
+// The move that holds what a move pauses (its endpoint, its peers) and
+// whose age orders it among other moves (AwaitHeld): a tree's further
+// endpoints hold under its first move's id (tree_lead), so that the tree
+// is one move to the others and never waits for itself.
+inline const std::string& HolderId(const v1::MigrationRecord& r) {
+  return r.tree_lead().empty() ? r.report().migration_id() : r.tree_lead();
+}
+
 inline uint64_t MicrosSince(absl::Time t) {
   return static_cast<uint64_t>(absl::ToInt64Microseconds(absl::Now() - t));
 }

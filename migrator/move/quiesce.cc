@@ -14,7 +14,7 @@ namespace rdmavirt::migrator {
 
 absl::Status Migrator::QuiescePeersOf(Move* m, const v1::EndpointSummary& e, absl::Time give_up) {
   v1::QuiescePeersRequest req;
-  req.set_migration_id(m->rec.report().migration_id());
+  req.set_migration_id(HolderId(m->rec));
   req.set_virtual_gid(e.mapping().virtual_gid());
   req.set_drain_timeout_ms(options_.drain_timeout_ms);
   for (const v1::QpSummary& q : e.qps()) req.add_virtual_qpns(q.virtual_qpn());
@@ -120,6 +120,8 @@ absl::Status Migrator::CountQuiesced(
 // for, and tries again after a random 0.5 to 2 s (two moves that met do
 // not meet again in step), for up to options_.busy_wait; then it is rolled
 // back. Its pre-copy stays good: the final dump takes what changed since.
+// A tree holds under its first move's id (HolderId): its endpoints never
+// meet each other.
 absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceWhenFree(Move* m) {
   const absl::Time give_up = absl::Now() + options_.busy_wait;
   absl::BitGen gen;
@@ -127,6 +129,9 @@ absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceWhenFree(Move* m) {
     m->quiesce_attempt = attempt;
     absl::StatusOr<v1::EndpointSummary> e = QuiesceThePeers(m, give_up);
     if (e.ok() || !absl::IsAborted(e.status()) || absl::Now() >= give_up) return e;
+    // A tree's further endpoint refused: the tree's first one holds its
+    // peers, and only the whole tree could let go; it is rolled back.
+    if (!m->rec.tree_lead().empty()) return e;
     Log("migration %s: attempt %d to quiesce met another move: %s", m->rec.report().migration_id(),
         attempt, e.status().message());
     if (absl::Status st = LetGoOfPeers(m); !st.ok()) {
@@ -164,9 +169,9 @@ absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceThePeers(Move* m, absl::Tim
   // A guest's suspend pauses its endpoints together, each as the others'
   // peer and then as itself (guests.cc): it is not refused for that.
   if (m->rec.report().kind() != "suspend") {
-    absl::Status st = MarkQuiescing(pid, m->rec.report().migration_id());
+    absl::Status st = MarkQuiescing(pid, HolderId(m->rec));
     while (absl::IsResourceExhausted(st) && absl::Now() < give_up)
-      st = MarkQuiescing(pid, m->rec.report().migration_id());
+      st = MarkQuiescing(pid, HolderId(m->rec));
     if (!st.ok()) return absl::AbortedError(st.message());
   }
   absl::StatusOr<v1::EndpointSummary> e = Describe(pid);

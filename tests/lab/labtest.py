@@ -7,6 +7,7 @@ test run by the `lab_up` fixture and torn down by `lab_down`.
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -25,6 +26,18 @@ _tests = {}
 
 class Failure(AssertionError):
     pass
+
+
+class Deadline(BaseException):
+    """Raised in a test that outlives RDMAVIRT_LAB_TEST_DEADLINE seconds
+    (CTest's timeout less a margin): its `finally` blocks then stop its
+    programs and undo its settings, which CTest's kill would leave to the
+    next tests. A BaseException, so that no `except Exception` swallows it."""
+
+
+def _deadline(signum, frame):
+    raise Deadline(f"the test did not end within {os.environ['RDMAVIRT_LAB_TEST_DEADLINE']} s: "
+                   "stopped, cleaning up")
 
 
 def lab_test(fn):
@@ -106,11 +119,17 @@ def main(argv):
             print(f"no such lab test: {name}", file=sys.stderr)
             return 2
         start = time.monotonic()
+        deadline = int(os.environ.get("RDMAVIRT_LAB_TEST_DEADLINE", "0"))
+        if deadline > 0:
+            signal.signal(signal.SIGALRM, _deadline)
+            signal.alarm(deadline)
         try:
             fn()
             print(f"PASS {name} ({time.monotonic() - start:.1f}s)")
-        except Exception:  # report every kind of failure as the test's
+        except (Exception, Deadline):  # report every kind of failure as the test's
             traceback.print_exc()
             print(f"FAIL {name} ({time.monotonic() - start:.1f}s)")
             failed += 1
+        finally:
+            signal.alarm(0)
     return 1 if failed else 0

@@ -1576,6 +1576,44 @@ TEST(MigratorTest, ATreeWhoseEndpointsAreConnectedToEachOtherMovesAsOne) {
   EXPECT_EQ(peer.qps[0].remote_pgid, Gid(2));
 }
 
+// A tree whose two endpoints share a peer (as the ranks of one host share
+// every other rank with UD QPs), connected to each other or not: the
+// second endpoint's quiesce finds the peer paused by the first one's, and
+// the tree is one move to it, not a younger one to refuse. Before, the
+// second endpoint was refused again and again until the move timed out.
+TEST(MigratorTest, ATreeWhoseEndpointsShareAPeerMovesAsOne) {
+  for (bool linked : {true, false}) {
+    SCOPED_TRACE(linked ? "linked" : "not linked");
+    Cluster c(linked ? "treeshared1" : "treeshared0");
+    c.host(1).AddPlainProcess(90);
+    std::vector<FakeQp> a = {FakeQp{11, 2, VGid(3), 31, Gid(3)}};
+    std::vector<FakeQp> b = {FakeQp{21, 2, VGid(3), 32, Gid(3)}};
+    if (linked) {
+      a.push_back(FakeQp{12, 2, VGid(2), 22, Gid(1)});
+      b.push_back(FakeQp{22, 2, VGid(1), 12, Gid(1)});
+    }
+    c.host(1).Add(100, VGid(1), a);
+    c.host(1).Add(200, VGid(2), b);
+    c.host(1).AddChild(90, 100);
+    c.host(1).AddChild(90, 200);
+    c.host(3).Add(300, VGid(3),
+                  {FakeQp{31, 2, VGid(1), 11, Gid(1)}, FakeQp{32, 2, VGid(2), 21, Gid(1)}});
+    MoveRun run = Migrate(c, 90, "h2");
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    EXPECT_TRUE(run.report.ok()) << run.report.error();
+    for (pid_t pid : {100, 200}) {
+      EXPECT_FALSE(c.host(1).Exists(pid)) << pid;
+      FakeEndpoint moved = c.host(2).Get(pid);
+      EXPECT_TRUE(moved.alive && moved.connected && !moved.released && !moved.paused) << pid;
+    }
+    FakeEndpoint peer = c.host(3).Get(300);
+    EXPECT_TRUE(!peer.paused && !peer.released);
+    ASSERT_EQ(peer.qps.size(), 2u);
+    EXPECT_EQ(peer.qps[0].remote_pgid, Gid(2));
+    EXPECT_EQ(peer.qps[1].remote_pgid, Gid(2));
+  }
+}
+
 // The same tree when its restore fails: both brought back on the source
 // and kept paused, re-pointed at each other and their peer in one step,
 // then resumed.

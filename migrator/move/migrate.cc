@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "migrator/criu/image_stream.h"
+#include "migrator/host/addresses.h"
 #include "migrator/host/containers.h"
 #include "migrator/host/log.h"
 #include "migrator/move/migrator.h"

@@ -40,9 +40,6 @@ struct Migrator::Move {
   ProgressSink sink;
   absl::Time start;
   absl::Time blackout_start = absl::InfiniteFuture();
-  // The quiesce's attempts so far (QuiesceWhenFree): each let-go of the
-  // peers is a request of its own (ReconnectPeersRequest.quiesce_attempt).
-  uint32_t quiesce_attempt = 0;
   // Taken by the calls to several peer hosts at once (AllAtOnce) around
   // what they share: `stubs`, and the record and progress of SetPhase.
   //

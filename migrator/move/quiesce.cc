@@ -126,7 +126,7 @@ absl::StatusOr<v1::EndpointSummary> Migrator::QuiesceWhenFree(Move* m) {
   const absl::Time give_up = absl::Now() + options_.busy_wait;
   absl::BitGen gen;
   for (int attempt = 1;; ++attempt) {
-    m->quiesce_attempt = attempt;
+    m->rec.set_quiesce_attempt(attempt);
     absl::StatusOr<v1::EndpointSummary> e = QuiesceThePeers(m, give_up);
     if (e.ok() || !absl::IsAborted(e.status()) || absl::Now() >= give_up) return e;
     // A tree's further endpoint refused: the tree's first one holds its

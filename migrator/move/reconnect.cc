@@ -65,7 +65,7 @@ absl::Status Migrator::ReconnectAll(Move* m, const v1::Mapping& mapping, bool re
   req.set_migration_id(m->rec.report().migration_id());
   *req.mutable_mapping() = mapping;
   req.set_resume_only(resume_only);
-  req.set_quiesce_attempt(m->quiesce_attempt);
+  req.set_quiesce_attempt(m->rec.quiesce_attempt());
   // This host's peers ("") and every peer host's, all at once; the
   // destination's come last, with the resume.
   std::vector<std::string> targets;

@@ -270,6 +270,13 @@ struct alignas(kObjectAlign) Qp {
   // has nothing to wait for on it. Cleared at the resume.
   bool drained = false;
   bool recv_marker_seen = false;
+  // Where a peer re-point last brought it up (the moved endpoint it was
+  // reset toward); nullptr since the application's own transition or a
+  // re-creation. A re-point toward the same place again (a request asked
+  // again after a migrator's restart) leaves it running as it is: reset,
+  // it would start over from the PSNs of its first connection, while the
+  // QP at the other end has gone on.
+  const RemoteEndpoint* repointed_at = nullptr;
   uint32_t recv_flushes = 0;           // flushed receives counted since the QP was failed
   uint32_t recv_flushes_expected = 0;  // when no marker receive fit: the queue's size
   std::vector<QueuedSend> queued_sends ABSL_GUARDED_BY(pause->queue_mu());

@@ -42,4 +42,9 @@ bool RemoteEndpoint::SameEndpointAs(const RemoteEndpoint& o) const {
   return false;
 }
 
+bool RemoteEndpoint::SamePlaceFor(const RemoteEndpoint& o, uint32_t v) const {
+  return Owns(v) && o.Owns(v) && Qpn(v) == o.Qpn(v) &&
+         memcmp(physical_gid_.raw, o.physical_gid_.raw, sizeof(physical_gid_.raw)) == 0;
+}
+
 }  // namespace rdmavirt::shim

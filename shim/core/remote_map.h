@@ -56,6 +56,8 @@ class RemoteEndpoint {
   bool SentFrom(uint32_t physical_qpn) const { return qpns_back_.Has(physical_qpn); }
   // The same endpoint (a later move of it): same virtual GID, a QPN in common.
   bool SameEndpointAs(const RemoteEndpoint& o) const;
+  // Its virtual QPN `v` at the same physical GID and QPN in both.
+  bool SamePlaceFor(const RemoteEndpoint& o, uint32_t v) const;
 
  private:
   // Open addressing, at most half full, so a miss ends quickly.

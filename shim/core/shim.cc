@@ -1108,6 +1108,7 @@ int Shim::ModifyQp(ibv_qp* q, ibv_qp_attr* attr, int mask) {
   SetPeer(qp, remote, probed_);
   if (remote != nullptr) SetQpPath(qp, Path::kTranslated);
   qp->transitions.push_back({*attr, mask});
+  qp->repointed_at = nullptr;
   q->state = qp->real->state;
   return 0;
 }

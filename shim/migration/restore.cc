@@ -389,6 +389,7 @@ Status Shim::RecreateQps() {
     qp->real = backend_->CreateQpEx(qp->ctx->real, &attr);
     if (qp->real == nullptr) return Error(Code::kResourceExhausted, Errno("ibv_create_qp", errno));
     qp->real->qp_context = qp;
+    qp->repointed_at = nullptr;
     qp->SetPhysicalQpn(qp->real->qp_num);
     qp->real_post_send = qp->real->context->ops.post_send;
     qp->real_post_recv = qp->real->context->ops.post_recv;
@@ -560,6 +561,7 @@ Status Shim::Reconnect(Qp* qp) {
   rc = Repost(qp->recvs, &qp->outstanding,
               [qp](ibv_recv_wr* w, ibv_recv_wr** b) { return PostRecvReal(qp, w, b); });
   if (rc != 0) return Error(Code::kInternal, Errno("re-posting receives", rc));
+  qp->repointed_at = qp->remote.load(std::memory_order_relaxed);
   return {};
 }
 
@@ -590,9 +592,16 @@ Status Shim::PeerReconnectNow(const std::vector<RemoteMapping>& mappings, bool k
     for (Qp* qp : All<Qp>(Kind::kQp)) {
       const uint32_t type = qp->shadow.qp_base.qp_type;
       const RemoteEndpoint* at = qp->remote.load();
-      if ((type == IBV_QPT_RC || type == IBV_QPT_UC) &&
-          std::find(published.begin(), published.end(), at) != published.end())
-        toward.push_back(qp);
+      if ((type != IBV_QPT_RC && type != IBV_QPT_UC) ||
+          std::find(published.begin(), published.end(), at) == published.end())
+        continue;
+      // Brought up toward that very QP by an earlier re-point: it is
+      // connected to it already (Qp::repointed_at).
+      if (qp->repointed_at != nullptr && qp->repointed_at->SamePlaceFor(*at, qp->remote_qpn)) {
+        qp->repointed_at = at;
+        continue;
+      }
+      toward.push_back(qp);
     }
     // To the error state together, their receives still posted counted
     // from their flushes; then each brought up again.

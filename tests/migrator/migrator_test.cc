@@ -2257,8 +2257,11 @@ bool Eventually(F done) {
 // CRIU's page server (the helper, pid 700, a process of its own) still
 // serves P's last pages to h2. The restarted migrator waits for it to end
 // (`ending`: what it writes to its status file, or "" for none, and gone)
-// and returns the record it finished with.
-v1::MigrationRecord RecoverDuringPostcopy(Cluster& c, const std::string& ending) {
+// and returns the record it finished with. With `repointed`, h3 had
+// re-pointed P's peer Q (300) at P's new place before the crash, and
+// resumed it.
+v1::MigrationRecord RecoverDuringPostcopy(Cluster& c, const std::string& ending,
+                                          bool repointed = false) {
   Topology(c);
   Crash(c, /*released=*/true, /*stopped=*/true);
   c.host(1).AddPlainProcess(700);
@@ -2266,6 +2269,22 @@ v1::MigrationRecord RecoverDuringPostcopy(Cluster& c, const std::string& ending)
   rec.set_released(true);
   rec.set_stopped(true);
   rec.set_confirmed(true);
+  if (repointed) {
+    v1::Mapping* moved = rec.mutable_new_mapping();
+    moved->set_virtual_gid(VGid(1));
+    moved->set_physical_gid(Gid(2));
+    v1::IdPair* qpn = moved->add_qpns();
+    qpn->set_virtual_id(11);
+    qpn->set_physical_id(41);
+    rec.set_quiesce_attempt(1);
+    // As the source's reconnect asked it (Migrator::ReconnectAll).
+    v1::ReconnectPeersRequest req;
+    req.set_migration_id(rec.report().migration_id());
+    *req.mutable_mapping() = *moved;
+    req.set_quiesce_attempt(1);
+    EXPECT_TRUE(c.m(3).ReconnectPeers(req).ok());
+    EXPECT_EQ(c.host(3).Get(300).reconnected_to.size(), 1u);
+  }
   rec.mutable_report()->set_postcopy(true);
   const std::string dir = c[1].state_dir + "/migrations/crashed-1";
   const std::string status_file = c[1].state_dir + "/lazy-dump.log.status";
@@ -2333,6 +2352,22 @@ TEST(MigratorRecoveryTest, ASourceRestartedDuringAPostcopyFinishesItWhenThePages
   EXPECT_TRUE(after.done());
   EXPECT_THAT(after.report().error(), Not(HasSubstr("post-copy")));
   EXPECT_FALSE(c.host(1).Exists(100));  // the stopped source copy, killed
+}
+
+// The post-copy begins once the peers are re-pointed and running again,
+// so a restarted source asks their hosts again with the same request (the
+// quiesce's attempt is in its record) and they answer from what they did.
+// Before, it asked as attempt 0: h3 quiesced Q again and reset its QPs
+// toward P, and Q's connection, now behind P's, stalled for good (in the
+// lab: the client never wrote again).
+TEST(MigratorRecoveryTest, ASourceRestartedDuringAPostcopyDoesNotRepointItsPeersAgain) {
+  Cluster c("recover-postcopy-repointed");
+  const v1::MigrationRecord after = RecoverDuringPostcopy(c, "0", /*repointed=*/true);
+  EXPECT_TRUE(after.done());
+  EXPECT_EQ(after.quiesce_attempt(), 1u);
+  const FakeEndpoint q = c.host(3).Get(300);
+  EXPECT_EQ(q.reconnected_to.size(), 1u) << "re-pointed again";
+  EXPECT_FALSE(q.paused);
 }
 
 TEST(MigratorRecoveryTest, ASourceRestartedDuringAPostcopySaysTheProcessIsLostIfThePagesDidNotGo) {

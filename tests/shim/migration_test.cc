@@ -549,6 +549,37 @@ TEST_F(MigrationTest, ACqThatHandedOutHeldCompletionsTakesItsOneCompareEntryAgai
   }
 }
 
+// A peer re-pointed a second time at the place it was re-pointed at (the
+// request asked again by a migrator restarted after the re-point) keeps
+// its QP as it is: reset and brought up again, it would start over from
+// the PSNs of its first connection while P's QP has gone on (in the lab,
+// P's writes stalled for good). A later move of P re-points it again.
+TEST_F(MigrationTest, APeerRepointedAgainAtTheSamePlaceKeepsItsConnection) {
+  Connect();
+  Move();
+  const auto q_modifies = [this] {
+    int n = 0;
+    for (const FakeBackend::ModifyRecord& m : fake_.modifies())
+      n += m.qp_num == ShimQp(qqp_)->physical_qpn;
+    return n;
+  };
+  const int modified = q_modifies();
+  PostRecv(q_, qqp_, 100, qbuf_, qmr_);
+  const size_t recvs = fake_.recvs().size();
+  uint32_t drained = 0;
+  ASSERT_TRUE(q_.Quiesce(1000, &drained).ok());
+  const Status again = q_.PeerReconnect(ToMapping(p_.Describe()));
+  ASSERT_TRUE(again.ok()) << again.message;
+  EXPECT_EQ(q_modifies(), modified) << "Q's QP reset and brought up again";
+  EXPECT_EQ(fake_.recvs().size(), recvs) << "Q's receive flushed and posted again";
+  ASSERT_EQ(Send(pqp_, 1, pbuf_ + 2048, pmr_, "after"), 0);
+  EXPECT_EQ(WrIds(Drain(pdev_->cq)), (std::vector<uint64_t>{1}));
+  EXPECT_EQ(WrIds(Drain(qdev_->cq)), (std::vector<uint64_t>{100}));
+  EXPECT_STREQ(qbuf_, "after");
+  Move();
+  EXPECT_GT(q_modifies(), modified) << "P moved again: Q re-pointed";
+}
+
 TEST_F(MigrationTest, AQpInTheErrorStateDoesNotHoldUpTheDrain) {
   Connect();
   // Q is not ready for it: RNR, retries exhausted, P's QP in error.

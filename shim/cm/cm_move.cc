@@ -33,7 +33,12 @@ struct RendezvousKey {
 };
 constexpr uint32_t kRendezvousMagic = 0x72766d31;  // "rvm1"
 constexpr int kStepMs = 5000;                      // one CM exchange's bound
-constexpr int kRendezvousMs = 20000;               // a resume's wait for all (its RPC allows 30 s)
+// A connect's bound: the kernel's CM sends a REQ again only when no REP
+// came within about 4.8 s on RoCE (twice the packet lifetime, 2^16 *
+// 4.096 us, plus the CM response timeout, 2^20 * 4.096 us), so a REQ or a
+// REP the fabric lost once takes more than kStepMs. Two losses fit.
+constexpr int kConnectMs = 15000;
+constexpr int kRendezvousMs = 20000;  // a resume's wait for all (its RPC allows 30 s)
 
 int64_t NowMs() {
   timespec t;
@@ -43,6 +48,14 @@ int64_t NowMs() {
 
 const char* EventName(uint32_t e) {
   switch (e) {
+    case kCmAddrResolved:
+      return "ADDR_RESOLVED";
+    case kCmRouteResolved:
+      return "ROUTE_RESOLVED";
+    case kCmConnectResponse:
+      return "CONNECT_RESPONSE";
+    case kCmMulticastJoin:
+      return "MULTICAST_JOIN";
     case kCmAddrError:
       return "ADDR_ERROR";
     case kCmRouteError:
@@ -159,10 +172,10 @@ class CmPrivateChannel {
       poll(&p, 1, static_cast<int>(left < 200 ? left : 200));
     }
   }
-  // Waits for event `want` on kernel id `kid`; an error event fails it,
-  // with `why` naming what came instead.
-  bool Await(uint32_t kid, uint32_t want, std::string* why) {
-    const int64_t deadline = NowMs() + kStepMs;
+  // Waits up to `ms` for event `want` on kernel id `kid`; an error event
+  // fails it, with `why` naming what came instead.
+  bool Await(uint32_t kid, uint32_t want, int ms, std::string* why) {
+    const int64_t deadline = NowMs() + ms;
     rdma_ucm_event_resp ev{};
     while (Next(&ev, deadline)) {
       if (ev.id != kid) continue;
@@ -170,7 +183,7 @@ class CmPrivateChannel {
       *why = std::string(EventName(ev.event)) + " (status " + std::to_string(ev.status) + ")";
       return false;
     }
-    *why = "no answer within " + std::to_string(kStepMs) + " ms";
+    *why = "no " + std::string(EventName(want)) + " within " + std::to_string(ms) + " ms";
     return false;
   }
 
@@ -360,7 +373,7 @@ Status Cm::RemakeJoined(Channel* ch, Id* id) {
     if (ok) memcpy(r.data() + at, &kid, 4);
     ok = ok && pc.Send(id->resolve_cmd, r.data(), r.size(), 0);
     if (!ok) why = std::string("its address cannot be resolved again: ") + strerror(errno);
-    ok = ok && pc.Await(kid, kCmAddrResolved, &why);
+    ok = ok && pc.Await(kid, kCmAddrResolved, kStepMs, &why);
   }
   for (auto& [vmc, g] : groups_) {
     if (!ok) break;
@@ -381,7 +394,7 @@ Status Cm::RemakeJoined(Channel* ch, Id* id) {
       break;
     }
     g.kmc = jresp.id;
-    ok = pc.Await(g.kmc, kCmMulticastJoin, &why);
+    ok = pc.Await(g.kmc, kCmMulticastJoin, kStepMs, &why);
     if (!ok) why = "its multicast group was not joined again: " + why;
   }
   rdma_ucm_migrate_resp mresp{};
@@ -612,10 +625,10 @@ Status Cm::ConnectToRendezvous(uint32_t vid, const RemoteMapping& m, uint16_t po
   ra.id = kid;
   ok = ok && pc.Send(RDMA_USER_CM_CMD_RESOLVE_ADDR, &ra, sizeof ra, 0);
   if (!ok) why += strerror(errno);
-  ok = ok && pc.Await(kid, kCmAddrResolved, &why);
+  ok = ok && pc.Await(kid, kCmAddrResolved, kStepMs, &why);
   rdma_ucm_resolve_route rr{kid, kStepMs};
   ok = ok && pc.Send(RDMA_USER_CM_CMD_RESOLVE_ROUTE, &rr, sizeof rr, 0);
-  ok = ok && pc.Await(kid, kCmRouteResolved, &why);
+  ok = ok && pc.Await(kid, kCmRouteResolved, kStepMs, &why);
   rdma_ucm_connect cn{};
   cn.id = kid;
   cn.conn_param.qp_num = physical_qpn;
@@ -625,7 +638,7 @@ Status Cm::ConnectToRendezvous(uint32_t vid, const RemoteMapping& m, uint16_t po
   cn.conn_param.rnr_retry_count = 7;
   cn.conn_param.valid = 1;
   ok = ok && pc.Send(RDMA_USER_CM_CMD_CONNECT, &cn, sizeof cn, 0);
-  ok = ok && pc.Await(kid, kCmConnectResponse, &why);
+  ok = ok && pc.Await(kid, kCmConnectResponse, kConnectMs, &why);
   rdma_ucm_accept rtu{};
   rtu.id = kid;
   ok = ok && pc.Send(RDMA_USER_CM_CMD_ACCEPT, &rtu, sizeof rtu, 0);

@@ -456,6 +456,38 @@ TEST_F(CmTest, MovedClientReconnectsThroughTheRendezvous) {
   EXPECT_EQ(fabric_.blocking_gets(), 0);
 }
 
+// The fabric lost the peer's REQ to the rendezvous, or its REP, once: the
+// kernel's CM sends it again after about 4.8 s, and the peer waits for it
+// (it gave up after 5 s: "RDMA CM id 3 cannot reconnect to its moved peer
+// (port 44701): no answer within 5000 ms", an rstream client's move in
+// the lab).
+TEST_F(CmTest, APeerWaitsForTheRendezvousAnswerTheFabricDelayedOnce) {
+  Process server(b_), client(a_);
+  const int sfd = server.Channel(), cfd = client.Channel();
+  SetNonblocking(sfd);
+  Serve(&server, sfd);
+  uint32_t cid, sid;
+  Connect(&client, cfd, &server, sfd, "10.0.0.2", &cid, &sid, 2);
+  const std::vector<QpView> server_qps = {Qp(kServerQpn, 0x8002, "10.0.0.1", kClientQpn)};
+  server.cm().MarkToward(MappedGid("10.0.0.1"), server_qps);
+  ASSERT_TRUE(client.cm().Release().ok());
+  client.kernel().MoveTo(c_);
+  ASSERT_TRUE(client.cm().Restore({Qp(kClientQpn, 0x9001, "10.0.0.2", kServerQpn)}).ok());
+  const std::vector<CmRendezvous> rv = client.cm().Rendezvous();
+  ASSERT_EQ(rv.size(), 1u);
+  RemoteMapping moved;
+  moved.virtual_gid = MappedGid("10.0.0.1");
+  moved.physical_gid = MappedGid("10.0.0.3");
+  moved.cm_rendezvous = {{rv[0].virtual_qpn, rv[0].port}};
+  fabric_.set_rep_delay_ms(6000);
+  const Status st = server.cm().PeerReconnect({moved}, server_qps);
+  ASSERT_TRUE(st.ok()) << st.message;
+  ASSERT_TRUE(client.cm().Resume().ok());
+  ASSERT_EQ(client.Disconnect(cfd, cid), 0);
+  EXPECT_TRUE(IsEvent(server, sfd, kCmDisconnected, kServerUid, sid))
+      << "the peer's connection is not the kernel's again";
+}
+
 // The moved process's resume comes while its peer still connects to the
 // rendezvous (control.cc: "connect to the rendezvous now if they have not
 // yet"): the resume waits for it, and the connection is the kernel's again.

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 namespace rdmavirt::shim::testing {
@@ -458,7 +459,16 @@ int FakeCmFabric::Accept(ino_t file, const char* body) {
     p.private_data_len = kRepPrivateData;
     p.responder_resources = a.conn_param.initiator_depth;
     p.initiator_depth = a.conn_param.responder_resources;
-    QueueEvent(&peer, kCmConnectResponse, 0, &p);
+    if (rep_delay_ms_ == 0) {
+      QueueEvent(&peer, kCmConnectResponse, 0, &p);
+      return 0;
+    }
+    late_reps_.emplace_back([this, to = peer.handle, p, ms = rep_delay_ms_] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = ctxs_.find(to);
+      if (it != ctxs_.end()) QueueEvent(&it->second, kCmConnectResponse, 0, &p);
+    });
     return 0;
   }
   if (c->state == St::kResponded && !a.conn_param.valid && peer.state == St::kAccepted) {
@@ -618,6 +628,15 @@ int FakeCmFabric::Leave(ino_t file, const Hdr& hdr, const char* body) {
 }
 
 // Never blocks (fake_cm.h): EAGAIN when nothing waits.
+void FakeCmFabric::set_rep_delay_ms(int ms) {
+  std::lock_guard<std::mutex> l(mu_);
+  rep_delay_ms_ = ms;
+}
+
+FakeCmFabric::~FakeCmFabric() {
+  for (std::thread& t : late_reps_) t.join();
+}
+
 int FakeCmFabric::GetEvent(ino_t file, int fd, const Hdr& hdr, const char* body) {
   auto g = As<rdma_ucm_get_event>(body);
   if (hdr.out < sizeof(rdma_ucm_event_resp) - sizeof(uint32_t) - sizeof(rdma_ucm_ece))

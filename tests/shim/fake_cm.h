@@ -53,6 +53,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "shim/cm/cm.h"
@@ -122,6 +123,11 @@ class FakeCmFabric {
   int blocking_gets();
   // Multicast groups joined on `host`'s ids.
   size_t groups(FakeCmHost* host);
+  // A passive side's REP reaches the active side this long after its
+  // ACCEPT: as when the fabric lost the REQ or the REP once, and the
+  // kernel's CM sent it again (about 4.8 s later on RoCE). 0: at once.
+  void set_rep_delay_ms(int ms);
+  ~FakeCmFabric();
 
  private:
   friend class FakeCmHost;
@@ -213,6 +219,8 @@ class FakeCmFabric {
   uint32_t first_handle_ = 1000;
   uint16_t next_port_ = 40000;
   int blocking_gets_ = 0;
+  int rep_delay_ms_ = 0;
+  std::vector<std::thread> late_reps_;
 };
 
 // "a.b.c.d" -> its IPv4-mapped GID (::ffff:a.b.c.d), as RoCE numbers it.

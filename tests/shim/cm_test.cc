@@ -269,6 +269,25 @@ class CmTest : public ::testing::Test {
     EXPECT_TRUE(IsEvent(*server, sfd, kCmEstablished, kServerUid, *sid));
   }
 
+  // The server's QPs, toward the client's connection; and the mapping the
+  // server is re-pointed with once the client moved.
+  static std::vector<QpView> ServerQps() {
+    return {Qp(kServerQpn, 0x8002, "10.0.0.1", kClientQpn)};
+  }
+  // `client` (on a_), connected to `server` (on b_): moved to c_ and
+  // restored there, waiting at its rendezvous for the server.
+  void MoveTheConnectedClient(Process* server, Process* client, RemoteMapping* moved) {
+    server->cm().MarkToward(MappedGid("10.0.0.1"), ServerQps());
+    ASSERT_TRUE(client->cm().Release().ok());
+    client->kernel().MoveTo(c_);
+    ASSERT_TRUE(client->cm().Restore({Qp(kClientQpn, 0x9001, "10.0.0.2", kServerQpn)}).ok());
+    const std::vector<CmRendezvous> rv = client->cm().Rendezvous();
+    ASSERT_EQ(rv.size(), 1u);
+    moved->virtual_gid = MappedGid("10.0.0.1");
+    moved->physical_gid = MappedGid("10.0.0.3");
+    moved->cm_rendezvous = {{rv[0].virtual_qpn, rv[0].port}};
+  }
+
   // An id of `p`'s that resolves an address (librdmacm then queries the
   // device, which the CM layer sees), then goes; the device's answer.
   static rdma_ucm_query_addr_resp SeeTheDevice(Process* p, int fd, uint64_t uid) {
@@ -468,19 +487,10 @@ TEST_F(CmTest, APeerWaitsForTheRendezvousAnswerTheFabricDelayedOnce) {
   Serve(&server, sfd);
   uint32_t cid, sid;
   Connect(&client, cfd, &server, sfd, "10.0.0.2", &cid, &sid, 2);
-  const std::vector<QpView> server_qps = {Qp(kServerQpn, 0x8002, "10.0.0.1", kClientQpn)};
-  server.cm().MarkToward(MappedGid("10.0.0.1"), server_qps);
-  ASSERT_TRUE(client.cm().Release().ok());
-  client.kernel().MoveTo(c_);
-  ASSERT_TRUE(client.cm().Restore({Qp(kClientQpn, 0x9001, "10.0.0.2", kServerQpn)}).ok());
-  const std::vector<CmRendezvous> rv = client.cm().Rendezvous();
-  ASSERT_EQ(rv.size(), 1u);
   RemoteMapping moved;
-  moved.virtual_gid = MappedGid("10.0.0.1");
-  moved.physical_gid = MappedGid("10.0.0.3");
-  moved.cm_rendezvous = {{rv[0].virtual_qpn, rv[0].port}};
+  ASSERT_NO_FATAL_FAILURE(MoveTheConnectedClient(&server, &client, &moved));
   fabric_.set_rep_delay_ms(6000);
-  const Status st = server.cm().PeerReconnect({moved}, server_qps);
+  const Status st = server.cm().PeerReconnect({moved}, ServerQps());
   ASSERT_TRUE(st.ok()) << st.message;
   ASSERT_TRUE(client.cm().Resume().ok());
   ASSERT_EQ(client.Disconnect(cfd, cid), 0);
@@ -499,20 +509,11 @@ TEST_F(CmTest, ResumeWaitsWhileThePeerConnectsToTheRendezvous) {
   Serve(&server, sfd);
   uint32_t cid, sid;
   Connect(&client, cfd, &server, sfd, "10.0.0.2", &cid, &sid, 2);
-  const std::vector<QpView> server_qps = {Qp(kServerQpn, 0x8002, "10.0.0.1", kClientQpn)};
-  server.cm().MarkToward(MappedGid("10.0.0.1"), server_qps);
-  ASSERT_TRUE(client.cm().Release().ok());
-  client.kernel().MoveTo(c_);
-  ASSERT_TRUE(client.cm().Restore({Qp(kClientQpn, 0x9001, "10.0.0.2", kServerQpn)}).ok());
-  const std::vector<CmRendezvous> rv = client.cm().Rendezvous();
-  ASSERT_EQ(rv.size(), 1u);
+  RemoteMapping moved;
+  ASSERT_NO_FATAL_FAILURE(MoveTheConnectedClient(&server, &client, &moved));
 
   auto resumed = std::async(std::launch::async, [&] { return client.cm().Resume(); });
-  RemoteMapping moved;
-  moved.virtual_gid = MappedGid("10.0.0.1");
-  moved.physical_gid = MappedGid("10.0.0.3");
-  moved.cm_rendezvous = {{rv[0].virtual_qpn, rv[0].port}};
-  const Status st = server.cm().PeerReconnect({moved}, server_qps);
+  const Status st = server.cm().PeerReconnect({moved}, ServerQps());
   EXPECT_TRUE(st.ok()) << st.message;
   ASSERT_EQ(resumed.wait_for(std::chrono::seconds(10)), std::future_status::ready)
       << "Resume still waits 10 s after the peer connected";

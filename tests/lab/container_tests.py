@@ -128,14 +128,20 @@ def move_container(name, src, dest, extra="", may_have_ended=False):
     check(not exists_here(src, name), f"container {name} is still on host{src}")
     print(f"container {name} host{src}->host{dest}:", json.dumps(rep.get("breakdown")),
           flush=True)
-    state = LAB.run(dest, f"podman inspect -f '{{{{.State.Status}}}}' {name}").out.strip()
-    if may_have_ended and state == "exited":
-        return rep
-    check(state == "running", f"container {name} does not run on host{dest}", state)
-    pid = container_pid(dest, name)
-    wait_until(dest, f"grep -q librdmavirt /proc/{pid}/maps", 30,
-               f"container {name}'s program under the shim on host{dest}")
-    return rep
+    # Its program under the shim there, or (may_have_ended) ended there:
+    # Podman says "stopped", then "exited", at any point of this look.
+    end = time.monotonic() + 30
+    while True:
+        r = podman(dest, f"inspect -f '{{{{.State.Pid}}}} {{{{.State.Status}}}}' {name}")
+        pid, state = r.out.split()
+        if may_have_ended and state in ("stopped", "exited"):
+            return rep
+        check(state == "running", f"container {name} does not run on host{dest}", r)
+        if LAB.run(dest, f"grep -q librdmavirt /proc/{pid}/maps").rc == 0:
+            return rep
+        check(time.monotonic() < end,
+              f"container {name}'s program not under the shim on host{dest} after 30s")
+        time.sleep(1)
 
 
 @lab_test

@@ -174,7 +174,7 @@ class CmPrivateChannel {
   }
   // Waits up to `ms` for event `want` on kernel id `kid`; an error event
   // fails it, with `why` naming what came instead.
-  bool Await(uint32_t kid, uint32_t want, int ms, std::string* why) {
+  bool Await(uint32_t kid, uint32_t want, std::string* why, int ms = kStepMs) {
     const int64_t deadline = NowMs() + ms;
     rdma_ucm_event_resp ev{};
     while (Next(&ev, deadline)) {
@@ -373,7 +373,7 @@ Status Cm::RemakeJoined(Channel* ch, Id* id) {
     if (ok) memcpy(r.data() + at, &kid, 4);
     ok = ok && pc.Send(id->resolve_cmd, r.data(), r.size(), 0);
     if (!ok) why = std::string("its address cannot be resolved again: ") + strerror(errno);
-    ok = ok && pc.Await(kid, kCmAddrResolved, kStepMs, &why);
+    ok = ok && pc.Await(kid, kCmAddrResolved, &why);
   }
   for (auto& [vmc, g] : groups_) {
     if (!ok) break;
@@ -394,7 +394,7 @@ Status Cm::RemakeJoined(Channel* ch, Id* id) {
       break;
     }
     g.kmc = jresp.id;
-    ok = pc.Await(g.kmc, kCmMulticastJoin, kStepMs, &why);
+    ok = pc.Await(g.kmc, kCmMulticastJoin, &why);
     if (!ok) why = "its multicast group was not joined again: " + why;
   }
   rdma_ucm_migrate_resp mresp{};
@@ -625,10 +625,10 @@ Status Cm::ConnectToRendezvous(uint32_t vid, const RemoteMapping& m, uint16_t po
   ra.id = kid;
   ok = ok && pc.Send(RDMA_USER_CM_CMD_RESOLVE_ADDR, &ra, sizeof ra, 0);
   if (!ok) why += strerror(errno);
-  ok = ok && pc.Await(kid, kCmAddrResolved, kStepMs, &why);
+  ok = ok && pc.Await(kid, kCmAddrResolved, &why);
   rdma_ucm_resolve_route rr{kid, kStepMs};
   ok = ok && pc.Send(RDMA_USER_CM_CMD_RESOLVE_ROUTE, &rr, sizeof rr, 0);
-  ok = ok && pc.Await(kid, kCmRouteResolved, kStepMs, &why);
+  ok = ok && pc.Await(kid, kCmRouteResolved, &why);
   rdma_ucm_connect cn{};
   cn.id = kid;
   cn.conn_param.qp_num = physical_qpn;
@@ -638,7 +638,7 @@ Status Cm::ConnectToRendezvous(uint32_t vid, const RemoteMapping& m, uint16_t po
   cn.conn_param.rnr_retry_count = 7;
   cn.conn_param.valid = 1;
   ok = ok && pc.Send(RDMA_USER_CM_CMD_CONNECT, &cn, sizeof cn, 0);
-  ok = ok && pc.Await(kid, kCmConnectResponse, kConnectMs, &why);
+  ok = ok && pc.Await(kid, kCmConnectResponse, &why, kConnectMs);
   rdma_ucm_accept rtu{};
   rtu.id = kid;
   ok = ok && pc.Send(RDMA_USER_CM_CMD_ACCEPT, &rtu, sizeof rtu, 0);
